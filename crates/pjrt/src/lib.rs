@@ -1,0 +1,58 @@
+//! Safe Rust wrapper over the PJRT C API (`xla/pjrt/c/pjrt_c_api.h`, version 0.81 or newer).
+//!
+//! A PJRT *plugin* is a shared library (`pjrt_c_api_cpu_plugin.so`, `libtpu.so`, ...) exporting
+//! `GetPjrtApi`. This crate loads plugins ([`Plugin`]), creates clients ([`Client`]), moves data
+//! between host and device ([`Buffer`], [`HostBytes`]), compiles StableHLO/HLO programs
+//! ([`Program`], [`CompileOptions`], [`LoadedExecutable`]) and runs them ([`Execution`],
+//! [`Event`]).
+//!
+//! All `unsafe` code of the tpubox project lives in this crate; every `unsafe` block carries a
+//! `// SAFETY:` comment. Plugin failures come back as [`Error`] values (never panics), and
+//! arguments are validated before they reach the plugin, because XLA `CHECK` failures abort the
+//! whole process.
+//!
+//! # Thread safety
+//!
+//! Every handle type is `Send + Sync`. The C API header does not spell out a threading contract;
+//! the handles are thin wrappers over `xla::PjRtClient`, `PjRtDevice`, `PjRtBuffer` and
+//! `PjRtLoadedExecutable`, whose implementations are designed for concurrent use (JAX calls them
+//! from arbitrary threads, and the plugins run their own thread pools and invoke event callbacks
+//! on them). This crate never exposes mutable access to plugin-owned state through `&self`, and
+//! each handle is destroyed exactly once, in `Drop`, when nothing else can use it.
+//!
+//! # Lifetimes
+//!
+//! Plugins are never unloaded (`dlclose` crashed at process exit in trials). A [`Client`] is
+//! destroyed when its last clone and the last [`Device`], [`Buffer`], [`LoadedExecutable`] and
+//! [`Event`] created from it are dropped.
+
+mod api;
+mod buffer;
+mod client;
+mod compile_options;
+mod device;
+mod error;
+mod event;
+mod executable;
+mod hlo;
+mod host_bytes;
+mod named_value;
+mod plugin;
+mod program;
+mod types;
+
+pub use buffer::Buffer;
+pub use client::Client;
+pub use compile_options::CompileOptions;
+pub use device::Device;
+pub use error::{Error, ErrorCode, Result};
+pub use event::Event;
+pub use executable::{Execution, LoadedExecutable};
+pub use host_bytes::HostBytes;
+pub use named_value::NamedValue;
+pub use plugin::Plugin;
+pub use program::{Program, ProgramFormat};
+pub use types::{PrimitiveType, TensorSpec};
+
+/// Oldest PJRT C API minor version accepted from a plugin (major must be 0).
+pub const MIN_API_MINOR: u32 = 81;

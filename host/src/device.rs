@@ -1,0 +1,483 @@
+//! The device service: one PJRT client shared by every guest, with every value validated before
+//! it reaches the plugin.
+//!
+//! XLA aborts the whole process on some invalid inputs (see `shared/notes/PJRT_TRIALS.md`), so
+//! this module checks byte lengths, dims, argument lists and donation before calling PJRT. The
+//! WIT glue ([`crate::wit`]), the `tpubox exec` command and embedders all go through it.
+
+use std::sync::Arc;
+
+use pjrt::{Buffer, Client, CompileOptions, Device, LoadedExecutable, PrimitiveType, Program, ProgramFormat};
+
+use crate::error::{DeviceError, DeviceResult, ErrorKind};
+
+pub use pjrt::TensorSpec;
+
+/// Largest rank a tensor may have. XLA itself has no small limit; this bounds host work and
+/// rejects nonsense early.
+pub const MAX_RANK: usize = 16;
+
+/// Default largest program accepted by [`DeviceService::compile`], in bytes (64 MiB).
+pub const DEFAULT_MAX_PROGRAM_BYTES: usize = 64 << 20;
+
+/// A dense tensor resident on one device.
+///
+/// Shared through `Arc`: a guest's handle, the shared-weights registry and in-flight executions
+/// may all hold one. The device memory is freed when the last holder drops it.
+#[derive(Debug)]
+pub struct DeviceTensor {
+    buffer: Buffer,
+    spec: TensorSpec,
+    device: u32,
+}
+
+impl DeviceTensor {
+    /// Element type and dims.
+    pub fn spec(&self) -> &TensorSpec {
+        &self.spec
+    }
+
+    /// Index of the device holding the tensor (into [`DeviceService::devices`]).
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// Dense host size in bytes: element size × product of dims.
+    pub fn byte_size(&self) -> u64 {
+        spec_byte_size(&self.spec) as u64
+    }
+
+    /// The PJRT buffer.
+    pub fn buffer(&self) -> &Buffer {
+        &self.buffer
+    }
+}
+
+/// A compiled program plus the specs the host validates arguments against.
+#[derive(Debug)]
+pub struct DeviceExecutable {
+    exe: LoadedExecutable,
+    inputs: Vec<TensorSpec>,
+    outputs: Vec<TensorSpec>,
+    device: u32,
+    fingerprint: String,
+}
+
+impl DeviceExecutable {
+    /// Parameter specs, in order.
+    pub fn inputs(&self) -> &[TensorSpec] {
+        &self.inputs
+    }
+
+    /// Result specs, in order (tuple results flattened).
+    pub fn outputs(&self) -> &[TensorSpec] {
+        &self.outputs
+    }
+
+    /// Index of the device the executable runs on.
+    pub fn device(&self) -> u32 {
+        self.device
+    }
+
+    /// Hex fingerprint: the plugin's own when it has one, else SHA-256 of the program, its format
+    /// and the serialized compile options.
+    pub fn fingerprint(&self) -> &str {
+        &self.fingerprint
+    }
+
+    /// The PJRT executable.
+    pub fn loaded(&self) -> &LoadedExecutable {
+        &self.exe
+    }
+}
+
+/// One argument of [`DeviceService::execute`]: a tensor and whether the caller donates it.
+pub struct Arg<'a> {
+    /// The tensor passed at this position.
+    pub tensor: &'a DeviceTensor,
+    /// Whether its device memory may be handed to the program (it is unusable afterwards).
+    pub donate: bool,
+}
+
+/// Facts about the platform behind the service.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct PlatformInfo {
+    /// Platform name, e.g. `"cpu"`.
+    pub name: String,
+    /// Platform version string reported by the plugin.
+    pub version: String,
+    /// PJRT C API version of the plugin, (major, minor).
+    pub pjrt_api_version: (u32, u32),
+    /// Path of the plugin shared library.
+    pub plugin_path: String,
+}
+
+/// Facts about one addressable device.
+#[derive(Debug, Clone, serde::Serialize)]
+pub struct DeviceInfo {
+    /// Dense 0-based index used by tpubox calls.
+    pub index: u32,
+    /// PJRT device id.
+    pub id: i32,
+    /// Device kind, e.g. `"cpu"`.
+    pub kind: String,
+    /// The plugin's debug string.
+    pub description: String,
+}
+
+/// The process-wide owner of the PJRT client: creates tensors, compiles and executes, with
+/// validation in front of every PJRT call. Cheap to share (`Arc`), `Send + Sync`.
+pub struct DeviceService {
+    client: Client,
+    devices: Vec<Device>,
+    platform: PlatformInfo,
+    max_program_bytes: usize,
+}
+
+impl std::fmt::Debug for DeviceService {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("DeviceService").field("platform", &self.platform).finish()
+    }
+}
+
+/// Dense byte size of a spec, or `None` on overflow.
+pub fn checked_byte_size(ty: PrimitiveType, dims: &[i64]) -> Option<usize> {
+    dims.iter().try_fold(ty.byte_size(), |acc, &d| {
+        usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
+    })
+}
+
+fn spec_byte_size(spec: &TensorSpec) -> usize {
+    checked_byte_size(spec.ty, &spec.dims).unwrap_or(usize::MAX)
+}
+
+/// Formats a spec the way XLA prints shapes, e.g. `f32[2,3]`.
+pub fn format_spec(spec: &TensorSpec) -> String {
+    let dims: Vec<String> = spec.dims.iter().map(|d| d.to_string()).collect();
+    format!("{}[{}]", spec.ty.name().to_lowercase(), dims.join(","))
+}
+
+/// Checks dims given as unsigned integers (as the WIT and npy files give them) and converts
+/// them to PJRT's `i64`.
+///
+/// Errors: `invalid-argument` when the rank exceeds [`MAX_RANK`] or a dim exceeds `i64::MAX`.
+pub fn dims_from_u64(dims: &[u64]) -> DeviceResult<Vec<i64>> {
+    if dims.len() > MAX_RANK {
+        return Err(DeviceError::invalid(format!(
+            "rank {} exceeds the limit of {MAX_RANK}",
+            dims.len()
+        )));
+    }
+    dims.iter()
+        .map(|&d| {
+            i64::try_from(d)
+                .map_err(|_| DeviceError::invalid(format!("dimension {d} exceeds i64::MAX")))
+        })
+        .collect()
+}
+
+impl DeviceService {
+    /// Wraps a PJRT client. `max_program_bytes` bounds [`compile`](Self::compile) input.
+    ///
+    /// Errors: `internal` when the plugin cannot list its devices or name its platform, or has
+    /// no addressable device.
+    pub fn new(client: Client, max_program_bytes: usize) -> DeviceResult<Self> {
+        let internal = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Internal);
+        let devices = client.devices().map_err(internal)?;
+        if devices.is_empty() {
+            return Err(DeviceError::new(
+                ErrorKind::Internal,
+                "the PJRT client has no addressable device",
+            ));
+        }
+        let platform = PlatformInfo {
+            name: client.platform_name().map_err(internal)?,
+            version: client.platform_version().map_err(internal)?,
+            pjrt_api_version: client.plugin().api_version(),
+            plugin_path: client.plugin().path().display().to_string(),
+        };
+        Ok(DeviceService {
+            client,
+            devices,
+            platform,
+            max_program_bytes,
+        })
+    }
+
+    /// The PJRT client.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Platform name, version and plugin.
+    pub fn platform(&self) -> &PlatformInfo {
+        &self.platform
+    }
+
+    /// The addressable devices, ordered by index.
+    pub fn devices(&self) -> Vec<DeviceInfo> {
+        self.devices
+            .iter()
+            .enumerate()
+            .map(|(i, d)| DeviceInfo {
+                index: i as u32,
+                id: d.id(),
+                kind: d.kind(),
+                description: d.debug_string(),
+            })
+            .collect()
+    }
+
+    fn device(&self, index: u32) -> DeviceResult<&Device> {
+        self.devices.get(index as usize).ok_or_else(|| {
+            DeviceError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "device {index} does not exist (this host has {} device(s), indices 0..{})",
+                    self.devices.len(),
+                    self.devices.len()
+                ),
+            )
+        })
+    }
+
+    /// Creates a tensor on device `device` from dense row-major little-endian bytes.
+    ///
+    /// Errors: `invalid-argument` when `data.len()` differs from element size × product of
+    /// `dims`, a dim is negative, the size overflows, or the rank exceeds [`MAX_RANK`];
+    /// `not-found` for an unknown device; `resource-exhausted` or `internal` from the plugin.
+    pub fn tensor_from_bytes(
+        &self,
+        ty: PrimitiveType,
+        dims: &[i64],
+        data: &[u8],
+        device: u32,
+    ) -> DeviceResult<DeviceTensor> {
+        validate_dims(dims)?;
+        let expected = checked_byte_size(ty, dims).ok_or_else(|| {
+            DeviceError::invalid(format!(
+                "{} with dims {dims:?} has more bytes than this host can address",
+                ty.name()
+            ))
+        })?;
+        if data.len() != expected {
+            return Err(DeviceError::invalid(format!(
+                "{} with dims {dims:?} needs {expected} bytes ({} per element), got {}",
+                ty.name(),
+                ty.byte_size(),
+                data.len()
+            )));
+        }
+        let dev = self.device(device)?;
+        let buffer = self
+            .client
+            .buffer_from_host(data, ty, dims, dev)
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))?;
+        Ok(DeviceTensor {
+            buffer,
+            spec: TensorSpec {
+                ty,
+                dims: dims.to_vec(),
+            },
+            device,
+        })
+    }
+
+    /// Reads a tensor back as dense row-major bytes, awaiting the transfer without blocking the
+    /// async runtime.
+    ///
+    /// Errors: `failed-precondition` when the buffer was donated or deleted; `internal` from the
+    /// plugin.
+    pub async fn read(&self, tensor: &DeviceTensor) -> DeviceResult<Vec<u8>> {
+        tensor
+            .buffer
+            .to_host()
+            .await
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))
+    }
+
+    /// Copies a tensor to device `device`.
+    ///
+    /// Errors: `not-found` for an unknown device; `internal` from the plugin.
+    pub fn copy_to_device(&self, tensor: &DeviceTensor, device: u32) -> DeviceResult<DeviceTensor> {
+        let dev = self.device(device)?;
+        let buffer = tensor
+            .buffer
+            .copy_to_device(dev)
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))?;
+        Ok(DeviceTensor {
+            buffer,
+            spec: tensor.spec.clone(),
+            device,
+        })
+    }
+
+    /// Compiles an MLIR program (text or bytecode; entry function `main`) for device `device`.
+    ///
+    /// Runs the compiler on a blocking thread so async callers keep making progress.
+    ///
+    /// Errors: `invalid-argument` for an empty program, one over the size limit, or MLIR text
+    /// that is not UTF-8; `not-found` for an unknown device; `compile-failed` with the
+    /// compiler's message; `unsupported` when the plugin cannot describe the parameters.
+    pub async fn compile(
+        self: &Arc<Self>,
+        code: Vec<u8>,
+        text: bool,
+        device: u32,
+    ) -> DeviceResult<DeviceExecutable> {
+        if code.is_empty() {
+            return Err(DeviceError::invalid("the program is empty"));
+        }
+        if code.len() > self.max_program_bytes {
+            return Err(DeviceError::new(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "program is {} bytes; the limit (max-program-bytes) is {}",
+                    code.len(),
+                    self.max_program_bytes
+                ),
+            ));
+        }
+        if text && std::str::from_utf8(&code).is_err() {
+            return Err(DeviceError::invalid("MLIR text is not valid UTF-8"));
+        }
+        if !text && !code.starts_with(b"ML\xefR") {
+            return Err(DeviceError::invalid(
+                "MLIR bytecode must start with the magic bytes 'ML\\xefR'",
+            ));
+        }
+        let dev_id = self.device(device)?.id();
+        let this = Arc::clone(self);
+        tokio::task::spawn_blocking(move || this.compile_blocking(code, dev_id, device))
+            .await
+            .map_err(|e| DeviceError::new(ErrorKind::Internal, format!("compile task failed: {e}")))?
+    }
+
+    fn compile_blocking(&self, code: Vec<u8>, device_id: i32, device: u32) -> DeviceResult<DeviceExecutable> {
+        let options = CompileOptions::new().device_assignment(&[device_id as i64]);
+        let options_bytes = options
+            .to_bytes()
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
+        let program = Program {
+            format: ProgramFormat::Mlir,
+            code,
+        };
+        let exe = self
+            .client
+            .compile(&program, &options)
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::CompileFailed))?;
+        let unsupported = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Unsupported);
+        let inputs = exe.parameter_specs().map_err(unsupported)?;
+        let outputs = exe.output_specs().map_err(unsupported)?;
+        let fingerprint = match exe.fingerprint() {
+            Ok(f) if !f.is_empty() => f,
+            _ => {
+                use sha2::{Digest, Sha256};
+                let mut h = Sha256::new();
+                h.update(b"mlir\0");
+                h.update(&program.code);
+                h.update(&options_bytes);
+                h.update(self.platform.plugin_path.as_bytes());
+                hex::encode(h.finalize())
+            }
+        };
+        Ok(DeviceExecutable {
+            exe,
+            inputs,
+            outputs,
+            device,
+            fingerprint,
+        })
+    }
+
+    /// Executes `exe` with borrowed arguments, donating those marked, and awaits completion.
+    ///
+    /// Validation before PJRT: argument count and each argument's dtype, dims and device against
+    /// `exe`; a tensor passed twice may not be donated at either position.
+    ///
+    /// Errors: `invalid-argument` for count, dtype or dims mismatches and double donation;
+    /// `failed-precondition` for a tensor on another device; `execution-failed` from the device.
+    pub async fn execute(&self, exe: &DeviceExecutable, args: &[Arg<'_>]) -> DeviceResult<Vec<DeviceTensor>> {
+        validate_args(exe, args)?;
+        let buffers: Vec<&Buffer> = args.iter().map(|a| &a.tensor.buffer).collect();
+        let donate: Vec<usize> = args
+            .iter()
+            .enumerate()
+            .filter(|(_, a)| a.donate)
+            .map(|(i, _)| i)
+            .collect();
+        let run = exe
+            .exe
+            .execute(&buffers, &donate)
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed))?;
+        run.done
+            .wait()
+            .await
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed))?;
+        Ok(run
+            .outputs
+            .into_iter()
+            .zip(&exe.outputs)
+            .map(|(buffer, spec)| DeviceTensor {
+                buffer,
+                spec: spec.clone(),
+                device: exe.device,
+            })
+            .collect())
+    }
+}
+
+fn validate_dims(dims: &[i64]) -> DeviceResult<()> {
+    if dims.len() > MAX_RANK {
+        return Err(DeviceError::invalid(format!(
+            "rank {} exceeds the limit of {MAX_RANK}",
+            dims.len()
+        )));
+    }
+    if let Some(d) = dims.iter().find(|&&d| d < 0) {
+        return Err(DeviceError::invalid(format!(
+            "dimension {d} is negative in dims {dims:?}"
+        )));
+    }
+    Ok(())
+}
+
+/// Checks `args` against `exe`'s parameters; see [`DeviceService::execute`].
+pub fn validate_args(exe: &DeviceExecutable, args: &[Arg<'_>]) -> DeviceResult<()> {
+    if args.len() != exe.inputs.len() {
+        return Err(DeviceError::invalid(format!(
+            "the executable takes {} argument(s), got {}",
+            exe.inputs.len(),
+            args.len()
+        )));
+    }
+    for (i, (arg, want)) in args.iter().zip(&exe.inputs).enumerate() {
+        let got = &arg.tensor.spec;
+        if got != want {
+            return Err(DeviceError::invalid(format!(
+                "argument {i} is {} but the executable expects {}",
+                format_spec(got),
+                format_spec(want)
+            )));
+        }
+        if arg.tensor.device != exe.device {
+            return Err(DeviceError::new(
+                ErrorKind::FailedPrecondition,
+                format!(
+                    "argument {i} is on device {} but the executable runs on device {}; copy it first",
+                    arg.tensor.device, exe.device
+                ),
+            ));
+        }
+    }
+    for (i, a) in args.iter().enumerate() {
+        for (j, b) in args.iter().enumerate().skip(i + 1) {
+            if std::ptr::eq(a.tensor, b.tensor) && (a.donate || b.donate) {
+                return Err(DeviceError::invalid(format!(
+                    "the same tensor is passed as arguments {i} and {j} and donated; a donated tensor may appear once"
+                )));
+            }
+        }
+    }
+    Ok(())
+}

@@ -1,0 +1,108 @@
+//! The embedding API: one [`Host`] owns the PJRT client and the Wasm sandbox, and runs guests.
+//!
+//! ```no_run
+//! # async fn demo() -> anyhow::Result<()> {
+//! use tpubox::{Host, HostConfig, RunOptions};
+//! let host = Host::new(HostConfig::default())?;
+//! let component = host.load_component("guest.wasm".as_ref())?;
+//! let outcome = host.run(&component, "guest.wasm", &RunOptions::default()).await?;
+//! assert!(outcome.success);
+//! # Ok(()) }
+//! ```
+
+use std::path::Path;
+use std::sync::Arc;
+
+use anyhow::{Context, Result};
+use pjrt::{Client, NamedValue, Plugin};
+use wasmtime::component::Component;
+
+use crate::device::{DEFAULT_MAX_PROGRAM_BYTES, DeviceService};
+use crate::sandbox::{RunOptions, RunOutcome, Sandbox, SandboxConfig};
+
+/// How to build a [`Host`].
+#[derive(Debug, Clone)]
+pub struct HostConfig {
+    /// Plugin name (`cpu`, `xla-cpu`, `tpu`, `cuda`) or path; `None` uses the lookup order of
+    /// [`crate::plugin::resolve`].
+    pub plugin: Option<String>,
+    /// Options passed to `PJRT_Client_Create`, e.g. `("cpu_device_count", Int64(4))`.
+    pub client_options: Vec<(String, NamedValue)>,
+    /// Largest program a guest may compile, in bytes.
+    pub max_program_bytes: usize,
+    /// Wasm sandbox settings.
+    pub sandbox: SandboxConfig,
+}
+
+impl Default for HostConfig {
+    fn default() -> Self {
+        HostConfig {
+            plugin: None,
+            client_options: Vec::new(),
+            max_program_bytes: DEFAULT_MAX_PROGRAM_BYTES,
+            sandbox: SandboxConfig::default(),
+        }
+    }
+}
+
+/// A process-wide host: one PJRT client shared by every guest it runs.
+pub struct Host {
+    device: Arc<DeviceService>,
+    sandbox: Sandbox,
+}
+
+/// Loads the plugin `config.plugin` resolves to and creates a PJRT client with `options`.
+///
+/// Errors: no plugin found (the message names the setup command), a plugin that fails to load
+/// or whose PJRT API version is too old, or a client that cannot be created.
+pub fn open_device(plugin: Option<&str>, options: &[(String, NamedValue)], max_program_bytes: usize) -> Result<Arc<DeviceService>> {
+    let path = crate::plugin::resolve(plugin)?;
+    let plugin = Plugin::load(&path).with_context(|| format!("loading PJRT plugin {}", path.display()))?;
+    let opts: Vec<(&str, NamedValue)> = options.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let client = Client::new(&plugin, &opts).context("creating the PJRT client")?;
+    Ok(Arc::new(DeviceService::new(client, max_program_bytes)?))
+}
+
+impl Host {
+    /// Loads the plugin, creates the PJRT client and the Wasm engine.
+    ///
+    /// Errors: see [`open_device`]; an engine that cannot be configured.
+    pub fn new(config: HostConfig) -> Result<Self> {
+        let device = open_device(config.plugin.as_deref(), &config.client_options, config.max_program_bytes)?;
+        Self::with_device(device, config.sandbox)
+    }
+
+    /// Builds a host around an existing device service (to share one client between hosts).
+    ///
+    /// Errors: an engine that cannot be configured.
+    pub fn with_device(device: Arc<DeviceService>, sandbox: SandboxConfig) -> Result<Self> {
+        Ok(Host {
+            device,
+            sandbox: Sandbox::new(sandbox)?,
+        })
+    }
+
+    /// The shared device service (for host-side work without a guest).
+    pub fn device(&self) -> &Arc<DeviceService> {
+        &self.device
+    }
+
+    /// The Wasm sandbox.
+    pub fn sandbox(&self) -> &Sandbox {
+        &self.sandbox
+    }
+
+    /// Loads a component from a `.wasm` file (compiled once, then cached on disk).
+    ///
+    /// Errors: unreadable file, or not a valid component.
+    pub fn load_component(&self, path: &Path) -> Result<Component> {
+        self.sandbox.load_component(path)
+    }
+
+    /// Runs a WASI command component to completion; `name` is its `argv[0]`.
+    ///
+    /// Errors: see [`Sandbox::run`].
+    pub async fn run(&self, component: &Component, name: &str, opts: &RunOptions) -> Result<RunOutcome> {
+        self.sandbox.run(&self.device, component, name, opts).await
+    }
+}

@@ -1,0 +1,200 @@
+//! The `tpubox` command line: set up plugins, list devices, run guests, execute programs.
+
+use std::path::PathBuf;
+use std::process::ExitCode;
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use clap::{Args, Parser, Subcommand};
+use tpubox::{Host, HostConfig, NamedValue, RunOptions, SandboxConfig, plugin};
+
+/// tpubox: one process owns the accelerator (through a PJRT plugin) and lends it to sandboxed
+/// WebAssembly guests.
+#[derive(Parser)]
+#[command(name = "tpubox", version, about, long_about = None)]
+struct Cli {
+    #[command(subcommand)]
+    command: Cmd,
+}
+
+#[derive(Subcommand)]
+enum Cmd {
+    /// Download, verify and unpack PJRT plugins from PyPI into the tpubox cache dir.
+    Setup {
+        /// Plugins to install: cpu (default), xla-cpu, tpu, cuda.
+        #[arg(default_values_t = vec!["cpu".to_string()])]
+        plugins: Vec<String>,
+    },
+    /// Print the platform, its version and the devices of a plugin.
+    Devices {
+        #[command(flatten)]
+        device: DeviceArgs,
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Run a guest: a WASI command component that imports tpubox:device.
+    Run(RunArgs),
+    /// Compile and run a StableHLO program on .npy inputs, writing .npy outputs.
+    Exec {
+        #[command(flatten)]
+        device: DeviceArgs,
+        /// The program: MLIR text or bytecode whose entry function is `main`.
+        program: PathBuf,
+        /// An input array, one per parameter, in order.
+        #[arg(long = "arg", value_name = "FILE.npy")]
+        args: Vec<PathBuf>,
+        /// Directory that receives out{N}.npy and outputs.json.
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
+}
+
+#[derive(Args)]
+struct DeviceArgs {
+    /// PJRT plugin: a name (cpu, xla-cpu, tpu, cuda) or a path to a plugin .so. Default:
+    /// $TPUBOX_PJRT_PLUGIN, then $PJRT_NAMES_AND_LIBRARY_PATHS, then what `setup` installed.
+    #[arg(long, value_name = "NAME|PATH")]
+    plugin: Option<String>,
+    /// Number of devices the CPU plugin exposes (its `cpu_device_count` create option).
+    #[arg(long, value_name = "N")]
+    cpu_devices: Option<i64>,
+}
+
+impl DeviceArgs {
+    fn config(&self) -> HostConfig {
+        let mut client_options = Vec::new();
+        if let Some(n) = self.cpu_devices {
+            client_options.push(("cpu_device_count".to_string(), NamedValue::Int64(n)));
+        }
+        HostConfig {
+            plugin: self.plugin.clone(),
+            client_options,
+            ..HostConfig::default()
+        }
+    }
+}
+
+#[derive(Args)]
+struct RunArgs {
+    #[command(flatten)]
+    device: DeviceArgs,
+    /// Grant read-only access to a host directory, seen by the guest at GUEST.
+    #[arg(long = "dir", value_name = "HOST::GUEST")]
+    dirs: Vec<String>,
+    /// Set an environment variable in the guest.
+    #[arg(long = "env", value_name = "KEY=VALUE")]
+    env: Vec<String>,
+    /// Stop the guest after this many seconds of wall time.
+    #[arg(long, value_name = "SECONDS")]
+    timeout: Option<f64>,
+    /// Largest linear memory the guest may use, in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 4096)]
+    max_memory_mib: usize,
+    /// The guest component (.wasm).
+    component: PathBuf,
+    /// Arguments passed to the guest (after `--`).
+    #[arg(last = true)]
+    args: Vec<String>,
+}
+
+async fn run(args: RunArgs) -> Result<bool> {
+    let mut config = args.device.config();
+    config.sandbox = SandboxConfig {
+        max_guest_memory: args.max_memory_mib << 20,
+        ..SandboxConfig::default()
+    };
+    let mut opts = RunOptions {
+        args: args.args,
+        deadline: args.timeout.map(Duration::from_secs_f64),
+        ..RunOptions::default()
+    };
+    for d in &args.dirs {
+        let (host, guest) = d
+            .split_once("::")
+            .with_context(|| format!("--dir {d}: expected HOST::GUEST"))?;
+        opts.dirs.push((PathBuf::from(host), guest.to_string()));
+    }
+    for e in &args.env {
+        let (k, v) = e
+            .split_once('=')
+            .with_context(|| format!("--env {e}: expected KEY=VALUE"))?;
+        opts.env.push((k.to_string(), v.to_string()));
+    }
+    let host = Host::new(config)?;
+    let component = host.load_component(&args.component)?;
+    let name = args
+        .component
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_else(|| "guest".into());
+    let outcome = host.run(&component, &name, &opts).await?;
+    Ok(outcome.success)
+}
+
+async fn main_inner() -> Result<bool> {
+    let cli = Cli::parse();
+    match cli.command {
+        Cmd::Setup { plugins } => {
+            for name in &plugins {
+                let Some(p) = plugin::known(name) else {
+                    let names: Vec<&str> = plugin::KNOWN_PLUGINS.iter().map(|p| p.name).collect();
+                    bail!("unknown plugin `{name}`; known: {}", names.join(", "));
+                };
+                let lib = plugin::install(p)?;
+                println!("{}: {}", p.name, lib.display());
+            }
+            Ok(true)
+        }
+        Cmd::Devices { device, json } => {
+            let cfg = device.config();
+            let svc = tpubox::open_device(cfg.plugin.as_deref(), &cfg.client_options, cfg.max_program_bytes)?;
+            if json {
+                let v = serde_json::json!({ "platform": svc.platform(), "devices": svc.devices() });
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                let p = svc.platform();
+                println!("platform: {} {}", p.name, p.version);
+                println!("plugin:   {} (PJRT C API {}.{})", p.plugin_path, p.pjrt_api_version.0, p.pjrt_api_version.1);
+                for d in svc.devices() {
+                    println!("device {}: id {} kind {} ({})", d.index, d.id, d.kind, d.description);
+                }
+            }
+            Ok(true)
+        }
+        Cmd::Run(args) => run(args).await,
+        Cmd::Exec {
+            device,
+            program,
+            args,
+            out,
+        } => {
+            let cfg = device.config();
+            let svc = tpubox::open_device(cfg.plugin.as_deref(), &cfg.client_options, cfg.max_program_bytes)?;
+            let infos = tpubox::exec::exec(&svc, &program, &args, &out).await?;
+            for i in infos {
+                println!("{}: {}{:?}", i.file, i.dtype, i.dims);
+            }
+            Ok(true)
+        }
+    }
+}
+
+#[tokio::main]
+async fn main() -> ExitCode {
+    tracing_subscriber::fmt()
+        .with_env_filter(
+            tracing_subscriber::EnvFilter::try_from_env("TPUBOX_LOG")
+                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
+        )
+        .with_writer(std::io::stderr)
+        .init();
+    match main_inner().await {
+        Ok(true) => ExitCode::SUCCESS,
+        Ok(false) => ExitCode::FAILURE,
+        Err(e) => {
+            eprintln!("tpubox: {e:#}");
+            ExitCode::from(2)
+        }
+    }
+}

@@ -1,0 +1,310 @@
+//! The Wasm side of the host: engine settings, the on-disk component cache, per-guest stores
+//! with memory caps and deadlines, and running WASI command components.
+//!
+//! Settings follow `shared/notes/WASM_TRIALS.md`: epoch interruption always on (a ticker thread
+//! advances the epoch every [`EPOCH_TICK`]), the pooling allocator, a `StoreLimits` memory cap,
+//! and wasmtime's own compilation cache, whose key covers the component's bytes, the wasmtime
+//! version and the engine's compiler settings.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use anyhow::{Context, Result, bail};
+use wasmtime::component::{Component, Linker, ResourceTable};
+use wasmtime::{
+    Cache, CacheConfig, Config, Engine, InstanceAllocationStrategy, PoolingAllocationConfig, Store,
+    StoreLimits, StoreLimitsBuilder, UpdateDeadline,
+};
+use wasmtime_wasi::p2::bindings::Command;
+use wasmtime_wasi::p2::pipe::{MemoryInputPipe, MemoryOutputPipe};
+use wasmtime_wasi::{DirPerms, FilePerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+
+use crate::device::DeviceService;
+use crate::wit::DeviceView;
+
+/// Interval at which the engine's epoch advances; deadlines are checked at this granularity.
+pub const EPOCH_TICK: Duration = Duration::from_millis(10);
+
+/// Settings of the Wasm sandbox shared by all guests of one [`Sandbox`].
+#[derive(Debug, Clone)]
+pub struct SandboxConfig {
+    /// Largest linear memory one guest store may grow to, in bytes (default 4 GiB).
+    pub max_guest_memory: usize,
+    /// Largest number of live resources (tensors, executables, WASI handles) in one guest's
+    /// table (default 100 000).
+    pub max_resources: usize,
+    /// Directory of wasmtime's compilation cache; `None` disables it.
+    pub cache_dir: Option<PathBuf>,
+    /// How many guest instances may exist at once (pooling allocator slots; default 64).
+    pub max_instances: u32,
+}
+
+impl Default for SandboxConfig {
+    fn default() -> Self {
+        SandboxConfig {
+            max_guest_memory: 4 << 30,
+            max_resources: 100_000,
+            cache_dir: crate::plugin::cache_root().map(|d| d.join("components")),
+            max_instances: 64,
+        }
+    }
+}
+
+/// How one guest run is set up: its arguments and what it may reach beyond the device.
+///
+/// By default a guest has no filesystem, no environment variables, no network, stdin closed and
+/// stdout/stderr inherited from the host.
+#[derive(Debug, Clone, Default)]
+pub struct RunOptions {
+    /// `argv[1..]` as the guest sees it (`argv[0]` is the component's file name).
+    pub args: Vec<String>,
+    /// Environment variables granted to the guest.
+    pub env: Vec<(String, String)>,
+    /// Host directories the guest may read, as (host path, guest path). Always read-only.
+    pub dirs: Vec<(PathBuf, String)>,
+    /// Bytes the guest reads on stdin; `None` inherits the host's stdin.
+    pub stdin: Option<Vec<u8>>,
+    /// Capture stdout and stderr instead of inheriting them.
+    pub capture_output: bool,
+    /// Wall-clock limit on the guest's own execution; `None` means no limit. Checked every
+    /// [`EPOCH_TICK`]; time spent waiting on the device counts too.
+    pub deadline: Option<Duration>,
+}
+
+/// How a guest run ended.
+#[derive(Debug, Clone)]
+pub struct RunOutcome {
+    /// `true` when `wasi:cli/run` returned `ok` (for Rust guests: `main` returned normally).
+    pub success: bool,
+    /// Captured stdout (empty unless [`RunOptions::capture_output`]).
+    pub stdout: Vec<u8>,
+    /// Captured stderr (empty unless [`RunOptions::capture_output`]).
+    pub stderr: Vec<u8>,
+    /// Wall time from instantiation to return.
+    pub elapsed: Duration,
+}
+
+/// Per-guest store data: WASI context, resource table, memory limits and the device.
+pub struct GuestState {
+    wasi: WasiCtx,
+    table: ResourceTable,
+    limits: StoreLimits,
+    device: Arc<DeviceService>,
+}
+
+impl WasiView for GuestState {
+    fn ctx(&mut self) -> WasiCtxView<'_> {
+        WasiCtxView {
+            ctx: &mut self.wasi,
+            table: &mut self.table,
+        }
+    }
+}
+
+impl DeviceView for GuestState {
+    fn table(&mut self) -> &mut ResourceTable {
+        &mut self.table
+    }
+
+    fn device(&self) -> &Arc<DeviceService> {
+        &self.device
+    }
+}
+
+/// A wasmtime engine configured for untrusted guests, with a linker that provides WASI p2 and
+/// the `tpubox:device` interfaces.
+pub struct Sandbox {
+    engine: Engine,
+    linker: Linker<GuestState>,
+    config: SandboxConfig,
+    _ticker: EpochTicker,
+}
+
+struct EpochTicker {
+    stop: Arc<std::sync::atomic::AtomicBool>,
+}
+
+impl Drop for EpochTicker {
+    fn drop(&mut self) {
+        self.stop.store(true, std::sync::atomic::Ordering::Relaxed);
+    }
+}
+
+impl Sandbox {
+    /// Builds the engine and linker.
+    ///
+    /// Errors: an engine setting the platform does not support, or an unusable cache directory.
+    pub fn new(config: SandboxConfig) -> Result<Self> {
+        let mut cfg = Config::new();
+        cfg.epoch_interruption(true);
+        cfg.wasm_component_model(true);
+        let mut pool = PoolingAllocationConfig::default();
+        let instances = config.max_instances.max(1);
+        pool.total_component_instances(instances);
+        // Interpreted guests (Python, JavaScript) carry several core instances and memories.
+        pool.total_core_instances(instances * 16);
+        pool.total_memories(instances * 4);
+        pool.total_tables(instances * 8);
+        pool.max_memories_per_component(16);
+        pool.max_memory_size(config.max_guest_memory);
+        cfg.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        if let Some(dir) = &config.cache_dir {
+            std::fs::create_dir_all(dir)
+                .with_context(|| format!("creating the component cache dir {}", dir.display()))?;
+            let mut cc = CacheConfig::new();
+            cc.with_directory(dir);
+            cfg.cache(Some(Cache::new(cc)?));
+        }
+        let engine = Engine::new(&cfg)?;
+        let mut linker = Linker::new(&engine);
+        wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
+        crate::wit::add_to_linker(&mut linker)?;
+
+        let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
+        let weak = engine.weak();
+        let flag = Arc::clone(&stop);
+        std::thread::Builder::new()
+            .name("tpubox-epoch".into())
+            .spawn(move || {
+                while !flag.load(std::sync::atomic::Ordering::Relaxed) {
+                    std::thread::sleep(EPOCH_TICK);
+                    match weak.upgrade() {
+                        Some(engine) => engine.increment_epoch(),
+                        None => break,
+                    }
+                }
+            })?;
+        Ok(Sandbox {
+            engine,
+            linker,
+            config,
+            _ticker: EpochTicker { stop },
+        })
+    }
+
+    /// The wasmtime engine.
+    pub fn engine(&self) -> &Engine {
+        &self.engine
+    }
+
+    /// Compiles a component from a `.wasm` file, or loads it from the compilation cache.
+    ///
+    /// Errors: the file cannot be read, or is not a valid component.
+    pub fn load_component(&self, path: &Path) -> Result<Component> {
+        let bytes = std::fs::read(path).with_context(|| format!("reading {}", path.display()))?;
+        self.load_component_bytes(&bytes)
+            .with_context(|| format!("loading component {}", path.display()))
+    }
+
+    /// Compiles a component from bytes, or loads it from the compilation cache.
+    ///
+    /// Errors: the bytes are not a valid component.
+    pub fn load_component_bytes(&self, bytes: &[u8]) -> Result<Component> {
+        if !wasmparser_is_component(bytes) {
+            bail!("not a WebAssembly component (a core module or other file); build guests for wasm32-wasip2");
+        }
+        Component::new(&self.engine, bytes)
+    }
+
+    /// `(hits, misses)` of the compilation cache since this sandbox was built.
+    pub fn cache_stats(&self) -> (usize, usize) {
+        self.engine
+            .config()
+            .cache()
+            .map(|c| (c.cache_hits(), c.cache_misses()))
+            .unwrap_or((0, 0))
+    }
+
+    /// Instantiates `component` as a WASI command and runs its `wasi:cli/run` export.
+    ///
+    /// Errors: instantiation failures (a missing import: the guest needs more than WASI p2 and
+    /// `tpubox:device`), a trap (including the deadline and the memory cap), or a preopened dir
+    /// that cannot be opened. A guest that returns an error from `run` is not an `Err`: see
+    /// [`RunOutcome::success`].
+    pub async fn run(
+        &self,
+        device: &Arc<DeviceService>,
+        component: &Component,
+        name: &str,
+        opts: &RunOptions,
+    ) -> Result<RunOutcome> {
+        let mut wasi = WasiCtxBuilder::new();
+        let mut argv = vec![name.to_string()];
+        argv.extend(opts.args.iter().cloned());
+        wasi.args(&argv);
+        for (k, v) in &opts.env {
+            wasi.env(k, v);
+        }
+        for (host, guest) in &opts.dirs {
+            wasi.preopened_dir(host, guest, DirPerms::READ, FilePerms::READ)
+                .with_context(|| format!("granting directory {}", host.display()))?;
+        }
+        match &opts.stdin {
+            Some(bytes) => {
+                wasi.stdin(MemoryInputPipe::new(bytes.clone()));
+            }
+            None => {
+                wasi.inherit_stdin();
+            }
+        }
+        let (out, err) = (MemoryOutputPipe::new(64 << 20), MemoryOutputPipe::new(64 << 20));
+        if opts.capture_output {
+            wasi.stdout(out.clone()).stderr(err.clone());
+        } else {
+            wasi.inherit_stdout().inherit_stderr();
+        }
+        let limits = StoreLimitsBuilder::new()
+            .memory_size(self.config.max_guest_memory)
+            .trap_on_grow_failure(false)
+            .build();
+        let mut table = ResourceTable::new();
+        table.set_max_capacity(self.config.max_resources);
+        let state = GuestState {
+            wasi: wasi.build(),
+            table,
+            limits,
+            device: Arc::clone(device),
+        };
+        let mut store = Store::new(&self.engine, state);
+        store.limiter(|s| &mut s.limits);
+        let start = Instant::now();
+        let deadline = opts.deadline.map(|d| start + d);
+        store.set_epoch_deadline(1);
+        store.epoch_deadline_callback(move |_| match deadline {
+            Some(d) if Instant::now() >= d => Ok(UpdateDeadline::Interrupt),
+            _ => Ok(UpdateDeadline::Yield(1)),
+        });
+        let command = Command::instantiate_async(&mut store, component, &self.linker).await?;
+        let result = command.wasi_cli_run().call_run(&mut store).await;
+        let elapsed = start.elapsed();
+        let success = match result {
+            Ok(r) => r.is_ok(),
+            // `exit(n)` from the guest arrives as an `I32Exit` error.
+            Err(e) => match e.downcast_ref::<wasmtime_wasi::I32Exit>() {
+                Some(code) => code.0 == 0,
+                None => {
+                    return Err(match deadline {
+                        Some(d) if Instant::now() >= d => e.context(format!(
+                            "guest exceeded its deadline of {:?}",
+                            opts.deadline.unwrap_or_default()
+                        )),
+                        _ => e,
+                    });
+                }
+            },
+        };
+        drop(store);
+        Ok(RunOutcome {
+            success,
+            stdout: out.contents().to_vec(),
+            stderr: err.contents().to_vec(),
+            elapsed,
+        })
+    }
+}
+
+/// Whether `bytes` start with the component-model preamble (`\0asm`, layer 1).
+fn wasmparser_is_component(bytes: &[u8]) -> bool {
+    bytes.len() >= 8 && &bytes[0..4] == b"\0asm" && bytes[6..8] == [1, 0]
+}
