@@ -15,7 +15,7 @@ HEADER_PKG="xla-cpu-pjrt"
 HEADER_VER="0.0.1"
 HEADER_SHA="55837b6b7b47daa717f2d9a5a03563ea0ceaa338d06a81a1e2d3f060d960decc"
 HEADER_DIR="$CACHE/plugins/$HEADER_PKG-$HEADER_VER"
-GUESTS=(hello-matmul)
+GUESTS=(hello-matmul tpubox-probe)
 
 log() { printf '\033[1m[dev.sh]\033[0m %s\n' "$*" >&2; }
 

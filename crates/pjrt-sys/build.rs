@@ -37,7 +37,10 @@ fn main() {
         Ok(t) => t,
         Err(e) => fail(&format!("cannot read {}: {e}", header.display())),
     };
-    let (major, minor) = match (define_value(&text, "PJRT_API_MAJOR"), define_value(&text, "PJRT_API_MINOR")) {
+    let (major, minor) = match (
+        define_value(&text, "PJRT_API_MAJOR"),
+        define_value(&text, "PJRT_API_MINOR"),
+    ) {
         (Some(a), Some(b)) => (a, b),
         _ => fail(&format!(
             "{} has no PJRT_API_MAJOR/PJRT_API_MINOR defines; is it a PJRT C API header?",
@@ -81,11 +84,19 @@ fn main() {
 fn args_impls(code: &str) -> String {
     let mut out = String::new();
     for line in code.lines() {
-        let Some(rest) = line.trim().strip_prefix("pub const ") else { continue };
-        let Some((name, _)) = rest.split_once(':') else { continue };
-        let Some(sname) = name.strip_suffix("_STRUCT_SIZE") else { continue };
+        let Some(rest) = line.trim().strip_prefix("pub const ") else {
+            continue;
+        };
+        let Some((name, _)) = rest.split_once(':') else {
+            continue;
+        };
+        let Some(sname) = name.strip_suffix("_STRUCT_SIZE") else {
+            continue;
+        };
         let head = format!("pub struct {sname} {{");
-        let Some(pos) = code.find(&head) else { continue };
+        let Some(pos) = code.find(&head) else {
+            continue;
+        };
         let body = &code[pos + head.len()..];
         let first_field = body.split(',').next().unwrap_or("").trim();
         if first_field != "pub struct_size: usize" {

@@ -412,7 +412,7 @@ pub fn encode<T: Element>(data: &[T]) -> Vec<u8> {
 ///
 /// Errors: [`ErrorKind::InvalidArgument`] if `bytes.len()` is not a multiple of `T::SIZE`.
 pub fn decode<T: Element>(bytes: &[u8]) -> Result<Vec<T>> {
-    if bytes.len() % T::SIZE != 0 {
+    if !bytes.len().is_multiple_of(T::SIZE) {
         return Err(Error::invalid_argument(format!(
             "{} bytes is not a whole number of {} elements ({} bytes each)",
             bytes.len(),
@@ -963,10 +963,7 @@ mod tests {
         let scalar = TensorSpec::new(Dtype::Pred, &[]);
         assert_eq!(scalar.element_count().unwrap(), 1);
         assert_eq!(scalar.to_string(), "pred[]");
-        assert_eq!(
-            TensorSpec::new(Dtype::C64, &[0, 5]).byte_size().unwrap(),
-            0
-        );
+        assert_eq!(TensorSpec::new(Dtype::C64, &[0, 5]).byte_size().unwrap(), 0);
         let huge = TensorSpec::new(Dtype::F64, &[u64::MAX, 2]);
         assert_eq!(
             huge.element_count().unwrap_err().kind(),

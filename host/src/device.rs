@@ -346,15 +346,17 @@ impl DeviceService {
                 "MLIR bytecode must start with the magic bytes 'ML\\xefR'",
             ));
         }
-        let dev_id = self.device(device)?.id();
+        self.device(device)?;
         let this = Arc::clone(self);
-        tokio::task::spawn_blocking(move || this.compile_blocking(code, dev_id, device))
+        tokio::task::spawn_blocking(move || this.compile_blocking(code, device))
             .await
             .map_err(|e| DeviceError::new(ErrorKind::Internal, format!("compile task failed: {e}")))?
     }
 
-    fn compile_blocking(&self, code: Vec<u8>, device_id: i32, device: u32) -> DeviceResult<DeviceExecutable> {
-        let options = CompileOptions::new().device_assignment(&[device_id as i64]);
+    fn compile_blocking(&self, code: Vec<u8>, device: u32) -> DeviceResult<DeviceExecutable> {
+        // The ordinal is an index into the client's devices; the wrapper turns it into a
+        // one-device assignment with that device's id.
+        let options = CompileOptions::new().device_ordinal(i64::from(device));
         let options_bytes = options
             .to_bytes()
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;

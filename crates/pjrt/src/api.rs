@@ -67,7 +67,9 @@ impl Api {
         if struct_size < need {
             return Err(Error::new(
                 ErrorCode::FailedPrecondition,
-                format!("plugin PJRT_Api.struct_size is {struct_size}, too small to hold a version"),
+                format!(
+                    "plugin PJRT_Api.struct_size is {struct_size}, too small to hold a version"
+                ),
             ));
         }
         Ok(api)
@@ -84,7 +86,9 @@ impl Api {
 
     /// True if a field at `offset` of `size` bytes lies within the plugin's table.
     pub(crate) fn has_field(&self, offset: usize, size: usize) -> bool {
-        offset.checked_add(size).is_some_and(|end| end <= self.struct_size)
+        offset
+            .checked_add(size)
+            .is_some_and(|end| end <= self.struct_size)
     }
 
     /// `pjrt_api_version` (major, minor) as declared by the plugin.

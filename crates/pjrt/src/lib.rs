@@ -26,6 +26,8 @@
 //! destroyed when its last clone and the last [`Device`], [`Buffer`], [`LoadedExecutable`] and
 //! [`Event`] created from it are dropped.
 
+#![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
+
 mod api;
 mod buffer;
 mod client;

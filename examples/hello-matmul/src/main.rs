@@ -122,7 +122,9 @@ fn run(scale: f32) -> Result<(), String> {
     if *out.spec() != want_spec {
         return Err(format!("result is {}, expected {want_spec}", out.spec()));
     }
-    let got = out.to_vec::<f32>().map_err(|e| format!("read result: {e}"))?;
+    let got = out
+        .to_vec::<f32>()
+        .map_err(|e| format!("read result: {e}"))?;
 
     let want = reference(&x, &W, &B);
     let max_diff = got
@@ -137,8 +139,8 @@ fn run(scale: f32) -> Result<(), String> {
     println!("b: {}", json_row(&B));
     println!("guest reference: {}", json_matrix(&want, N));
     println!("max abs diff: {max_diff:e}");
-    // NaN compares false, so a NaN difference fails the check too.
-    if !(max_diff <= TOLERANCE) {
+    // A NaN difference (NaN in the device result) fails the check too.
+    if max_diff.is_nan() || max_diff > TOLERANCE {
         return Err(format!(
             "device result {} differs from guest reference {} by {max_diff:e} (> {TOLERANCE:e})",
             json_matrix(&got, N),
@@ -193,7 +195,10 @@ mod tests {
     use super::*;
 
     fn args(a: &[&str]) -> impl Iterator<Item = String> {
-        a.iter().map(|s| s.to_string()).collect::<Vec<_>>().into_iter()
+        a.iter()
+            .map(|s| s.to_string())
+            .collect::<Vec<_>>()
+            .into_iter()
     }
 
     #[test]
@@ -216,7 +221,10 @@ mod tests {
 
     #[test]
     fn json_output_shape() {
-        assert_eq!(json_matrix(&[1.0f32, -0.5, 0.25, 2.0], 2), "[[1.0,-0.5],[0.25,2.0]]");
+        assert_eq!(
+            json_matrix(&[1.0f32, -0.5, 0.25, 2.0], 2),
+            "[[1.0,-0.5],[0.25,2.0]]"
+        );
         assert_eq!(json_row(&[1e-7f32]), "[1e-7]");
     }
 }

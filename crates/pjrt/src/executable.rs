@@ -1,0 +1,412 @@
+//! [`LoadedExecutable`]: a compiled program loaded on devices (`PJRT_LoadedExecutable` and its
+//! `PJRT_Executable`), and [`Execution`].
+
+use std::ptr;
+use std::sync::OnceLock;
+
+use pjrt_sys as sys;
+use sys::Args;
+
+use crate::api::{api_fn, slice_from, string_from};
+use crate::buffer::Buffer;
+use crate::client::Client;
+use crate::device::Device;
+use crate::error::{Error, ErrorCode, Result};
+use crate::event::Event;
+use crate::hlo;
+use crate::types::{PrimitiveType, TensorSpec};
+
+/// A compiled, loaded program. Destroyed when dropped; keeps its [`Client`] alive.
+pub struct LoadedExecutable {
+    client: Client,
+    raw: *mut sys::PJRT_LoadedExecutable,
+    /// From `PJRT_LoadedExecutable_GetExecutable`; owned, destroyed in `Drop`.
+    exe: *mut sys::PJRT_Executable,
+    params: OnceLock<Result<Vec<TensorSpec>>>,
+    num_outputs: OnceLock<Result<usize>>,
+    num_devices: OnceLock<Result<usize>>,
+}
+
+// SAFETY: a PJRT_LoadedExecutable (xla::PjRtLoadedExecutable) supports concurrent Execute and
+// queries (JAX dispatches from many threads); this type only issues C API calls through `&self`
+// (the caches are `OnceLock`s) and destroys both handles exactly once, in `Drop`.
+unsafe impl Send for LoadedExecutable {}
+// SAFETY: as above.
+unsafe impl Sync for LoadedExecutable {}
+
+/// Result of [`LoadedExecutable::execute`].
+#[derive(Debug)]
+pub struct Execution {
+    /// One buffer per program result, in order. They become ready asynchronously.
+    pub outputs: Vec<Buffer>,
+    /// Ready when the device finished this execution (with its error status, if it failed).
+    pub done: Event,
+}
+
+impl LoadedExecutable {
+    /// Takes ownership of `raw` (non-null from Compile/DeserializeAndLoad) and fetches its
+    /// `PJRT_Executable`.
+    pub(crate) fn from_raw(client: Client, raw: *mut sys::PJRT_LoadedExecutable) -> Result<Self> {
+        if raw.is_null() {
+            return Err(Error::internal("plugin returned no executable"));
+        }
+        let mut this = LoadedExecutable {
+            client,
+            raw,
+            exe: ptr::null_mut(),
+            params: OnceLock::new(),
+            num_outputs: OnceLock::new(),
+            num_devices: OnceLock::new(),
+        };
+        // On error `this` is dropped, which destroys `raw`.
+        let api = this.client.plugin().api();
+        let f = api_fn!(api, PJRT_LoadedExecutable_GetExecutable)?;
+        let mut args = sys::PJRT_LoadedExecutable_GetExecutable_Args::new();
+        args.loaded_executable = raw;
+        // SAFETY: `raw` is a live loaded executable we own; header-sized args.
+        api.check(unsafe { f(&mut args) })?;
+        if args.executable.is_null() {
+            return Err(Error::internal(
+                "PJRT_LoadedExecutable_GetExecutable returned null",
+            ));
+        }
+        this.exe = args.executable;
+        Ok(this)
+    }
+
+    /// The client this executable is loaded on.
+    pub fn client(&self) -> &Client {
+        &self.client
+    }
+
+    /// Executable name (`PJRT_Executable_Name`), usually the module name (e.g. `"main"` or
+    /// `"jit_f"`).
+    pub fn name(&self) -> Result<String> {
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_Executable_Name)?;
+        let mut args = sys::PJRT_Executable_Name_Args::new();
+        args.executable = self.exe;
+        // SAFETY: live executable; header-sized args.
+        api.check(unsafe { f(&mut args) })?;
+        // SAFETY: the name has the lifetime of the executable.
+        Ok(unsafe { string_from(args.executable_name, args.executable_name_size) })
+    }
+
+    /// Number of outputs per device (`PJRT_Executable_NumOutputs`); cached.
+    pub fn num_outputs(&self) -> Result<usize> {
+        self.num_outputs
+            .get_or_init(|| {
+                let api = self.client.plugin().api();
+                let f = api_fn!(api, PJRT_Executable_NumOutputs)?;
+                let mut args = sys::PJRT_Executable_NumOutputs_Args::new();
+                args.executable = self.exe;
+                // SAFETY: live executable; header-sized args.
+                api.check(unsafe { f(&mut args) })?;
+                Ok(args.num_outputs)
+            })
+            .clone()
+    }
+
+    /// Element type and dimensions of each output (`PJRT_Executable_OutputElementTypes` +
+    /// `PJRT_Executable_OutputDimensions`).
+    ///
+    /// Errors: `Unimplemented` for an output type outside [`PrimitiveType`] or a plugin without
+    /// these functions; `Internal` if the two lists disagree in length.
+    pub fn output_specs(&self) -> Result<Vec<TensorSpec>> {
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_Executable_OutputElementTypes)?;
+        let mut args = sys::PJRT_Executable_OutputElementTypes_Args::new();
+        args.executable = self.exe;
+        // SAFETY: live executable; header-sized args.
+        api.check(unsafe { f(&mut args) })?;
+        // SAFETY: the array is owned by the executable, alive during this call.
+        let types = unsafe { slice_from(args.output_types, args.num_output_types) }.to_vec();
+
+        let f = api_fn!(api, PJRT_Executable_OutputDimensions)?;
+        let mut d = sys::PJRT_Executable_OutputDimensions_Args::new();
+        d.executable = self.exe;
+        // SAFETY: live executable; header-sized args.
+        api.check(unsafe { f(&mut d) })?;
+        // SAFETY: `dim_sizes` has length `num_outputs`, owned by the executable.
+        let sizes = unsafe { slice_from(d.dim_sizes, d.num_outputs) }.to_vec();
+        if sizes.len() != types.len() {
+            return Err(Error::internal(format!(
+                "plugin reports {} output types but {} output shapes",
+                types.len(),
+                sizes.len()
+            )));
+        }
+        let total = sizes.iter().try_fold(0usize, |a, &s| a.checked_add(s));
+        let total = total.ok_or_else(|| Error::internal("output dimension count overflows"))?;
+        // SAFETY: `dims` has length sum(dim_sizes) (header), owned by the executable.
+        let dims = unsafe { slice_from(d.dims, total) };
+        let mut out = Vec::with_capacity(types.len());
+        let mut at = 0;
+        for (i, (&t, &n)) in types.iter().zip(&sizes).enumerate() {
+            let ty = PrimitiveType::from_pjrt(t).ok_or_else(|| {
+                Error::unimplemented(format!("output {i} has unsupported PJRT_Buffer_Type {t}"))
+            })?;
+            out.push(TensorSpec {
+                ty,
+                dims: dims[at..at + n].to_vec(),
+            });
+            at += n;
+        }
+        Ok(out)
+    }
+
+    /// Optimized program (`PJRT_Executable_OptimizedProgram`): `(format, code)`, where format
+    /// is `"hlo"` (serialized `HloModuleProto`) or `"hlo_with_config"`
+    /// (`HloModuleProtoWithConfig`, returned by API 0.115 plugins).
+    pub fn optimized_program(&self) -> Result<(String, Vec<u8>)> {
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_Executable_OptimizedProgram)?;
+        let mut prog = sys::PJRT_Program::new();
+        let mut args = sys::PJRT_Executable_OptimizedProgram_Args::new();
+        args.executable = self.exe;
+        args.program = &mut prog;
+        // SAFETY: first call with null `code`: the plugin only sets `code_size` and `format`.
+        api.check(unsafe { f(&mut args) })?;
+        let mut code = vec![0u8; prog.code_size];
+        prog.code = code.as_mut_ptr().cast();
+        args.program = &mut prog;
+        // SAFETY: second call: `code` points to `code_size` writable bytes owned by us.
+        api.check(unsafe { f(&mut args) })?;
+        // SAFETY: `format` is owned by the implementation (header) and alive here.
+        let format = unsafe { string_from(prog.format, prog.format_size) };
+        code.truncate(prog.code_size);
+        Ok((format, code))
+    }
+
+    /// Element type and dimensions of each parameter, from the optimized program's
+    /// `HloModuleProto.host_program_shape.parameters` (see
+    /// [`LoadedExecutable::optimized_program`]); cached.
+    ///
+    /// Errors: `Unimplemented` if a parameter is a tuple or has a type outside
+    /// [`PrimitiveType`], or the plugin cannot return the optimized program; `Internal` if it
+    /// does not decode.
+    pub fn parameter_specs(&self) -> Result<Vec<TensorSpec>> {
+        self.params
+            .get_or_init(|| {
+                let (format, code) = self.optimized_program()?;
+                hlo::parameter_specs(&format, &code)
+            })
+            .clone()
+    }
+
+    /// Fingerprint of the executable (`PJRT_Executable_Fingerprint`): equal for executables
+    /// compiled from identical inputs.
+    ///
+    /// Errors: `Unimplemented` if the plugin lacks it or returns none; the plugin's error.
+    pub fn fingerprint(&self) -> Result<String> {
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_Executable_Fingerprint)?;
+        let mut args = sys::PJRT_Executable_Fingerprint_Args::new();
+        args.executable = self.exe;
+        // SAFETY: live executable; header-sized args.
+        api.check(unsafe { f(&mut args) })?;
+        if args.executable_fingerprint.is_null() {
+            return Err(Error::unimplemented(
+                "plugin returned no executable fingerprint",
+            ));
+        }
+        // SAFETY: the fingerprint has the lifetime of the executable.
+        Ok(unsafe {
+            string_from(
+                args.executable_fingerprint,
+                args.executable_fingerprint_size,
+            )
+        })
+    }
+
+    /// Platform-specific serialization (`PJRT_Executable_Serialize`), loadable with
+    /// [`Client::deserialize_executable`] by the same plugin build. Serialize right after
+    /// compiling: programs with `sort` failed to serialize after a first execution in trials.
+    pub fn serialize(&self) -> Result<Vec<u8>> {
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_Executable_Serialize)?;
+        let mut args = sys::PJRT_Executable_Serialize_Args::new();
+        args.executable = self.exe;
+        // SAFETY: live executable; header-sized args.
+        api.check(unsafe { f(&mut args) })?;
+        // SAFETY: bytes live as long as `serialized_executable`, freed just below.
+        let bytes = unsafe {
+            slice_from(
+                args.serialized_bytes.cast::<u8>(),
+                args.serialized_bytes_size,
+            )
+            .to_vec()
+        };
+        if let Some(deleter) = args.serialized_executable_deleter {
+            // SAFETY: called exactly once on the object the plugin returned (header).
+            unsafe { deleter(args.serialized_executable) };
+        }
+        Ok(bytes)
+    }
+
+    /// Devices the executable runs on (`PJRT_LoadedExecutable_AddressableDevices`).
+    pub fn addressable_devices(&self) -> Result<Vec<Device>> {
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_LoadedExecutable_AddressableDevices)?;
+        let mut args = sys::PJRT_LoadedExecutable_AddressableDevices_Args::new();
+        args.executable = self.raw;
+        // SAFETY: live executable; header-sized args.
+        api.check(unsafe { f(&mut args) })?;
+        // SAFETY: array owned by the executable, alive during this call.
+        let raw = unsafe { slice_from(args.addressable_devices, args.num_addressable_devices) };
+        raw.iter()
+            .map(|&d| self.client.device_from_raw(d))
+            .collect()
+    }
+
+    fn num_devices(&self) -> Result<usize> {
+        self.num_devices
+            .get_or_init(|| Ok(self.addressable_devices()?.len()))
+            .clone()
+    }
+
+    /// Runs the executable on its single addressable device with borrowed arguments
+    /// (`PJRT_LoadedExecutable_Execute`). `donate` lists argument indices whose buffers the
+    /// program may reuse for outputs (only effective where the program declares aliasing, e.g.
+    /// `tf.aliasing_output`); every other index is passed in `non_donatable_input_indices`.
+    /// A donated buffer is marked deleted afterwards.
+    ///
+    /// Validated before calling PJRT (`InvalidArgument`): argument count equals the number of
+    /// parameters; each argument's element type and dims equal the parameter spec; every
+    /// argument belongs to this client; `donate` indices are in range and unique; no buffer is
+    /// passed twice when either position is donated. `Unimplemented` if the executable spans
+    /// several devices. Returns immediately; outputs become ready asynchronously and
+    /// [`Execution::done`] reports the device-side status.
+    pub fn execute(&self, args: &[&Buffer], donate: &[usize]) -> Result<Execution> {
+        let ndev = self.num_devices()?;
+        if ndev != 1 {
+            return Err(Error::unimplemented(format!(
+                "execute supports single-device executables; this one has {ndev} devices"
+            )));
+        }
+        let params = self.parameter_specs()?;
+        if args.len() != params.len() {
+            return Err(Error::invalid_argument(format!(
+                "expected {} arguments, got {}",
+                params.len(),
+                args.len()
+            )));
+        }
+        for (i, (a, p)) in args.iter().zip(&params).enumerate() {
+            if !a.client().same_as(&self.client) {
+                return Err(Error::invalid_argument(format!(
+                    "argument {i} belongs to a different client"
+                )));
+            }
+            let ty = a.element_type()?;
+            let dims = a.dims()?;
+            if ty != p.ty || dims != p.dims {
+                return Err(Error::invalid_argument(format!(
+                    "argument {i} is {}, parameter expects {p}",
+                    TensorSpec { ty, dims }
+                )));
+            }
+        }
+        let mut donated = vec![false; args.len()];
+        for &d in donate {
+            if d >= args.len() {
+                return Err(Error::invalid_argument(format!(
+                    "donate index {d} out of range for {} arguments",
+                    args.len()
+                )));
+            }
+            if donated[d] {
+                return Err(Error::invalid_argument(format!(
+                    "donate index {d} listed twice"
+                )));
+            }
+            donated[d] = true;
+        }
+        for i in 0..args.len() {
+            for j in i + 1..args.len() {
+                if args[i].raw() == args[j].raw() && (donated[i] || donated[j]) {
+                    return Err(Error::invalid_argument(format!(
+                        "arguments {i} and {j} are the same buffer and one of them is donated"
+                    )));
+                }
+            }
+        }
+        let non_donatable: Vec<i64> = (0..args.len())
+            .filter(|&i| !donated[i])
+            .map(|i| i as i64)
+            .collect();
+        let num_outputs = self.num_outputs()?;
+
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_LoadedExecutable_Execute)?;
+        let mut options = sys::PJRT_ExecuteOptions::new();
+        options.non_donatable_input_indices = non_donatable.as_ptr();
+        options.num_non_donatable_input_indices = non_donatable.len();
+        let arg_ptrs: Vec<*mut sys::PJRT_Buffer> = args.iter().map(|b| b.raw()).collect();
+        let arg_lists: [*const *mut sys::PJRT_Buffer; 1] = [arg_ptrs.as_ptr()];
+        let mut outputs: Vec<*mut sys::PJRT_Buffer> = vec![ptr::null_mut(); num_outputs];
+        let output_lists: [*mut *mut sys::PJRT_Buffer; 1] = [outputs.as_mut_ptr()];
+        let mut events: [*mut sys::PJRT_Event; 1] = [ptr::null_mut()];
+        let mut ex = sys::PJRT_LoadedExecutable_Execute_Args::new();
+        ex.executable = self.raw;
+        ex.options = &mut options;
+        ex.argument_lists = arg_lists.as_ptr();
+        ex.num_devices = 1;
+        ex.num_args = arg_ptrs.len();
+        ex.output_lists = output_lists.as_ptr();
+        ex.device_complete_events = events.as_mut_ptr();
+        // SAFETY: every pointer array outlives the call and has the sizes announced
+        // ([1 device][num_args] inputs, [1][num_outputs] outputs, 1 event); all argument
+        // buffers are live buffers of this client (checked above) borrowed for the call;
+        // `execute_device` null = the device chosen at compile time.
+        api.check(unsafe { f(&mut ex) })?;
+        let outputs: Vec<Buffer> = outputs
+            .into_iter()
+            .filter(|p| !p.is_null())
+            .map(|p| Buffer::from_raw(self.client.clone(), p, None))
+            .collect();
+        if outputs.len() != num_outputs || events[0].is_null() {
+            return Err(Error::new(
+                ErrorCode::Internal,
+                "PJRT_LoadedExecutable_Execute returned missing outputs or event",
+            ));
+        }
+        Ok(Execution {
+            outputs,
+            done: Event::from_raw(self.client.clone(), events[0]),
+        })
+    }
+}
+
+impl Drop for LoadedExecutable {
+    fn drop(&mut self) {
+        let api = self.client.plugin().api();
+        if !self.exe.is_null()
+            && let Ok(f) = api_fn!(api, PJRT_Executable_Destroy)
+        {
+            let mut args = sys::PJRT_Executable_Destroy_Args::new();
+            args.executable = self.exe;
+            // SAFETY: `exe` came from GetExecutable, is owned by us, destroyed once here.
+            if let Err(e) = api.check(unsafe { f(&mut args) }) {
+                tracing::warn!("PJRT_Executable_Destroy: {e}");
+            }
+        }
+        if let Ok(f) = api_fn!(api, PJRT_LoadedExecutable_Destroy) {
+            let mut args = sys::PJRT_LoadedExecutable_Destroy_Args::new();
+            args.executable = self.raw;
+            // SAFETY: `raw` is owned by us and destroyed exactly once, here; running executions
+            // keep their own references inside the runtime.
+            if let Err(e) = api.check(unsafe { f(&mut args) }) {
+                tracing::warn!("PJRT_LoadedExecutable_Destroy: {e}");
+            }
+        }
+    }
+}
+
+impl std::fmt::Debug for LoadedExecutable {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("LoadedExecutable")
+            .field("raw", &self.raw)
+            .finish_non_exhaustive()
+    }
+}

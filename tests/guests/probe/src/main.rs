@@ -1,0 +1,152 @@
+//! A test guest for tpubox. `argv[1]` picks what it does; every case prints one line
+//! `NAME: RESULT` that the host-side tests in `tests/guests.rs` assert on.
+//!
+//! - `env`: prints how many environment variables the guest sees and their names.
+//! - `read PATH`: tries to read a file, printing `ok LEN` or `err`.
+//! - `loop`: spins forever (the host's deadline must stop it).
+//! - `alloc MIB`: allocates and touches that many MiB.
+//! - `errors`: makes bad calls straight through the raw bindings (bypassing the SDK's own
+//!   checks) and prints the error kind the host returned for each.
+//! - `donate`: donates a tensor and checks it can no longer be used.
+//! - `noop`: returns at once (for timing instantiation).
+//! - `exec-loop N`: executes a scalar add N times with inputs kept on the device and prints the
+//!   guest-measured time (for the per-call benchmark).
+
+use tpubox_guest::bindings::tpubox::device::{client, types};
+use tpubox_guest::{Dtype, ErrorKind, Tensor, compile_mlir};
+
+const ADD: &str = r#"
+func.func public @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf32> {
+  %0 = stablehlo.add %a, %b : tensor<2x2xf32>
+  return %0 : tensor<2x2xf32>
+}
+"#;
+
+fn kind_name(k: ErrorKind) -> &'static str {
+    match k {
+        ErrorKind::InvalidArgument => "invalid-argument",
+        ErrorKind::NotFound => "not-found",
+        ErrorKind::FailedPrecondition => "failed-precondition",
+        ErrorKind::PermissionDenied => "permission-denied",
+        ErrorKind::ResourceExhausted => "resource-exhausted",
+        ErrorKind::Unsupported => "unsupported",
+        ErrorKind::CompileFailed => "compile-failed",
+        ErrorKind::ExecutionFailed => "execution-failed",
+        ErrorKind::Internal => "internal",
+    }
+}
+
+fn report<T>(name: &str, r: Result<T, types::Error>) {
+    match r {
+        Ok(_) => println!("{name}: ok"),
+        Err(e) => println!("{name}: {} ({})", kind_name(e.kind), e.message),
+    }
+}
+
+fn raw_tensor(dtype: Dtype, dims: &[u64], len: usize, device: Option<u32>) -> Result<types::Tensor, types::Error> {
+    types::Tensor::from_bytes(dtype, dims, &vec![0u8; len], device)
+}
+
+fn errors() {
+    let ok = || raw_tensor(Dtype::F32, &[2, 2], 16, None).expect("valid tensor");
+    report("short-data", raw_tensor(Dtype::F32, &[2, 2], 15, None));
+    report("long-data", raw_tensor(Dtype::F32, &[2, 2], 17, None));
+    report("dims-overflow", raw_tensor(Dtype::F64, &[u64::MAX / 2, 4], 0, None));
+    report("dim-over-i64", raw_tensor(Dtype::U8, &[u64::MAX], 0, None));
+    report("rank-too-big", raw_tensor(Dtype::U8, &[1; 40], 1, None));
+    report("bad-device", raw_tensor(Dtype::F32, &[2, 2], 16, Some(999)));
+    let fmt = client::ProgramFormat::MlirText;
+    let opts = client::CompileOptions { device: None };
+    report("empty-program", client::compile(fmt, &[], opts));
+    report("not-utf8", client::compile(fmt, &[0xff, 0xfe, 0x00], opts));
+    report("garbage-mlir", client::compile(fmt, b"this is not mlir", opts));
+    report(
+        "bad-bytecode",
+        client::compile(client::ProgramFormat::MlirBytecode, b"not bytecode", opts),
+    );
+    report(
+        "compile-bad-device",
+        client::compile(fmt, ADD.as_bytes(), client::CompileOptions { device: Some(999) }),
+    );
+    let exe = client::compile(fmt, ADD.as_bytes(), opts).expect("ADD compiles");
+    let (a, b) = (ok(), ok());
+    report("arg-count", client::execute(&exe, &[&a], &[]));
+    let wrong_dtype = raw_tensor(Dtype::S32, &[2, 2], 16, None).unwrap();
+    report("arg-dtype", client::execute(&exe, &[&a, &wrong_dtype], &[]));
+    let wrong_dims = raw_tensor(Dtype::F32, &[4], 16, None).unwrap();
+    report("arg-dims", client::execute(&exe, &[&a, &wrong_dims], &[]));
+    report("donate-out-of-range", client::execute(&exe, &[&a, &b], &[2]));
+    report("donate-repeated", client::execute(&exe, &[&a, &b], &[0, 0]));
+    report("same-tensor-donated", client::execute(&exe, &[&a, &a], &[0]));
+    report("same-tensor-borrowed", client::execute(&exe, &[&a, &a], &[]));
+    report("valid-call", client::execute(&exe, &[&a, &b], &[]));
+}
+
+fn donate() {
+    let exe = compile_mlir(ADD).expect("ADD compiles");
+    let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
+    let b = Tensor::from_slice(&[10.0f32, 20.0, 30.0, 40.0], &[2, 2]).unwrap();
+    let out = client::execute(exe.as_raw(), &[a.as_raw(), b.as_raw()], &[0]).expect("donating call");
+    let sum = Tensor::from_raw(out.into_iter().next().unwrap());
+    println!("donate-result: {:?}", sum.to_vec::<f32>().unwrap());
+    report("read-after-donate", a.as_raw().read());
+    report("execute-after-donate", client::execute(exe.as_raw(), &[a.as_raw(), b.as_raw()], &[]));
+    report("copy-after-donate", a.as_raw().copy_to_device(0));
+    println!("spec-after-donate: {:?}", a.as_raw().spec().dims);
+    report("b-still-usable", b.as_raw().read());
+}
+
+const SCALAR_ADD: &str = r#"
+func.func public @main(%a: tensor<f32>, %b: tensor<f32>) -> tensor<f32> {
+  %0 = stablehlo.add %a, %b : tensor<f32>
+  return %0 : tensor<f32>
+}
+"#;
+
+fn exec_loop(n: u32) {
+    let exe = compile_mlir(SCALAR_ADD).expect("scalar add compiles");
+    let a = Tensor::scalar(1.5f32).unwrap();
+    let b = Tensor::scalar(2.25f32).unwrap();
+    let mut last = exe.call(&[&a, &b]).unwrap();
+    let start = std::time::Instant::now();
+    for _ in 0..n {
+        last = exe.call(&[&a, &b]).unwrap();
+    }
+    let ns = start.elapsed().as_nanos();
+    let value: f32 = last[0].to_scalar().unwrap();
+    println!("exec-loop: {n} {ns} {value}");
+}
+
+fn main() {
+    let args: Vec<String> = std::env::args().collect();
+    match args.get(1).map(String::as_str) {
+        Some("env") => {
+            let names: Vec<String> = std::env::vars().map(|(k, _)| k).collect();
+            println!("env: {} {}", names.len(), names.join(","));
+        }
+        Some("read") => match std::fs::read(&args[2]) {
+            Ok(b) => println!("read: ok {}", b.len()),
+            Err(_) => println!("read: err"),
+        },
+        Some("loop") => {
+            let mut x: u64 = 0;
+            loop {
+                x = std::hint::black_box(x.wrapping_add(1));
+            }
+        }
+        Some("alloc") => {
+            let mib: usize = args[2].parse().unwrap();
+            let mut v = vec![0u8; mib << 20];
+            v[(mib << 20) - 1] = 1;
+            println!("alloc: ok {}", v.iter().map(|&b| b as usize).sum::<usize>());
+        }
+        Some("errors") => errors(),
+        Some("noop") => {}
+        Some("exec-loop") => exec_loop(args[2].parse().unwrap()),
+        Some("donate") => donate(),
+        _ => {
+            eprintln!("usage: probe env|read PATH|loop|alloc MIB|errors|donate");
+            std::process::exit(2);
+        }
+    }
+}
