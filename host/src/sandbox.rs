@@ -18,7 +18,7 @@ use wasmtime::{
 };
 use wasmtime_wasi::p2::bindings::Command;
 use wasmtime_wasi::p2::pipe::{MemoryInputPipe, MemoryOutputPipe};
-use wasmtime_wasi::{DirPerms, FilePerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
+use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::device::DeviceService;
 use crate::wit::DeviceView;
@@ -118,6 +118,7 @@ pub struct Sandbox {
     engine: Engine,
     linker: Linker<GuestState>,
     config: SandboxConfig,
+    cache: Option<Cache>,
     _ticker: EpochTicker,
 }
 
@@ -149,12 +150,15 @@ impl Sandbox {
         pool.max_memories_per_component(16);
         pool.max_memory_size(config.max_guest_memory);
         cfg.allocation_strategy(InstanceAllocationStrategy::Pooling(pool));
+        let mut cache = None;
         if let Some(dir) = &config.cache_dir {
             std::fs::create_dir_all(dir)
                 .with_context(|| format!("creating the component cache dir {}", dir.display()))?;
             let mut cc = CacheConfig::new();
             cc.with_directory(dir);
-            cfg.cache(Some(Cache::new(cc)?));
+            let c = Cache::new(cc)?;
+            cfg.cache(Some(c.clone()));
+            cache = Some(c);
         }
         let engine = Engine::new(&cfg)?;
         let mut linker = Linker::new(&engine);
@@ -179,6 +183,7 @@ impl Sandbox {
             engine,
             linker,
             config,
+            cache,
             _ticker: EpochTicker { stop },
         })
     }
@@ -204,14 +209,13 @@ impl Sandbox {
         if !wasmparser_is_component(bytes) {
             bail!("not a WebAssembly component (a core module or other file); build guests for wasm32-wasip2");
         }
-        Component::new(&self.engine, bytes)
+        Ok(Component::new(&self.engine, bytes)?)
     }
 
     /// `(hits, misses)` of the compilation cache since this sandbox was built.
     pub fn cache_stats(&self) -> (usize, usize) {
-        self.engine
-            .config()
-            .cache()
+        self.cache
+            .as_ref()
             .map(|c| (c.cache_hits(), c.cache_misses()))
             .unwrap_or((0, 0))
     }
@@ -237,7 +241,8 @@ impl Sandbox {
             wasi.env(k, v);
         }
         for (host, guest) in &opts.dirs {
-            wasi.preopened_dir(host, guest, DirPerms::READ, FilePerms::READ)
+            wasi.preopened_dir(host, guest, FsPerms::ReadOnly)
+                .map_err(anyhow::Error::from)
                 .with_context(|| format!("granting directory {}", host.display()))?;
         }
         match &opts.stdin {
@@ -285,11 +290,11 @@ impl Sandbox {
                 Some(code) => code.0 == 0,
                 None => {
                     return Err(match deadline {
-                        Some(d) if Instant::now() >= d => e.context(format!(
+                        Some(d) if Instant::now() >= d => anyhow::Error::from(e).context(format!(
                             "guest exceeded its deadline of {:?}",
                             opts.deadline.unwrap_or_default()
                         )),
-                        _ => e,
+                        _ => e.into(),
                     });
                 }
             },
