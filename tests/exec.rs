@@ -76,7 +76,10 @@ fn write_inputs(dir: &Path, inputs: &[Input]) -> Vec<PathBuf> {
         .collect()
 }
 
-async fn try_run(name: &str, inputs: &[Input]) -> (tempfile::TempDir, anyhow::Result<Vec<OutputInfo>>) {
+async fn try_run(
+    name: &str,
+    inputs: &[Input],
+) -> (tempfile::TempDir, anyhow::Result<Vec<OutputInfo>>) {
     let dir = tempfile::tempdir().unwrap();
     let args = write_inputs(dir.path(), inputs);
     let out = dir.path().join("out");
@@ -91,7 +94,10 @@ async fn run(name: &str, inputs: &[Input]) -> Ran {
     // outputs.json must agree with the returned descriptions.
     let json = std::fs::read_to_string(out.join("outputs.json")).expect("outputs.json");
     let listed: Vec<OutputInfo> = serde_json::from_str(&json).expect("outputs.json parses");
-    assert_eq!(listed, infos, "{name}: outputs.json differs from exec's result");
+    assert_eq!(
+        listed, infos,
+        "{name}: outputs.json differs from exec's result"
+    );
     for (i, info) in infos.iter().enumerate() {
         assert_eq!(info.index, i);
         assert_eq!(info.file, format!("out{i}.npy"));
@@ -136,7 +142,10 @@ fn facts(ty: PrimitiveType) -> (&'static str, &'static str, usize) {
 
 /// Parses a `.npy` file by hand: returns (descr, shape, data bytes).
 fn parse_npy(bytes: &[u8]) -> (String, Vec<i64>, Vec<u8>) {
-    assert!(bytes.len() >= 10 && &bytes[..6] == b"\x93NUMPY", "not an .npy file");
+    assert!(
+        bytes.len() >= 10 && &bytes[..6] == b"\x93NUMPY",
+        "not an .npy file"
+    );
     let (hlen, start) = match bytes[6] {
         1 => (u16::from_le_bytes([bytes[8], bytes[9]]) as usize, 10),
         2 | 3 => (
@@ -168,7 +177,12 @@ fn parse_npy(bytes: &[u8]) -> (String, Vec<i64>, Vec<u8>) {
 /// Checks output `i` of `ran` exactly: dtype, dims, the `.npy` descr and shape, the data bytes.
 fn check_exact(ran: &Ran, i: usize, ty: PrimitiveType, dims: &[i64], data: &[u8]) {
     let data_got = check_header(ran, i, ty, dims);
-    assert_eq!(data_got, data, "output {i} ({}{dims:?}): data bytes differ", facts(ty).0);
+    assert_eq!(
+        data_got,
+        data,
+        "output {i} ({}{dims:?}): data bytes differ",
+        facts(ty).0
+    );
 }
 
 /// Checks output `i`'s dtype, dims and header; returns its data bytes.
@@ -203,12 +217,18 @@ fn check_values(ran: &Ran, i: usize, ty: PrimitiveType, dims: &[i64], want: &[u8
     let is_nan = |b: &[u8]| match ty {
         PrimitiveType::F16 => f16::from_le_bytes([b[0], b[1]]).is_nan(),
         PrimitiveType::Bf16 => bf16::from_le_bytes([b[0], b[1]]).is_nan(),
-        PrimitiveType::F32 | PrimitiveType::C64 => f32::from_le_bytes(b.try_into().unwrap()).is_nan(),
+        PrimitiveType::F32 | PrimitiveType::C64 => {
+            f32::from_le_bytes(b.try_into().unwrap()).is_nan()
+        }
         _ => f64::from_le_bytes(b.try_into().unwrap()).is_nan(),
     };
     for (k, (g, w)) in got.chunks(comp).zip(want.chunks(comp)).enumerate() {
         if is_nan(w) {
-            assert!(is_nan(g), "output {i} ({}): component {k} should be NaN, got {g:02x?}", facts(ty).0);
+            assert!(
+                is_nan(g),
+                "output {i} ({}): component {k} should be NaN, got {g:02x?}",
+                facts(ty).0
+            );
         } else {
             assert_eq!(g, w, "output {i} ({}): component {k} differs", facts(ty).0);
         }
@@ -325,8 +345,19 @@ macro_rules! complex_case {
             (<$t>::MAX, <$t>::from_bits(1)),
             (0.0, 3.0),
         ];
-        let b: [($t, $t); 6] = [(1.0, 1.0), (1.0, 0.0), (0.0, 0.0), (0.5, 0.25), (<$t>::MAX, 0.0), (-1.0, -3.0)];
-        let sum: Vec<($t, $t)> = a.iter().zip(&b).map(|(x, y)| (x.0 + y.0, x.1 + y.1)).collect();
+        let b: [($t, $t); 6] = [
+            (1.0, 1.0),
+            (1.0, 0.0),
+            (0.0, 0.0),
+            (0.5, 0.25),
+            (<$t>::MAX, 0.0),
+            (-1.0, -3.0),
+        ];
+        let sum: Vec<($t, $t)> = a
+            .iter()
+            .zip(&b)
+            .map(|(x, y)| (x.0 + y.0, x.1 + y.1))
+            .collect();
         let neg: Vec<($t, $t)> = a.iter().map(|x| (-x.0, -x.1)).collect();
         DtypeCase {
             ty: $pt,
@@ -364,7 +395,15 @@ fn dtype_case(ty: PrimitiveType) -> DtypeCase {
         U32 => unsigned_case!(u32, U32),
         U64 => unsigned_case!(u64, U64),
         F16 => float_case!(f16, F16, 0x7e01, 1, f16::ONE, f16::from_f32(2.5), f16::ZERO),
-        Bf16 => float_case!(bf16, Bf16, 0x7fc1, 1, bf16::ONE, bf16::from_f32(2.5), bf16::ZERO),
+        Bf16 => float_case!(
+            bf16,
+            Bf16,
+            0x7fc1,
+            1,
+            bf16::ONE,
+            bf16::from_f32(2.5),
+            bf16::ZERO
+        ),
         F32 => float_case!(f32, F32, 0x7fc0_0001, 1, 1.0, 2.5, 0.0),
         F64 => float_case!(f64, F64, 0x7ff8_0000_0000_0001, 1, 1.0, 2.5, 0.0),
         C64 => complex_case!(f32, C64),
@@ -384,7 +423,11 @@ async fn run_dtype(ty: PrimitiveType) {
         ],
     )
     .await;
-    assert_eq!(ran.infos.len(), 1 + case.ops.len(), "{file}: number of outputs");
+    assert_eq!(
+        ran.infos.len(),
+        1 + case.ops.len(),
+        "{file}: number of outputs"
+    );
     // Output 0 returns the argument: bit-exact, NaN payloads and subnormals included.
     check_exact(&ran, 0, ty, &[2, 3], &case.a);
     for (k, want) in case.ops.iter().enumerate() {
@@ -439,7 +482,8 @@ async fn identity_all_types() {
         .collect();
     // The program's parameter order is the order of PrimitiveType::ALL.
     let order = [
-        "PRED", "S8", "S16", "S32", "S64", "U8", "U16", "U32", "U64", "F16", "BF16", "F32", "F64", "C64", "C128",
+        "PRED", "S8", "S16", "S32", "S64", "U8", "U16", "U32", "U64", "F16", "BF16", "F32", "F64",
+        "C64", "C128",
     ];
     let names: Vec<&str> = PrimitiveType::ALL.iter().map(|&t| facts(t).0).collect();
     assert_eq!(names, order);
@@ -483,7 +527,11 @@ async fn bf16_is_raw_v2() {
 #[tokio::test]
 async fn multiple_outputs_scalar_and_empty() {
     let a: [f32; 6] = [0.5, 1.5, -2.0, 4.0, 8.25, -0.75];
-    let ran = run("multi_out.mlir", &[input(PrimitiveType::F32, &[2, 3], le(&a))]).await;
+    let ran = run(
+        "multi_out.mlir",
+        &[input(PrimitiveType::F32, &[2, 3], le(&a))],
+    )
+    .await;
     assert_eq!(ran.infos.len(), 4);
     // Every partial sum of these values is exact in f32, so the order of the reduction is moot.
     let sum: f32 = a.iter().sum();
@@ -503,7 +551,10 @@ async fn tuple_result() {
     let b: [i32; 3] = [7, i32::MIN, -1];
     let (_dir, r) = try_run(
         "tuple_result.mlir",
-        &[input(PrimitiveType::F32, &[2], le(&a)), input(PrimitiveType::S32, &[3], le(&b))],
+        &[
+            input(PrimitiveType::F32, &[2], le(&a)),
+            input(PrimitiveType::S32, &[3], le(&b)),
+        ],
     )
     .await;
     match r {
@@ -557,7 +608,9 @@ fn assert_close(got: &[f32], want: &[f32], tol: f32) {
 }
 
 fn f32s(data: &[u8]) -> Vec<f32> {
-    data.chunks_exact(4).map(|c| f32::from_le_bytes(c.try_into().unwrap())).collect()
+    data.chunks_exact(4)
+        .map(|c| f32::from_le_bytes(c.try_into().unwrap()))
+        .collect()
 }
 
 #[tokio::test]
@@ -579,8 +632,14 @@ async fn matmul_with_bias() {
 
 #[tokio::test]
 async fn reduce_sum_s32() {
-    let a: Vec<i32> = (0..12).map(|i| i * 1_000_003 - 5_000_000 + if i % 3 == 0 { -7 } else { 11 }).collect();
-    let ran = run("reduce_sum_s32.mlir", &[input(PrimitiveType::S32, &[3, 4], le(&a))]).await;
+    let a: Vec<i32> = (0..12)
+        .map(|i| i * 1_000_003 - 5_000_000 + if i % 3 == 0 { -7 } else { 11 })
+        .collect();
+    let ran = run(
+        "reduce_sum_s32.mlir",
+        &[input(PrimitiveType::S32, &[3, 4], le(&a))],
+    )
+    .await;
     let rows: Vec<i32> = (0..3).map(|i| (0..4).map(|j| a[i * 4 + j]).sum()).collect();
     let cols: Vec<i32> = (0..4).map(|j| (0..3).map(|i| a[i * 4 + j]).sum()).collect();
     check_exact(&ran, 0, PrimitiveType::S32, &[3], &le(&rows));
@@ -611,12 +670,19 @@ async fn compare_and_select() {
     let b: [f32; 6] = [0.0, -1.0, 1.0, 3.0, 0.0, f32::INFINITY];
     let ran = run(
         "compare_select.mlir",
-        &[input(PrimitiveType::F32, &[2, 3], le(&a)), input(PrimitiveType::F32, &[2, 3], le(&b))],
+        &[
+            input(PrimitiveType::F32, &[2, 3], le(&a)),
+            input(PrimitiveType::F32, &[2, 3], le(&b)),
+        ],
     )
     .await;
     let mask: Vec<bool> = a.iter().zip(&b).map(|(x, y)| x > y).collect();
     assert_eq!(mask, [true, false, false, false, false, false]);
-    let sel: Vec<f32> = mask.iter().zip(a.iter().zip(&b)).map(|(&m, (&x, &y))| if m { x } else { y }).collect();
+    let sel: Vec<f32> = mask
+        .iter()
+        .zip(a.iter().zip(&b))
+        .map(|(&m, (&x, &y))| if m { x } else { y })
+        .collect();
     check_exact(&ran, 0, PrimitiveType::Pred, &[2, 3], &le(&mask));
     check_exact(&ran, 1, PrimitiveType::F32, &[2, 3], &le(&sel));
 }
@@ -637,7 +703,11 @@ async fn iota_without_parameters() {
 #[tokio::test]
 async fn transpose_and_reshape() {
     let a: Vec<i32> = (0..6).map(|k| 10 * (k / 3) + k % 3 - 4).collect();
-    let ran = run("transpose_reshape.mlir", &[input(PrimitiveType::S32, &[2, 3], le(&a))]).await;
+    let ran = run(
+        "transpose_reshape.mlir",
+        &[input(PrimitiveType::S32, &[2, 3], le(&a))],
+    )
+    .await;
     let mut t = vec![0i32; 6];
     for i in 0..2 {
         for j in 0..3 {
@@ -655,7 +725,10 @@ async fn concatenate_and_slice() {
     let b: Vec<f32> = vec![-1.0, -2.0, -3.0];
     let ran = run(
         "concat_slice.mlir",
-        &[input(PrimitiveType::F32, &[2, 3], le(&a)), input(PrimitiveType::F32, &[1, 3], le(&b))],
+        &[
+            input(PrimitiveType::F32, &[2, 3], le(&a)),
+            input(PrimitiveType::F32, &[1, 3], le(&b)),
+        ],
     )
     .await;
     let c: Vec<f32> = a.iter().chain(&b).copied().collect();
@@ -727,7 +800,11 @@ fn cli_exec_matmul() {
         .unwrap();
     let stdout = String::from_utf8_lossy(&o.stdout);
     let stderr = String::from_utf8_lossy(&o.stderr);
-    assert!(o.status.success(), "status {:?}\nstdout {stdout}\nstderr {stderr}", o.status);
+    assert!(
+        o.status.success(),
+        "status {:?}\nstdout {stdout}\nstderr {stderr}",
+        o.status
+    );
     assert!(stdout.contains("out0.npy"), "stdout: {stdout}");
 
     let json: serde_json::Value =
@@ -760,7 +837,11 @@ fn cli_exec_scalar_and_empty_outputs() {
         .arg(&out)
         .output()
         .unwrap();
-    assert!(o.status.success(), "stderr {}", String::from_utf8_lossy(&o.stderr));
+    assert!(
+        o.status.success(),
+        "stderr {}",
+        String::from_utf8_lossy(&o.stderr)
+    );
     let json: serde_json::Value =
         serde_json::from_str(&std::fs::read_to_string(out.join("outputs.json")).unwrap()).unwrap();
     let got: Vec<(String, serde_json::Value)> = json
@@ -793,7 +874,11 @@ fn assert_cli_fails(args: &[&std::ffi::OsStr], needle: &str) -> String {
     assert_eq!(o.status.code(), Some(2), "stderr {stderr}");
     let lines: Vec<&str> = stderr.lines().filter(|l| !l.trim().is_empty()).collect();
     let ours: Vec<&&str> = lines.iter().filter(|l| l.starts_with("tpubox: ")).collect();
-    assert_eq!(ours.len(), 1, "one `tpubox:` line expected; stderr:\n{stderr}");
+    assert_eq!(
+        ours.len(),
+        1,
+        "one `tpubox:` line expected; stderr:\n{stderr}"
+    );
     assert!(ours[0].contains(needle), "stderr:\n{stderr}");
     stderr
 }
@@ -827,7 +912,12 @@ fn cli_compile_failure_fails_cleanly() {
     let prog = program("bad_syntax.mlir");
     let out = dir.path().join("o");
     assert_cli_fails(
-        &["exec".as_ref(), prog.as_os_str(), "--out".as_ref(), out.as_os_str()],
+        &[
+            "exec".as_ref(),
+            prog.as_os_str(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ],
         "bad_syntax.mlir",
     );
 }
@@ -841,7 +931,10 @@ async fn wrong_argument_count_names_the_parameters() {
     let (x, w, _) = matmul_inputs();
     let msg = expect_err(
         "matmul_bias.mlir",
-        &[input(PrimitiveType::F32, &[2, 3], le(&x)), input(PrimitiveType::F32, &[3, 4], le(&w))],
+        &[
+            input(PrimitiveType::F32, &[2, 3], le(&x)),
+            input(PrimitiveType::F32, &[3, 4], le(&w)),
+        ],
     )
     .await;
     assert!(msg.contains("takes 3 argument(s)"), "{msg}");
@@ -876,7 +969,10 @@ async fn wrong_dtype_is_refused() {
     )
     .await;
     assert!(msg.contains("F32"), "names the expected dtype: {msg}");
-    assert!(msg.contains("F64") || msg.contains("f8"), "names the given dtype: {msg}");
+    assert!(
+        msg.contains("F64") || msg.contains("f8"),
+        "names the given dtype: {msg}"
+    );
     assert!(msg.contains("in0.npy"), "names the file: {msg}");
     // A same-size integer array is no substitute either.
     let xi: Vec<i32> = x.iter().map(|&v| v as i32).collect();
@@ -936,7 +1032,10 @@ async fn compile_failures_are_errors() {
     for name in ["bad_syntax.mlir", "bad_types.mlir"] {
         let msg = expect_err(name, &[]).await;
         assert!(msg.contains(name), "names the program: {msg}");
-        assert!(msg.to_lowercase().contains("compil"), "says it failed to compile: {msg}");
+        assert!(
+            msg.to_lowercase().contains("compil"),
+            "says it failed to compile: {msg}"
+        );
     }
     // The device is still usable afterwards.
     iota_program_works().await;
@@ -948,18 +1047,27 @@ async fn unreadable_inputs_are_errors() {
     let out = dir.path().join("o");
     let svc = device();
     // Missing program.
-    let e = tpubox::exec::exec(&svc, &dir.path().join("nope.mlir"), &[], &out).await.unwrap_err();
+    let e = tpubox::exec::exec(&svc, &dir.path().join("nope.mlir"), &[], &out)
+        .await
+        .unwrap_err();
     assert!(format!("{e:#}").contains("nope.mlir"), "{e:#}");
     // Empty program.
     let empty = dir.path().join("empty.mlir");
     std::fs::write(&empty, b"").unwrap();
-    let e = tpubox::exec::exec(&svc, &empty, &[], &out).await.unwrap_err();
+    let e = tpubox::exec::exec(&svc, &empty, &[], &out)
+        .await
+        .unwrap_err();
     assert!(format!("{e:#}").contains("empty"), "{e:#}");
     // Missing argument file.
     let missing = dir.path().join("missing.npy");
-    let e = tpubox::exec::exec(&svc, &program("concat_slice.mlir"), &[missing.clone(), missing], &out)
-        .await
-        .unwrap_err();
+    let e = tpubox::exec::exec(
+        &svc,
+        &program("concat_slice.mlir"),
+        &[missing.clone(), missing],
+        &out,
+    )
+    .await
+    .unwrap_err();
     assert!(format!("{e:#}").contains("missing.npy"), "{e:#}");
     // An argument that is not an .npy file.
     let junk = dir.path().join("junk.npy");

@@ -14,7 +14,9 @@ fn wasm(name: &str) -> PathBuf {
     let target = std::env::var_os("CARGO_TARGET_DIR")
         .map(PathBuf::from)
         .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    let p = target.join("wasm32-wasip2/release").join(format!("{name}.wasm"));
+    let p = target
+        .join("wasm32-wasip2/release")
+        .join(format!("{name}.wasm"));
     assert!(
         p.is_file(),
         "{} is missing: build the guests first (bash scripts/dev.sh test does)",
@@ -50,7 +52,11 @@ fn component(name: &str) -> Component {
     comp
 }
 
-async fn run(name: &str, args: &[&str], tweak: impl FnOnce(&mut RunOptions)) -> anyhow::Result<RunOutcome> {
+async fn run(
+    name: &str,
+    args: &[&str],
+    tweak: impl FnOnce(&mut RunOptions),
+) -> anyhow::Result<RunOutcome> {
     let mut opts = RunOptions {
         args: args.iter().map(|s| s.to_string()).collect(),
         capture_output: true,
@@ -120,9 +126,15 @@ fn assert_close(got: &[Vec<f32>], want: &[Vec<f32>]) {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn hello_matmul_matches_reference() {
     for scale in ["1", "2", "-0.5"] {
-        let o = run("hello-matmul", &["--scale", scale], |_| {}).await.unwrap();
+        let o = run("hello-matmul", &["--scale", scale], |_| {})
+            .await
+            .unwrap();
         let out = stdout(&o);
-        assert!(o.success, "guest failed:\n{out}\n{}", String::from_utf8_lossy(&o.stderr));
+        assert!(
+            o.success,
+            "guest failed:\n{out}\n{}",
+            String::from_utf8_lossy(&o.stderr)
+        );
         assert_close(&parse_result(&out), &hello_expected(scale.parse().unwrap()));
     }
 }
@@ -132,17 +144,24 @@ async fn guests_run_concurrently_on_one_device() {
     let runs = (0..4).map(|i| {
         let scale = format!("{}", i + 1);
         async move {
-            let o = run("hello-matmul", &["--scale", &scale], |_| {}).await.unwrap();
+            let o = run("hello-matmul", &["--scale", &scale], |_| {})
+                .await
+                .unwrap();
             (scale, o)
         }
     });
     for (scale, o) in futures_join(runs).await {
         assert!(o.success);
-        assert_close(&parse_result(&stdout(&o)), &hello_expected(scale.parse().unwrap()));
+        assert_close(
+            &parse_result(&stdout(&o)),
+            &hello_expected(scale.parse().unwrap()),
+        );
     }
 }
 
-async fn futures_join<F: std::future::Future + Send + 'static>(fs: impl Iterator<Item = F>) -> Vec<F::Output>
+async fn futures_join<F: std::future::Future + Send + 'static>(
+    fs: impl Iterator<Item = F>,
+) -> Vec<F::Output>
 where
     F::Output: Send + 'static,
 {
@@ -184,7 +203,10 @@ async fn host_rejects_bad_calls_with_typed_errors() {
         assert_eq!(kind(&out, case), want, "case {case}: {}", line(&out, case));
     }
     assert!(line(&out, "short-data").contains("needs 16 bytes"), "{out}");
-    assert!(line(&out, "arg-dtype").contains("expects f32[2,2]"), "{out}");
+    assert!(
+        line(&out, "arg-dtype").contains("expects f32[2,2]"),
+        "{out}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -204,15 +226,23 @@ async fn donated_tensor_is_unusable_and_others_are_not() {
 async fn guest_sees_no_environment_or_files_unless_granted() {
     let o = run("tpubox-probe", &["env"], |_| {}).await.unwrap();
     assert_eq!(line(&stdout(&o), "env"), "0 ");
-    let o = run("tpubox-probe", &["env"], |opt| opt.env = vec![("ANSWER".into(), "42".into())])
-        .await
-        .unwrap();
+    let o = run("tpubox-probe", &["env"], |opt| {
+        opt.env = vec![("ANSWER".into(), "42".into())]
+    })
+    .await
+    .unwrap();
     assert_eq!(line(&stdout(&o), "env"), "1 ANSWER");
 
     let dir = tempfile::tempdir().unwrap();
     std::fs::write(dir.path().join("data.txt"), b"hello").unwrap();
     let host_file = dir.path().join("data.txt");
-    let o = run("tpubox-probe", &["read", host_file.to_str().unwrap()], |_| {}).await.unwrap();
+    let o = run(
+        "tpubox-probe",
+        &["read", host_file.to_str().unwrap()],
+        |_| {},
+    )
+    .await
+    .unwrap();
     assert_eq!(line(&stdout(&o), "read"), "err");
     let o = run("tpubox-probe", &["read", "/data/data.txt"], |opt| {
         opt.dirs = vec![(dir.path().to_path_buf(), "/data".into())]
@@ -224,9 +254,11 @@ async fn guest_sees_no_environment_or_files_unless_granted() {
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn deadline_stops_an_infinite_loop_and_host_keeps_serving() {
-    let err = run("tpubox-probe", &["loop"], |opt| opt.deadline = Some(Duration::from_millis(300)))
-        .await
-        .unwrap_err();
+    let err = run("tpubox-probe", &["loop"], |opt| {
+        opt.deadline = Some(Duration::from_millis(300))
+    })
+    .await
+    .unwrap_err();
     assert!(format!("{err:#}").contains("deadline"), "{err:#}");
     let o = run("hello-matmul", &[], |_| {}).await.unwrap();
     assert_close(&parse_result(&stdout(&o)), &hello_expected(1.0));

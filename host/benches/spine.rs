@@ -26,8 +26,13 @@ const CALLS: u32 = 20_000;
 const ROUNDS: usize = 5;
 
 fn probe_wasm() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/wasm32-wasip2/release/tpubox-probe.wasm");
-    assert!(p.is_file(), "{} missing: run `bash scripts/dev.sh setup` first", p.display());
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/wasm32-wasip2/release/tpubox-probe.wasm");
+    assert!(
+        p.is_file(),
+        "{} missing: run `bash scripts/dev.sh setup` first",
+        p.display()
+    );
     p
 }
 
@@ -38,10 +43,26 @@ fn median(mut v: Vec<f64>) -> f64 {
 
 async fn host_per_call_us(host: &Host) -> f64 {
     let dev = host.device();
-    let exe = dev.compile(SCALAR_ADD.as_bytes().to_vec(), true, 0).await.unwrap();
-    let a = dev.tensor_from_bytes(PrimitiveType::F32, &[], &1.5f32.to_le_bytes(), 0).unwrap();
-    let b = dev.tensor_from_bytes(PrimitiveType::F32, &[], &2.25f32.to_le_bytes(), 0).unwrap();
-    let args = [Arg { tensor: &a, donate: false }, Arg { tensor: &b, donate: false }];
+    let exe = dev
+        .compile(SCALAR_ADD.as_bytes().to_vec(), true, 0)
+        .await
+        .unwrap();
+    let a = dev
+        .tensor_from_bytes(PrimitiveType::F32, &[], &1.5f32.to_le_bytes(), 0)
+        .unwrap();
+    let b = dev
+        .tensor_from_bytes(PrimitiveType::F32, &[], &2.25f32.to_le_bytes(), 0)
+        .unwrap();
+    let args = [
+        Arg {
+            tensor: &a,
+            donate: false,
+        },
+        Arg {
+            tensor: &b,
+            donate: false,
+        },
+    ];
     let mut rounds = Vec::new();
     for _ in 0..ROUNDS {
         let start = Instant::now();
@@ -65,7 +86,10 @@ async fn guest_per_call_us(host: &Host, component: &wasmtime::component::Compone
         };
         let o = host.run(component, "probe", &opts).await.unwrap();
         let out = String::from_utf8(o.stdout).unwrap();
-        let line = out.lines().find_map(|l| l.strip_prefix("exec-loop: ")).expect("exec-loop line");
+        let line = out
+            .lines()
+            .find_map(|l| l.strip_prefix("exec-loop: "))
+            .expect("exec-loop line");
         let parts: Vec<&str> = line.split(' ').collect();
         assert_eq!(parts[2], "3.75", "the guest's result is 1.5 + 2.25");
         let ns: f64 = parts[1].parse().unwrap();
@@ -75,7 +99,10 @@ async fn guest_per_call_us(host: &Host, component: &wasmtime::component::Compone
 }
 
 fn main() {
-    let rt = tokio::runtime::Builder::new_multi_thread().enable_all().build().unwrap();
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
     rt.block_on(async {
         let cache = tempfile::tempdir().unwrap();
         let config = HostConfig {
@@ -115,15 +142,26 @@ fn main() {
         let guest_us = guest_per_call_us(&host, &component).await;
 
         let p = host.device().platform();
-        println!("tpubox spine benchmark — {} {} (PJRT C API {}.{})", p.name, p.version, p.pjrt_api_version.0, p.pjrt_api_version.1);
-        println!("execute: scalar f32 add, inputs on device, {CALLS} calls × {ROUNDS} rounds (median)");
+        println!(
+            "tpubox spine benchmark — {} {} (PJRT C API {}.{})",
+            p.name, p.version, p.pjrt_api_version.0, p.pjrt_api_version.1
+        );
+        println!(
+            "execute: scalar f32 add, inputs on device, {CALLS} calls × {ROUNDS} rounds (median)"
+        );
         println!();
         println!("| measure | value | ratio |");
         println!("|---|---|---|");
         println!("| execute per call, host direct | {host_us:.2} µs | 1.00 |");
-        println!("| execute per call, from a guest | {guest_us:.2} µs | {:.2} |", guest_us / host_us);
+        println!(
+            "| execute per call, from a guest | {guest_us:.2} µs | {:.2} |",
+            guest_us / host_us
+        );
         println!("| component load, cold (Cranelift) | {cold_ms:.1} ms | 1.00 |");
-        println!("| component load, warm (disk cache, {hits} hit) | {warm_ms:.1} ms | {:.3} |", warm_ms / cold_ms);
+        println!(
+            "| component load, warm (disk cache, {hits} hit) | {warm_ms:.1} ms | {:.3} |",
+            warm_ms / cold_ms
+        );
         println!("| instantiate + empty main (median of 50) | {inst_us:.0} µs | |");
     });
 }

@@ -7,7 +7,9 @@
 
 use std::sync::Arc;
 
-use pjrt::{Buffer, Client, CompileOptions, Device, LoadedExecutable, PrimitiveType, Program, ProgramFormat};
+use pjrt::{
+    Buffer, Client, CompileOptions, Device, LoadedExecutable, PrimitiveType, Program, ProgramFormat,
+};
 
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
 
@@ -136,7 +138,9 @@ pub struct DeviceService {
 
 impl std::fmt::Debug for DeviceService {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        f.debug_struct("DeviceService").field("platform", &self.platform).finish()
+        f.debug_struct("DeviceService")
+            .field("platform", &self.platform)
+            .finish()
     }
 }
 
@@ -350,7 +354,9 @@ impl DeviceService {
         let this = Arc::clone(self);
         tokio::task::spawn_blocking(move || this.compile_blocking(code, device))
             .await
-            .map_err(|e| DeviceError::new(ErrorKind::Internal, format!("compile task failed: {e}")))?
+            .map_err(|e| {
+                DeviceError::new(ErrorKind::Internal, format!("compile task failed: {e}"))
+            })?
     }
 
     fn compile_blocking(&self, code: Vec<u8>, device: u32) -> DeviceResult<DeviceExecutable> {
@@ -399,7 +405,11 @@ impl DeviceService {
     ///
     /// Errors: `invalid-argument` for count, dtype or dims mismatches and double donation;
     /// `failed-precondition` for a tensor on another device; `execution-failed` from the device.
-    pub async fn execute(&self, exe: &DeviceExecutable, args: &[Arg<'_>]) -> DeviceResult<Vec<DeviceTensor>> {
+    pub async fn execute(
+        &self,
+        exe: &DeviceExecutable,
+        args: &[Arg<'_>],
+    ) -> DeviceResult<Vec<DeviceTensor>> {
         validate_args(exe, args)?;
         let buffers: Vec<&Buffer> = args.iter().map(|a| &a.tensor.buffer).collect();
         let donate: Vec<usize> = args

@@ -55,10 +55,18 @@ pub struct Host {
 ///
 /// Errors: no plugin found (the message names the setup command), a plugin that fails to load
 /// or whose PJRT API version is too old, or a client that cannot be created.
-pub fn open_device(plugin: Option<&str>, options: &[(String, NamedValue)], max_program_bytes: usize) -> Result<Arc<DeviceService>> {
+pub fn open_device(
+    plugin: Option<&str>,
+    options: &[(String, NamedValue)],
+    max_program_bytes: usize,
+) -> Result<Arc<DeviceService>> {
     let path = crate::plugin::resolve(plugin)?;
-    let plugin = Plugin::load(&path).with_context(|| format!("loading PJRT plugin {}", path.display()))?;
-    let opts: Vec<(&str, NamedValue)> = options.iter().map(|(k, v)| (k.as_str(), v.clone())).collect();
+    let plugin =
+        Plugin::load(&path).with_context(|| format!("loading PJRT plugin {}", path.display()))?;
+    let opts: Vec<(&str, NamedValue)> = options
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
     let client = Client::new(&plugin, &opts).context("creating the PJRT client")?;
     Ok(Arc::new(DeviceService::new(client, max_program_bytes)?))
 }
@@ -68,7 +76,11 @@ impl Host {
     ///
     /// Errors: see [`open_device`]; an engine that cannot be configured.
     pub fn new(config: HostConfig) -> Result<Self> {
-        let device = open_device(config.plugin.as_deref(), &config.client_options, config.max_program_bytes)?;
+        let device = open_device(
+            config.plugin.as_deref(),
+            &config.client_options,
+            config.max_program_bytes,
+        )?;
         Self::with_device(device, config.sandbox)
     }
 
@@ -102,7 +114,12 @@ impl Host {
     /// Runs a WASI command component to completion; `name` is its `argv[0]`.
     ///
     /// Errors: see [`Sandbox::run`].
-    pub async fn run(&self, component: &Component, name: &str, opts: &RunOptions) -> Result<RunOutcome> {
+    pub async fn run(
+        &self,
+        component: &Component,
+        name: &str,
+        opts: &RunOptions,
+    ) -> Result<RunOutcome> {
         self.sandbox.run(&self.device, component, name, opts).await
     }
 }

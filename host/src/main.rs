@@ -148,16 +148,26 @@ async fn main_inner() -> Result<bool> {
         }
         Cmd::Devices { device, json } => {
             let cfg = device.config();
-            let svc = tpubox::open_device(cfg.plugin.as_deref(), &cfg.client_options, cfg.max_program_bytes)?;
+            let svc = tpubox::open_device(
+                cfg.plugin.as_deref(),
+                &cfg.client_options,
+                cfg.max_program_bytes,
+            )?;
             if json {
                 let v = serde_json::json!({ "platform": svc.platform(), "devices": svc.devices() });
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 let p = svc.platform();
                 println!("platform: {} {}", p.name, p.version);
-                println!("plugin:   {} (PJRT C API {}.{})", p.plugin_path, p.pjrt_api_version.0, p.pjrt_api_version.1);
+                println!(
+                    "plugin:   {} (PJRT C API {}.{})",
+                    p.plugin_path, p.pjrt_api_version.0, p.pjrt_api_version.1
+                );
                 for d in svc.devices() {
-                    println!("device {}: id {} kind {} ({})", d.index, d.id, d.kind, d.description);
+                    println!(
+                        "device {}: id {} kind {} ({})",
+                        d.index, d.id, d.kind, d.description
+                    );
                 }
             }
             Ok(true)
@@ -170,7 +180,11 @@ async fn main_inner() -> Result<bool> {
             out,
         } => {
             let cfg = device.config();
-            let svc = tpubox::open_device(cfg.plugin.as_deref(), &cfg.client_options, cfg.max_program_bytes)?;
+            let svc = tpubox::open_device(
+                cfg.plugin.as_deref(),
+                &cfg.client_options,
+                cfg.max_program_bytes,
+            )?;
             let infos = tpubox::exec::exec(&svc, &program, &args, &out).await?;
             for i in infos {
                 println!("{}: {}{:?}", i.file, i.dtype, i.dims);

@@ -129,7 +129,19 @@ macro_rules! le_num {
         }
     )*};
 }
-le_num!(i8, i16, i32, i64, u8, u16, u32, u64, f32, f64, npyz::half::f16);
+le_num!(
+    i8,
+    i16,
+    i32,
+    i64,
+    u8,
+    u16,
+    u32,
+    u64,
+    f32,
+    f64,
+    npyz::half::f16
+);
 
 impl LeBytes for bool {
     fn put(&self, out: &mut Vec<u8>) {
@@ -170,10 +182,18 @@ pub fn to_npy_bytes(ty: PrimitiveType, dims: &[i64], data: &[u8]) -> Result<Vec<
     let expected = crate::device::checked_byte_size(ty, dims)
         .with_context(|| format!("invalid dims {dims:?}"))?;
     if data.len() != expected {
-        bail!("{} {dims:?} needs {expected} bytes, got {}", ty.name(), data.len());
+        bail!(
+            "{} {dims:?} needs {expected} bytes, got {}",
+            ty.name(),
+            data.len()
+        );
     }
     let shape: Vec<u64> = dims.iter().map(|&d| d as u64).collect();
-    let dtype = DType::Plain(numpy_descr(ty).parse::<TypeStr>().map_err(|e| anyhow::anyhow!("{e}"))?);
+    let dtype = DType::Plain(
+        numpy_descr(ty)
+            .parse::<TypeStr>()
+            .map_err(|e| anyhow::anyhow!("{e}"))?,
+    );
     let mut out = Vec::with_capacity(data.len() + 128);
     with_rust_type!(ty, T => {
         let mut w = npyz::WriteOptions::<T>::new()
@@ -233,7 +253,10 @@ pub fn from_npy_bytes(bytes: &[u8], expected: Option<PrimitiveType>) -> Result<H
     }
     let descr = match file.dtype() {
         DType::Plain(t) => t,
-        other => bail!("structured or array dtype {:?} is not supported", other.descr()),
+        other => bail!(
+            "structured or array dtype {:?} is not supported",
+            other.descr()
+        ),
     };
     let dims: Vec<i64> = file
         .shape()
@@ -285,11 +308,26 @@ mod tests {
         for ty in PrimitiveType::ALL {
             let n = 6;
             let data: Vec<u8> = (0..n * ty.byte_size())
-                .map(|i| if ty == PrimitiveType::Pred { (i % 2) as u8 } else { (i * 37 + 11) as u8 })
+                .map(|i| {
+                    if ty == PrimitiveType::Pred {
+                        (i % 2) as u8
+                    } else {
+                        (i * 37 + 11) as u8
+                    }
+                })
                 .collect();
             let bytes = to_npy_bytes(ty, &[2, 3], &data).unwrap();
             let back = from_npy_bytes(&bytes, Some(ty)).unwrap();
-            assert_eq!(back, HostArray { ty, dims: vec![2, 3], data }, "{}", ty.name());
+            assert_eq!(
+                back,
+                HostArray {
+                    ty,
+                    dims: vec![2, 3],
+                    data
+                },
+                "{}",
+                ty.name()
+            );
         }
     }
 

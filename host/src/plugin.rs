@@ -98,7 +98,10 @@ pub fn known(name: &str) -> Option<&'static KnownPlugin> {
 impl KnownPlugin {
     /// Directory this plugin unpacks into.
     pub fn install_dir(&self) -> Option<PathBuf> {
-        cache_root().map(|r| r.join("plugins").join(format!("{}-{}", self.package, self.version)))
+        cache_root().map(|r| {
+            r.join("plugins")
+                .join(format!("{}-{}", self.package, self.version))
+        })
     }
 
     /// Path of the installed shared library, if `setup` completed for this plugin.
@@ -162,7 +165,9 @@ pub fn resolve(explicit: Option<&str>) -> Result<PathBuf> {
             return Ok(lib);
         }
     }
-    bail!("no PJRT plugin found: run `tpubox setup cpu` to install the CPU plugin, or pass --plugin PATH")
+    bail!(
+        "no PJRT plugin found: run `tpubox setup cpu` to install the CPU plugin, or pass --plugin PATH"
+    )
 }
 
 /// SHA-256 of a file, hex.
@@ -188,13 +193,23 @@ pub fn install(plugin: &KnownPlugin) -> Result<PathBuf> {
     let dir = plugin
         .install_dir()
         .context("cannot determine a cache directory; set TPUBOX_CACHE_DIR")?;
-    let root = dir.parent().context("install dir has no parent")?.to_path_buf();
+    let root = dir
+        .parent()
+        .context("install dir has no parent")?
+        .to_path_buf();
     std::fs::create_dir_all(&root)?;
     let download = tempfile::tempdir_in(&root)?;
     let spec = format!("{}=={}", plugin.package, plugin.version);
     eprintln!("tpubox setup: downloading {spec} with pip");
     let status = Command::new("python3")
-        .args(["-m", "pip", "download", "--no-deps", "--disable-pip-version-check", "-q"])
+        .args([
+            "-m",
+            "pip",
+            "download",
+            "--no-deps",
+            "--disable-pip-version-check",
+            "-q",
+        ])
         .arg(&spec)
         .arg("-d")
         .arg(download.path())

@@ -207,7 +207,9 @@ impl Sandbox {
     /// Errors: the bytes are not a valid component.
     pub fn load_component_bytes(&self, bytes: &[u8]) -> Result<Component> {
         if !wasmparser_is_component(bytes) {
-            bail!("not a WebAssembly component (a core module or other file); build guests for wasm32-wasip2");
+            bail!(
+                "not a WebAssembly component (a core module or other file); build guests for wasm32-wasip2"
+            );
         }
         Ok(Component::new(&self.engine, bytes)?)
     }
@@ -253,7 +255,10 @@ impl Sandbox {
                 wasi.inherit_stdin();
             }
         }
-        let (out, err) = (MemoryOutputPipe::new(64 << 20), MemoryOutputPipe::new(64 << 20));
+        let (out, err) = (
+            MemoryOutputPipe::new(64 << 20),
+            MemoryOutputPipe::new(64 << 20),
+        );
         if opts.capture_output {
             wasi.stdout(out.clone()).stderr(err.clone());
         } else {

@@ -9,7 +9,9 @@ use std::sync::Arc;
 use pjrt::PrimitiveType;
 use wasmtime::component::{Resource, ResourceTable};
 
-use crate::device::{Arg, DeviceExecutable, DeviceService, DeviceTensor, TensorSpec, dims_from_u64};
+use crate::device::{
+    Arg, DeviceExecutable, DeviceService, DeviceTensor, TensorSpec, dims_from_u64,
+};
 use crate::error::{DeviceError, ErrorKind};
 
 wasmtime::component::bindgen!({
@@ -184,9 +186,12 @@ impl<T: DeviceView> types::HostTensor for DeviceCtx<'_, T> {
         device: Option<u32>,
     ) -> wasmtime::Result<Result<Resource<GuestTensor>, WitError>> {
         let made = dims_from_u64(&dims).and_then(|dims| {
-            self.0
-                .device()
-                .tensor_from_bytes(dtype_to_xla(dtype), &dims, &data, device.unwrap_or(0))
+            self.0.device().tensor_from_bytes(
+                dtype_to_xla(dtype),
+                &dims,
+                &data,
+                device.unwrap_or(0),
+            )
         });
         match made {
             Ok(t) => Ok(Ok(self.push_tensor(GuestTensor::owned(t))?)),
@@ -207,7 +212,10 @@ impl<T: DeviceView> types::HostTensor for DeviceCtx<'_, T> {
         Ok(crate::device::checked_byte_size(spec.ty, &spec.dims).unwrap_or(0) as u64)
     }
 
-    async fn read(&mut self, r: Resource<GuestTensor>) -> wasmtime::Result<Result<Vec<u8>, WitError>> {
+    async fn read(
+        &mut self,
+        r: Resource<GuestTensor>,
+    ) -> wasmtime::Result<Result<Vec<u8>, WitError>> {
         let t = match self.tensor(&r)?.live() {
             Ok(t) => Arc::clone(t),
             Err(e) => return Ok(Err(to_wit_error(e))),
@@ -237,12 +245,18 @@ impl<T: DeviceView> types::HostTensor for DeviceCtx<'_, T> {
 }
 
 impl<T: DeviceView> types::HostExecutable for DeviceCtx<'_, T> {
-    async fn inputs(&mut self, r: Resource<GuestExecutable>) -> wasmtime::Result<Vec<types::TensorSpec>> {
+    async fn inputs(
+        &mut self,
+        r: Resource<GuestExecutable>,
+    ) -> wasmtime::Result<Vec<types::TensorSpec>> {
         let e = self.0.table().get(&r)?;
         Ok(e.0.inputs().iter().map(to_wit_spec).collect())
     }
 
-    async fn outputs(&mut self, r: Resource<GuestExecutable>) -> wasmtime::Result<Vec<types::TensorSpec>> {
+    async fn outputs(
+        &mut self,
+        r: Resource<GuestExecutable>,
+    ) -> wasmtime::Result<Vec<types::TensorSpec>> {
         let e = self.0.table().get(&r)?;
         Ok(e.0.outputs().iter().map(to_wit_spec).collect())
     }
@@ -294,7 +308,10 @@ impl<T: DeviceView> client::Host for DeviceCtx<'_, T> {
     ) -> wasmtime::Result<Result<Resource<GuestExecutable>, WitError>> {
         let text = matches!(format, ProgramFormat::MlirText);
         let service = Arc::clone(self.0.device());
-        match service.compile(code, text, options.device.unwrap_or(0)).await {
+        match service
+            .compile(code, text, options.device.unwrap_or(0))
+            .await
+        {
             Ok(exe) => Ok(Ok(self.0.table().push(GuestExecutable(Arc::new(exe)))?)),
             Err(e) => Ok(Err(to_wit_error(e))),
         }

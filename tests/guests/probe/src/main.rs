@@ -43,7 +43,12 @@ fn report<T>(name: &str, r: Result<T, types::Error>) {
     }
 }
 
-fn raw_tensor(dtype: Dtype, dims: &[u64], len: usize, device: Option<u32>) -> Result<types::Tensor, types::Error> {
+fn raw_tensor(
+    dtype: Dtype,
+    dims: &[u64],
+    len: usize,
+    device: Option<u32>,
+) -> Result<types::Tensor, types::Error> {
     types::Tensor::from_bytes(dtype, dims, &vec![0u8; len], device)
 }
 
@@ -51,7 +56,10 @@ fn errors() {
     let ok = || raw_tensor(Dtype::F32, &[2, 2], 16, None).expect("valid tensor");
     report("short-data", raw_tensor(Dtype::F32, &[2, 2], 15, None));
     report("long-data", raw_tensor(Dtype::F32, &[2, 2], 17, None));
-    report("dims-overflow", raw_tensor(Dtype::F64, &[u64::MAX / 2, 4], 0, None));
+    report(
+        "dims-overflow",
+        raw_tensor(Dtype::F64, &[u64::MAX / 2, 4], 0, None),
+    );
     report("dim-over-i64", raw_tensor(Dtype::U8, &[u64::MAX], 0, None));
     report("rank-too-big", raw_tensor(Dtype::U8, &[1; 40], 1, None));
     report("bad-device", raw_tensor(Dtype::F32, &[2, 2], 16, Some(999)));
@@ -59,14 +67,21 @@ fn errors() {
     let opts = client::CompileOptions { device: None };
     report("empty-program", client::compile(fmt, &[], opts));
     report("not-utf8", client::compile(fmt, &[0xff, 0xfe, 0x00], opts));
-    report("garbage-mlir", client::compile(fmt, b"this is not mlir", opts));
+    report(
+        "garbage-mlir",
+        client::compile(fmt, b"this is not mlir", opts),
+    );
     report(
         "bad-bytecode",
         client::compile(client::ProgramFormat::MlirBytecode, b"not bytecode", opts),
     );
     report(
         "compile-bad-device",
-        client::compile(fmt, ADD.as_bytes(), client::CompileOptions { device: Some(999) }),
+        client::compile(
+            fmt,
+            ADD.as_bytes(),
+            client::CompileOptions { device: Some(999) },
+        ),
     );
     let exe = client::compile(fmt, ADD.as_bytes(), opts).expect("ADD compiles");
     let (a, b) = (ok(), ok());
@@ -75,10 +90,19 @@ fn errors() {
     report("arg-dtype", client::execute(&exe, &[&a, &wrong_dtype], &[]));
     let wrong_dims = raw_tensor(Dtype::F32, &[4], 16, None).unwrap();
     report("arg-dims", client::execute(&exe, &[&a, &wrong_dims], &[]));
-    report("donate-out-of-range", client::execute(&exe, &[&a, &b], &[2]));
+    report(
+        "donate-out-of-range",
+        client::execute(&exe, &[&a, &b], &[2]),
+    );
     report("donate-repeated", client::execute(&exe, &[&a, &b], &[0, 0]));
-    report("same-tensor-donated", client::execute(&exe, &[&a, &a], &[0]));
-    report("same-tensor-borrowed", client::execute(&exe, &[&a, &a], &[]));
+    report(
+        "same-tensor-donated",
+        client::execute(&exe, &[&a, &a], &[0]),
+    );
+    report(
+        "same-tensor-borrowed",
+        client::execute(&exe, &[&a, &a], &[]),
+    );
     report("valid-call", client::execute(&exe, &[&a, &b], &[]));
 }
 
@@ -86,11 +110,15 @@ fn donate() {
     let exe = compile_mlir(ADD).expect("ADD compiles");
     let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
     let b = Tensor::from_slice(&[10.0f32, 20.0, 30.0, 40.0], &[2, 2]).unwrap();
-    let out = client::execute(exe.as_raw(), &[a.as_raw(), b.as_raw()], &[0]).expect("donating call");
+    let out =
+        client::execute(exe.as_raw(), &[a.as_raw(), b.as_raw()], &[0]).expect("donating call");
     let sum = Tensor::from_raw(out.into_iter().next().unwrap());
     println!("donate-result: {:?}", sum.to_vec::<f32>().unwrap());
     report("read-after-donate", a.as_raw().read());
-    report("execute-after-donate", client::execute(exe.as_raw(), &[a.as_raw(), b.as_raw()], &[]));
+    report(
+        "execute-after-donate",
+        client::execute(exe.as_raw(), &[a.as_raw(), b.as_raw()], &[]),
+    );
     report("copy-after-donate", a.as_raw().copy_to_device(0));
     println!("spec-after-donate: {:?}", a.as_raw().spec().dims);
     report("b-still-usable", b.as_raw().read());
