@@ -55,7 +55,8 @@ pub async fn exec(
     }
     let mut tensors = Vec::with_capacity(args.len());
     for (i, (path, spec)) in args.iter().zip(exe.inputs()).enumerate() {
-        let arr = npy::read_npy(path, Some(spec.ty))?;
+        let arr = npy::read_npy(path, Some(spec.ty))
+            .with_context(|| format!("argument {i} must be {}", format_spec(spec)))?;
         let t = device
             .tensor_from_bytes(arr.ty, &arr.dims, &arr.data, 0)
             .with_context(|| format!("argument {i} ({})", path.display()))?;

@@ -62,6 +62,15 @@ struct DeviceArgs {
 }
 
 impl DeviceArgs {
+    fn open(&self) -> Result<std::sync::Arc<tpubox::DeviceService>> {
+        let cfg = self.config();
+        tpubox::open_device(
+            cfg.plugin.as_deref(),
+            &cfg.client_options,
+            cfg.max_program_bytes,
+        )
+    }
+
     fn config(&self) -> HostConfig {
         let mut client_options = Vec::new();
         if let Some(n) = self.cpu_devices {
@@ -147,12 +156,7 @@ async fn main_inner() -> Result<bool> {
             Ok(true)
         }
         Cmd::Devices { device, json } => {
-            let cfg = device.config();
-            let svc = tpubox::open_device(
-                cfg.plugin.as_deref(),
-                &cfg.client_options,
-                cfg.max_program_bytes,
-            )?;
+            let svc = device.open()?;
             if json {
                 let v = serde_json::json!({ "platform": svc.platform(), "devices": svc.devices() });
                 println!("{}", serde_json::to_string_pretty(&v)?);
@@ -179,12 +183,7 @@ async fn main_inner() -> Result<bool> {
             args,
             out,
         } => {
-            let cfg = device.config();
-            let svc = tpubox::open_device(
-                cfg.plugin.as_deref(),
-                &cfg.client_options,
-                cfg.max_program_bytes,
-            )?;
+            let svc = device.open()?;
             let infos = tpubox::exec::exec(&svc, &program, &args, &out).await?;
             for i in infos {
                 println!("{}: {}{:?}", i.file, i.dtype, i.dims);

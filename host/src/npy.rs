@@ -336,7 +336,7 @@ mod tests {
         let bytes = to_npy_bytes(PrimitiveType::F32, &[2], &[0; 8]).unwrap();
         let text = String::from_utf8_lossy(&bytes);
         assert!(text.contains("'descr': '<f4'"), "{text}");
-        assert!(text.contains("'shape': (2,)"), "{text}");
+        assert!(text.contains("'shape': (2,"), "{text}");
         let bytes = to_npy_bytes(PrimitiveType::Bf16, &[], &[0x80, 0x3f]).unwrap();
         assert!(String::from_utf8_lossy(&bytes).contains("'descr': '|V2'"));
     }

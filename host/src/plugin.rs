@@ -250,3 +250,48 @@ pub fn install(plugin: &KnownPlugin) -> Result<PathBuf> {
     eprintln!("tpubox setup: installed {spec} in {}", dir.display());
     Ok(dir.join(plugin.library))
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn explicit_path_is_used_as_is() {
+        let f = tempfile::NamedTempFile::new().unwrap();
+        let got = resolve(Some(f.path().to_str().unwrap())).unwrap();
+        assert_eq!(got, f.path());
+    }
+
+    #[test]
+    fn unknown_name_lists_the_known_ones() {
+        let err = resolve(Some("no-such-plugin")).unwrap_err().to_string();
+        assert!(err.contains("cpu, xla-cpu, tpu, cuda"), "{err}");
+    }
+
+    #[test]
+    fn known_plugins_are_pinned() {
+        for p in KNOWN_PLUGINS {
+            assert!(!p.sha256.is_empty(), "{}", p.name);
+            for d in p.sha256 {
+                assert_eq!(d.len(), 64, "{}", p.name);
+                assert!(d.bytes().all(|b| b.is_ascii_hexdigit()), "{}", p.name);
+            }
+            assert!(p.library.ends_with(".so"), "{}", p.name);
+        }
+        assert_eq!(known("cpu").unwrap().package, "lammps-jax-pjrt-cpu");
+    }
+
+    #[test]
+    fn missing_install_names_the_setup_command() {
+        let p = KnownPlugin {
+            name: "cpu",
+            description: "",
+            package: "not-installed-package",
+            version: "0",
+            sha256: &[],
+            library: "x.so",
+        };
+        let err = not_installed(&p).to_string();
+        assert!(err.contains("tpubox setup cpu"), "{err}");
+    }
+}

@@ -13,7 +13,7 @@
 //!   guest-measured time (for the per-call benchmark).
 
 use tpubox_guest::bindings::tpubox::device::{client, types};
-use tpubox_guest::{Dtype, ErrorKind, Tensor, compile_mlir};
+use tpubox_guest::{Dtype, Tensor, compile_mlir};
 
 const ADD: &str = r#"
 func.func public @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf32> {
@@ -22,24 +22,10 @@ func.func public @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf
 }
 "#;
 
-fn kind_name(k: ErrorKind) -> &'static str {
-    match k {
-        ErrorKind::InvalidArgument => "invalid-argument",
-        ErrorKind::NotFound => "not-found",
-        ErrorKind::FailedPrecondition => "failed-precondition",
-        ErrorKind::PermissionDenied => "permission-denied",
-        ErrorKind::ResourceExhausted => "resource-exhausted",
-        ErrorKind::Unsupported => "unsupported",
-        ErrorKind::CompileFailed => "compile-failed",
-        ErrorKind::ExecutionFailed => "execution-failed",
-        ErrorKind::Internal => "internal",
-    }
-}
-
 fn report<T>(name: &str, r: Result<T, types::Error>) {
     match r {
         Ok(_) => println!("{name}: ok"),
-        Err(e) => println!("{name}: {} ({})", kind_name(e.kind), e.message),
+        Err(e) => println!("{name}: {} ({})", e.kind.name(), e.message),
     }
 }
 
