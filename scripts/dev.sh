@@ -15,7 +15,7 @@ HEADER_PKG="xla-cpu-pjrt"
 HEADER_VER="0.0.1"
 HEADER_SHA="55837b6b7b47daa717f2d9a5a03563ea0ceaa338d06a81a1e2d3f060d960decc"
 HEADER_DIR="$CACHE/plugins/$HEADER_PKG-$HEADER_VER"
-GUESTS=(hello-matmul tpubox-probe)
+GUESTS=(hello-matmul tpubox-probe tpubox-graph-ops minilm-embed)
 
 log() { printf '\033[1m[dev.sh]\033[0m %s\n' "$*" >&2; }
 
@@ -53,8 +53,8 @@ setup_header() {
 build() {
   log "building the host (release)"
   cargo build --release -p tpubox-host
-  log "installing the default CPU plugin"
-  target/release/tpubox setup cpu
+  log "installing the default CPU plugin and the MiniLM model files"
+  target/release/tpubox setup cpu minilm
   for g in "${GUESTS[@]}"; do
     log "building guest $g (wasm32-wasip2)"
     cargo build --release --target wasm32-wasip2 -p "$g"

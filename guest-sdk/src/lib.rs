@@ -99,6 +99,9 @@ use bindings::tpubox::device::types as raw_types;
 pub use raw_client::{CompileOptions, ProgramFormat};
 pub use raw_types::{DeviceInfo, Dtype, ErrorKind, PlatformInfo, TensorSpec};
 
+pub mod graph;
+pub mod weights;
+
 // ---------------------------------------------------------------------------------------------
 // Errors
 // ---------------------------------------------------------------------------------------------

@@ -19,6 +19,7 @@ use wasmtime::component::Component;
 
 use crate::device::{DEFAULT_MAX_PROGRAM_BYTES, DeviceService};
 use crate::sandbox::{RunOptions, RunOutcome, Sandbox, SandboxConfig};
+use crate::weights::{WeightRegistry, WeightSet};
 
 /// How to build a [`Host`].
 #[derive(Debug, Clone)]
@@ -48,6 +49,7 @@ impl Default for HostConfig {
 /// A process-wide host: one PJRT client shared by every guest it runs.
 pub struct Host {
     device: Arc<DeviceService>,
+    weights: Arc<WeightRegistry>,
     sandbox: Sandbox,
 }
 
@@ -90,6 +92,7 @@ impl Host {
     pub fn with_device(device: Arc<DeviceService>, sandbox: SandboxConfig) -> Result<Self> {
         Ok(Host {
             device,
+            weights: Arc::new(WeightRegistry::new()),
             sandbox: Sandbox::new(sandbox)?,
         })
     }
@@ -97,6 +100,21 @@ impl Host {
     /// The shared device service (for host-side work without a guest).
     pub fn device(&self) -> &Arc<DeviceService> {
         &self.device
+    }
+
+    /// The weight sets guests can open.
+    pub fn weights(&self) -> &Arc<WeightRegistry> {
+        &self.weights
+    }
+
+    /// Loads a safetensors file onto device 0 as the weight set `name`, shared read-only by
+    /// every guest this host runs.
+    ///
+    /// Errors: see [`WeightRegistry::load_safetensors`].
+    pub fn load_weights(&self, name: &str, path: &Path) -> Result<Arc<WeightSet>> {
+        self.weights
+            .load_safetensors(&self.device, name, path, 0)
+            .with_context(|| format!("loading weights `{name}` from {}", path.display()))
     }
 
     /// The Wasm sandbox.
@@ -120,6 +138,8 @@ impl Host {
         name: &str,
         opts: &RunOptions,
     ) -> Result<RunOutcome> {
-        self.sandbox.run(&self.device, component, name, opts).await
+        self.sandbox
+            .run(&self.device, &self.weights, component, name, opts)
+            .await
     }
 }

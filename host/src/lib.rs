@@ -6,7 +6,8 @@
 //! - [`wit`]: the thin glue from the WIT interfaces to [`device`];
 //! - [`sandbox`]: wasmtime engine, component cache, per-guest stores, limits and deadlines;
 //! - [`host`]: the embedding API ([`Host`]);
-//! - [`plugin`]: finding and installing PJRT plugins;
+//! - [`weights`]: named, read-only weight sets shared by all guests;
+//! - [`plugin`]: finding and installing PJRT plugins and model packages;
 //! - [`npy`] and [`exec`]: `tpubox exec`, running a StableHLO program on `.npy` files.
 #![forbid(unsafe_code)]
 
@@ -17,6 +18,7 @@ pub mod host;
 pub mod npy;
 pub mod plugin;
 pub mod sandbox;
+pub mod weights;
 pub mod wit;
 
 pub use device::{DeviceService, TensorSpec};

@@ -19,10 +19,11 @@ struct Cli {
 
 #[derive(Subcommand)]
 enum Cmd {
-    /// Download, verify and unpack PJRT plugins from PyPI into the tpubox cache dir.
+    /// Download, verify and unpack PJRT plugins or model files from PyPI into the tpubox cache
+    /// dir, and print where they are.
     Setup {
-        /// Plugins to install: cpu (default), xla-cpu, tpu, cuda.
-        #[arg(default_values_t = vec!["cpu".to_string()])]
+        /// What to install: plugins cpu, xla-cpu, tpu, cuda; model files minilm. Default: cpu minilm.
+        #[arg(default_values_t = vec!["cpu".to_string(), "minilm".to_string()])]
         plugins: Vec<String>,
     },
     /// Print the platform, its version and the devices of a plugin.
@@ -91,6 +92,10 @@ struct RunArgs {
     /// Grant read-only access to a host directory, seen by the guest at GUEST.
     #[arg(long = "dir", value_name = "HOST::GUEST")]
     dirs: Vec<String>,
+    /// Load a safetensors file onto the device once, as the read-only weight set NAME that guests
+    /// open by name.
+    #[arg(long = "weights", value_name = "NAME=PATH")]
+    weights: Vec<String>,
     /// Set an environment variable in the guest.
     #[arg(long = "env", value_name = "KEY=VALUE")]
     env: Vec<String>,
@@ -131,6 +136,12 @@ async fn run(args: RunArgs) -> Result<bool> {
         opts.env.push((k.to_string(), v.to_string()));
     }
     let host = Host::new(config)?;
+    for w in &args.weights {
+        let (name, path) = w
+            .split_once('=')
+            .with_context(|| format!("--weights {w}: expected NAME=PATH"))?;
+        host.load_weights(name, std::path::Path::new(path))?;
+    }
     let component = host.load_component(&args.component)?;
     let name = args
         .component
@@ -147,7 +158,7 @@ async fn main_inner() -> Result<bool> {
         Cmd::Setup { plugins } => {
             for name in &plugins {
                 let Some(p) = plugin::known(name) else {
-                    let names: Vec<&str> = plugin::KNOWN_PLUGINS.iter().map(|p| p.name).collect();
+                    let names: Vec<&str> = plugin::KNOWN_PACKAGES.iter().map(|p| p.name).collect();
                     bail!("unknown plugin `{name}`; known: {}", names.join(", "));
                 };
                 let lib = plugin::install(p)?;

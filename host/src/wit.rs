@@ -13,6 +13,7 @@ use crate::device::{
     Arg, DeviceExecutable, DeviceService, DeviceTensor, TensorSpec, dims_from_u64,
 };
 use crate::error::{DeviceError, ErrorKind};
+use crate::weights::{WeightRegistry, WeightSet};
 
 wasmtime::component::bindgen!({
     path: "../wit",
@@ -21,11 +22,13 @@ wasmtime::component::bindgen!({
     with: {
         "tpubox:device/types.tensor": GuestTensor,
         "tpubox:device/types.executable": GuestExecutable,
+        "tpubox:device/weights.weight-set": GuestWeightSet,
     },
 });
 
 use tpubox::device::client::{self, CompileOptions, ProgramFormat};
 use tpubox::device::types::{self, Dtype, Error as WitError, ErrorKind as WitErrorKind};
+use tpubox::device::weights;
 
 /// A guest's handle to a device tensor, as stored in its [`ResourceTable`].
 pub struct GuestTensor {
@@ -71,12 +74,17 @@ impl GuestTensor {
 /// A guest's handle to a compiled executable.
 pub struct GuestExecutable(pub Arc<DeviceExecutable>);
 
+/// A guest's handle to an opened weight set.
+pub struct GuestWeightSet(pub Arc<WeightSet>);
+
 /// What the tpubox interfaces need from a store's data.
 pub trait DeviceView: Send {
     /// The resource table holding the guest's handles.
     fn table(&mut self) -> &mut ResourceTable;
     /// The shared device service.
     fn device(&self) -> &Arc<DeviceService>;
+    /// The weight sets this guest may open.
+    fn weights(&self) -> &Arc<WeightRegistry>;
 }
 
 /// Adds the `tpubox:device` interfaces to `linker`.
@@ -383,5 +391,63 @@ impl<T: DeviceView> client::Host for DeviceCtx<'_, T> {
             handles.push(self.push_tensor(GuestTensor::owned(o))?);
         }
         Ok(Ok(handles))
+    }
+}
+
+impl<T: DeviceView> weights::Host for DeviceCtx<'_, T> {
+    async fn available(&mut self) -> wasmtime::Result<Vec<String>> {
+        Ok(self.0.weights().names())
+    }
+
+    async fn open(
+        &mut self,
+        name: String,
+    ) -> wasmtime::Result<Result<Resource<GuestWeightSet>, WitError>> {
+        match self.0.weights().get(&name) {
+            Ok(set) => Ok(Ok(self.0.table().push(GuestWeightSet(set))?)),
+            Err(e) => Ok(Err(to_wit_error(e))),
+        }
+    }
+}
+
+impl<T: DeviceView> weights::HostWeightSet for DeviceCtx<'_, T> {
+    async fn names(&mut self, r: Resource<GuestWeightSet>) -> wasmtime::Result<Vec<String>> {
+        Ok(self
+            .0
+            .table()
+            .get(&r)?
+            .0
+            .names()
+            .map(String::from)
+            .collect())
+    }
+
+    async fn spec(
+        &mut self,
+        r: Resource<GuestWeightSet>,
+        name: String,
+    ) -> wasmtime::Result<Result<types::TensorSpec, WitError>> {
+        let set = &self.0.table().get(&r)?.0;
+        Ok(set
+            .get(&name)
+            .map(|t| to_wit_spec(t.spec()))
+            .map_err(to_wit_error))
+    }
+
+    async fn get(
+        &mut self,
+        r: Resource<GuestWeightSet>,
+        name: String,
+    ) -> wasmtime::Result<Result<Resource<GuestTensor>, WitError>> {
+        let found = self.0.table().get(&r)?.0.get(&name).map(Arc::clone);
+        match found {
+            Ok(t) => Ok(Ok(self.push_tensor(GuestTensor::shared(t))?)),
+            Err(e) => Ok(Err(to_wit_error(e))),
+        }
+    }
+
+    async fn drop(&mut self, r: Resource<GuestWeightSet>) -> wasmtime::Result<()> {
+        self.0.table().delete(r)?;
+        Ok(())
     }
 }

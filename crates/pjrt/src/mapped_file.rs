@@ -1,0 +1,50 @@
+//! [`MappedFile`]: a read-only memory map of a file, as a source of host bytes for uploads
+//! (weights files are mapped instead of read into the heap).
+
+use std::path::Path;
+
+use crate::error::{Error, ErrorCode, Result};
+
+/// A file mapped read-only into memory. Its bytes are valid for as long as the value lives.
+///
+/// The map is private and read-only. Like every memory map, it assumes no other process
+/// truncates or rewrites the file while it is mapped: a truncated file makes reads past the new
+/// end fault (SIGBUS). tpubox maps weights files once, copies them to the device, and drops the
+/// map; do not point it at files that are being written.
+pub struct MappedFile {
+    map: memmap2::Mmap,
+}
+
+impl MappedFile {
+    /// Maps `path` read-only.
+    ///
+    /// Errors: `NotFound` when the file does not exist; `InvalidArgument` when it cannot be
+    /// opened or mapped (a directory, no permission).
+    pub fn open(path: &Path) -> Result<Self> {
+        let file = std::fs::File::open(path).map_err(|e| {
+            let code = if e.kind() == std::io::ErrorKind::NotFound {
+                ErrorCode::NotFound
+            } else {
+                ErrorCode::InvalidArgument
+            };
+            Error::new(code, format!("opening {}: {e}", path.display()))
+        })?;
+        // SAFETY: the map is read-only and private (`Mmap::map` uses PROT_READ + MAP_SHARED of a
+        // file opened read-only, so this process cannot write through it), and the returned
+        // bytes are only handed out as `&[u8]` borrowed from `self`, so they cannot outlive the
+        // map. The remaining hazard, another process truncating the file while mapped, is
+        // documented on the type.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| {
+            Error::new(
+                ErrorCode::InvalidArgument,
+                format!("mapping {}: {e}", path.display()),
+            )
+        })?;
+        Ok(MappedFile { map })
+    }
+
+    /// The file's bytes.
+    pub fn as_slice(&self) -> &[u8] {
+        &self.map
+    }
+}

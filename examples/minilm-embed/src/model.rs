@@ -1,0 +1,372 @@
+//! The all-MiniLM-L6-v2 encoder (a 6-layer BERT) as a StableHLO graph, plus the mean pooling
+//! and L2 normalization that sentence-transformers applies after it.
+//!
+//! The graph's parameters are, in order: every weight of [`weight_specs`] (f32, PyTorch layout:
+//! a `Linear` weight is `[out, in]` and computes `y = x·Wᵀ + b`), then `input_ids` (s32
+//! `[batch, seq]`), then `attention_mask` (s32 `[batch, seq]`, 1 for a real token, 0 for
+//! padding). Its one result is the normalized sentence embeddings, f32 `[batch, 384]`.
+
+use anyhow::{Context, Result, ensure};
+use tpubox_guest::Dtype;
+use tpubox_guest::graph::{Graph, Precision, Value};
+
+/// Width of the hidden states (`hidden_size`), and so of an embedding.
+pub const HIDDEN: u64 = 384;
+/// Attention heads per layer.
+pub const HEADS: u64 = 12;
+/// Width of one head.
+pub const HEAD_DIM: u64 = HIDDEN / HEADS;
+/// Encoder layers.
+pub const LAYERS: usize = 6;
+/// Width of the feed-forward layer.
+pub const INTERMEDIATE: u64 = 1536;
+/// WordPiece vocabulary size.
+pub const VOCAB: u64 = 30522;
+/// Rows of the position-embedding table (the longest sequence the model can read).
+pub const MAX_POSITIONS: u64 = 512;
+/// Rows of the token-type table.
+pub const TYPE_VOCAB: u64 = 2;
+/// `layer_norm_eps` from config.json.
+pub const LAYER_NORM_EPS: f32 = 1e-12;
+/// sentence-transformers clamps the token count of mean pooling to at least this.
+const POOL_MIN_COUNT: f32 = 1e-9;
+/// `torch.nn.functional.normalize` divides by `max(‖x‖, eps)` with this eps.
+const NORMALIZE_EPS: f32 = 1e-12;
+
+/// One weight the graph takes as a parameter: its name in `model.safetensors` (and so in the
+/// host's weight set) and its dims. Every weight is f32.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct WeightSpec {
+    /// Tensor name, e.g. `encoder.layer.0.attention.self.query.weight`.
+    pub name: String,
+    /// Dims (PyTorch layout).
+    pub dims: Vec<u64>,
+}
+
+impl WeightSpec {
+    fn new(name: impl Into<String>, dims: &[u64]) -> Self {
+        WeightSpec {
+            name: name.into(),
+            dims: dims.to_vec(),
+        }
+    }
+
+    /// Element type: every MiniLM weight is f32.
+    pub fn dtype(&self) -> Dtype {
+        Dtype::F32
+    }
+}
+
+/// One parameter of the encoder graph, in order.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum EncoderInput {
+    /// A weight from the weight set.
+    Weight(WeightSpec),
+    /// Token ids, s32 `[batch, seq]`, padded with 0 (`[PAD]`).
+    InputIds,
+    /// 1 for a real token, 0 for padding, s32 `[batch, seq]`.
+    AttentionMask,
+}
+
+/// The weights the encoder reads, in the order they are the graph's first parameters.
+pub fn weight_specs() -> Vec<WeightSpec> {
+    let mut w = vec![
+        WeightSpec::new("embeddings.word_embeddings.weight", &[VOCAB, HIDDEN]),
+        WeightSpec::new(
+            "embeddings.position_embeddings.weight",
+            &[MAX_POSITIONS, HIDDEN],
+        ),
+        WeightSpec::new(
+            "embeddings.token_type_embeddings.weight",
+            &[TYPE_VOCAB, HIDDEN],
+        ),
+        WeightSpec::new("embeddings.LayerNorm.weight", &[HIDDEN]),
+        WeightSpec::new("embeddings.LayerNorm.bias", &[HIDDEN]),
+    ];
+    for l in 0..LAYERS {
+        let p = format!("encoder.layer.{l}");
+        for (name, out, inp) in [
+            ("attention.self.query", HIDDEN, HIDDEN),
+            ("attention.self.key", HIDDEN, HIDDEN),
+            ("attention.self.value", HIDDEN, HIDDEN),
+            ("attention.output.dense", HIDDEN, HIDDEN),
+            ("attention.output.LayerNorm", HIDDEN, 0),
+            ("intermediate.dense", INTERMEDIATE, HIDDEN),
+            ("output.dense", HIDDEN, INTERMEDIATE),
+            ("output.LayerNorm", HIDDEN, 0),
+        ] {
+            if inp == 0 {
+                // LayerNorm: weight (gamma) and bias (beta), both [HIDDEN].
+                w.push(WeightSpec::new(format!("{p}.{name}.weight"), &[out]));
+            } else {
+                w.push(WeightSpec::new(format!("{p}.{name}.weight"), &[out, inp]));
+            }
+            w.push(WeightSpec::new(format!("{p}.{name}.bias"), &[out]));
+        }
+    }
+    w
+}
+
+/// Every parameter of the encoder graph, in order: the weights, then ids, then mask.
+pub fn encoder_inputs() -> Vec<EncoderInput> {
+    let mut v: Vec<EncoderInput> = weight_specs()
+        .into_iter()
+        .map(EncoderInput::Weight)
+        .collect();
+    v.push(EncoderInput::InputIds);
+    v.push(EncoderInput::AttentionMask);
+    v
+}
+
+/// The encoder graph for one (batch, seq) shape and its single output (embeddings
+/// `[batch, 384]`).
+pub struct Encoder {
+    /// The graph; its parameters are [`encoder_inputs`] in order.
+    pub graph: Graph,
+    /// Normalized embeddings, f32 `[batch, HIDDEN]`.
+    pub output: Value,
+}
+
+/// Builds the encoder for `batch` rows of `seq` tokens.
+pub fn build_encoder(batch: u64, seq: u64) -> Result<Encoder> {
+    ensure!(batch >= 1, "batch must be at least 1");
+    ensure!(
+        (1..=MAX_POSITIONS).contains(&seq),
+        "sequence length {seq} is outside 1..={MAX_POSITIONS}"
+    );
+    let mut b = Builder {
+        g: Graph::new(),
+        batch,
+        seq,
+    };
+    let output = b.encoder().context("building the MiniLM encoder graph")?;
+    Ok(Encoder { graph: b.g, output })
+}
+
+/// The encoder for `batch` × `seq` as StableHLO MLIR text (entry `main`; parameters as
+/// [`encoder_inputs`]).
+pub fn build_encoder_mlir(batch: u64, seq: u64) -> Result<String> {
+    let e = build_encoder(batch, seq)?;
+    Ok(e.graph.to_mlir(&[e.output])?)
+}
+
+struct Builder {
+    g: Graph,
+    batch: u64,
+    seq: u64,
+}
+
+/// The weight parameters of one encoder layer.
+struct Layer {
+    q: (Value, Value),
+    k: (Value, Value),
+    v: (Value, Value),
+    attn_out: (Value, Value),
+    attn_ln: (Value, Value),
+    inter: (Value, Value),
+    out: (Value, Value),
+    out_ln: (Value, Value),
+}
+
+impl Builder {
+    fn encoder(&mut self) -> Result<Value> {
+        let (bsz, s) = (self.batch, self.seq);
+        // Parameters, in the order of `encoder_inputs` (weight_specs order).
+        let mut params = weight_specs()
+            .into_iter()
+            .map(|w| self.g.parameter(Dtype::F32, &w.dims));
+        let mut next = move || params.next().expect("weight_specs lists every weight");
+        let word = next();
+        let pos = next();
+        let typ = next();
+        let emb_ln = (next(), next());
+        let layers: Vec<Layer> = (0..LAYERS)
+            .map(|_| Layer {
+                q: (next(), next()),
+                k: (next(), next()),
+                v: (next(), next()),
+                attn_out: (next(), next()),
+                attn_ln: (next(), next()),
+                inter: (next(), next()),
+                out: (next(), next()),
+                out_ln: (next(), next()),
+            })
+            .collect();
+        let ids = self.g.parameter(Dtype::S32, &[bsz, s]);
+        let mask = self.g.parameter(Dtype::S32, &[bsz, s]);
+        let g = &mut self.g;
+
+        // Embeddings: word + token type (all 0) + position (0..seq), then LayerNorm.
+        let x = g.take(word, ids)?; // [B,S,H]
+        let typ0 = g.slice(typ, &[0, 0], &[1, HIDDEN], &[1, 1])?;
+        let typ0 = g.reshape(typ0, &[HIDDEN])?;
+        let x = g.add(x, typ0)?;
+        let pos = g.slice(pos, &[0, 0], &[s, HIDDEN], &[1, 1])?; // [S,H]
+        let x = g.add(x, pos)?;
+        let mut x = self.layer_norm(x, emb_ln)?;
+
+        // Additive attention bias over keys: 0 for real tokens, finfo(f32).min for padding
+        // (what transformers does: (1 - mask) * min), shaped [B, heads, S_query, S_key].
+        let g = &mut self.g;
+        let maskf = g.convert(mask, Dtype::F32)?; // [B,S]
+        let one = g.scalar(1.0f32);
+        let inv = g.sub(one, maskf)?;
+        let min = g.scalar(f32::MIN);
+        let bias = g.mul(inv, min)?;
+        let bias = g.broadcast_in_dim(bias, &[bsz, HEADS, s, s], &[0, 3])?;
+
+        for layer in &layers {
+            x = self.layer(x, layer, bias)?;
+        }
+
+        // Mean pooling over real tokens, then L2 normalization.
+        let g = &mut self.g;
+        let m3 = g.broadcast_in_dim(maskf, &[bsz, s, HIDDEN], &[0, 1])?;
+        let xm = g.mul(x, m3)?;
+        let summed = g.reduce_sum(xm, &[1])?; // [B,H]
+        let count = g.reduce_sum(maskf, &[1])?; // [B]
+        let floor = g.scalar(POOL_MIN_COUNT);
+        let count = g.max(count, floor)?;
+        let count = g.broadcast_in_dim(count, &[bsz, HIDDEN], &[0])?;
+        let mean = g.div(summed, count)?;
+        let sq = g.mul(mean, mean)?;
+        let norm = g.reduce_sum(sq, &[1])?;
+        let norm = g.sqrt(norm)?;
+        let eps = g.scalar(NORMALIZE_EPS);
+        let norm = g.max(norm, eps)?;
+        let norm = g.broadcast_in_dim(norm, &[bsz, HIDDEN], &[0])?;
+        Ok(g.div(mean, norm)?)
+    }
+
+    /// One BERT layer (post-LayerNorm): self-attention, residual + LN, GELU MLP, residual + LN.
+    fn layer(&mut self, x: Value, w: &Layer, bias: Value) -> Result<Value> {
+        let (bsz, s) = (self.batch, self.seq);
+        let heads = [bsz, s, HEADS, HEAD_DIM];
+        let q = self.linear(x, w.q)?;
+        let k = self.linear(x, w.k)?;
+        let v = self.linear(x, w.v)?;
+        let g = &mut self.g;
+        let q = g.reshape(q, &heads)?; // [B,S,h,d]
+        let k = g.reshape(k, &heads)?;
+        let v = g.reshape(v, &heads)?;
+        // scores[b,h,i,j] = q[b,i,h,:]·k[b,j,h,:] / sqrt(d)
+        let scores = g.dot_general(q, k, (&[0, 2], &[0, 2]), (&[3], &[3]), Precision::Highest)?;
+        let scale = g.scalar((HEAD_DIM as f32).sqrt());
+        let scores = g.div(scores, scale)?;
+        let scores = g.add(scores, bias)?;
+        let probs = self.softmax_last(scores)?; // [B,h,S,S]
+        let g = &mut self.g;
+        // ctx[b,h,i,:] = Σ_j probs[b,h,i,j] v[b,j,h,:]
+        let ctx = g.dot_general(
+            probs,
+            v,
+            (&[0, 1], &[0, 2]),
+            (&[3], &[1]),
+            Precision::Highest,
+        )?;
+        let ctx = g.transpose(ctx, &[0, 2, 1, 3])?; // [B,S,h,d]
+        let ctx = g.reshape(ctx, &[bsz, s, HIDDEN])?;
+        let a = self.linear(ctx, w.attn_out)?;
+        let a = self.g.add(a, x)?;
+        let x = self.layer_norm(a, w.attn_ln)?;
+
+        let h = self.linear(x, w.inter)?;
+        let h = self.gelu(h)?;
+        let o = self.linear(h, w.out)?;
+        let o = self.g.add(o, x)?;
+        self.layer_norm(o, w.out_ln)
+    }
+
+    /// PyTorch `Linear`: `x·Wᵀ + b` with `W` as `[out, in]`, contracting x's last axis.
+    fn linear(&mut self, x: Value, (w, b): (Value, Value)) -> Result<Value> {
+        let last = self.g.dims(x).len() as u64 - 1;
+        let y = self
+            .g
+            .dot_general(x, w, (&[], &[]), (&[last], &[1]), Precision::Highest)?;
+        Ok(self.g.add(y, b)?)
+    }
+
+    /// LayerNorm over the last axis: `(x - mean) / sqrt(var + eps) * gamma + beta`, with the
+    /// biased variance.
+    fn layer_norm(&mut self, x: Value, (gamma, beta): (Value, Value)) -> Result<Value> {
+        let g = &mut self.g;
+        let dims = g.dims(x).to_vec();
+        let last = dims.len() as u64 - 1;
+        let keep: Vec<u64> = (0..last).collect();
+        let n = g.scalar(1.0f32 / dims[last as usize] as f32);
+        let sum = g.reduce_sum(x, &[last])?;
+        let mean = g.mul(sum, n)?;
+        let mean = g.broadcast_in_dim(mean, &dims, &keep)?;
+        let xc = g.sub(x, mean)?;
+        let sq = g.mul(xc, xc)?;
+        let var = g.reduce_sum(sq, &[last])?;
+        let var = g.mul(var, n)?;
+        let eps = g.scalar(LAYER_NORM_EPS);
+        let var = g.add(var, eps)?;
+        let inv = g.rsqrt(var)?;
+        let inv = g.broadcast_in_dim(inv, &dims, &keep)?;
+        let y = g.mul(xc, inv)?;
+        let y = g.mul(y, gamma)?;
+        Ok(g.add(y, beta)?)
+    }
+
+    /// Softmax over the last axis, shifted by the row maximum.
+    fn softmax_last(&mut self, x: Value) -> Result<Value> {
+        let g = &mut self.g;
+        let dims = g.dims(x).to_vec();
+        let last = dims.len() as u64 - 1;
+        let keep: Vec<u64> = (0..last).collect();
+        let m = g.reduce_max(x, &[last])?;
+        let m = g.broadcast_in_dim(m, &dims, &keep)?;
+        let z = g.sub(x, m)?;
+        let e = g.exp(z)?;
+        let s = g.reduce_sum(e, &[last])?;
+        let s = g.broadcast_in_dim(s, &dims, &keep)?;
+        Ok(g.div(e, s)?)
+    }
+
+    /// Exact GELU: `0.5 · x · (1 + erf(x / √2))` (`hidden_act = "gelu"` in transformers).
+    fn gelu(&mut self, x: Value) -> Result<Value> {
+        let g = &mut self.g;
+        let inv_sqrt2 = g.scalar(std::f32::consts::FRAC_1_SQRT_2);
+        let t = g.mul(x, inv_sqrt2)?;
+        let t = g.erf(t)?;
+        let one = g.scalar(1.0f32);
+        let t = g.add(t, one)?;
+        let half = g.scalar(0.5f32);
+        let y = g.mul(x, half)?;
+        Ok(g.mul(y, t)?)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn weight_order_and_count() {
+        let w = weight_specs();
+        // 5 embedding tensors + 16 per layer.
+        assert_eq!(w.len(), 5 + 16 * LAYERS);
+        assert_eq!(w[0].name, "embeddings.word_embeddings.weight");
+        assert_eq!(w[0].dims, [VOCAB, HIDDEN]);
+        assert_eq!(w[5].name, "encoder.layer.0.attention.self.query.weight");
+        assert_eq!(w[5].dims, [HIDDEN, HIDDEN]);
+        let last = w.last().unwrap();
+        assert_eq!(last.name, "encoder.layer.5.output.LayerNorm.bias");
+        let inter = w
+            .iter()
+            .find(|w| w.name == "encoder.layer.3.intermediate.dense.weight")
+            .unwrap();
+        assert_eq!(inter.dims, [INTERMEDIATE, HIDDEN]);
+        let out = w
+            .iter()
+            .find(|w| w.name == "encoder.layer.3.output.dense.weight")
+            .unwrap();
+        assert_eq!(out.dims, [HIDDEN, INTERMEDIATE]);
+        let inputs = encoder_inputs();
+        assert_eq!(inputs.len(), w.len() + 2);
+        assert_eq!(inputs[w.len()], EncoderInput::InputIds);
+        assert_eq!(inputs[w.len() + 1], EncoderInput::AttentionMask);
+    }
+}
