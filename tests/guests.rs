@@ -36,8 +36,31 @@ fn host() -> &'static Arc<Host> {
             },
             ..HostConfig::default()
         };
-        Arc::new(Host::new(config).expect("host starts on the CPU plugin"))
+        let host = Host::new(config).expect("host starts on the CPU plugin");
+        host.load_weights("test", &test_weights_file())
+            .expect("test weights load");
+        Arc::new(host)
     })
+}
+
+/// A safetensors file with `w`: f32[2,2] = [0.5, -1, 2, 8] and `ids`: s64[3] = [7, 8, 9].
+fn test_weights_file() -> PathBuf {
+    use safetensors::tensor::{Dtype, TensorView};
+    let w: Vec<u8> = [0.5f32, -1.0, 2.0, 8.0]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let ids: Vec<u8> = [7i64, 8, 9].iter().flat_map(|v| v.to_le_bytes()).collect();
+    let tensors = vec![
+        ("w", TensorView::new(Dtype::F32, vec![2, 2], &w).unwrap()),
+        ("ids", TensorView::new(Dtype::I64, vec![3], &ids).unwrap()),
+    ];
+    let path = std::env::temp_dir().join(format!(
+        "tpubox-test-weights-{}.safetensors",
+        std::process::id()
+    ));
+    safetensors::serialize_to_file(tensors, None, &path).unwrap();
+    path
 }
 
 fn component(name: &str) -> Component {
@@ -276,4 +299,24 @@ async fn memory_cap_stops_a_memory_bomb_and_host_keeps_serving() {
     assert!(failed, "a 512 MiB allocation must fail under a 256 MiB cap");
     let o = run("hello-matmul", &[], |_| {}).await.unwrap();
     assert_close(&parse_result(&stdout(&o)), &hello_expected(1.0));
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guests_share_read_only_weights() {
+    let o = run("tpubox-probe", &["weights"], |_| {}).await.unwrap();
+    let out = stdout(&o);
+    assert!(o.success, "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(line(&out, "available"), "test");
+    assert_eq!(kind(&out, "missing-set"), "not-found");
+    assert!(line(&out, "missing-set").contains("offers: test"), "{out}");
+    assert_eq!(line(&out, "names"), "ids,w");
+    assert_eq!(line(&out, "spec-w"), "Dtype::F32 [2, 2]");
+    assert_eq!(kind(&out, "missing-tensor"), "not-found");
+    assert_eq!(line(&out, "read-w"), "[0.5, -1.0, 2.0, 8.0]");
+    assert_eq!(line(&out, "w-plus-w"), "[1.0, -2.0, 4.0, 16.0]");
+    assert_eq!(kind(&out, "donate-weight"), "permission-denied");
+    assert_eq!(line(&out, "read-w-again"), "[0.5, -1.0, 2.0, 8.0]");
+    // One device copy, however many guests open the set.
+    let set = host().weights().get("test").unwrap();
+    assert_eq!(set.device_bytes(), 16 + 24);
 }

@@ -16,6 +16,7 @@
 //! skipped); when stdin is a terminal or empty, a few built-in sentences are used.
 
 use std::collections::HashMap;
+use std::collections::hash_map::Entry;
 use std::io::{IsTerminal, Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -25,7 +26,7 @@ use minilm_embed::{
     Chunk, DEFAULT_MODEL_DIR, DEFAULT_WEIGHTS, EncoderInput, HIDDEN, SentenceTokenizer,
     build_encoder, encoder_inputs, pack, plan, similarity_table, to_json,
 };
-use tpubox_guest::bindings::tpubox::device::weights as raw_weights;
+use tpubox_guest::weights::WeightSet;
 use tpubox_guest::{Executable, Tensor, TensorSpec};
 
 const USAGE: &str =
@@ -119,9 +120,9 @@ fn stdin_sentences() -> Result<Option<Vec<String>>> {
 
 /// The encoder's weights, taken from the host's weight set (device-resident handles).
 fn load_weights(set_name: &str) -> Result<Vec<Tensor>> {
-    let set = raw_weights::open(set_name)
-        .map_err(tpubox_guest::Error::from)
-        .with_context(|| format!("cannot open weight set {set_name:?} (run the host with --weights {set_name}=MODELDIR/model.safetensors)"))?;
+    let set = WeightSet::open(set_name).with_context(|| {
+        format!("cannot open weight set {set_name:?} (run the host with --weights {set_name}=MODELDIR/model.safetensors)")
+    })?;
     let mut tensors = Vec::new();
     for input in encoder_inputs() {
         let EncoderInput::Weight(w) = input else {
@@ -130,7 +131,6 @@ fn load_weights(set_name: &str) -> Result<Vec<Tensor>> {
         let want = TensorSpec::new(w.dtype(), &w.dims);
         let got = set
             .spec(&w.name)
-            .map_err(tpubox_guest::Error::from)
             .with_context(|| format!("weight set {set_name:?} is not all-MiniLM-L6-v2"))?;
         if got != want {
             bail!(
@@ -138,8 +138,7 @@ fn load_weights(set_name: &str) -> Result<Vec<Tensor>> {
                 w.name
             );
         }
-        let t = set.get(&w.name).map_err(tpubox_guest::Error::from)?;
-        tensors.push(Tensor::from_raw(t));
+        tensors.push(set.get(&w.name)?);
     }
     Ok(tensors)
 }
@@ -152,14 +151,16 @@ fn embed(weights: &[Tensor], ids: &[Vec<i32>]) -> Result<Vec<Vec<f32>>> {
     let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
     for chunk in plan(&lengths)? {
         let Chunk { batch, seq, .. } = chunk;
-        if !compiled.contains_key(&(batch, seq)) {
-            let enc = build_encoder(batch as u64, seq as u64)?;
-            let exe = enc.graph.compile(&[enc.output]).with_context(|| {
-                format!("cannot compile the encoder for batch {batch} × seq {seq}")
-            })?;
-            compiled.insert((batch, seq), exe);
-        }
-        let exe = &compiled[&(batch, seq)];
+        let exe = match compiled.entry((batch, seq)) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                let enc = build_encoder(batch as u64, seq as u64)?;
+                let exe = enc.graph.compile(&[enc.output]).with_context(|| {
+                    format!("cannot compile the encoder for batch {batch} × seq {seq}")
+                })?;
+                e.insert(exe)
+            }
+        };
         let (input_ids, mask) = pack(&chunk, ids)?;
         let dims = [batch as u64, seq as u64];
         let input_ids = Tensor::from_slice(&input_ids, &dims)?;

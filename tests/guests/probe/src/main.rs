@@ -8,6 +8,8 @@
 //! - `errors`: makes bad calls straight through the raw bindings (bypassing the SDK's own
 //!   checks) and prints the error kind the host returned for each.
 //! - `donate`: donates a tensor and checks it can no longer be used.
+//! - `weights`: opens the host's weight set `test` (tensor `w`: f32[2,2]) and checks names,
+//!   specs, reads, use in an execution and that donating a weight is refused.
 //! - `noop`: returns at once (for timing instantiation).
 //! - `exec-loop N`: executes a scalar add N times with inputs kept on the device and prints the
 //!   guest-measured time (for the per-call benchmark).
@@ -131,6 +133,37 @@ fn exec_loop(n: u32) {
     println!("exec-loop: {n} {ns} {value}");
 }
 
+fn weights() {
+    use tpubox_guest::weights::{WeightSet, available};
+    println!("available: {}", available().join(","));
+    report(
+        "missing-set",
+        WeightSet::open("nope").map_err(types::Error::from),
+    );
+    let set = WeightSet::open("test").expect("the test host offers `test`");
+    println!("names: {}", set.names().join(","));
+    let spec = set.spec("w").expect("w exists");
+    println!("spec-w: {:?} {:?}", spec.dtype, spec.dims);
+    report(
+        "missing-tensor",
+        set.get("nope").map_err(types::Error::from),
+    );
+    let w = set.get("w").expect("w exists");
+    println!("read-w: {:?}", w.to_vec::<f32>().unwrap());
+    let exe = compile_mlir(ADD).expect("ADD compiles");
+    let sum = exe.call(&[&w, &w]).expect("weights can be arguments");
+    println!("w-plus-w: {:?}", sum[0].to_vec::<f32>().unwrap());
+    let other = Tensor::from_slice(&[1.0f32; 4], &[2, 2]).unwrap();
+    report(
+        "donate-weight",
+        client::execute(exe.as_raw(), &[w.as_raw(), other.as_raw()], &[0]),
+    );
+    println!(
+        "read-w-again: {:?}",
+        set.get("w").unwrap().to_vec::<f32>().unwrap()
+    );
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
@@ -156,6 +189,7 @@ fn main() {
         }
         Some("errors") => errors(),
         Some("noop") => {}
+        Some("weights") => weights(),
         Some("exec-loop") => exec_loop(args[2].parse().unwrap()),
         Some("donate") => donate(),
         _ => {
