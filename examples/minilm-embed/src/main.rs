@@ -30,7 +30,7 @@ use tpubox_guest::weights::WeightSet;
 use tpubox_guest::{Executable, Tensor, TensorSpec};
 
 const USAGE: &str =
-    "usage: minilm-embed [--model-dir DIR] [--weights NAME] [--json] [SENTENCES...]";
+    "usage: minilm-embed [--model-dir DIR] [--weights NAME] [--json] [--repeat N] [SENTENCES...]";
 
 /// Most sentences read in one run.
 const MAX_SENTENCES: usize = 10_000;
@@ -47,6 +47,9 @@ struct Args {
     model_dir: PathBuf,
     weights: String,
     json: bool,
+    /// Embed the whole input this many extra times, printing each pass's wall time on stderr
+    /// (`pass K: MS ms`; pass 0 includes compiling). For benchmarks.
+    repeat: u32,
     sentences: Vec<String>,
 }
 
@@ -55,6 +58,7 @@ fn parse_args() -> Result<Option<Args>> {
         model_dir: DEFAULT_MODEL_DIR.into(),
         weights: DEFAULT_WEIGHTS.into(),
         json: false,
+        repeat: 0,
         sentences: Vec::new(),
     };
     // std::env::args panics on non-UTF-8 arguments; args_os lets us report them.
@@ -81,6 +85,12 @@ fn parse_args() -> Result<Option<Args>> {
             "--json" => args.json = true,
             "--model-dir" => args.model_dir = value("--model-dir")?.into(),
             "--weights" => args.weights = value("--weights")?,
+            "--repeat" => {
+                let v = value("--repeat")?;
+                args.repeat = v
+                    .parse()
+                    .map_err(|_| anyhow::anyhow!("--repeat wants a count, got {v:?}"))?;
+            }
             "--help" => {
                 println!("{USAGE}");
                 println!(
@@ -143,11 +153,15 @@ fn load_weights(set_name: &str) -> Result<Vec<Tensor>> {
     Ok(tensors)
 }
 
-/// Embeds every sentence (token ids given), compiling each (batch, seq) bucket once.
-fn embed(weights: &[Tensor], ids: &[Vec<i32>]) -> Result<Vec<Vec<f32>>> {
+/// Embeds every sentence (token ids given), compiling each (batch, seq) bucket once into
+/// `compiled`.
+fn embed(
+    weights: &[Tensor],
+    ids: &[Vec<i32>],
+    compiled: &mut HashMap<(usize, usize), Executable>,
+) -> Result<Vec<Vec<f32>>> {
     let hidden = HIDDEN as usize;
     let mut out = vec![Vec::new(); ids.len()];
-    let mut compiled: HashMap<(usize, usize), Executable> = HashMap::new();
     let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
     for chunk in plan(&lengths)? {
         let Chunk { batch, seq, .. } = chunk;
@@ -224,7 +238,17 @@ fn run() -> Result<()> {
         .collect::<Result<_>>()?;
 
     let weights = load_weights(&args.weights)?;
-    let embeddings = embed(&weights, &ids)?;
+    let mut compiled = HashMap::new();
+    let start = std::time::Instant::now();
+    let embeddings = embed(&weights, &ids, &mut compiled)?;
+    if args.repeat > 0 {
+        eprintln!("pass 0: {:.3} ms", start.elapsed().as_secs_f64() * 1e3);
+        for pass in 1..=args.repeat {
+            let t = std::time::Instant::now();
+            embed(&weights, &ids, &mut compiled)?;
+            eprintln!("pass {pass}: {:.3} ms", t.elapsed().as_secs_f64() * 1e3);
+        }
+    }
 
     let text = if args.json {
         let mut j = to_json(&sentences, &ids, &embeddings)?;
