@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # tpubox developer entry point. On a fresh machine it installs what is missing, then:
 #   bash scripts/dev.sh setup   # only set up: system packages, Rust target, PJRT header and plugin, builds
-#   bash scripts/dev.sh demo    # set up, then run the example guest on the CPU plugin
+#   bash scripts/dev.sh demo    # set up, then embed a few sentences with MiniLM in a sandboxed guest
 #   bash scripts/dev.sh test    # set up, then run every test
 #   bash scripts/dev.sh bench   # set up, then run the benchmarks (prints tables)
 # Everything downloaded goes under ${TPUBOX_CACHE_DIR:-~/.cache/tpubox}; nothing under the repo
@@ -68,8 +68,10 @@ case "$cmd" in
   setup) setup ;;
   demo)
     setup
-    log "running examples/hello-matmul through the host"
-    target/release/tpubox run target/wasm32-wasip2/release/hello-matmul.wasm
+    model="$(target/release/tpubox setup minilm | sed -n 's/^minilm: //p')"
+    log "embedding sentences with all-MiniLM-L6-v2 in a sandboxed guest (examples/minilm-embed)"
+    target/release/tpubox run --weights "minilm=$model/model.safetensors" --dir "$model::/model" \
+      target/wasm32-wasip2/release/minilm-embed.wasm -- "${@:2}" </dev/null
     ;;
   test)
     setup
@@ -79,6 +81,7 @@ case "$cmd" in
   bench)
     setup
     cargo bench -p tpubox-host --bench spine
+    cargo bench -p tpubox-host --bench minilm
     ;;
   *)
     echo "usage: bash scripts/dev.sh setup|demo|test|bench" >&2
