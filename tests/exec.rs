@@ -23,7 +23,7 @@ fn device() -> Arc<DeviceService> {
     static DEVICE: OnceLock<Arc<DeviceService>> = OnceLock::new();
     DEVICE
         .get_or_init(|| {
-            tpubox::open_device(None, &[], tpubox::device::DEFAULT_MAX_PROGRAM_BYTES)
+            tpubox::open_device(&tpubox::HostConfig::default())
                 .expect("opening the default PJRT plugin (run `tpubox setup cpu`)")
         })
         .clone()

@@ -77,7 +77,7 @@ fn model_dir() -> PathBuf {
 
 struct Native {
     weights: Vec<Arc<DeviceTensor>>,
-    compiled: HashMap<(usize, usize), DeviceExecutable>,
+    compiled: HashMap<(usize, usize), Arc<DeviceExecutable>>,
 }
 
 impl Native {

@@ -5,12 +5,14 @@
 //! this module checks byte lengths, dims, argument lists and donation before calling PJRT. The
 //! WIT glue ([`crate::wit`]), the `tpubox exec` command and embedders all go through it.
 
-use std::sync::Arc;
+use std::sync::{Arc, OnceLock};
+use std::time::Instant;
 
 use pjrt::{
     Buffer, Client, CompileOptions, Device, LoadedExecutable, PrimitiveType, Program, ProgramFormat,
 };
 
+use crate::cache::{CompileCache, Compiled, Entry, PluginIdentity, cache_key, parse_spec_list};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
 
 pub use pjrt::TensorSpec;
@@ -134,6 +136,8 @@ pub struct DeviceService {
     devices: Vec<Device>,
     platform: PlatformInfo,
     max_program_bytes: usize,
+    cache: Option<Arc<CompileCache>>,
+    identity: OnceLock<PluginIdentity>,
 }
 
 impl std::fmt::Debug for DeviceService {
@@ -205,7 +209,43 @@ impl DeviceService {
             devices,
             platform,
             max_program_bytes,
+            cache: None,
+            identity: OnceLock::new(),
         })
+    }
+
+    /// Puts `cache` in front of [`compile`](Self::compile).
+    pub fn with_cache(mut self, cache: Arc<CompileCache>) -> Self {
+        self.cache = Some(cache);
+        self
+    }
+
+    /// The compile cache, if any.
+    pub fn cache(&self) -> Option<&Arc<CompileCache>> {
+        self.cache.as_ref()
+    }
+
+    /// What identifies this client's compiler and target in cache keys (computed once; hashes
+    /// the plugin file).
+    ///
+    /// Errors: `internal` when the plugin file cannot be read.
+    pub fn identity(&self) -> DeviceResult<&PluginIdentity> {
+        if let Some(i) = self.identity.get() {
+            return Ok(i);
+        }
+        let first = &self.devices[0];
+        let id = PluginIdentity::new(
+            self.client.plugin().path(),
+            &self.platform.name,
+            &self.platform.version,
+            self.platform.pjrt_api_version,
+            &first.kind(),
+            self.devices.len(),
+        )
+        .map_err(|e| {
+            DeviceError::new(ErrorKind::Internal, format!("hashing the plugin file: {e}"))
+        })?;
+        Ok(self.identity.get_or_init(|| id))
     }
 
     /// The PJRT client.
@@ -318,7 +358,8 @@ impl DeviceService {
 
     /// Compiles an MLIR program (text or bytecode; entry function `main`) for device `device`.
     ///
-    /// Runs the compiler on a blocking thread so async callers keep making progress.
+    /// Runs the compiler on a blocking thread so async callers keep making progress. With a
+    /// compile cache ([`with_cache`](Self::with_cache)), equal requests are answered from it.
     ///
     /// Errors: `invalid-argument` for an empty program, one over the size limit, or MLIR text
     /// that is not UTF-8; `not-found` for an unknown device; `compile-failed` with the
@@ -328,7 +369,7 @@ impl DeviceService {
         code: Vec<u8>,
         text: bool,
         device: u32,
-    ) -> DeviceResult<DeviceExecutable> {
+    ) -> DeviceResult<Arc<DeviceExecutable>> {
         if code.is_empty() {
             return Err(DeviceError::invalid("the program is empty"));
         }
@@ -350,22 +391,56 @@ impl DeviceService {
                 "MLIR bytecode must start with the magic bytes 'ML\\xefR'",
             ));
         }
-        self.device(device)?;
-        let this = Arc::clone(self);
-        tokio::task::spawn_blocking(move || this.compile_blocking(code, device))
-            .await
-            .map_err(|e| {
-                DeviceError::new(ErrorKind::Internal, format!("compile task failed: {e}"))
-            })?
-    }
-
-    fn compile_blocking(&self, code: Vec<u8>, device: u32) -> DeviceResult<DeviceExecutable> {
+        let device_id = self.device(device)?.id();
         // The ordinal is an index into the client's devices; the wrapper turns it into a
         // one-device assignment with that device's id.
         let options = CompileOptions::new().device_ordinal(i64::from(device));
         let options_bytes = options
             .to_bytes()
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
+        let Some(cache) = self.cache.clone() else {
+            return self
+                .compile_on_blocking_thread(code, options, device)
+                .await
+                .map(|c| c.exe);
+        };
+        let this = Arc::clone(self);
+        let identity = tokio::task::spawn_blocking(move || this.identity().cloned())
+            .await
+            .map_err(|e| {
+                DeviceError::new(ErrorKind::Internal, format!("hashing task failed: {e}"))
+            })??;
+        let key = cache_key(&identity, "mlir", &code, &options_bytes, device_id);
+        cache
+            .get_or_compile(
+                key,
+                |entry| self.load_entry(entry, device),
+                || self.compile_on_blocking_thread(code, options, device),
+            )
+            .await
+    }
+
+    async fn compile_on_blocking_thread(
+        self: &Arc<Self>,
+        code: Vec<u8>,
+        options: CompileOptions,
+        device: u32,
+    ) -> DeviceResult<Compiled> {
+        let this = Arc::clone(self);
+        tokio::task::spawn_blocking(move || this.compile_blocking(code, options, device))
+            .await
+            .map_err(|e| {
+                DeviceError::new(ErrorKind::Internal, format!("compile task failed: {e}"))
+            })?
+    }
+
+    fn compile_blocking(
+        &self,
+        code: Vec<u8>,
+        options: CompileOptions,
+        device: u32,
+    ) -> DeviceResult<Compiled> {
+        let start = Instant::now();
         let program = Program {
             format: ProgramFormat::Mlir,
             code,
@@ -374,6 +449,13 @@ impl DeviceService {
             .client
             .compile(&program, &options)
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::CompileFailed))?;
+        let compile_ms = start.elapsed().as_secs_f64() * 1e3;
+        // Serialize right away: executables containing `sort` cannot be serialized after they
+        // have run (shared/notes/PJRT_TRIALS.md).
+        let serialized = match self.cache {
+            Some(_) => exe.serialize().ok(),
+            None => None,
+        };
         let unsupported = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Unsupported);
         let inputs = exe.parameter_specs().map_err(unsupported)?;
         let outputs = exe.output_specs().map_err(unsupported)?;
@@ -384,18 +466,37 @@ impl DeviceService {
                 let mut h = Sha256::new();
                 h.update(b"mlir\0");
                 h.update(&program.code);
-                h.update(&options_bytes);
+                h.update(options.to_bytes().unwrap_or_default());
                 h.update(self.platform.plugin_path.as_bytes());
                 hex::encode(h.finalize())
             }
         };
-        Ok(DeviceExecutable {
-            exe,
-            inputs,
-            outputs,
-            device,
-            fingerprint,
+        Ok(Compiled {
+            exe: Arc::new(DeviceExecutable {
+                exe,
+                inputs,
+                outputs,
+                device,
+                fingerprint,
+            }),
+            serialized,
+            compile_ms,
         })
+    }
+
+    /// Loads a tier-2 cache entry as an executable for device `device`.
+    fn load_entry(&self, entry: Entry, device: u32) -> DeviceResult<Arc<DeviceExecutable>> {
+        let exe = self
+            .client
+            .deserialize_executable(&entry.executable)
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))?;
+        Ok(Arc::new(DeviceExecutable {
+            exe,
+            inputs: parse_spec_list(&entry.meta.inputs)?,
+            outputs: parse_spec_list(&entry.meta.outputs)?,
+            device,
+            fingerprint: entry.meta.fingerprint,
+        }))
     }
 
     /// Executes `exe` with borrowed arguments, donating those marked, and awaits completion.

@@ -17,6 +17,7 @@ use anyhow::{Context, Result};
 use pjrt::{Client, NamedValue, Plugin};
 use wasmtime::component::Component;
 
+use crate::cache::{CacheConfig, CacheMode, CompileCache};
 use crate::device::{DEFAULT_MAX_PROGRAM_BYTES, DeviceService};
 use crate::sandbox::{RunOptions, RunOutcome, Sandbox, SandboxConfig};
 use crate::weights::{WeightRegistry, WeightSet};
@@ -33,6 +34,8 @@ pub struct HostConfig {
     pub max_program_bytes: usize,
     /// Wasm sandbox settings.
     pub sandbox: SandboxConfig,
+    /// Compile cache settings.
+    pub cache: CacheConfig,
 }
 
 impl Default for HostConfig {
@@ -42,6 +45,7 @@ impl Default for HostConfig {
             client_options: Vec::new(),
             max_program_bytes: DEFAULT_MAX_PROGRAM_BYTES,
             sandbox: SandboxConfig::default(),
+            cache: CacheConfig::default(),
         }
     }
 }
@@ -53,24 +57,27 @@ pub struct Host {
     sandbox: Sandbox,
 }
 
-/// Loads the plugin `config.plugin` resolves to and creates a PJRT client with `options`.
+/// Loads the plugin `config.plugin` resolves to, creates a PJRT client with
+/// `config.client_options`, and puts the compile cache `config.cache` in front of it.
 ///
 /// Errors: no plugin found (the message names the setup command), a plugin that fails to load
 /// or whose PJRT API version is too old, or a client that cannot be created.
-pub fn open_device(
-    plugin: Option<&str>,
-    options: &[(String, NamedValue)],
-    max_program_bytes: usize,
-) -> Result<Arc<DeviceService>> {
-    let path = crate::plugin::resolve(plugin)?;
+pub fn open_device(config: &HostConfig) -> Result<Arc<DeviceService>> {
+    let path = crate::plugin::resolve(config.plugin.as_deref())?;
     let plugin =
         Plugin::load(&path).with_context(|| format!("loading PJRT plugin {}", path.display()))?;
-    let opts: Vec<(&str, NamedValue)> = options
+    let opts: Vec<(&str, NamedValue)> = config
+        .client_options
         .iter()
         .map(|(k, v)| (k.as_str(), v.clone()))
         .collect();
     let client = Client::new(&plugin, &opts).context("creating the PJRT client")?;
-    Ok(Arc::new(DeviceService::new(client, max_program_bytes)?))
+    let mut service = DeviceService::new(client, config.max_program_bytes)?;
+    if config.cache.mode != CacheMode::Off {
+        let cache = CompileCache::new(config.cache.clone()).context("opening the compile cache")?;
+        service = service.with_cache(Arc::new(cache));
+    }
+    Ok(Arc::new(service))
 }
 
 impl Host {
@@ -78,11 +85,7 @@ impl Host {
     ///
     /// Errors: see [`open_device`]; an engine that cannot be configured.
     pub fn new(config: HostConfig) -> Result<Self> {
-        let device = open_device(
-            config.plugin.as_deref(),
-            &config.client_options,
-            config.max_program_bytes,
-        )?;
+        let device = open_device(&config)?;
         Self::with_device(device, config.sandbox)
     }
 

@@ -3,6 +3,7 @@
 //!
 //! Modules, one job each:
 //! - [`device`]: the PJRT client shared by all guests, with validation before every PJRT call;
+//! - [`cache`]: the compile cache (in-process and host-disk tiers) and its keys;
 //! - [`wit`]: the thin glue from the WIT interfaces to [`device`];
 //! - [`sandbox`]: wasmtime engine, component cache, per-guest stores, limits and deadlines;
 //! - [`host`]: the embedding API ([`Host`]);
@@ -11,6 +12,7 @@
 //! - [`npy`] and [`exec`]: `tpubox exec`, running a StableHLO program on `.npy` files.
 #![forbid(unsafe_code)]
 
+pub mod cache;
 pub mod device;
 pub mod error;
 pub mod exec;

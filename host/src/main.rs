@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
+use tpubox::cache::{CacheConfig, CacheMode, DiskCache};
 use tpubox::{Host, HostConfig, NamedValue, RunOptions, SandboxConfig, plugin};
 
 /// tpubox: one process owns the accelerator (through a PJRT plugin) and lends it to sandboxed
@@ -36,6 +37,13 @@ enum Cmd {
     },
     /// Run a guest: a WASI command component that imports tpubox:device.
     Run(RunArgs),
+    /// Inspect or trim the host-disk compile cache.
+    Cache {
+        #[command(subcommand)]
+        action: CacheAction,
+        #[command(flatten)]
+        cache: CacheArgs,
+    },
     /// Compile and run a StableHLO program on .npy inputs, writing .npy outputs.
     Exec {
         #[command(flatten)]
@@ -51,6 +59,66 @@ enum Cmd {
     },
 }
 
+#[derive(Subcommand)]
+enum CacheAction {
+    /// Entries, bytes, hits, misses and compile time saved of the host-disk tier.
+    Stats {
+        /// Print JSON instead of text.
+        #[arg(long)]
+        json: bool,
+    },
+    /// Remove every entry.
+    Clear,
+    /// Remove least recently used entries until the cache holds at most N bytes.
+    Prune {
+        /// Byte budget to trim to.
+        #[arg(long, value_name = "N")]
+        max_bytes: u64,
+    },
+}
+
+fn cache_command(action: CacheAction, args: &CacheArgs) -> Result<bool> {
+    let cfg = args.config();
+    let dir = cfg
+        .disk_dir
+        .context("no cache directory: pass --cache-dir")?;
+    let disk = DiskCache::new(&dir, cfg.disk_max_bytes, true)?;
+    match action {
+        CacheAction::Stats { json } => {
+            let usage = disk.usage();
+            let counters = disk.counters();
+            if json {
+                let v = serde_json::json!({ "dir": dir, "disk": usage, "counters": counters });
+                println!("{}", serde_json::to_string_pretty(&v)?);
+            } else {
+                println!("compile cache: {}", dir.display());
+                println!("tier 1 (in process): lives only inside a running host");
+                println!(
+                    "tier 2 (host disk): {} entries, {} bytes; {} hits, {} misses, {:.1} s of compile time saved",
+                    usage.entries,
+                    usage.bytes,
+                    counters.hits,
+                    counters.misses,
+                    counters.compile_ms_saved / 1e3
+                );
+            }
+        }
+        CacheAction::Clear => {
+            let n = DiskCache::new(&dir, cfg.disk_max_bytes, false)?.clear()?;
+            println!("removed {n} entries from {}", dir.display());
+        }
+        CacheAction::Prune { max_bytes } => {
+            let n = DiskCache::new(&dir, cfg.disk_max_bytes, false)?.prune(max_bytes)?;
+            let u = disk.usage();
+            println!(
+                "removed {n} entries; {} entries, {} bytes left",
+                u.entries, u.bytes
+            );
+        }
+    }
+    Ok(true)
+}
+
 #[derive(Args)]
 struct DeviceArgs {
     /// PJRT plugin: a name (cpu, xla-cpu, tpu, cuda) or a path to a plugin .so. Default:
@@ -60,16 +128,37 @@ struct DeviceArgs {
     /// Number of devices the CPU plugin exposes (its `cpu_device_count` create option).
     #[arg(long, value_name = "N")]
     cpu_devices: Option<i64>,
+    #[command(flatten)]
+    cache: CacheArgs,
+}
+
+#[derive(Args, Clone)]
+struct CacheArgs {
+    /// Compile cache mode: read-write, read-only (never writes the shared tiers), cache-only (a
+    /// miss is an error), off.
+    #[arg(long, value_enum, default_value_t = CacheMode::ReadWrite, env = "TPUBOX_CACHE_MODE")]
+    cache_mode: CacheMode,
+    /// Directory of the host-disk compile cache (default ~/.cache/tpubox/executables).
+    #[arg(long, value_name = "DIR", env = "TPUBOX_COMPILE_CACHE_DIR")]
+    cache_dir: Option<PathBuf>,
+}
+
+impl CacheArgs {
+    fn config(&self) -> CacheConfig {
+        let mut c = CacheConfig {
+            mode: self.cache_mode,
+            ..CacheConfig::default()
+        };
+        if let Some(d) = &self.cache_dir {
+            c.disk_dir = Some(d.clone());
+        }
+        c
+    }
 }
 
 impl DeviceArgs {
     fn open(&self) -> Result<std::sync::Arc<tpubox::DeviceService>> {
-        let cfg = self.config();
-        tpubox::open_device(
-            cfg.plugin.as_deref(),
-            &cfg.client_options,
-            cfg.max_program_bytes,
-        )
+        tpubox::open_device(&self.config())
     }
 
     fn config(&self) -> HostConfig {
@@ -80,6 +169,7 @@ impl DeviceArgs {
         HostConfig {
             plugin: self.plugin.clone(),
             client_options,
+            cache: self.cache.config(),
             ..HostConfig::default()
         }
     }
@@ -188,6 +278,7 @@ async fn main_inner() -> Result<bool> {
             Ok(true)
         }
         Cmd::Run(args) => run(args).await,
+        Cmd::Cache { action, cache } => cache_command(action, &cache),
         Cmd::Exec {
             device,
             program,

@@ -320,7 +320,7 @@ impl<T: DeviceView> client::Host for DeviceCtx<'_, T> {
             .compile(code, text, options.device.unwrap_or(0))
             .await
         {
-            Ok(exe) => Ok(Ok(self.0.table().push(GuestExecutable(Arc::new(exe)))?)),
+            Ok(exe) => Ok(Ok(self.0.table().push(GuestExecutable(exe))?)),
             Err(e) => Ok(Err(to_wit_error(e))),
         }
     }

@@ -1,0 +1,434 @@
+//! Tier 2 of the compile cache: serialized executables in a directory shared by every process
+//! of a host.
+//!
+//! One file per key, `<hex key>.tpbx`:
+//!
+//! | bytes | field |
+//! |---|---|
+//! | 8 | magic `TPBXEXE\0` |
+//! | 4 | format version ([`CACHE_FORMAT_VERSION`]), little-endian |
+//! | 32 | the key |
+//! | 4 | metadata length M, little-endian |
+//! | 8 | executable length N, little-endian |
+//! | 32 | SHA-256 of the metadata and executable bytes |
+//! | M | metadata (JSON: parameter and result specs, fingerprint, compile time) |
+//! | N | the serialized executable (`PJRT_Executable_Serialize`) |
+//!
+//! Writes go to a temporary file in the same directory and are renamed into place, so readers in
+//! other processes see either no entry or a whole one; two writers of one key both leave a
+//! valid entry. Every read checks magic, version, key, lengths and checksum; an entry that fails
+//! is reported, removed and treated as a miss — never loaded. Reads refresh the file's
+//! modification time, which orders eviction (least recently used first) when the directory
+//! exceeds its byte cap.
+
+use std::io::Write;
+use std::path::{Path, PathBuf};
+use std::time::SystemTime;
+
+use serde::{Deserialize, Serialize};
+use sha2::{Digest, Sha256};
+
+use super::key::{CACHE_FORMAT_VERSION, CacheKey};
+
+const MAGIC: &[u8; 8] = b"TPBXEXE\0";
+const HEADER_LEN: usize = 8 + 4 + 32 + 4 + 8 + 32;
+/// File name extension of entries.
+pub const ENTRY_EXT: &str = "tpbx";
+
+/// What an entry records besides the executable.
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct EntryMeta {
+    /// Parameter specs as (XLA type name, dims).
+    pub inputs: Vec<(String, Vec<i64>)>,
+    /// Result specs as (XLA type name, dims).
+    pub outputs: Vec<(String, Vec<i64>)>,
+    /// The executable's fingerprint.
+    pub fingerprint: String,
+    /// How long the original compile took, in milliseconds (to report time saved).
+    pub compile_ms: f64,
+}
+
+/// A verified entry.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Entry {
+    /// Its metadata.
+    pub meta: EntryMeta,
+    /// The serialized executable.
+    pub executable: Vec<u8>,
+}
+
+/// Why an entry on disk was rejected.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct CorruptEntry {
+    /// The file.
+    pub path: PathBuf,
+    /// What check failed.
+    pub reason: String,
+}
+
+/// Size and count of the entries in a directory.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct DiskUsage {
+    /// Number of entries.
+    pub entries: u64,
+    /// Their total size in bytes.
+    pub bytes: u64,
+}
+
+/// Hit and miss counters of a cache directory, summed over every process that used it
+/// (kept in `stats.json` in the directory, updated under a file lock).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
+pub struct DiskCounters {
+    /// Lookups answered from the directory.
+    pub hits: u64,
+    /// Lookups that found nothing usable.
+    pub misses: u64,
+    /// Compile time the hits saved, in milliseconds.
+    pub compile_ms_saved: f64,
+}
+
+/// A cache directory.
+#[derive(Debug, Clone)]
+pub struct DiskCache {
+    dir: PathBuf,
+    max_bytes: u64,
+    read_only: bool,
+}
+
+/// Encodes an entry in the file layout above.
+pub fn encode(key: &CacheKey, entry: &Entry) -> Vec<u8> {
+    let meta = serde_json::to_vec(&entry.meta).expect("entry metadata serializes");
+    let mut h = Sha256::new();
+    h.update(&meta);
+    h.update(&entry.executable);
+    let sum: [u8; 32] = h.finalize().into();
+    let mut out = Vec::with_capacity(HEADER_LEN + meta.len() + entry.executable.len());
+    out.extend_from_slice(MAGIC);
+    out.extend_from_slice(&CACHE_FORMAT_VERSION.to_le_bytes());
+    out.extend_from_slice(&key.0);
+    out.extend_from_slice(&(meta.len() as u32).to_le_bytes());
+    out.extend_from_slice(&(entry.executable.len() as u64).to_le_bytes());
+    out.extend_from_slice(&sum);
+    out.extend_from_slice(&meta);
+    out.extend_from_slice(&entry.executable);
+    out
+}
+
+/// Decodes and verifies an entry for `key`; the error says which check failed.
+pub fn decode(key: &CacheKey, bytes: &[u8]) -> Result<Entry, String> {
+    if bytes.len() < HEADER_LEN {
+        return Err(format!(
+            "truncated: {} bytes, the header alone is {HEADER_LEN}",
+            bytes.len()
+        ));
+    }
+    if &bytes[0..8] != MAGIC {
+        return Err("bad magic".into());
+    }
+    let version = u32::from_le_bytes(bytes[8..12].try_into().expect("4 bytes"));
+    if version != CACHE_FORMAT_VERSION {
+        return Err(format!(
+            "format version {version}, expected {CACHE_FORMAT_VERSION}"
+        ));
+    }
+    if bytes[12..44] != key.0 {
+        return Err("entry holds another key".into());
+    }
+    let meta_len = u32::from_le_bytes(bytes[44..48].try_into().expect("4 bytes")) as usize;
+    let exe_len = u64::from_le_bytes(bytes[48..56].try_into().expect("8 bytes"));
+    let want = (HEADER_LEN as u64)
+        .checked_add(meta_len as u64)
+        .and_then(|n| n.checked_add(exe_len));
+    if want != Some(bytes.len() as u64) {
+        return Err(format!(
+            "length mismatch: header says {} bytes, file has {}",
+            want.map_or("overflowing".to_string(), |n| n.to_string()),
+            bytes.len()
+        ));
+    }
+    let body = &bytes[HEADER_LEN..];
+    let sum: [u8; 32] = Sha256::digest(body).into();
+    if sum[..] != bytes[56..88] {
+        return Err("checksum mismatch".into());
+    }
+    let meta: EntryMeta =
+        serde_json::from_slice(&body[..meta_len]).map_err(|e| format!("bad metadata: {e}"))?;
+    Ok(Entry {
+        meta,
+        executable: body[meta_len..].to_vec(),
+    })
+}
+
+impl DiskCache {
+    /// A cache in `dir` (created if missing unless `read_only`), evicting least recently used
+    /// entries above `max_bytes`.
+    ///
+    /// Errors: the directory cannot be created.
+    pub fn new(dir: &Path, max_bytes: u64, read_only: bool) -> std::io::Result<Self> {
+        if !read_only {
+            std::fs::create_dir_all(dir)?;
+        }
+        Ok(DiskCache {
+            dir: dir.to_path_buf(),
+            max_bytes,
+            read_only,
+        })
+    }
+
+    /// The directory.
+    pub fn dir(&self) -> &Path {
+        &self.dir
+    }
+
+    /// Path of the entry for `key`.
+    pub fn path(&self, key: &CacheKey) -> PathBuf {
+        self.dir.join(format!("{}.{ENTRY_EXT}", key.hex()))
+    }
+
+    /// Reads and verifies the entry for `key`. `Ok(None)` is a miss. A corrupt entry is
+    /// removed (unless read-only) and returned as `Err`, for the caller to report.
+    pub fn get(&self, key: &CacheKey) -> Result<Option<Entry>, CorruptEntry> {
+        let path = self.path(key);
+        let bytes = match std::fs::read(&path) {
+            Ok(b) => b,
+            Err(_) => return Ok(None),
+        };
+        match decode(key, &bytes) {
+            Ok(entry) => {
+                if !self.read_only {
+                    // Refresh the LRU order; failure only makes eviction less precise.
+                    if let Ok(f) = std::fs::File::options().append(true).open(&path) {
+                        let _ = f.set_modified(SystemTime::now());
+                    }
+                }
+                Ok(Some(entry))
+            }
+            Err(reason) => {
+                if !self.read_only {
+                    let _ = std::fs::remove_file(&path);
+                }
+                Err(CorruptEntry { path, reason })
+            }
+        }
+    }
+
+    /// Writes the entry for `key` atomically, then evicts down to the byte cap. Does nothing
+    /// in read-only mode.
+    ///
+    /// Errors: I/O errors writing or renaming the file.
+    pub fn put(&self, key: &CacheKey, entry: &Entry) -> std::io::Result<()> {
+        if self.read_only {
+            return Ok(());
+        }
+        let bytes = encode(key, entry);
+        let mut tmp = tempfile::Builder::new()
+            .prefix(".tmp-")
+            .tempfile_in(&self.dir)?;
+        tmp.write_all(&bytes)?;
+        tmp.as_file().sync_data()?;
+        tmp.persist(self.path(key)).map_err(|e| e.error)?;
+        self.prune(self.max_bytes)?;
+        Ok(())
+    }
+
+    fn entries(&self) -> Vec<(PathBuf, u64, SystemTime)> {
+        let Ok(rd) = std::fs::read_dir(&self.dir) else {
+            return Vec::new();
+        };
+        rd.filter_map(|e| e.ok())
+            .filter(|e| e.path().extension().is_some_and(|x| x == ENTRY_EXT))
+            .filter_map(|e| {
+                let m = e.metadata().ok()?;
+                Some((
+                    e.path(),
+                    m.len(),
+                    m.modified().unwrap_or(SystemTime::UNIX_EPOCH),
+                ))
+            })
+            .collect()
+    }
+
+    /// The counters summed over all processes (zero when none were recorded).
+    pub fn counters(&self) -> DiskCounters {
+        std::fs::read(self.dir.join("stats.json"))
+            .ok()
+            .and_then(|b| serde_json::from_slice(&b).ok())
+            .unwrap_or_default()
+    }
+
+    /// Adds `delta` to the shared counters (read-modify-write under an exclusive file lock).
+    /// Best effort: does nothing in read-only mode or when the file cannot be locked.
+    pub fn record(&self, delta: DiskCounters) {
+        if self.read_only {
+            return;
+        }
+        let path = self.dir.join("stats.json");
+        let Ok(mut f) = std::fs::File::options()
+            .read(true)
+            .write(true)
+            .create(true)
+            .truncate(false)
+            .open(&path)
+        else {
+            return;
+        };
+        if f.lock().is_err() {
+            return;
+        }
+        let mut buf = Vec::new();
+        let _ = std::io::Read::read_to_end(&mut f, &mut buf);
+        let mut c: DiskCounters = serde_json::from_slice(&buf).unwrap_or_default();
+        c.hits += delta.hits;
+        c.misses += delta.misses;
+        c.compile_ms_saved += delta.compile_ms_saved;
+        let out = serde_json::to_vec(&c).expect("counters serialize");
+        use std::io::{Seek, SeekFrom};
+        if f.set_len(0).is_ok() && f.seek(SeekFrom::Start(0)).is_ok() {
+            let _ = f.write_all(&out);
+        }
+    }
+
+    /// Number and total size of the entries.
+    pub fn usage(&self) -> DiskUsage {
+        let e = self.entries();
+        DiskUsage {
+            entries: e.len() as u64,
+            bytes: e.iter().map(|(_, n, _)| n).sum(),
+        }
+    }
+
+    /// Removes least recently used entries until the total is at most `max_bytes`; returns how
+    /// many were removed. Entries another process removed first are skipped.
+    ///
+    /// Errors: none in practice (removal failures are skipped); kept for future backends.
+    pub fn prune(&self, max_bytes: u64) -> std::io::Result<u64> {
+        let mut entries = self.entries();
+        let mut total: u64 = entries.iter().map(|(_, n, _)| n).sum();
+        if total <= max_bytes {
+            return Ok(0);
+        }
+        entries.sort_by_key(|(_, _, t)| *t);
+        let mut removed = 0;
+        for (path, len, _) in entries {
+            if total <= max_bytes {
+                break;
+            }
+            if std::fs::remove_file(&path).is_ok() {
+                removed += 1;
+            }
+            total = total.saturating_sub(len);
+        }
+        Ok(removed)
+    }
+
+    /// Removes every entry (and stray temporary files); returns how many entries were removed.
+    ///
+    /// Errors: none in practice (removal failures are skipped).
+    pub fn clear(&self) -> std::io::Result<u64> {
+        let mut n = 0;
+        if let Ok(rd) = std::fs::read_dir(&self.dir) {
+            for e in rd.filter_map(|e| e.ok()) {
+                let p = e.path();
+                let is_entry = p.extension().is_some_and(|x| x == ENTRY_EXT);
+                let is_tmp = e.file_name().to_string_lossy().starts_with(".tmp-");
+                if (is_entry || is_tmp) && std::fs::remove_file(&p).is_ok() && is_entry {
+                    n += 1;
+                }
+            }
+        }
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn entry() -> Entry {
+        Entry {
+            meta: EntryMeta {
+                inputs: vec![("F32".into(), vec![2, 2])],
+                outputs: vec![("F32".into(), vec![2])],
+                fingerprint: "fp".into(),
+                compile_ms: 12.5,
+            },
+            executable: (0..=255u8).collect(),
+        }
+    }
+
+    #[test]
+    fn round_trip() {
+        let k = CacheKey([7; 32]);
+        assert_eq!(decode(&k, &encode(&k, &entry())).unwrap(), entry());
+    }
+
+    #[test]
+    fn every_flipped_byte_and_every_truncation_is_detected() {
+        let k = CacheKey([7; 32]);
+        let good = encode(&k, &entry());
+        for i in 0..good.len() {
+            let mut bad = good.clone();
+            bad[i] ^= 0x01;
+            assert!(decode(&k, &bad).is_err(), "flipped byte {i} went unnoticed");
+        }
+        for n in 0..good.len() {
+            assert!(
+                decode(&k, &good[..n]).is_err(),
+                "truncation to {n} went unnoticed"
+            );
+        }
+        assert!(
+            decode(&CacheKey([8; 32]), &good)
+                .unwrap_err()
+                .contains("another key")
+        );
+    }
+
+    #[test]
+    fn corrupt_entry_is_removed_and_lru_eviction_keeps_recent() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = DiskCache::new(dir.path(), 10_000, false).unwrap();
+        let k = CacheKey([1; 32]);
+        c.put(&k, &entry()).unwrap();
+        assert_eq!(c.get(&k).unwrap(), Some(entry()));
+        let mut bytes = std::fs::read(c.path(&k)).unwrap();
+        let last = bytes.len() - 1;
+        bytes[last] ^= 0xff;
+        std::fs::write(c.path(&k), bytes).unwrap();
+        let err = c.get(&k).unwrap_err();
+        assert_eq!(err.reason, "checksum mismatch");
+        assert!(!c.path(&k).exists(), "a corrupt entry is removed");
+        assert_eq!(c.get(&k).unwrap(), None);
+
+        // Three entries of ~400 bytes under a 1000-byte cap: the least recently used goes.
+        let small = DiskCache::new(dir.path(), 1000, false).unwrap();
+        let keys = [CacheKey([2; 32]), CacheKey([3; 32]), CacheKey([4; 32])];
+        small.put(&keys[0], &entry()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        small.put(&keys[1], &entry()).unwrap();
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        small.get(&keys[0]).unwrap(); // touch: now keys[1] is the oldest
+        std::thread::sleep(std::time::Duration::from_millis(20));
+        small.put(&keys[2], &entry()).unwrap();
+        assert!(small.path(&keys[0]).exists());
+        assert!(!small.path(&keys[1]).exists());
+        assert!(small.path(&keys[2]).exists());
+        assert_eq!(small.usage().entries, 2);
+        assert_eq!(small.clear().unwrap(), 2);
+        assert_eq!(small.usage(), DiskUsage::default());
+    }
+
+    #[test]
+    fn read_only_never_writes_or_removes() {
+        let dir = tempfile::tempdir().unwrap();
+        let rw = DiskCache::new(dir.path(), 1 << 20, false).unwrap();
+        let ro = DiskCache::new(dir.path(), 1 << 20, true).unwrap();
+        let k = CacheKey([5; 32]);
+        ro.put(&k, &entry()).unwrap();
+        assert!(!ro.path(&k).exists());
+        rw.put(&k, &entry()).unwrap();
+        std::fs::write(ro.path(&k), b"garbage").unwrap();
+        assert!(ro.get(&k).is_err());
+        assert!(ro.path(&k).exists(), "read-only mode leaves files alone");
+    }
+}

@@ -1,0 +1,267 @@
+//! The compile-cache key: a SHA-256 that changes whenever anything that could change the
+//! compiled executable changes.
+//!
+//! What goes in, in this order, each item length-prefixed (so no two different inputs can
+//! produce the same byte stream):
+//!
+//! 1. [`CACHE_FORMAT_VERSION`] — bumped whenever the entry layout or the key recipe changes;
+//! 2. the program format (`"mlir"`) and the program bytes;
+//! 3. the serialized `CompileOptionsProto` and the id of the target device;
+//! 4. the plugin's identity ([`PluginIdentity`]): SHA-256 of the plugin file, platform name and
+//!    version, PJRT C API version;
+//! 5. the device kind and the number of addressable devices;
+//! 6. on CPU platforms, the host CPU's model and feature flags.
+//!
+//! Lessons this follows: JAX once returned wrong cache hits because the TPU runtime version was
+//! missing from its key (JAX `compilation_cache` / `cache_key.py` now hashes the backend
+//! version); in trials here an executable serialized by one CPU plugin build loaded into another
+//! and silently returned wrong numbers (`shared/notes/PJRT_TRIALS.md`), hence the plugin file
+//! hash and the CPU features.
+
+use std::fmt;
+use std::path::Path;
+
+use sha2::{Digest, Sha256};
+
+/// Version of the cache entry format and key recipe. Entries of other versions are never read.
+pub const CACHE_FORMAT_VERSION: u32 = 1;
+
+/// A 32-byte cache key.
+#[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub struct CacheKey(pub [u8; 32]);
+
+impl CacheKey {
+    /// Lower-case hex, 64 characters (also the entry's file name stem).
+    pub fn hex(&self) -> String {
+        hex::encode(self.0)
+    }
+
+    /// Parses 64 hex characters.
+    pub fn from_hex(s: &str) -> Option<Self> {
+        let v = hex::decode(s).ok()?;
+        Some(CacheKey(v.try_into().ok()?))
+    }
+}
+
+impl fmt::Debug for CacheKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        write!(f, "CacheKey({})", &self.hex()[..16])
+    }
+}
+
+impl fmt::Display for CacheKey {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(&self.hex())
+    }
+}
+
+/// Everything about the compiler and target that is fixed for one PJRT client.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct PluginIdentity {
+    /// SHA-256 of the plugin shared library, hex.
+    pub plugin_sha256: String,
+    /// Platform name, e.g. `"cpu"`.
+    pub platform_name: String,
+    /// Platform version string.
+    pub platform_version: String,
+    /// PJRT C API version (major, minor).
+    pub api_version: (u32, u32),
+    /// Device kind of the addressable devices, e.g. `"cpu"`.
+    pub device_kind: String,
+    /// Number of addressable devices.
+    pub device_count: usize,
+    /// CPU model and sorted feature flags on CPU platforms; empty otherwise.
+    pub host_cpu: String,
+}
+
+impl PluginIdentity {
+    /// Builds the identity, hashing the plugin file at `plugin_path` (≈ 0.5 s for a 200 MB
+    /// plugin; done once per client).
+    ///
+    /// Errors: the plugin file cannot be read.
+    pub fn new(
+        plugin_path: &Path,
+        platform_name: &str,
+        platform_version: &str,
+        api_version: (u32, u32),
+        device_kind: &str,
+        device_count: usize,
+    ) -> std::io::Result<Self> {
+        let plugin_sha256 = file_sha256_memoized(plugin_path)?;
+        let host_cpu = if platform_name.eq_ignore_ascii_case("cpu") {
+            host_cpu_description()
+        } else {
+            String::new()
+        };
+        Ok(PluginIdentity {
+            plugin_sha256,
+            platform_name: platform_name.to_string(),
+            platform_version: platform_version.to_string(),
+            api_version,
+            device_kind: device_kind.to_string(),
+            device_count,
+            host_cpu,
+        })
+    }
+}
+
+/// SHA-256 of a file, hex, remembered across processes in
+/// `<cache root>/file-hashes/` under a name derived from the file's path, inode, size and
+/// modification time (so a replaced or rewritten file is hashed again). Hashing a 200 MB plugin
+/// takes about half a second; a memoized lookup, microseconds.
+///
+/// Errors: the file cannot be read.
+pub fn file_sha256_memoized(path: &Path) -> std::io::Result<String> {
+    use std::os::unix::fs::MetadataExt;
+    let meta = std::fs::metadata(path)?;
+    let canonical = std::fs::canonicalize(path)?;
+    let mut id = Sha256::new();
+    id.update(canonical.as_os_str().as_encoded_bytes());
+    id.update(meta.ino().to_le_bytes());
+    id.update(meta.len().to_le_bytes());
+    id.update(meta.mtime().to_le_bytes());
+    id.update(meta.mtime_nsec().to_le_bytes());
+    let memo =
+        crate::plugin::cache_root().map(|r| r.join("file-hashes").join(hex::encode(id.finalize())));
+    if let Some(m) = &memo
+        && let Ok(s) = std::fs::read_to_string(m)
+        && s.len() == 64
+        && s.bytes().all(|b| b.is_ascii_hexdigit())
+    {
+        return Ok(s);
+    }
+    let mut f = std::fs::File::open(path)?;
+    let mut h = Sha256::new();
+    std::io::copy(&mut f, &mut h)?;
+    let digest = hex::encode(h.finalize());
+    if let Some(m) = &memo
+        && let Some(dir) = m.parent()
+        && std::fs::create_dir_all(dir).is_ok()
+        && let Ok(mut tmp) = tempfile::NamedTempFile::new_in(dir)
+    {
+        use std::io::Write;
+        if tmp.write_all(digest.as_bytes()).is_ok() {
+            let _ = tmp.persist(m);
+        }
+    }
+    Ok(digest)
+}
+
+/// The first CPU's `model name` and its `flags`, sorted, from `/proc/cpuinfo`; on other systems
+/// the features `std::arch` detects.
+pub fn host_cpu_description() -> String {
+    if let Ok(info) = std::fs::read_to_string("/proc/cpuinfo") {
+        let field = |name: &str| {
+            info.lines()
+                .find(|l| l.split(':').next().is_some_and(|k| k.trim() == name))
+                .and_then(|l| l.split_once(':'))
+                .map(|(_, v)| v.trim().to_string())
+                .unwrap_or_default()
+        };
+        let mut flags: Vec<String> = field("flags")
+            .split_whitespace()
+            .map(String::from)
+            .collect();
+        if flags.is_empty() {
+            flags = field("Features")
+                .split_whitespace()
+                .map(String::from)
+                .collect();
+        }
+        flags.sort();
+        return format!("{}|{}", field("model name"), flags.join(" "));
+    }
+    format!("{}-{}", std::env::consts::ARCH, std::env::consts::OS)
+}
+
+fn put(h: &mut Sha256, bytes: &[u8]) {
+    h.update((bytes.len() as u64).to_le_bytes());
+    h.update(bytes);
+}
+
+/// Computes the key of one compile request; see the module docs for what goes in.
+pub fn cache_key(
+    identity: &PluginIdentity,
+    format: &str,
+    program: &[u8],
+    options: &[u8],
+    device_id: i32,
+) -> CacheKey {
+    let mut h = Sha256::new();
+    h.update(b"tpubox-compile-cache");
+    h.update(CACHE_FORMAT_VERSION.to_le_bytes());
+    put(&mut h, format.as_bytes());
+    put(&mut h, program);
+    put(&mut h, options);
+    h.update(device_id.to_le_bytes());
+    put(&mut h, identity.plugin_sha256.as_bytes());
+    put(&mut h, identity.platform_name.as_bytes());
+    put(&mut h, identity.platform_version.as_bytes());
+    h.update(identity.api_version.0.to_le_bytes());
+    h.update(identity.api_version.1.to_le_bytes());
+    put(&mut h, identity.device_kind.as_bytes());
+    h.update((identity.device_count as u64).to_le_bytes());
+    put(&mut h, identity.host_cpu.as_bytes());
+    CacheKey(h.finalize().into())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn ident() -> PluginIdentity {
+        PluginIdentity {
+            plugin_sha256: "ab".repeat(32),
+            platform_name: "cpu".into(),
+            platform_version: "1".into(),
+            api_version: (0, 115),
+            device_kind: "cpu".into(),
+            device_count: 4,
+            host_cpu: "x|avx2 sse4".into(),
+        }
+    }
+
+    #[test]
+    fn every_input_changes_the_key() {
+        let base = cache_key(&ident(), "mlir", b"prog", b"opts", 0);
+        assert_eq!(base, cache_key(&ident(), "mlir", b"prog", b"opts", 0));
+        let mut variants = vec![
+            cache_key(&ident(), "hlo", b"prog", b"opts", 0),
+            cache_key(&ident(), "mlir", b"prog2", b"opts", 0),
+            cache_key(&ident(), "mlir", b"prog", b"opts2", 0),
+            cache_key(&ident(), "mlir", b"prog", b"opts", 1),
+            // Moving a byte between fields must not collide (length prefixes).
+            cache_key(&ident(), "mlir", b"pro", b"gopts", 0),
+        ];
+        let changes: Vec<Box<dyn Fn(&mut PluginIdentity)>> = vec![
+            Box::new(|i| i.plugin_sha256 = "cd".repeat(32)),
+            Box::new(|i| i.platform_name = "tpu".into()),
+            Box::new(|i| i.platform_version = "2".into()),
+            Box::new(|i| i.api_version = (0, 81)),
+            Box::new(|i| i.device_kind = "gpu".into()),
+            Box::new(|i| i.device_count = 8),
+            Box::new(|i| i.host_cpu = "x|sse4".into()),
+        ];
+        for change in changes {
+            let mut i = ident();
+            change(&mut i);
+            variants.push(cache_key(&i, "mlir", b"prog", b"opts", 0));
+        }
+        for (n, v) in variants.iter().enumerate() {
+            assert_ne!(*v, base, "variant {n} collided with the base key");
+        }
+    }
+
+    #[test]
+    fn hex_round_trips() {
+        let k = cache_key(&ident(), "mlir", b"p", b"o", 0);
+        assert_eq!(CacheKey::from_hex(&k.hex()), Some(k));
+        assert_eq!(CacheKey::from_hex("zz"), None);
+    }
+
+    #[test]
+    fn cpu_description_lists_features() {
+        let d = host_cpu_description();
+        assert!(!d.is_empty());
+    }
+}

@@ -1,0 +1,412 @@
+//! The compile cache, shared by every tenant of a host.
+//!
+//! - Tier 1, in process: a byte-bounded LRU map of loaded executables. Concurrent requests for
+//!   one key compile once; the others wait for that result (single-flight).
+//! - Tier 2, host disk ([`disk`]): serialized executables written right after compiling
+//!   (programs with `sort` cannot be serialized after their first run), shared by all processes.
+//!
+//! Keys are described in [`key`]. Modes ([`CacheMode`]) make the cache read-only (workers that
+//! must not write), cache-only (a miss is an error, for production fleets) or off. A miss is
+//! logged (target `tpubox::cache`, level info) with its key, so `TPUBOX_LOG=tpubox::cache=info`
+//! shows why a program recompiled.
+
+pub mod disk;
+pub mod key;
+
+use std::collections::HashMap;
+use std::future::Future;
+use std::path::PathBuf;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+
+use serde::Serialize;
+
+pub use disk::{DiskCache, DiskCounters, DiskUsage, Entry, EntryMeta};
+pub use key::{CacheKey, PluginIdentity, cache_key};
+
+use crate::device::DeviceExecutable;
+use crate::error::{DeviceError, DeviceResult, ErrorKind};
+
+/// How the cache may be used.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize)]
+pub enum CacheMode {
+    /// Read and write every tier (default).
+    #[default]
+    ReadWrite,
+    /// Read every tier, write none of the shared ones (tier 1 still fills, it is private).
+    ReadOnly,
+    /// Like read-only, and a miss is an error instead of a compile (`not-found`).
+    CacheOnly,
+    /// No caching at all.
+    Off,
+}
+
+/// Settings of a [`CompileCache`].
+#[derive(Debug, Clone)]
+pub struct CacheConfig {
+    /// What the cache may do.
+    pub mode: CacheMode,
+    /// Tier 1 bound: total size of the cached executables' serialized forms, in bytes
+    /// (default 1 GiB).
+    pub memory_max_bytes: u64,
+    /// Tier 2 directory; `None` disables tier 2. Default `~/.cache/tpubox/executables`.
+    pub disk_dir: Option<PathBuf>,
+    /// Tier 2 bound in bytes (default 10 GiB); least recently used entries go first.
+    pub disk_max_bytes: u64,
+    /// Compiles faster than this are not written to disk, in milliseconds (default 0).
+    pub min_compile_ms: f64,
+}
+
+impl Default for CacheConfig {
+    fn default() -> Self {
+        CacheConfig {
+            mode: CacheMode::ReadWrite,
+            memory_max_bytes: 1 << 30,
+            disk_dir: crate::plugin::cache_root().map(|d| d.join("executables")),
+            disk_max_bytes: 10 << 30,
+            min_compile_ms: 0.0,
+        }
+    }
+}
+
+/// Counters of one tier.
+#[derive(Debug, Default)]
+struct TierCounters {
+    hits: AtomicU64,
+    misses: AtomicU64,
+    /// Compile time the hits saved, in microseconds.
+    saved_us: AtomicU64,
+}
+
+/// A snapshot of one tier's counters.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct TierStats {
+    /// Entries held now.
+    pub entries: u64,
+    /// Bytes held now.
+    pub bytes: u64,
+    /// Lookups answered by this tier since the cache was built.
+    pub hits: u64,
+    /// Lookups this tier could not answer.
+    pub misses: u64,
+    /// Compile time the hits saved, in milliseconds.
+    pub compile_ms_saved: f64,
+}
+
+/// Counters of the whole cache.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Serialize)]
+pub struct CacheStats {
+    /// Tier 1 (this process).
+    pub memory: TierStats,
+    /// Tier 2 (host disk).
+    pub disk: TierStats,
+    /// Programs actually compiled.
+    pub compiles: u64,
+    /// Corrupt tier-2 entries found (and removed).
+    pub corrupt: u64,
+}
+
+struct MemEntry {
+    exe: Arc<DeviceExecutable>,
+    bytes: u64,
+    last_use: u64,
+    compile_ms: f64,
+}
+
+#[derive(Default)]
+struct Memory {
+    map: HashMap<CacheKey, MemEntry>,
+    bytes: u64,
+    clock: u64,
+}
+
+type Flight = Arc<tokio::sync::OnceCell<DeviceResult<Arc<DeviceExecutable>>>>;
+
+/// What a compile produces for the cache: the executable, its serialized form (for tier 2),
+/// and how long compiling took.
+pub struct Compiled {
+    /// The loaded executable.
+    pub exe: Arc<DeviceExecutable>,
+    /// `PJRT_Executable_Serialize` output taken right after compiling; `None` when the plugin
+    /// cannot serialize this executable (it is then cached in tier 1 only).
+    pub serialized: Option<Vec<u8>>,
+    /// Wall time of the compile, in milliseconds.
+    pub compile_ms: f64,
+}
+
+/// The multi-tier compile cache; see the module docs. `Send + Sync`, shared through `Arc`.
+pub struct CompileCache {
+    config: CacheConfig,
+    disk: Option<DiskCache>,
+    memory: Mutex<Memory>,
+    flights: Mutex<HashMap<CacheKey, Flight>>,
+    mem_counters: TierCounters,
+    disk_counters: TierCounters,
+    compiles: AtomicU64,
+    corrupt: AtomicU64,
+}
+
+impl std::fmt::Debug for CompileCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("CompileCache")
+            .field("config", &self.config)
+            .finish()
+    }
+}
+
+impl CompileCache {
+    /// Builds the cache.
+    ///
+    /// Errors: the tier-2 directory cannot be created (read-write mode only).
+    pub fn new(config: CacheConfig) -> std::io::Result<Self> {
+        let read_only = matches!(config.mode, CacheMode::ReadOnly | CacheMode::CacheOnly);
+        let disk = match (&config.disk_dir, config.mode) {
+            (_, CacheMode::Off) | (None, _) => None,
+            (Some(dir), _) => Some(DiskCache::new(dir, config.disk_max_bytes, read_only)?),
+        };
+        Ok(CompileCache {
+            config,
+            disk,
+            memory: Mutex::new(Memory::default()),
+            flights: Mutex::new(HashMap::new()),
+            mem_counters: TierCounters::default(),
+            disk_counters: TierCounters::default(),
+            compiles: AtomicU64::new(0),
+            corrupt: AtomicU64::new(0),
+        })
+    }
+
+    /// The settings.
+    pub fn config(&self) -> &CacheConfig {
+        &self.config
+    }
+
+    /// The tier-2 directory, if any.
+    pub fn disk(&self) -> Option<&DiskCache> {
+        self.disk.as_ref()
+    }
+
+    /// A snapshot of the counters and sizes.
+    pub fn stats(&self) -> CacheStats {
+        let snap = |c: &TierCounters| TierStats {
+            hits: c.hits.load(Ordering::Relaxed),
+            misses: c.misses.load(Ordering::Relaxed),
+            compile_ms_saved: c.saved_us.load(Ordering::Relaxed) as f64 / 1e3,
+            ..TierStats::default()
+        };
+        let mut memory = snap(&self.mem_counters);
+        {
+            let m = self.memory.lock().expect("cache lock");
+            memory.entries = m.map.len() as u64;
+            memory.bytes = m.bytes;
+        }
+        let mut disk = snap(&self.disk_counters);
+        if let Some(d) = &self.disk {
+            let u = d.usage();
+            disk.entries = u.entries;
+            disk.bytes = u.bytes;
+        }
+        CacheStats {
+            memory,
+            disk,
+            compiles: self.compiles.load(Ordering::Relaxed),
+            corrupt: self.corrupt.load(Ordering::Relaxed),
+        }
+    }
+
+    fn memory_get(&self, key: &CacheKey) -> Option<Arc<DeviceExecutable>> {
+        let mut m = self.memory.lock().expect("cache lock");
+        m.clock += 1;
+        let now = m.clock;
+        let e = m.map.get_mut(key)?;
+        e.last_use = now;
+        add_ms(&self.mem_counters.saved_us, e.compile_ms);
+        Some(Arc::clone(&e.exe))
+    }
+
+    fn memory_put(&self, key: CacheKey, exe: Arc<DeviceExecutable>, bytes: u64, compile_ms: f64) {
+        let mut m = self.memory.lock().expect("cache lock");
+        m.clock += 1;
+        let last_use = m.clock;
+        if let Some(old) = m.map.insert(
+            key,
+            MemEntry {
+                exe,
+                bytes,
+                last_use,
+                compile_ms,
+            },
+        ) {
+            m.bytes -= old.bytes;
+        }
+        m.bytes += bytes;
+        while m.bytes > self.config.memory_max_bytes && m.map.len() > 1 {
+            let oldest = m
+                .map
+                .iter()
+                .filter(|(k, _)| **k != key)
+                .min_by_key(|(_, e)| e.last_use)
+                .map(|(k, _)| *k);
+            match oldest.and_then(|k| m.map.remove(&k)) {
+                Some(e) => m.bytes -= e.bytes,
+                None => break,
+            }
+        }
+    }
+
+    /// Returns the executable for `key`, from tier 1, else tier 2 (loading it with `load`),
+    /// else by running `compile` — once, however many callers ask for `key` at the same time.
+    ///
+    /// Errors: `compile`'s error; `not-found` on a miss in cache-only mode. A corrupt tier-2
+    /// entry is not an error: it is logged, removed and recompiled.
+    pub async fn get_or_compile<C, Fut, L>(
+        &self,
+        key: CacheKey,
+        load: L,
+        compile: C,
+    ) -> DeviceResult<Arc<DeviceExecutable>>
+    where
+        C: FnOnce() -> Fut,
+        Fut: Future<Output = DeviceResult<Compiled>>,
+        L: FnOnce(Entry) -> DeviceResult<Arc<DeviceExecutable>>,
+    {
+        if self.config.mode == CacheMode::Off {
+            self.compiles.fetch_add(1, Ordering::Relaxed);
+            return compile().await.map(|c| c.exe);
+        }
+        if let Some(exe) = self.memory_get(&key) {
+            self.mem_counters.hits.fetch_add(1, Ordering::Relaxed);
+            return Ok(exe);
+        }
+        let flight: Flight = {
+            let mut f = self.flights.lock().expect("cache lock");
+            Arc::clone(f.entry(key).or_default())
+        };
+        let result = flight
+            .get_or_init(|| async {
+                // Another flight may have finished between our tier-1 check and joining.
+                if let Some(exe) = self.memory_get(&key) {
+                    self.mem_counters.hits.fetch_add(1, Ordering::Relaxed);
+                    return Ok(exe);
+                }
+                self.mem_counters.misses.fetch_add(1, Ordering::Relaxed);
+                self.fill(key, load, compile).await
+            })
+            .await
+            .clone();
+        {
+            let mut f = self.flights.lock().expect("cache lock");
+            if f.get(&key).is_some_and(|cur| Arc::ptr_eq(cur, &flight)) {
+                f.remove(&key);
+            }
+        }
+        result
+    }
+
+    async fn fill<C, Fut, L>(
+        &self,
+        key: CacheKey,
+        load: L,
+        compile: C,
+    ) -> DeviceResult<Arc<DeviceExecutable>>
+    where
+        C: FnOnce() -> Fut,
+        Fut: Future<Output = DeviceResult<Compiled>>,
+        L: FnOnce(Entry) -> DeviceResult<Arc<DeviceExecutable>>,
+    {
+        if let Some(disk) = &self.disk {
+            match disk.get(&key) {
+                Ok(Some(entry)) => {
+                    let bytes = entry.executable.len() as u64;
+                    let compile_ms = entry.meta.compile_ms;
+                    match load(entry) {
+                        Ok(exe) => {
+                            self.disk_counters.hits.fetch_add(1, Ordering::Relaxed);
+                            add_ms(&self.disk_counters.saved_us, compile_ms);
+                            disk.record(DiskCounters {
+                                hits: 1,
+                                compile_ms_saved: compile_ms,
+                                ..DiskCounters::default()
+                            });
+                            self.memory_put(key, Arc::clone(&exe), bytes, compile_ms);
+                            return Ok(exe);
+                        }
+                        Err(e) => {
+                            tracing::warn!(target: "tpubox::cache", %key, error = %e, "tier-2 entry failed to load; recompiling");
+                        }
+                    }
+                }
+                Ok(None) => {}
+                Err(c) => {
+                    self.corrupt.fetch_add(1, Ordering::Relaxed);
+                    tracing::warn!(target: "tpubox::cache", %key, path = %c.path.display(), reason = %c.reason, "corrupt tier-2 entry removed; recompiling");
+                }
+            }
+            self.disk_counters.misses.fetch_add(1, Ordering::Relaxed);
+            disk.record(DiskCounters {
+                misses: 1,
+                ..DiskCounters::default()
+            });
+        }
+        if self.config.mode == CacheMode::CacheOnly {
+            return Err(DeviceError::new(
+                ErrorKind::NotFound,
+                format!("compile cache miss for key {key} in cache-only mode"),
+            ));
+        }
+        tracing::info!(target: "tpubox::cache", %key, "compile cache miss; compiling");
+        self.compiles.fetch_add(1, Ordering::Relaxed);
+        let c = compile().await?;
+        let bytes = c.serialized.as_ref().map_or(0, |s| s.len() as u64);
+        if let (Some(disk), Some(serialized)) = (&self.disk, &c.serialized)
+            && c.compile_ms >= self.config.min_compile_ms
+        {
+            let entry = Entry {
+                meta: EntryMeta {
+                    inputs: spec_list(c.exe.inputs()),
+                    outputs: spec_list(c.exe.outputs()),
+                    fingerprint: c.exe.fingerprint().to_string(),
+                    compile_ms: c.compile_ms,
+                },
+                executable: serialized.clone(),
+            };
+            if let Err(e) = disk.put(&key, &entry) {
+                tracing::warn!(target: "tpubox::cache", %key, error = %e, "could not write a tier-2 entry");
+            }
+        }
+        self.memory_put(key, Arc::clone(&c.exe), bytes, c.compile_ms);
+        Ok(c.exe)
+    }
+}
+
+fn add_ms(counter: &AtomicU64, ms: f64) {
+    counter.fetch_add((ms * 1e3) as u64, Ordering::Relaxed);
+}
+
+fn spec_list(specs: &[pjrt::TensorSpec]) -> Vec<(String, Vec<i64>)> {
+    specs
+        .iter()
+        .map(|s| (s.ty.name().to_string(), s.dims.clone()))
+        .collect()
+}
+
+/// Parses specs stored by [`spec_list`].
+///
+/// Errors: an unknown type name (an entry from a newer tpubox).
+pub fn parse_spec_list(specs: &[(String, Vec<i64>)]) -> DeviceResult<Vec<pjrt::TensorSpec>> {
+    specs
+        .iter()
+        .map(|(ty, dims)| {
+            let ty = pjrt::PrimitiveType::from_name(ty).ok_or_else(|| {
+                DeviceError::new(
+                    ErrorKind::Internal,
+                    format!("cache entry names unknown type {ty}"),
+                )
+            })?;
+            Ok(pjrt::TensorSpec {
+                ty,
+                dims: dims.clone(),
+            })
+        })
+        .collect()
+}
