@@ -13,6 +13,11 @@
 //!   [`compile_mlir_bytecode`] (MLIR bytecode / portable VHLO artifacts such as `jax.export`
 //!   output), run it with [`Executable::call`] or [`Executable::call_donating`].
 //! * [`Element`]: the Rust types that map to XLA element types ([`Dtype`]).
+//! * [`graph`]: a StableHLO graph builder — write model graphs in Rust (element-wise math,
+//!   `dot_general` with a precision setting, reductions, gather, layer norm, softmax, GELU) with
+//!   shape checks as the graph is built; it emits MLIR the host compiles.
+//! * [`weights`]: read-only weight sets the host loaded once (`tpubox run --weights
+//!   NAME=FILE.safetensors`), opened by name, device-resident, shared between guests.
 //! * [`platform`] and [`devices`]: what the host runs on.
 //!
 //! Every fallible call returns [`Result`], whose [`Error`] carries an [`ErrorKind`] to branch on

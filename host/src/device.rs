@@ -445,10 +445,11 @@ impl DeviceService {
             format: ProgramFormat::Mlir,
             code,
         };
-        let exe = self
-            .client
-            .compile(&program, &options)
-            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::CompileFailed))?;
+        let exe = self.client.compile(&program, &options).map_err(|e| {
+            let mut err = DeviceError::from_pjrt(e, ErrorKind::CompileFailed);
+            err.message = tidy_compile_message(&err.message);
+            err
+        })?;
         let compile_ms = start.elapsed().as_secs_f64() * 1e3;
         // Serialize right away: executables containing `sort` cannot be serialized after they
         // have run (shared/notes/PJRT_TRIALS.md).
@@ -537,6 +538,22 @@ impl DeviceService {
                 device: exe.device,
             })
             .collect())
+    }
+}
+
+/// Drops the plugin's generic "Failed to parse using StableHLO vX…" hint when the message holds
+/// a real diagnostic, and trailing blank lines.
+fn tidy_compile_message(msg: &str) -> String {
+    let lines: Vec<&str> = msg.lines().filter(|l| !l.trim().is_empty()).collect();
+    let real: Vec<&str> = lines
+        .iter()
+        .copied()
+        .filter(|l| !l.contains("Failed to parse using StableHLO"))
+        .collect();
+    if real.is_empty() {
+        lines.join("\n")
+    } else {
+        real.join("\n")
     }
 }
 

