@@ -82,6 +82,7 @@ case "$cmd" in
     setup
     cargo bench -p tpubox-host --bench spine
     cargo bench -p tpubox-host --bench minilm
+    cargo bench -p tpubox-host --bench cache
     ;;
   *)
     echo "usage: bash scripts/dev.sh setup|demo|test|bench" >&2
