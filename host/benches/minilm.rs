@@ -87,10 +87,9 @@ impl Native {
         let mut out = vec![Vec::new(); ids.len()];
         for chunk in plan(&lengths).unwrap() {
             let key = (chunk.batch, chunk.seq);
-            if !self.compiled.contains_key(&key) {
+            if let std::collections::hash_map::Entry::Vacant(slot) = self.compiled.entry(key) {
                 let mlir = build_encoder_mlir(chunk.batch as u64, chunk.seq as u64).unwrap();
-                let exe = dev.compile(mlir.into_bytes(), true, 0).await.unwrap();
-                self.compiled.insert(key, exe);
+                slot.insert(dev.compile(mlir.into_bytes(), true, 0).await.unwrap());
             }
             let exe = &self.compiled[&key];
             let (input_ids, mask) = pack(&chunk, ids).unwrap();

@@ -331,7 +331,11 @@ impl DiskCache {
                 let p = e.path();
                 let is_entry = p.extension().is_some_and(|x| x == ENTRY_EXT);
                 let is_tmp = e.file_name().to_string_lossy().starts_with(".tmp-");
-                if (is_entry || is_tmp) && std::fs::remove_file(&p).is_ok() && is_entry {
+                if !is_entry && !is_tmp {
+                    continue;
+                }
+                let removed = std::fs::remove_file(&p).is_ok();
+                if removed && is_entry {
                     n += 1;
                 }
             }

@@ -233,7 +233,8 @@ mod tests {
             // Moving a byte between fields must not collide (length prefixes).
             cache_key(&ident(), "mlir", b"pro", b"gopts", 0),
         ];
-        let changes: Vec<Box<dyn Fn(&mut PluginIdentity)>> = vec![
+        type Change = Box<dyn Fn(&mut PluginIdentity)>;
+        let changes: Vec<Change> = vec![
             Box::new(|i| i.plugin_sha256 = "cd".repeat(32)),
             Box::new(|i| i.platform_name = "tpu".into()),
             Box::new(|i| i.platform_version = "2".into()),
