@@ -32,12 +32,14 @@ struct Embedded {
 }
 
 fn reference() -> Reference {
+    // $TPUBOX_MINILM_REFERENCE, else the `shared/` folder beside the checkout, else the
+    // workplace's /work/shared.
+    let beside =
+        PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../../shared/reference/minilm_public.json");
     let path = std::env::var_os("TPUBOX_MINILM_REFERENCE")
         .map(PathBuf::from)
-        .unwrap_or_else(|| {
-            PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-                .join("../../shared/reference/minilm_public.json")
-        });
+        .or_else(|| beside.is_file().then_some(beside))
+        .unwrap_or_else(|| PathBuf::from("/work/shared/reference/minilm_public.json"));
     let text = std::fs::read_to_string(&path)
         .unwrap_or_else(|e| panic!("reading {}: {e}", path.display()));
     serde_json::from_str(&text).expect("reference JSON")

@@ -28,6 +28,7 @@ fn reference_file() -> Option<PathBuf> {
     [
         ws.join("shared/reference/minilm_public.json"),
         ws.join("../shared/reference/minilm_public.json"),
+        PathBuf::from("/work/shared/reference/minilm_public.json"),
     ]
     .into_iter()
     .find(|p| p.is_file())
