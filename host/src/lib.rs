@@ -11,6 +11,7 @@
 //! - [`plugin`]: finding and installing PJRT plugins and model packages;
 //! - [`npy`] and [`exec`]: `tpubox exec`, running a StableHLO program on `.npy` files.
 #![forbid(unsafe_code)]
+#![warn(missing_docs)]
 
 pub mod cache;
 pub mod device;
