@@ -30,11 +30,12 @@ pub mod generated {
     });
 }
 
-pub use generated::*;
-
-use tpubox::device::client::{self, CompileOptions, ProgramFormat};
-use tpubox::device::types::{self, Dtype, Error as WitError, ErrorKind as WitErrorKind};
-use tpubox::device::weights;
+use self::generated::Guest;
+use self::generated::tpubox::device::client::{self, CompileOptions, ProgramFormat};
+use self::generated::tpubox::device::types::{
+    self, Dtype, Error as WitError, ErrorKind as WitErrorKind,
+};
+use self::generated::tpubox::device::weights;
 
 /// A guest's handle to a device tensor, as stored in its [`ResourceTable`].
 pub struct GuestTensor {
