@@ -315,7 +315,7 @@ impl CompileCache {
         L: FnOnce(Entry) -> DeviceResult<Arc<DeviceExecutable>>,
     {
         if let Some(disk) = &self.disk {
-            match disk.get(&key) {
+            match on_disk(disk, move |d| d.get(&key)).await {
                 Ok(Some(entry)) => {
                     let bytes = entry.executable.len() as u64;
                     let compile_ms = entry.meta.compile_ms;
@@ -323,11 +323,12 @@ impl CompileCache {
                         Ok(exe) => {
                             self.disk_counters.hits.fetch_add(1, Ordering::Relaxed);
                             add_ms(&self.disk_counters.saved_us, compile_ms);
-                            disk.record(DiskCounters {
+                            let delta = DiskCounters {
                                 hits: 1,
                                 compile_ms_saved: compile_ms,
                                 ..DiskCounters::default()
-                            });
+                            };
+                            on_disk(disk, move |d| d.record(delta)).await;
                             self.memory_put(key, Arc::clone(&exe), bytes, compile_ms);
                             return Ok(exe);
                         }
@@ -343,10 +344,11 @@ impl CompileCache {
                 }
             }
             self.disk_counters.misses.fetch_add(1, Ordering::Relaxed);
-            disk.record(DiskCounters {
+            let delta = DiskCounters {
                 misses: 1,
                 ..DiskCounters::default()
-            });
+            };
+            on_disk(disk, move |d| d.record(delta)).await;
         }
         if self.config.mode == CacheMode::CacheOnly {
             return Err(DeviceError::new(
@@ -370,12 +372,26 @@ impl CompileCache {
                 },
                 executable: serialized.clone(),
             };
-            if let Err(e) = disk.put(&key, &entry) {
+            if let Err(e) = on_disk(disk, move |d| d.put(&key, &entry)).await {
                 tracing::warn!(target: "tpubox::cache", %key, error = %e, "could not write a tier-2 entry");
             }
         }
         self.memory_put(key, Arc::clone(&c.exe), bytes, c.compile_ms);
         Ok(c.exe)
+    }
+}
+
+/// Runs a tier-2 file operation on tokio's blocking pool, so reads, writes and fsyncs of
+/// entries never stall the async threads that serve other tenants.
+async fn on_disk<T: Send + 'static>(
+    disk: &DiskCache,
+    f: impl FnOnce(&DiskCache) -> T + Send + 'static,
+) -> T {
+    let d = disk.clone();
+    match tokio::task::spawn_blocking(move || f(&d)).await {
+        Ok(v) => v,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => panic!("tier-2 cache task cancelled: {e}"),
     }
 }
 
