@@ -6,37 +6,17 @@
 //! The guest is built for wasm32-wasip2 before the tests run (`bash scripts/dev.sh test`, or
 //! `cargo build --release --target wasm32-wasip2 -p tpubox-graph-ops`).
 
+mod support;
+use support::{test_host_config, wasm};
+
 use std::collections::BTreeMap;
-use std::path::PathBuf;
 use std::time::Duration;
 
-use tpubox::{Host, HostConfig, RunOptions, SandboxConfig};
-
-fn wasm(name: &str) -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    let p = target
-        .join("wasm32-wasip2/release")
-        .join(format!("{name}.wasm"));
-    assert!(
-        p.is_file(),
-        "{} is missing: build the guests first (bash scripts/dev.sh test does)",
-        p.display()
-    );
-    p
-}
+use tpubox::{Host, RunOptions};
 
 /// Runs the graph-ops guest once and returns its stdout.
 async fn run_guest() -> String {
-    let config = HostConfig {
-        sandbox: SandboxConfig {
-            max_guest_memory: 256 << 20,
-            cache_dir: None,
-            ..SandboxConfig::default()
-        },
-        ..HostConfig::default()
-    };
+    let config = test_host_config();
     let host = Host::new(config).expect("host starts on the CPU plugin");
     let name = "tpubox-graph-ops";
     let component = host.load_component(&wasm(name)).expect("component loads");

@@ -3,39 +3,20 @@
 //! The guests are built for wasm32-wasip2 by `scripts/dev.sh` before the tests run. Numbers are
 //! checked against values computed here in plain Rust, not against the guest's own output.
 
+mod support;
+use support::{test_host_config, wasm};
+
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
 use std::time::Duration;
 
-use tpubox::{Host, HostConfig, RunOptions, RunOutcome, SandboxConfig};
+use tpubox::{Host, RunOptions, RunOutcome};
 use wasmtime::component::Component;
-
-fn wasm(name: &str) -> PathBuf {
-    let target = std::env::var_os("CARGO_TARGET_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
-    let p = target
-        .join("wasm32-wasip2/release")
-        .join(format!("{name}.wasm"));
-    assert!(
-        p.is_file(),
-        "{} is missing: build the guests first (bash scripts/dev.sh test does)",
-        p.display()
-    );
-    p
-}
 
 fn host() -> &'static Arc<Host> {
     static HOST: OnceLock<Arc<Host>> = OnceLock::new();
     HOST.get_or_init(|| {
-        let config = HostConfig {
-            sandbox: SandboxConfig {
-                max_guest_memory: 256 << 20,
-                cache_dir: None,
-                ..SandboxConfig::default()
-            },
-            ..HostConfig::default()
-        };
+        let config = test_host_config();
         let host = Host::new(config).expect("host starts on the CPU plugin");
         host.load_weights("test", &test_weights_file())
             .expect("test weights load");

@@ -263,6 +263,16 @@ mod tests {
     #[test]
     fn cpu_description_lists_features() {
         let d = host_cpu_description();
-        assert!(!d.is_empty());
+        if std::path::Path::new("/proc/cpuinfo").exists() {
+            let (_, flags) = d.split_once('|').expect("model|flags");
+            let flags: Vec<&str> = flags.split(' ').collect();
+            assert!(flags.len() > 3, "{d}");
+            assert!(
+                flags.windows(2).all(|w| w[0] <= w[1]),
+                "flags are sorted: {d}"
+            );
+        } else {
+            assert!(!d.is_empty());
+        }
     }
 }
