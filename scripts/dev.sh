@@ -30,6 +30,11 @@ setup_system() {
     as_root apt-get update -qq
     as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
   fi
+  # moto's S3 server, started on loopback by the tier-3 compile-cache tests.
+  if ! command -v moto_server >/dev/null; then
+    log "installing moto[server]==5.2.1 (S3 server for the tier-3 cache tests)"
+    python3 -m pip install --disable-pip-version-check -q "moto[server]==5.2.1"
+  fi
   if ! rustup target list --installed | grep -qx wasm32-wasip2; then
     log "adding Rust target wasm32-wasip2"
     rustup target add wasm32-wasip2

@@ -411,10 +411,11 @@ impl DeviceService {
                 DeviceError::new(ErrorKind::Internal, format!("hashing task failed: {e}"))
             })??;
         let key = cache_key(&identity, "mlir", &code, &options_bytes, device_id);
+        let this = Arc::clone(self);
         cache
             .get_or_compile(
                 key,
-                |entry| self.load_entry(entry, device),
+                move |entry| this.load_entry(entry, device),
                 || self.compile_on_blocking_thread(code, options, device),
             )
             .await
@@ -487,10 +488,17 @@ impl DeviceService {
 
     /// Loads a tier-2 cache entry as an executable for device `device`.
     fn load_entry(&self, entry: Entry, device: u32) -> DeviceResult<Arc<DeviceExecutable>> {
+        let start = Instant::now();
         let exe = self
             .client
             .deserialize_executable(&entry.executable)
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))?;
+        tracing::debug!(
+            target: "tpubox::cache",
+            bytes = entry.executable.len(),
+            ms = start.elapsed().as_secs_f64() * 1e3,
+            "deserialized a cached executable"
+        );
         Ok(Arc::new(DeviceExecutable {
             exe,
             inputs: parse_spec_list(&entry.meta.inputs)?,

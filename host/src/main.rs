@@ -6,7 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
-use tpubox::cache::{CacheConfig, CacheMode, DiskCache};
+use tpubox::cache::{CacheConfig, CacheMode, DiskCache, RemoteCache};
 use tpubox::{Host, HostConfig, NamedValue, RunOptions, SandboxConfig, plugin};
 
 /// tpubox: one process owns the accelerator (through a PJRT plugin) and lends it to sandboxed
@@ -64,14 +64,19 @@ enum Cmd {
 
 #[derive(Subcommand)]
 enum CacheAction {
-    /// Entries, bytes, hits, misses and compile time saved of the host-disk tier.
+    /// Entries, bytes, hits, misses and compile time saved of the host-disk tier, and entries
+    /// and bytes of tier 3 when --cache-remote is given.
     Stats {
         /// Print JSON instead of text.
         #[arg(long)]
         json: bool,
     },
-    /// Remove every entry.
-    Clear,
+    /// Remove every entry of the host-disk tier (and of tier 3 with --remote).
+    Clear {
+        /// Also delete every entry under the --cache-remote URL.
+        #[arg(long)]
+        remote: bool,
+    },
     /// Remove least recently used entries until the cache holds at most N bytes.
     Prune {
         /// Byte budget to trim to.
@@ -80,8 +85,12 @@ enum CacheAction {
     },
 }
 
-fn cache_command(action: CacheAction, args: &CacheArgs) -> Result<bool> {
+async fn cache_command(action: CacheAction, args: &CacheArgs) -> Result<bool> {
     let cfg = args.config();
+    let remote = match &cfg.remote_url {
+        Some(url) => Some(RemoteCache::open(url).map_err(anyhow::Error::msg)?),
+        None => None,
+    };
     let dir = cfg
         .disk_dir
         .context("no cache directory: pass --cache-dir")?;
@@ -90,8 +99,18 @@ fn cache_command(action: CacheAction, args: &CacheArgs) -> Result<bool> {
         CacheAction::Stats { json } => {
             let usage = disk.usage();
             let counters = disk.counters();
+            let remote_usage = match &remote {
+                Some(r) => Some(r.usage().await.map_err(anyhow::Error::msg)?),
+                None => None,
+            };
             if json {
-                let v = serde_json::json!({ "dir": dir, "disk": usage, "counters": counters });
+                let v = serde_json::json!({
+                    "dir": dir,
+                    "disk": usage,
+                    "counters": counters,
+                    "remote": remote.as_ref().map(|r| r.url()),
+                    "remote_usage": remote_usage,
+                });
                 println!("{}", serde_json::to_string_pretty(&v)?);
             } else {
                 println!("compile cache: {}", dir.display());
@@ -104,11 +123,27 @@ fn cache_command(action: CacheAction, args: &CacheArgs) -> Result<bool> {
                     counters.misses,
                     counters.compile_ms_saved / 1e3
                 );
+                match (&remote, remote_usage) {
+                    (Some(r), Some(u)) => println!(
+                        "tier 3 (remote {}): {} entries, {} bytes",
+                        r.url(),
+                        u.entries,
+                        u.bytes
+                    ),
+                    _ => println!("tier 3 (remote): not configured (--cache-remote URL)"),
+                }
             }
         }
-        CacheAction::Clear => {
+        CacheAction::Clear {
+            remote: clear_remote,
+        } => {
             let n = DiskCache::new(&dir, cfg.disk_max_bytes, false)?.clear()?;
             println!("removed {n} entries from {}", dir.display());
+            if clear_remote {
+                let r = remote.context("--remote needs --cache-remote URL")?;
+                let n = r.clear().await.map_err(anyhow::Error::msg)?;
+                println!("removed {n} entries from {}", r.url());
+            }
         }
         CacheAction::Prune { max_bytes } => {
             let n = DiskCache::new(&dir, cfg.disk_max_bytes, false)?.prune(max_bytes)?;
@@ -144,6 +179,10 @@ struct CacheArgs {
     /// Directory of the host-disk compile cache (default ~/.cache/tpubox/executables).
     #[arg(long, value_name = "DIR", env = "TPUBOX_COMPILE_CACHE_DIR")]
     cache_dir: Option<PathBuf>,
+    /// Tier 3: object store URL shared by a fleet (file:///DIR, s3://BUCKET/PREFIX,
+    /// gs://BUCKET/PREFIX). Credentials and endpoint come from AWS_* / GOOGLE_* variables.
+    #[arg(long, value_name = "URL", env = "TPUBOX_CACHE_REMOTE")]
+    cache_remote: Option<String>,
 }
 
 impl CacheArgs {
@@ -155,6 +194,7 @@ impl CacheArgs {
         if let Some(d) = &self.cache_dir {
             c.disk_dir = Some(d.clone());
         }
+        c.remote_url = self.cache_remote.clone();
         c
     }
 }
@@ -250,6 +290,9 @@ async fn run(args: RunArgs) -> Result<bool> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "guest".into());
     let outcome = host.run(&component, &name, &opts).await?;
+    if let Some(cache) = host.device().cache() {
+        cache.flush_uploads().await;
+    }
     Ok(outcome.success)
 }
 
@@ -289,7 +332,7 @@ async fn main_inner() -> Result<bool> {
             Ok(true)
         }
         Cmd::Run(args) => run(args).await,
-        Cmd::Cache { action, cache } => cache_command(action, &cache),
+        Cmd::Cache { action, cache } => cache_command(action, &cache).await,
         Cmd::Exec {
             device,
             program,
@@ -297,7 +340,11 @@ async fn main_inner() -> Result<bool> {
             out,
         } => {
             let svc = device.open()?;
-            let infos = tpubox::exec::exec(&svc, &program, &args, &out).await?;
+            let infos = tpubox::exec::exec(&svc, &program, &args, &out).await;
+            if let Some(cache) = svc.cache() {
+                cache.flush_uploads().await;
+            }
+            let infos = infos?;
             for i in infos {
                 println!("{}: {}{:?}", i.file, i.dtype, i.dims);
             }

@@ -4,6 +4,10 @@
 //!   one key compile once; the others wait for that result (single-flight).
 //! - Tier 2, host disk ([`disk`]): serialized executables written right after compiling
 //!   (programs with `sort` cannot be serialized after their first run), shared by all processes.
+//! - Tier 3, remote ([`remote`]): an object store (`file://`, `s3://`, `gs://`) shared by a
+//!   fleet. On a tier-2 miss the fetch from tier 3 and a local compile start together and the
+//!   first to finish is used; uploads of new entries run in the background and never delay a
+//!   compile's caller ([`CompileCache::flush_uploads`] waits for them before a process exits).
 //!
 //! Keys are described in [`key`]. Modes ([`CacheMode`]) make the cache read-only (workers that
 //! must not write), cache-only (a miss is an error, for production fleets) or off. A miss is
@@ -12,6 +16,7 @@
 
 pub mod disk;
 pub mod key;
+pub mod remote;
 
 use std::collections::HashMap;
 use std::future::Future;
@@ -23,6 +28,7 @@ use serde::Serialize;
 
 pub use disk::{DiskCache, DiskCounters, DiskUsage, Entry, EntryMeta};
 pub use key::{CacheKey, PluginIdentity, cache_key};
+pub use remote::{FetchError, RemoteCache, RemoteUsage};
 
 use crate::device::DeviceExecutable;
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
@@ -53,8 +59,15 @@ pub struct CacheConfig {
     pub disk_dir: Option<PathBuf>,
     /// Tier 2 bound in bytes (default 10 GiB); least recently used entries go first.
     pub disk_max_bytes: u64,
-    /// Compiles faster than this are not written to disk, in milliseconds (default 0).
+    /// Compiles faster than this are not written to disk or uploaded, in milliseconds
+    /// (default 0).
     pub min_compile_ms: f64,
+    /// Tier 3: URL of an object store (`file:///dir`, `s3://bucket/prefix`, `gs://...`);
+    /// `None` (the default) disables tier 3. See [`remote`] for credentials.
+    pub remote_url: Option<String>,
+    /// Tier-3 store options (`aws_endpoint`, `aws_allow_http`, `google_service_account`, ...),
+    /// applied after those read from `AWS_*` / `GOOGLE_*` environment variables.
+    pub remote_options: Vec<(String, String)>,
 }
 
 impl Default for CacheConfig {
@@ -65,6 +78,8 @@ impl Default for CacheConfig {
             disk_dir: crate::plugin::cache_root().map(|d| d.join("executables")),
             disk_max_bytes: 10 << 30,
             min_compile_ms: 0.0,
+            remote_url: None,
+            remote_options: Vec::new(),
         }
     }
 }
@@ -100,6 +115,12 @@ pub struct CacheStats {
     pub memory: TierStats,
     /// Tier 2 (host disk).
     pub disk: TierStats,
+    /// Tier 3 (remote; entries and bytes are not listed here, see [`RemoteCache::usage`]).
+    pub remote: TierStats,
+    /// Background uploads to tier 3 that finished, and that failed.
+    pub uploads: u64,
+    /// Uploads that failed (logged at warn).
+    pub upload_failures: u64,
     /// Programs actually compiled.
     pub compiles: u64,
     /// Corrupt tier-2 entries found (and removed).
@@ -138,6 +159,10 @@ pub struct Compiled {
 pub struct CompileCache {
     config: CacheConfig,
     disk: Option<DiskCache>,
+    remote: Option<RemoteCache>,
+    uploads: Mutex<tokio::task::JoinSet<()>>,
+    upload_counts: Arc<(AtomicU64, AtomicU64)>,
+    remote_counters: TierCounters,
     memory: Mutex<Memory>,
     flights: Mutex<HashMap<CacheKey, Flight>>,
     mem_counters: TierCounters,
@@ -157,16 +182,31 @@ impl std::fmt::Debug for CompileCache {
 impl CompileCache {
     /// Builds the cache.
     ///
-    /// Errors: the tier-2 directory cannot be created (read-write mode only).
+    /// Errors: the tier-2 directory cannot be created (read-write mode only); the tier-3 URL
+    /// does not parse or names an unknown scheme (kind `InvalidInput`).
     pub fn new(config: CacheConfig) -> std::io::Result<Self> {
         let read_only = matches!(config.mode, CacheMode::ReadOnly | CacheMode::CacheOnly);
         let disk = match (&config.disk_dir, config.mode) {
             (_, CacheMode::Off) | (None, _) => None,
             (Some(dir), _) => Some(DiskCache::new(dir, config.disk_max_bytes, read_only)?),
         };
+        let remote = match (&config.remote_url, config.mode) {
+            (_, CacheMode::Off) | (None, _) => None,
+            (Some(url), _) => Some(
+                RemoteCache::open_with(
+                    url,
+                    remote::env_options().chain(config.remote_options.clone()),
+                )
+                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
+            ),
+        };
         Ok(CompileCache {
             config,
             disk,
+            remote,
+            uploads: Mutex::new(tokio::task::JoinSet::new()),
+            upload_counts: Arc::default(),
+            remote_counters: TierCounters::default(),
             memory: Mutex::new(Memory::default()),
             flights: Mutex::new(HashMap::new()),
             mem_counters: TierCounters::default(),
@@ -184,6 +224,18 @@ impl CompileCache {
     /// The tier-2 directory, if any.
     pub fn disk(&self) -> Option<&DiskCache> {
         self.disk.as_ref()
+    }
+
+    /// The tier-3 store, if any.
+    pub fn remote(&self) -> Option<&RemoteCache> {
+        self.remote.as_ref()
+    }
+
+    /// Waits for every background upload to tier 3 started so far. Call it before a
+    /// short-lived process exits, or its new entries may never reach the fleet.
+    pub async fn flush_uploads(&self) {
+        let mut set = std::mem::take(&mut *self.uploads.lock().expect("cache lock"));
+        while set.join_next().await.is_some() {}
     }
 
     /// A snapshot of the counters and sizes.
@@ -209,6 +261,9 @@ impl CompileCache {
         CacheStats {
             memory,
             disk,
+            remote: snap(&self.remote_counters),
+            uploads: self.upload_counts.0.load(Ordering::Relaxed),
+            upload_failures: self.upload_counts.1.load(Ordering::Relaxed),
             compiles: self.compiles.load(Ordering::Relaxed),
             corrupt: self.corrupt.load(Ordering::Relaxed),
         }
@@ -254,11 +309,14 @@ impl CompileCache {
         }
     }
 
-    /// Returns the executable for `key`, from tier 1, else tier 2 (loading it with `load`),
-    /// else by running `compile` — once, however many callers ask for `key` at the same time.
+    /// Returns the executable for `key`, from tier 1, else tier 2, else tier 3 raced against
+    /// running `compile` (first to finish wins) — once, however many callers ask for `key` at
+    /// the same time. Entries from tiers 2 and 3 are turned into executables by `load`, which
+    /// runs on tokio's blocking pool (deserializing can take hundreds of milliseconds).
     ///
-    /// Errors: `compile`'s error; `not-found` on a miss in cache-only mode. A corrupt tier-2
-    /// entry is not an error: it is logged, removed and recompiled.
+    /// Errors: `compile`'s error; `not-found` on a miss in cache-only mode. A corrupt tier-2 or
+    /// tier-3 entry, an unreachable store, or an entry that fails to load is not an error: it is
+    /// logged (a corrupt tier-2 file is removed) and the program is compiled.
     pub async fn get_or_compile<C, Fut, L>(
         &self,
         key: CacheKey,
@@ -268,7 +326,7 @@ impl CompileCache {
     where
         C: FnOnce() -> Fut,
         Fut: Future<Output = DeviceResult<Compiled>>,
-        L: FnOnce(Entry) -> DeviceResult<Arc<DeviceExecutable>>,
+        L: Fn(Entry) -> DeviceResult<Arc<DeviceExecutable>> + Send + Sync + 'static,
     {
         if self.config.mode == CacheMode::Off {
             self.compiles.fetch_add(1, Ordering::Relaxed);
@@ -290,7 +348,7 @@ impl CompileCache {
                     return Ok(exe);
                 }
                 self.mem_counters.misses.fetch_add(1, Ordering::Relaxed);
-                self.fill(key, load, compile).await
+                self.fill(key, Arc::new(load), compile).await
             })
             .await
             .clone();
@@ -306,20 +364,20 @@ impl CompileCache {
     async fn fill<C, Fut, L>(
         &self,
         key: CacheKey,
-        load: L,
+        load: Arc<L>,
         compile: C,
     ) -> DeviceResult<Arc<DeviceExecutable>>
     where
         C: FnOnce() -> Fut,
         Fut: Future<Output = DeviceResult<Compiled>>,
-        L: FnOnce(Entry) -> DeviceResult<Arc<DeviceExecutable>>,
+        L: Fn(Entry) -> DeviceResult<Arc<DeviceExecutable>> + Send + Sync + 'static,
     {
         if let Some(disk) = &self.disk {
             match on_disk(disk, move |d| d.get(&key)).await {
                 Ok(Some(entry)) => {
                     let bytes = entry.executable.len() as u64;
                     let compile_ms = entry.meta.compile_ms;
-                    match load(entry) {
+                    match load_blocking(&load, entry).await {
                         Ok(exe) => {
                             self.disk_counters.hits.fetch_add(1, Ordering::Relaxed);
                             add_ms(&self.disk_counters.saved_us, compile_ms);
@@ -351,16 +409,47 @@ impl CompileCache {
             on_disk(disk, move |d| d.record(delta)).await;
         }
         if self.config.mode == CacheMode::CacheOnly {
+            if let Some(remote) = &self.remote {
+                let fetched = remote.get(&key).await;
+                if let Some(exe) = self.use_remote(key, fetched, &load).await {
+                    return Ok(exe);
+                }
+            }
             return Err(DeviceError::new(
                 ErrorKind::NotFound,
                 format!("compile cache miss for key {key} in cache-only mode"),
             ));
         }
-        tracing::info!(target: "tpubox::cache", %key, "compile cache miss; compiling");
-        self.compiles.fetch_add(1, Ordering::Relaxed);
-        let c = compile().await?;
+        let compiling = compile();
+        let c = match &self.remote {
+            None => {
+                tracing::info!(target: "tpubox::cache", %key, "compile cache miss; compiling");
+                self.compiles.fetch_add(1, Ordering::Relaxed);
+                compiling.await?
+            }
+            Some(remote) => {
+                tracing::info!(target: "tpubox::cache", %key, "compile cache miss in tiers 1-2; fetching from tier 3 while compiling");
+                self.compiles.fetch_add(1, Ordering::Relaxed);
+                let fetch = remote.get(&key);
+                tokio::pin!(compiling, fetch);
+                tokio::select! {
+                    fetched = &mut fetch => {
+                        if let Some(exe) = self.use_remote(key, fetched, &load).await {
+                            // The compile already started on the blocking pool finishes there
+                            // and its result is dropped.
+                            return Ok(exe);
+                        }
+                        compiling.await?
+                    }
+                    compiled = &mut compiling => {
+                        self.remote_counters.misses.fetch_add(1, Ordering::Relaxed);
+                        compiled?
+                    }
+                }
+            }
+        };
         let bytes = c.serialized.as_ref().map_or(0, |s| s.len() as u64);
-        if let (Some(disk), Some(serialized)) = (&self.disk, &c.serialized)
+        if let Some(serialized) = &c.serialized
             && c.compile_ms >= self.config.min_compile_ms
         {
             let entry = Entry {
@@ -372,12 +461,98 @@ impl CompileCache {
                 },
                 executable: serialized.clone(),
             };
-            if let Err(e) = on_disk(disk, move |d| d.put(&key, &entry)).await {
-                tracing::warn!(target: "tpubox::cache", %key, error = %e, "could not write a tier-2 entry");
-            }
+            self.write_shared_tiers(key, entry, true).await;
         }
         self.memory_put(key, Arc::clone(&c.exe), bytes, c.compile_ms);
         Ok(c.exe)
+    }
+
+    /// Turns a tier-3 fetch into an executable, or logs why it could not and returns `None`.
+    async fn use_remote<L>(
+        &self,
+        key: CacheKey,
+        fetched: Result<Option<Entry>, FetchError>,
+        load: &Arc<L>,
+    ) -> Option<Arc<DeviceExecutable>>
+    where
+        L: Fn(Entry) -> DeviceResult<Arc<DeviceExecutable>> + Send + Sync + 'static,
+    {
+        let entry = match fetched {
+            Ok(Some(entry)) => entry,
+            Ok(None) => {
+                self.remote_counters.misses.fetch_add(1, Ordering::Relaxed);
+                return None;
+            }
+            Err(e) => {
+                if matches!(e, FetchError::Corrupt(_)) {
+                    self.corrupt.fetch_add(1, Ordering::Relaxed);
+                }
+                self.remote_counters.misses.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(target: "tpubox::cache", %key, error = %e, "tier-3 fetch gave nothing usable");
+                return None;
+            }
+        };
+        let bytes = entry.executable.len() as u64;
+        let compile_ms = entry.meta.compile_ms;
+        match load_blocking(load, entry.clone()).await {
+            Ok(exe) => {
+                self.remote_counters.hits.fetch_add(1, Ordering::Relaxed);
+                add_ms(&self.remote_counters.saved_us, compile_ms);
+                // Keep a host-local copy so the next process on this host stops at tier 2.
+                self.write_shared_tiers(key, entry, false).await;
+                self.memory_put(key, Arc::clone(&exe), bytes, compile_ms);
+                Some(exe)
+            }
+            Err(e) => {
+                self.remote_counters.misses.fetch_add(1, Ordering::Relaxed);
+                tracing::warn!(target: "tpubox::cache", %key, error = %e, "tier-3 entry failed to load; compiling");
+                None
+            }
+        }
+    }
+
+    /// Writes `entry` to tier 2 and, when `upload`, starts a background upload to tier 3.
+    /// Does nothing in the read-only and cache-only modes.
+    async fn write_shared_tiers(&self, key: CacheKey, entry: Entry, upload: bool) {
+        if self.config.mode != CacheMode::ReadWrite {
+            return;
+        }
+        if upload && let Some(remote) = self.remote.clone() {
+            let entry = entry.clone();
+            let counts = Arc::clone(&self.upload_counts);
+            self.uploads.lock().expect("cache lock").spawn(async move {
+                match remote.put(&key, &entry).await {
+                    Ok(()) => {
+                        counts.0.fetch_add(1, Ordering::Relaxed);
+                    }
+                    Err(e) => {
+                        counts.1.fetch_add(1, Ordering::Relaxed);
+                        tracing::warn!(target: "tpubox::cache", %key, error = %e, "tier-3 upload failed");
+                    }
+                }
+            });
+        }
+        if let Some(disk) = &self.disk
+            && let Err(e) = on_disk(disk, move |d| d.put(&key, &entry)).await
+        {
+            tracing::warn!(target: "tpubox::cache", %key, error = %e, "could not write a tier-2 entry");
+        }
+    }
+}
+
+/// Runs `load` on tokio's blocking pool.
+async fn load_blocking<L>(load: &Arc<L>, entry: Entry) -> DeviceResult<Arc<DeviceExecutable>>
+where
+    L: Fn(Entry) -> DeviceResult<Arc<DeviceExecutable>> + Send + Sync + 'static,
+{
+    let load = Arc::clone(load);
+    match tokio::task::spawn_blocking(move || load(entry)).await {
+        Ok(v) => v,
+        Err(e) if e.is_panic() => std::panic::resume_unwind(e.into_panic()),
+        Err(e) => Err(DeviceError::new(
+            ErrorKind::Internal,
+            format!("loading a cache entry was cancelled: {e}"),
+        )),
     }
 }
 

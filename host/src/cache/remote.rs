@@ -1,0 +1,252 @@
+//! Tier 3: a remote, persistent store of serialized executables, shared by a fleet.
+//!
+//! Any URL the [`object_store`] crate understands works: `file:///abs/dir`, `s3://bucket/prefix`,
+//! `gs://bucket/prefix` (and `memory://` for tests). Credentials and endpoints come from the
+//! environment, read the way `object_store`'s builders read them: every variable whose name
+//! starts with `AWS_` or `GOOGLE_` is passed on as an option (for example `AWS_ENDPOINT`,
+//! `AWS_ALLOW_HTTP`, `AWS_ACCESS_KEY_ID`, `AWS_SECRET_ACCESS_KEY`, `AWS_REGION`,
+//! `GOOGLE_SERVICE_ACCOUNT`).
+//!
+//! Objects are named `<prefix>/<key>.tpbx` and hold exactly the bytes of a tier-2 file
+//! ([`disk::encode`]): magic, format version, key, lengths and SHA-256 are checked on every
+//! fetch, so a corrupt or foreign object is reported and never loaded.
+
+use std::sync::Arc;
+
+use futures::TryStreamExt;
+use object_store::path::Path as StorePath;
+use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
+
+use super::disk::{self, Entry};
+use super::key::CacheKey;
+
+/// Suffix of tier-3 object names.
+pub const OBJECT_SUFFIX: &str = ".tpbx";
+
+/// A handle on the remote tier. Cheap to clone.
+#[derive(Clone)]
+pub struct RemoteCache {
+    store: Arc<dyn ObjectStore>,
+    prefix: StorePath,
+    url: String,
+}
+
+impl std::fmt::Debug for RemoteCache {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("RemoteCache")
+            .field("url", &self.url)
+            .finish()
+    }
+}
+
+/// Why a fetch from tier 3 gave nothing usable.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum FetchError {
+    /// The store could not be reached or answered with an error (message from `object_store`).
+    Store(String),
+    /// The object exists but failed verification (what was wrong); it is not loaded.
+    Corrupt(String),
+}
+
+impl std::fmt::Display for FetchError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            FetchError::Store(m) => write!(f, "remote store error: {m}"),
+            FetchError::Corrupt(m) => write!(f, "corrupt remote entry: {m}"),
+        }
+    }
+}
+
+/// Entries and bytes under the remote prefix.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
+pub struct RemoteUsage {
+    /// Objects named like cache entries.
+    pub entries: u64,
+    /// Their total size in bytes.
+    pub bytes: u64,
+}
+
+/// The `AWS_*` and `GOOGLE_*` environment variables, as store options.
+pub fn env_options() -> impl Iterator<Item = (String, String)> {
+    std::env::vars().filter(|(k, _)| k.starts_with("AWS_") || k.starts_with("GOOGLE_"))
+}
+
+impl RemoteCache {
+    /// Opens the store named by `url`, with options taken from the environment (see the module
+    /// docs). Nothing is contacted until the first request.
+    ///
+    /// Errors: a URL that does not parse or names a scheme `object_store` does not know (or one
+    /// this build lacks: only `file`, `memory`, `s3` and `gs` are built in).
+    pub fn open(url: &str) -> Result<Self, String> {
+        Self::open_with(url, env_options())
+    }
+
+    /// Like [`open`](Self::open) with explicit options (`aws_endpoint`, `aws_allow_http`, ...;
+    /// names as in `object_store`'s `AmazonS3ConfigKey` and `GoogleConfigKey`).
+    ///
+    /// Errors: as [`open`](Self::open), and an unknown option name for the URL's scheme.
+    pub fn open_with<I, K, V>(url: &str, options: I) -> Result<Self, String>
+    where
+        I: IntoIterator<Item = (K, V)>,
+        K: AsRef<str>,
+        V: Into<String>,
+    {
+        let parsed = url::Url::parse(url).map_err(|e| format!("remote cache URL {url:?}: {e}"))?;
+        let options: Vec<(String, String)> = options
+            .into_iter()
+            .map(|(k, v)| (k.as_ref().to_ascii_lowercase(), v.into()))
+            .collect();
+        let (store, prefix) = object_store::parse_url_opts(&parsed, options)
+            .map_err(|e| format!("remote cache URL {url:?}: {e}"))?;
+        Ok(RemoteCache {
+            store: Arc::from(store),
+            prefix,
+            url: url.to_string(),
+        })
+    }
+
+    /// The URL this handle was opened with.
+    pub fn url(&self) -> &str {
+        &self.url
+    }
+
+    /// The object name of `key`.
+    pub fn object(&self, key: &CacheKey) -> StorePath {
+        self.prefix.clone().join(format!("{key}{OBJECT_SUFFIX}"))
+    }
+
+    /// Fetches and verifies the entry for `key`; `Ok(None)` when there is none.
+    ///
+    /// Errors: [`FetchError::Store`] when the store fails; [`FetchError::Corrupt`] when the
+    /// object fails the header, key or checksum checks (the object is left in place: other
+    /// hosts may be reading it, and the next upload of this key replaces it).
+    pub async fn get(&self, key: &CacheKey) -> Result<Option<Entry>, FetchError> {
+        let result = match self.store.get(&self.object(key)).await {
+            Ok(r) => r,
+            Err(object_store::Error::NotFound { .. }) => return Ok(None),
+            Err(e) => return Err(FetchError::Store(e.to_string())),
+        };
+        let bytes = result
+            .bytes()
+            .await
+            .map_err(|e| FetchError::Store(e.to_string()))?;
+        disk::decode(key, &bytes)
+            .map(Some)
+            .map_err(FetchError::Corrupt)
+    }
+
+    /// Uploads `entry` under `key` (one PUT of the encoded bytes; stores make it atomic).
+    ///
+    /// Errors: the store's message.
+    pub async fn put(&self, key: &CacheKey, entry: &Entry) -> Result<(), String> {
+        let bytes = disk::encode(key, entry);
+        self.store
+            .put(&self.object(key), PutPayload::from(bytes))
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    }
+
+    /// Counts the entries under the prefix.
+    ///
+    /// Errors: the store's message.
+    pub async fn usage(&self) -> Result<RemoteUsage, String> {
+        let metas: Vec<_> = self
+            .store
+            .list(Some(&self.prefix))
+            .try_collect()
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut u = RemoteUsage::default();
+        for m in metas
+            .iter()
+            .filter(|m| m.location.as_ref().ends_with(OBJECT_SUFFIX))
+        {
+            u.entries += 1;
+            u.bytes += m.size;
+        }
+        Ok(u)
+    }
+
+    /// Deletes every entry under the prefix; returns how many were deleted.
+    ///
+    /// Errors: the store's message.
+    pub async fn clear(&self) -> Result<u64, String> {
+        let metas: Vec<_> = self
+            .store
+            .list(Some(&self.prefix))
+            .try_collect()
+            .await
+            .map_err(|e| e.to_string())?;
+        let mut n = 0;
+        for m in metas
+            .iter()
+            .filter(|m| m.location.as_ref().ends_with(OBJECT_SUFFIX))
+        {
+            self.store
+                .delete(&m.location)
+                .await
+                .map_err(|e| e.to_string())?;
+            n += 1;
+        }
+        Ok(n)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::cache::EntryMeta;
+
+    fn entry() -> Entry {
+        Entry {
+            meta: EntryMeta {
+                inputs: vec![("F32".into(), vec![2, 3])],
+                outputs: vec![("F32".into(), vec![3])],
+                fingerprint: "abc".into(),
+                compile_ms: 12.5,
+            },
+            executable: (0..=255u8).cycle().take(5000).collect(),
+        }
+    }
+
+    #[tokio::test]
+    async fn file_store_round_trip_and_corruption_detected() {
+        let dir = tempfile::tempdir().unwrap();
+        let url = format!("file://{}/fleet", dir.path().display());
+        std::fs::create_dir_all(dir.path().join("fleet")).unwrap();
+        let r = RemoteCache::open_with(&url, std::iter::empty::<(&str, &str)>()).unwrap();
+        let key = CacheKey([7; 32]);
+        assert_eq!(r.get(&key).await.unwrap(), None);
+        r.put(&key, &entry()).await.unwrap();
+        let got = r.get(&key).await.unwrap().unwrap();
+        assert_eq!(got, entry());
+        assert_eq!(
+            r.usage().await.unwrap(),
+            RemoteUsage {
+                entries: 1,
+                bytes: disk::encode(&key, &entry()).len() as u64
+            }
+        );
+        // An object stored under another key's name is refused.
+        let other = CacheKey([8; 32]);
+        let path = dir.path().join(format!("fleet/{other}{OBJECT_SUFFIX}"));
+        std::fs::write(&path, disk::encode(&key, &entry())).unwrap();
+        assert!(matches!(r.get(&other).await, Err(FetchError::Corrupt(_))));
+        // A flipped byte is refused.
+        let path = dir.path().join(format!("fleet/{key}{OBJECT_SUFFIX}"));
+        let mut bytes = std::fs::read(&path).unwrap();
+        let n = bytes.len();
+        bytes[n - 10] ^= 1;
+        std::fs::write(&path, bytes).unwrap();
+        assert!(matches!(r.get(&key).await, Err(FetchError::Corrupt(_))));
+        assert_eq!(r.clear().await.unwrap(), 2);
+        assert_eq!(r.usage().await.unwrap(), RemoteUsage::default());
+    }
+
+    #[test]
+    fn bad_urls_are_errors() {
+        assert!(RemoteCache::open("not a url").is_err());
+        assert!(RemoteCache::open("ftp://example.com/x").is_err());
+    }
+}
