@@ -14,6 +14,7 @@ use pjrt::{
 
 use crate::cache::{CompileCache, Compiled, Entry, PluginIdentity, cache_key, parse_spec_list};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
+use crate::tenant::{FairShare, Tenant};
 
 pub use pjrt::TensorSpec;
 
@@ -23,6 +24,9 @@ pub const MAX_RANK: usize = 16;
 
 /// Default largest program accepted by [`DeviceService::compile`], in bytes (64 MiB).
 pub const DEFAULT_MAX_PROGRAM_BYTES: usize = 64 << 20;
+
+/// Executions that run on the device at once by default (see [`DeviceService::with_execution_slots`]).
+pub const DEFAULT_EXECUTION_SLOTS: usize = 2;
 
 /// A dense tensor resident on one device.
 ///
@@ -138,6 +142,7 @@ pub struct DeviceService {
     max_program_bytes: usize,
     cache: Option<Arc<CompileCache>>,
     identity: OnceLock<PluginIdentity>,
+    scheduler: FairShare,
 }
 
 impl std::fmt::Debug for DeviceService {
@@ -211,6 +216,7 @@ impl DeviceService {
             max_program_bytes,
             cache: None,
             identity: OnceLock::new(),
+            scheduler: FairShare::new(DEFAULT_EXECUTION_SLOTS),
         })
     }
 
@@ -218,6 +224,19 @@ impl DeviceService {
     pub fn with_cache(mut self, cache: Arc<CompileCache>) -> Self {
         self.cache = Some(cache);
         self
+    }
+
+    /// Lets `slots` executions run on the device at once; more wait, and the waiting tenant
+    /// with the least device time used goes first ([`FairShare`]). Default
+    /// [`DEFAULT_EXECUTION_SLOTS`].
+    pub fn with_execution_slots(mut self, slots: usize) -> Self {
+        self.scheduler = FairShare::new(slots);
+        self
+    }
+
+    /// The execution scheduler.
+    pub fn scheduler(&self) -> &FairShare {
+        &self.scheduler
     }
 
     /// The compile cache, if any.
@@ -297,21 +316,7 @@ impl DeviceService {
         data: &[u8],
         device: u32,
     ) -> DeviceResult<DeviceTensor> {
-        validate_dims(dims)?;
-        let expected = checked_byte_size(ty, dims).ok_or_else(|| {
-            DeviceError::invalid(format!(
-                "{} with dims {dims:?} has more bytes than this host can address",
-                ty.name()
-            ))
-        })?;
-        if data.len() != expected {
-            return Err(DeviceError::invalid(format!(
-                "{} with dims {dims:?} needs {expected} bytes ({} per element), got {}",
-                ty.name(),
-                ty.byte_size(),
-                data.len()
-            )));
-        }
+        check_tensor_bytes(ty, dims, data.len())?;
         let dev = self.device(device)?;
         let buffer = self
             .client
@@ -508,6 +513,21 @@ impl DeviceService {
         }))
     }
 
+    /// Like [`execute`](Self::execute), after waiting for an execution slot in the fair-share
+    /// queue ([`FairShare`]); the device time is charged to `tenant`.
+    ///
+    /// Errors: as [`execute`](Self::execute).
+    pub async fn execute_for(
+        &self,
+        tenant: &Arc<Tenant>,
+        exe: &DeviceExecutable,
+        args: &[Arg<'_>],
+    ) -> DeviceResult<Vec<DeviceTensor>> {
+        validate_args(exe, args)?;
+        let _slot = self.scheduler.acquire(tenant).await;
+        self.execute(exe, args).await
+    }
+
     /// Executes `exe` with borrowed arguments, donating those marked, and awaits completion.
     ///
     /// Validation before PJRT: argument count and each argument's dtype, dims and device against
@@ -563,6 +583,28 @@ fn tidy_compile_message(msg: &str) -> String {
     } else {
         real.join("\n")
     }
+}
+
+/// Checks that `len` bytes make a dense `ty` tensor of shape `dims` and returns `len`.
+///
+/// Errors: `invalid-argument` when the rank exceeds [`MAX_RANK`], a dim is negative, the size
+/// overflows, or `len` differs from element size × product of `dims`.
+pub fn check_tensor_bytes(ty: PrimitiveType, dims: &[i64], len: usize) -> DeviceResult<usize> {
+    validate_dims(dims)?;
+    let expected = checked_byte_size(ty, dims).ok_or_else(|| {
+        DeviceError::invalid(format!(
+            "{} with dims {dims:?} has more bytes than this host can address",
+            ty.name()
+        ))
+    })?;
+    if len != expected {
+        return Err(DeviceError::invalid(format!(
+            "{} with dims {dims:?} needs {expected} bytes ({} per element), got {len}",
+            ty.name(),
+            ty.byte_size(),
+        )));
+    }
+    Ok(len)
 }
 
 fn validate_dims(dims: &[i64]) -> DeviceResult<()> {

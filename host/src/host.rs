@@ -32,6 +32,9 @@ pub struct HostConfig {
     pub client_options: Vec<(String, NamedValue)>,
     /// Largest program a guest may compile, in bytes.
     pub max_program_bytes: usize,
+    /// Executions that run on the device at once; more wait in a fair-share queue (default
+    /// [`DEFAULT_EXECUTION_SLOTS`](crate::device::DEFAULT_EXECUTION_SLOTS)).
+    pub execution_slots: usize,
     /// Wasm sandbox settings.
     pub sandbox: SandboxConfig,
     /// Compile cache settings.
@@ -44,6 +47,7 @@ impl Default for HostConfig {
             plugin: None,
             client_options: Vec::new(),
             max_program_bytes: DEFAULT_MAX_PROGRAM_BYTES,
+            execution_slots: crate::device::DEFAULT_EXECUTION_SLOTS,
             sandbox: SandboxConfig::default(),
             cache: CacheConfig::default(),
         }
@@ -72,7 +76,8 @@ pub fn open_device(config: &HostConfig) -> Result<Arc<DeviceService>> {
         .map(|(k, v)| (k.as_str(), v.clone()))
         .collect();
     let client = Client::new(&plugin, &opts).context("creating the PJRT client")?;
-    let mut service = DeviceService::new(client, config.max_program_bytes)?;
+    let mut service = DeviceService::new(client, config.max_program_bytes)?
+        .with_execution_slots(config.execution_slots);
     if config.cache.mode != CacheMode::Off {
         let cache = CompileCache::new(config.cache.clone()).context("opening the compile cache")?;
         service = service.with_cache(Arc::new(cache));

@@ -3,9 +3,10 @@
 //!
 //! Modules, one job each:
 //! - [`device`]: the PJRT client shared by all guests, with validation before every PJRT call;
-//! - [`cache`]: the compile cache (in-process and host-disk tiers) and its keys;
+//! - [`cache`]: the compile cache (in-process, host-disk and remote tiers) and its keys;
 //! - [`wit`]: the thin glue from the WIT interfaces to [`device`];
 //! - [`sandbox`]: wasmtime engine, component cache, per-guest stores, limits and deadlines;
+//! - [`tenant`]: tenants, their limits and usage, and fair sharing of execution slots;
 //! - [`host`]: the embedding API ([`Host`]);
 //! - [`weights`]: named, read-only weight sets shared by all guests;
 //! - [`plugin`]: finding and installing PJRT plugins and model packages;
@@ -21,6 +22,7 @@ pub mod host;
 pub mod npy;
 pub mod plugin;
 pub mod sandbox;
+pub mod tenant;
 pub mod weights;
 pub mod wit;
 
@@ -29,3 +31,4 @@ pub use error::{DeviceError, ErrorKind};
 pub use host::{Host, HostConfig, open_device};
 pub use pjrt::{NamedValue, PrimitiveType};
 pub use sandbox::{RunOptions, RunOutcome, SandboxConfig};
+pub use tenant::{Tenant, TenantLimits, TenantUsage};

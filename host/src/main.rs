@@ -7,7 +7,7 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use tpubox::cache::{CacheConfig, CacheMode, DiskCache, RemoteCache};
-use tpubox::{Host, HostConfig, NamedValue, RunOptions, SandboxConfig, plugin};
+use tpubox::{Host, HostConfig, NamedValue, RunOptions, SandboxConfig, TenantLimits, plugin};
 
 /// tpubox: one process owns the accelerator (through a PJRT plugin) and lends it to sandboxed
 /// WebAssembly guests.
@@ -232,12 +232,34 @@ struct RunArgs {
     /// Set an environment variable in the guest.
     #[arg(long = "env", value_name = "KEY=VALUE")]
     env: Vec<String>,
-    /// Stop the guest after this many seconds of wall time (default: no limit).
-    #[arg(long, value_name = "SECONDS", value_parser = positive_seconds)]
-    timeout: Option<f64>,
+    /// Stop the guest after this many seconds of wall time.
+    #[arg(long, value_name = "SECONDS", value_parser = positive_seconds, default_value_t = 300.0)]
+    timeout: f64,
     /// Largest linear memory the guest may use, in MiB.
     #[arg(long, value_name = "MIB", default_value_t = 4096)]
     max_memory_mib: usize,
+    /// Most device memory the guest's tensors may hold at once, in MiB.
+    #[arg(long, value_name = "MIB", default_value_t = 8192)]
+    max_device_mib: u64,
+    /// Most live tensor handles the guest may hold at once.
+    #[arg(long, value_name = "N", default_value_t = 10_000)]
+    max_tensors: u64,
+    /// Most live executable handles the guest may hold at once.
+    #[arg(long, value_name = "N", default_value_t = 1_000)]
+    max_executables: u64,
+    /// Most `compile` calls in any 60-second window.
+    #[arg(long, value_name = "N", default_value_t = 600)]
+    max_compiles_per_minute: u32,
+    /// Stop the guest after this much Wasm fuel (about one unit per instruction).
+    #[arg(long, value_name = "UNITS")]
+    fuel: Option<u64>,
+    /// Give the guest the host's clocks (without it, wall and monotonic clocks read zero).
+    #[arg(long)]
+    allow_clock: bool,
+    /// Print the tenant's usage (device bytes, handles, compiles, executions) as JSON on
+    /// stderr when the guest ends.
+    #[arg(long)]
+    usage: bool,
     /// The guest component (.wasm).
     component: PathBuf,
     /// Arguments passed to the guest (after `--`).
@@ -254,13 +276,25 @@ fn positive_seconds(s: &str) -> Result<f64, String> {
 
 async fn run(args: RunArgs) -> Result<bool> {
     let mut config = args.device.config();
+    let limits = TenantLimits {
+        max_device_bytes: args.max_device_mib << 20,
+        max_live_tensors: args.max_tensors,
+        max_live_executables: args.max_executables,
+        max_program_bytes: config.max_program_bytes,
+        max_compiles_per_minute: args.max_compiles_per_minute,
+        max_guest_memory: args.max_memory_mib << 20,
+        max_call_time: Some(Duration::from_secs_f64(args.timeout)),
+        fuel: args.fuel,
+    };
     config.sandbox = SandboxConfig {
         max_guest_memory: args.max_memory_mib << 20,
+        consume_fuel: args.fuel.is_some(),
+        tenant_limits: limits,
         ..SandboxConfig::default()
     };
     let mut opts = RunOptions {
         args: args.args,
-        deadline: args.timeout.map(Duration::from_secs_f64),
+        allow_clock: args.allow_clock,
         ..RunOptions::default()
     };
     for d in &args.dirs {
@@ -290,6 +324,9 @@ async fn run(args: RunArgs) -> Result<bool> {
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "guest".into());
     let outcome = host.run(&component, &name, &opts).await?;
+    if args.usage {
+        eprintln!("{}", serde_json::to_string(&outcome.usage)?);
+    }
     if let Some(cache) = host.device().cache() {
         cache.flush_uploads().await;
     }

@@ -21,6 +21,7 @@ use wasmtime_wasi::p2::pipe::{MemoryInputPipe, MemoryOutputPipe};
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::device::DeviceService;
+use crate::tenant::{Tenant, TenantLimits, TenantUsage};
 use crate::weights::WeightRegistry;
 use crate::wit::DeviceView;
 
@@ -39,6 +40,11 @@ pub struct SandboxConfig {
     pub cache_dir: Option<PathBuf>,
     /// How many guest instances may exist at once (pooling allocator slots; default 64).
     pub max_instances: u32,
+    /// Turn on wasmtime fuel metering in the engine, so [`TenantLimits::fuel`] can be enforced
+    /// (default off: metering costs every guest some speed).
+    pub consume_fuel: bool,
+    /// Limits of the tenant created for a run that names none ([`RunOptions::tenant`]).
+    pub tenant_limits: TenantLimits,
 }
 
 impl Default for SandboxConfig {
@@ -48,6 +54,8 @@ impl Default for SandboxConfig {
             max_resources: 100_000,
             cache_dir: crate::plugin::cache_root().map(|d| d.join("components")),
             max_instances: 64,
+            consume_fuel: false,
+            tenant_limits: TenantLimits::default(),
         }
     }
 }
@@ -68,9 +76,16 @@ pub struct RunOptions {
     pub stdin: Option<Vec<u8>>,
     /// Capture stdout and stderr instead of inheriting them.
     pub capture_output: bool,
-    /// Wall-clock limit on the guest's own execution; `None` means no limit. Checked every
-    /// [`EPOCH_TICK`]; time spent waiting on the device counts too.
+    /// Wall-clock limit on the guest's own execution; `None` takes the tenant's
+    /// [`TenantLimits::max_call_time`]. Checked every [`EPOCH_TICK`]; time spent waiting on the
+    /// device counts too.
     pub deadline: Option<Duration>,
+    /// The tenant to charge; `None` makes a new one named after the guest with
+    /// [`SandboxConfig::tenant_limits`]. Pass one `Arc` to several runs to share an identity.
+    pub tenant: Option<Arc<Tenant>>,
+    /// Give the guest the host's wall and monotonic clocks. Without this (the default) both
+    /// clocks read zero forever: a guest learns nothing about time it was not granted.
+    pub allow_clock: bool,
 }
 
 /// How a guest run ended.
@@ -84,6 +99,8 @@ pub struct RunOutcome {
     pub stderr: Vec<u8>,
     /// Wall time from instantiation to return.
     pub elapsed: Duration,
+    /// The tenant's usage after the run (its handles from this run already returned).
+    pub usage: TenantUsage,
 }
 
 /// Per-guest store data: WASI context, resource table, memory limits and the device.
@@ -93,6 +110,7 @@ pub struct GuestState {
     limits: StoreLimits,
     device: Arc<DeviceService>,
     weights: Arc<WeightRegistry>,
+    tenant: Arc<Tenant>,
 }
 
 impl WasiView for GuestState {
@@ -115,6 +133,31 @@ impl DeviceView for GuestState {
 
     fn weights(&self) -> &Arc<WeightRegistry> {
         &self.weights
+    }
+
+    fn tenant(&self) -> &Arc<Tenant> {
+        &self.tenant
+    }
+}
+
+/// A clock that always reads zero: what a guest sees without [`RunOptions::allow_clock`].
+struct FrozenClock;
+
+impl wasmtime_wasi::HostWallClock for FrozenClock {
+    fn resolution(&self) -> Duration {
+        Duration::from_secs(1)
+    }
+    fn now(&self) -> Duration {
+        Duration::ZERO
+    }
+}
+
+impl wasmtime_wasi::HostMonotonicClock for FrozenClock {
+    fn resolution(&self) -> u64 {
+        1_000_000_000
+    }
+    fn now(&self) -> u64 {
+        0
     }
 }
 
@@ -145,6 +188,7 @@ impl Sandbox {
     pub fn new(config: SandboxConfig) -> Result<Self> {
         let mut cfg = Config::new();
         cfg.epoch_interruption(true);
+        cfg.consume_fuel(config.consume_fuel);
         cfg.wasm_component_model(true);
         let mut pool = PoolingAllocationConfig::default();
         let instances = config.max_instances.max(1);
@@ -242,7 +286,25 @@ impl Sandbox {
         name: &str,
         opts: &RunOptions,
     ) -> Result<RunOutcome> {
+        let tenant = opts
+            .tenant
+            .clone()
+            .unwrap_or_else(|| Tenant::new(name, self.config.tenant_limits.clone()));
+        let fuel = tenant.limits().fuel;
+        if fuel.is_some() && !self.config.consume_fuel {
+            bail!(
+                "tenant `{}` has a fuel limit, but the sandbox was built without fuel metering (SandboxConfig::consume_fuel)",
+                tenant.name()
+            );
+        }
+        let max_memory = tenant
+            .limits()
+            .max_guest_memory
+            .min(self.config.max_guest_memory);
         let mut wasi = WasiCtxBuilder::new();
+        if !opts.allow_clock {
+            wasi.wall_clock(FrozenClock).monotonic_clock(FrozenClock);
+        }
         let mut argv = vec![name.to_string()];
         argv.extend(opts.args.iter().cloned());
         wasi.args(&argv);
@@ -272,7 +334,7 @@ impl Sandbox {
             wasi.inherit_stdout().inherit_stderr();
         }
         let limits = StoreLimitsBuilder::new()
-            .memory_size(self.config.max_guest_memory)
+            .memory_size(max_memory)
             .trap_on_grow_failure(false)
             .build();
         let mut table = ResourceTable::new();
@@ -283,11 +345,17 @@ impl Sandbox {
             limits,
             device: Arc::clone(device),
             weights: Arc::clone(weights),
+            tenant: Arc::clone(&tenant),
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);
         let start = Instant::now();
-        let deadline = opts.deadline.map(|d| start + d);
+        let limit = opts.deadline.or(tenant.limits().max_call_time);
+        let deadline = limit.map(|d| start + d);
+        if let Some(f) = fuel {
+            store.set_fuel(f)?;
+            store.fuel_async_yield_interval(Some(100_000))?;
+        }
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |_| match deadline {
             Some(d) if Instant::now() >= d => Ok(UpdateDeadline::Interrupt),
@@ -295,6 +363,9 @@ impl Sandbox {
         });
         let command = Command::instantiate_async(&mut store, component, &self.linker).await?;
         let result = command.wasi_cli_run().call_run(&mut store).await;
+        // Dropping the store drops the guest's handles, returning their charges to the tenant
+        // however the run ended.
+        drop(store);
         let elapsed = start.elapsed();
         let success = match result {
             Ok(r) => r.is_ok(),
@@ -308,11 +379,15 @@ impl Sandbox {
                     return Err(match (deadline, trap) {
                         (Some(d), _) if Instant::now() >= d => anyhow::anyhow!(
                             "guest exceeded its deadline of {:?} and was stopped",
-                            opts.deadline.unwrap_or_default()
+                            limit.unwrap_or_default()
+                        ),
+                        (_, Some(wasmtime::Trap::OutOfFuel)) => anyhow::anyhow!(
+                            "guest used up its fuel ({} units) and was stopped",
+                            fuel.unwrap_or_default()
                         ),
                         (_, Some(wasmtime::Trap::UnreachableCodeReached)) => anyhow::anyhow!(
                             "guest aborted (a panic, or an allocation over its {} MiB memory limit; its stderr says which)",
-                            self.config.max_guest_memory >> 20
+                            max_memory >> 20
                         ),
                         (_, Some(t)) => anyhow::anyhow!("guest trapped: {t}"),
                         _ => e.into(),
@@ -320,12 +395,12 @@ impl Sandbox {
                 }
             },
         };
-        drop(store);
         Ok(RunOutcome {
             success,
             stdout: out.contents().to_vec(),
             stderr: err.contents().to_vec(),
             elapsed,
+            usage: tenant.usage(),
         })
     }
 }

@@ -1,0 +1,530 @@
+//! Tenants: the unit of isolation and accounting, their limits, and a fair share of the device.
+//!
+//! A [`Tenant`] is one guest instance, or several that share an identity (pass the same
+//! `Arc<Tenant>` in [`RunOptions::tenant`](crate::RunOptions::tenant)). Everything a tenant holds
+//! on the device is charged to it *before* the plugin allocates it, through RAII guards
+//! ([`Charge`]) kept beside each guest handle: when a handle is dropped — by the guest, or
+//! because its store ended after a normal exit, a trap or a deadline — the charge is returned.
+//! Device memory is accounted by tpubox itself from dtype × dims (the CPU plugins report no
+//! memory statistics); shared weights are charged to nobody, but their handles count as live
+//! tensors.
+//!
+//! Exceeding a limit returns `resource-exhausted` with the limit's name in the message; nothing
+//! is allocated, and the tenant may free handles and continue.
+//!
+//! [`FairShare`] orders executions on a device when more tenants want it than it runs at once:
+//! the waiting tenant that has used the least device time goes first (start-time fair queueing
+//! over measured execution time).
+
+use std::collections::{BTreeMap, VecDeque};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::error::{DeviceError, DeviceResult, ErrorKind};
+
+/// Per-tenant limits. The defaults suit one trusted user; set them lower for untrusted guests.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TenantLimits {
+    /// Device bytes held at once, summed over the tenant's tensors (dense dtype × dims);
+    /// default 8 GiB.
+    pub max_device_bytes: u64,
+    /// Live tensor handles at once, shared weight handles included (default 10 000). This is
+    /// what bounds a guest that only frees handles when its garbage collector runs.
+    pub max_live_tensors: u64,
+    /// Live executable handles at once (default 1 000).
+    pub max_live_executables: u64,
+    /// Largest program accepted by `compile`, in bytes (default 64 MiB).
+    pub max_program_bytes: usize,
+    /// `compile` calls in any 60-second window, cache hits included (default 600).
+    pub max_compiles_per_minute: u32,
+    /// Largest guest linear memory, in bytes (default 4 GiB; the sandbox's own cap also
+    /// applies).
+    pub max_guest_memory: usize,
+    /// Wall-clock limit of one guest run, enforced by epoch interruption (default 300 s;
+    /// `None` for no limit).
+    pub max_call_time: Option<Duration>,
+    /// Wasm fuel (about one unit per instruction) for one run; `None` (default) for no fuel
+    /// limit. Needs [`SandboxConfig::consume_fuel`](crate::SandboxConfig::consume_fuel).
+    pub fuel: Option<u64>,
+}
+
+impl Default for TenantLimits {
+    fn default() -> Self {
+        TenantLimits {
+            max_device_bytes: 8 << 30,
+            max_live_tensors: 10_000,
+            max_live_executables: 1_000,
+            max_program_bytes: 64 << 20,
+            max_compiles_per_minute: 600,
+            max_guest_memory: 4 << 30,
+            max_call_time: Some(Duration::from_secs(300)),
+            fuel: None,
+        }
+    }
+}
+
+/// A snapshot of what a tenant holds and has done.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct TenantUsage {
+    /// Device bytes held now.
+    pub device_bytes: u64,
+    /// Most device bytes held at once.
+    pub peak_device_bytes: u64,
+    /// Live tensor handles now.
+    pub live_tensors: u64,
+    /// Live executable handles now.
+    pub live_executables: u64,
+    /// `compile` calls admitted.
+    pub compiles: u64,
+    /// Executions finished.
+    pub executions: u64,
+    /// Device time of those executions (submit to completion), in seconds.
+    pub device_seconds: f64,
+    /// Requests refused because a limit was reached.
+    pub refused: u64,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    device_bytes: u64,
+    peak_device_bytes: u64,
+    live_tensors: u64,
+    live_executables: u64,
+    compile_times: VecDeque<Instant>,
+}
+
+/// One tenant: a name, its limits and its usage. Shared through `Arc`.
+#[derive(Debug)]
+pub struct Tenant {
+    name: String,
+    limits: TenantLimits,
+    held: Mutex<Held>,
+    compiles: AtomicU64,
+    executions: AtomicU64,
+    device_ns: AtomicU64,
+    refused: AtomicU64,
+}
+
+/// What a [`Charge`] holds back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChargeKind {
+    /// A tensor handle of this many device bytes (0 for shared weights).
+    Tensor(u64),
+    /// An executable handle.
+    Executable,
+}
+
+/// A charge against a tenant's limits, returned when dropped.
+#[derive(Debug)]
+pub struct Charge {
+    tenant: Arc<Tenant>,
+    kind: ChargeKind,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        let mut h = self.tenant.held.lock().expect("tenant lock");
+        match self.kind {
+            ChargeKind::Tensor(bytes) => {
+                h.device_bytes -= bytes;
+                h.live_tensors -= 1;
+            }
+            ChargeKind::Executable => h.live_executables -= 1,
+        }
+    }
+}
+
+impl Charge {
+    /// What this charge holds.
+    pub fn kind(&self) -> ChargeKind {
+        self.kind
+    }
+}
+
+impl Tenant {
+    /// A new tenant with nothing held.
+    pub fn new(name: impl Into<String>, limits: TenantLimits) -> Arc<Self> {
+        Arc::new(Tenant {
+            name: name.into(),
+            limits,
+            held: Mutex::new(Held::default()),
+            compiles: AtomicU64::new(0),
+            executions: AtomicU64::new(0),
+            device_ns: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+        })
+    }
+
+    /// The tenant's name (used in logs and reports).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The tenant's limits.
+    pub fn limits(&self) -> &TenantLimits {
+        &self.limits
+    }
+
+    /// A snapshot of its usage.
+    pub fn usage(&self) -> TenantUsage {
+        let h = self.held.lock().expect("tenant lock");
+        TenantUsage {
+            device_bytes: h.device_bytes,
+            peak_device_bytes: h.peak_device_bytes,
+            live_tensors: h.live_tensors,
+            live_executables: h.live_executables,
+            compiles: self.compiles.load(Ordering::Relaxed),
+            executions: self.executions.load(Ordering::Relaxed),
+            device_seconds: self.device_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            refused: self.refused.load(Ordering::Relaxed),
+        }
+    }
+
+    fn refuse(&self, limit: &str, message: String) -> DeviceError {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        DeviceError::new(
+            ErrorKind::ResourceExhausted,
+            format!("tenant `{}`: {message} (limit {limit})", self.name),
+        )
+    }
+
+    /// Charges tensors of the given device-byte sizes (one handle each) at once, after
+    /// crediting `credit_bytes` that the caller is about to give back (donated inputs).
+    ///
+    /// Errors: `resource-exhausted` naming `max-live-tensors` or `max-device-bytes`.
+    pub fn charge_tensors(
+        self: &Arc<Self>,
+        sizes: &[u64],
+        credit_bytes: u64,
+    ) -> DeviceResult<Vec<Charge>> {
+        let mut h = self.held.lock().expect("tenant lock");
+        let count = sizes.len() as u64;
+        if h.live_tensors.saturating_add(count) > self.limits.max_live_tensors {
+            drop(h);
+            return Err(self.refuse(
+                "max-live-tensors",
+                format!(
+                    "{} live tensors plus {count} new would exceed {}; drop tensors you no longer need",
+                    self.held.lock().expect("tenant lock").live_tensors,
+                    self.limits.max_live_tensors
+                ),
+            ));
+        }
+        let total: u64 = sizes.iter().fold(0u64, |a, &s| a.saturating_add(s));
+        let after = h
+            .device_bytes
+            .saturating_sub(credit_bytes)
+            .saturating_add(total);
+        if after > self.limits.max_device_bytes {
+            let held = h.device_bytes;
+            drop(h);
+            return Err(self.refuse(
+                "max-device-bytes",
+                format!(
+                    "holding {held} device bytes, {total} more would exceed {}",
+                    self.limits.max_device_bytes
+                ),
+            ));
+        }
+        h.live_tensors += count;
+        h.device_bytes += total;
+        h.peak_device_bytes = h.peak_device_bytes.max(h.device_bytes);
+        drop(h);
+        Ok(sizes
+            .iter()
+            .map(|&s| Charge {
+                tenant: Arc::clone(self),
+                kind: ChargeKind::Tensor(s),
+            })
+            .collect())
+    }
+
+    /// Charges one executable handle.
+    ///
+    /// Errors: `resource-exhausted` naming `max-live-executables`.
+    pub fn charge_executable(self: &Arc<Self>) -> DeviceResult<Charge> {
+        let mut h = self.held.lock().expect("tenant lock");
+        if h.live_executables >= self.limits.max_live_executables {
+            let n = h.live_executables;
+            drop(h);
+            return Err(self.refuse(
+                "max-live-executables",
+                format!("{n} live executables; drop executables you no longer need"),
+            ));
+        }
+        h.live_executables += 1;
+        Ok(Charge {
+            tenant: Arc::clone(self),
+            kind: ChargeKind::Executable,
+        })
+    }
+
+    /// Admits one `compile` of a `program_bytes`-byte program.
+    ///
+    /// Errors: `resource-exhausted` naming `max-program-bytes` or `max-compiles-per-minute`.
+    pub fn admit_compile(&self, program_bytes: usize) -> DeviceResult<()> {
+        if program_bytes > self.limits.max_program_bytes {
+            return Err(self.refuse(
+                "max-program-bytes",
+                format!(
+                    "program is {program_bytes} bytes, more than {}",
+                    self.limits.max_program_bytes
+                ),
+            ));
+        }
+        let now = Instant::now();
+        let mut h = self.held.lock().expect("tenant lock");
+        while h
+            .compile_times
+            .front()
+            .is_some_and(|t| now.duration_since(*t) >= Duration::from_secs(60))
+        {
+            h.compile_times.pop_front();
+        }
+        if h.compile_times.len() as u64 >= u64::from(self.limits.max_compiles_per_minute) {
+            let wait = Duration::from_secs(60) - now.duration_since(h.compile_times[0]);
+            drop(h);
+            return Err(self.refuse(
+                "max-compiles-per-minute",
+                format!(
+                    "{} compiles in the last minute; the next is allowed in {:.1} s (keep executables instead of recompiling)",
+                    self.limits.max_compiles_per_minute,
+                    wait.as_secs_f64()
+                ),
+            ));
+        }
+        h.compile_times.push_back(now);
+        self.compiles.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn record_execution(&self, took: Duration) {
+        self.executions.fetch_add(1, Ordering::Relaxed);
+        self.device_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+#[derive(Debug, Default)]
+struct Queue {
+    running: usize,
+    seq: u64,
+    /// Waiters by (device time used so far in ns, arrival order).
+    waiting: BTreeMap<(u64, u64), tokio::sync::oneshot::Sender<()>>,
+}
+
+/// Fair sharing of one device's execution slots between tenants; see the module docs.
+#[derive(Debug)]
+pub struct FairShare {
+    slots: usize,
+    queue: Mutex<Queue>,
+}
+
+/// A granted execution slot; finishing it (drop) records the device time and wakes the next
+/// waiter.
+#[derive(Debug)]
+pub struct Slot<'a> {
+    share: &'a FairShare,
+    tenant: Arc<Tenant>,
+    start: Instant,
+}
+
+impl FairShare {
+    /// A scheduler that lets `slots` executions run at once (at least 1).
+    pub fn new(slots: usize) -> Self {
+        FairShare {
+            slots: slots.max(1),
+            queue: Mutex::new(Queue::default()),
+        }
+    }
+
+    /// How many executions may run at once.
+    pub fn slots(&self) -> usize {
+        self.slots
+    }
+
+    /// Waits for a slot for `tenant`. Cancel-safe: dropping the future gives up the place.
+    pub async fn acquire(&self, tenant: &Arc<Tenant>) -> Slot<'_> {
+        let rx = {
+            let mut q = self.queue.lock().expect("scheduler lock");
+            if q.running < self.slots && q.waiting.is_empty() {
+                q.running += 1;
+                None
+            } else {
+                let (tx, rx) = tokio::sync::oneshot::channel();
+                q.seq += 1;
+                let key = (tenant.device_ns.load(Ordering::Relaxed), q.seq);
+                q.waiting.insert(key, tx);
+                Some(WaitGuard {
+                    share: self,
+                    key,
+                    rx,
+                    granted: false,
+                })
+            }
+        };
+        if let Some(mut guard) = rx {
+            // The sender is only dropped after sending (it sits in the map until granted).
+            let _ = (&mut guard.rx).await;
+            guard.granted = true;
+        }
+        Slot {
+            share: self,
+            tenant: Arc::clone(tenant),
+            start: Instant::now(),
+        }
+    }
+
+    fn release(&self) {
+        let mut q = self.queue.lock().expect("scheduler lock");
+        q.running -= 1;
+        while q.running < self.slots {
+            let Some((_, tx)) = q.waiting.pop_first() else {
+                break;
+            };
+            if tx.send(()).is_ok() {
+                q.running += 1;
+            }
+        }
+    }
+}
+
+/// Removes a cancelled waiter, or passes on a grant it received but can no longer use.
+struct WaitGuard<'a> {
+    share: &'a FairShare,
+    key: (u64, u64),
+    rx: tokio::sync::oneshot::Receiver<()>,
+    granted: bool,
+}
+
+impl Drop for WaitGuard<'_> {
+    fn drop(&mut self) {
+        if self.granted {
+            return;
+        }
+        let removed = {
+            let mut q = self.share.queue.lock().expect("scheduler lock");
+            q.waiting.remove(&self.key).is_some()
+        };
+        if !removed && self.rx.try_recv().is_ok() {
+            // Granted after we were cancelled: hand the slot on.
+            self.share.release();
+        }
+    }
+}
+
+impl Drop for Slot<'_> {
+    fn drop(&mut self) {
+        self.tenant.record_execution(self.start.elapsed());
+        self.share.release();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> TenantLimits {
+        TenantLimits {
+            max_device_bytes: 1000,
+            max_live_tensors: 3,
+            max_live_executables: 1,
+            max_program_bytes: 10,
+            max_compiles_per_minute: 2,
+            ..TenantLimits::default()
+        }
+    }
+
+    #[test]
+    fn charges_are_returned_on_drop_and_limits_name_themselves() {
+        let t = Tenant::new("a", small());
+        let c = t.charge_tensors(&[400, 500], 0).unwrap();
+        assert_eq!(t.usage().device_bytes, 900);
+        let e = t.charge_tensors(&[200], 0).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::ResourceExhausted);
+        assert!(e.message.contains("max-device-bytes"), "{}", e.message);
+        // Crediting a donated input makes room.
+        let d = t.charge_tensors(&[200], 400).unwrap();
+        let e = t.charge_tensors(&[0, 0], 0).unwrap_err();
+        assert!(e.message.contains("max-live-tensors"), "{}", e.message);
+        drop(c);
+        drop(d);
+        let u = t.usage();
+        assert_eq!(
+            (u.device_bytes, u.live_tensors, u.peak_device_bytes),
+            (0, 0, 1100)
+        );
+        assert_eq!(u.refused, 2);
+        let x = t.charge_executable().unwrap();
+        assert!(
+            t.charge_executable()
+                .unwrap_err()
+                .message
+                .contains("max-live-executables")
+        );
+        drop(x);
+        t.charge_executable().unwrap();
+    }
+
+    #[test]
+    fn compile_admission() {
+        let t = Tenant::new("a", small());
+        assert!(
+            t.admit_compile(11)
+                .unwrap_err()
+                .message
+                .contains("max-program-bytes")
+        );
+        t.admit_compile(10).unwrap();
+        t.admit_compile(1).unwrap();
+        let e = t.admit_compile(1).unwrap_err();
+        assert!(
+            e.message.contains("max-compiles-per-minute"),
+            "{}",
+            e.message
+        );
+        assert_eq!(t.usage().compiles, 2);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn waiting_tenant_with_least_device_time_goes_first() {
+        let share = Arc::new(FairShare::new(1));
+        let heavy = Tenant::new("heavy", TenantLimits::default());
+        let light = Tenant::new("light", TenantLimits::default());
+        heavy.record_execution(Duration::from_secs(10));
+        let first = share.acquire(&heavy).await;
+        let order = Arc::new(Mutex::new(Vec::new()));
+        let mut tasks = Vec::new();
+        for t in [&heavy, &light] {
+            let (share, t, order) = (Arc::clone(&share), Arc::clone(t), Arc::clone(&order));
+            tasks.push(tokio::spawn(async move {
+                let _slot = share.acquire(&t).await;
+                order.lock().unwrap().push(t.name().to_string());
+            }));
+            // Let the heavy tenant queue first.
+            tokio::time::sleep(Duration::from_millis(50)).await;
+        }
+        drop(first);
+        for t in tasks {
+            t.await.unwrap();
+        }
+        assert_eq!(*order.lock().unwrap(), vec!["light", "heavy"]);
+        assert_eq!(light.usage().executions, 1);
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn a_cancelled_waiter_does_not_leak_the_slot() {
+        let share = FairShare::new(1);
+        let t = Tenant::new("a", TenantLimits::default());
+        let held = share.acquire(&t).await;
+        let waiting = tokio::time::timeout(Duration::from_millis(20), share.acquire(&t)).await;
+        assert!(waiting.is_err());
+        drop(held);
+        let _again = tokio::time::timeout(Duration::from_secs(5), share.acquire(&t))
+            .await
+            .expect("slot is free again");
+    }
+}
