@@ -11,6 +11,8 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE="${TPUBOX_CACHE_DIR:-$HOME/.cache/tpubox}"
+# cargo's output directory (honours CARGO_TARGET_DIR, e.g. one shared by several worktrees).
+TARGET="${CARGO_TARGET_DIR:-target}"
 # The PJRT C API header comes from the OpenXLA authors' CPU plugin wheel (API 0.81).
 HEADER_PKG="xla-cpu-pjrt"
 HEADER_VER="0.0.1"
@@ -72,7 +74,7 @@ build() {
   log "building the host (release)"
   cargo build --release -p tpubox-host
   log "installing the default CPU plugin and the MiniLM model files"
-  target/release/tpubox setup cpu minilm
+  "$TARGET/release/tpubox" setup cpu minilm
   for g in "${GUESTS[@]}"; do
     log "building guest $g (wasm32-wasip2)"
     cargo build --release --target wasm32-wasip2 -p "$g"
@@ -139,7 +141,7 @@ setup_polyglot_tools() {
 
 # Builds examples/{c,python,js}-mlp into $POLYGLOT_OUT/NAME.wasm. A guest is rebuilt only when
 # its inputs (sources, WIT, tool versions) changed: their hash is kept next to the .wasm.
-POLYGLOT_OUT="${CARGO_TARGET_DIR:-target}/polyglot"
+POLYGLOT_OUT="$TARGET/polyglot"
 
 polyglot_stamp() {
   { echo "$WASM_TOOLS_VER $WIT_BINDGEN_VER $ADAPTER_VER $COMPONENTIZE_PY_VER $COMPONENTIZE_JS_VER"
@@ -160,7 +162,9 @@ build_polyglot_guest() {
       # Bindings are generated here, never committed: guest.h, guest.c, guest_component_type.o.
       local gen="$out/c-mlp.gen"
       rm -rf "$gen" && mkdir -p "$gen"
-      "$TOOLS/wit-bindgen-$WIT_BINDGEN_VER/bin/wit-bindgen" c wit --world guest --out-dir "$gen" >/dev/null
+      local said
+      said="$("$TOOLS/wit-bindgen-$WIT_BINDGEN_VER/bin/wit-bindgen" c wit --world guest --out-dir "$gen" 2>&1)" ||
+        { echo "$said" >&2; return 1; }
       clang --target=wasm32-wasi -O2 -Wall -Wextra -Werror -Wno-unused-parameter -I "$gen" \
         examples/c-mlp/mlp.c "$gen/guest.c" "$gen/guest_component_type.o" -o "$gen/c-mlp.core.wasm"
       "$TOOLS/wasm-tools-$WASM_TOOLS_VER/bin/wasm-tools" component new "$gen/c-mlp.core.wasm" \
@@ -193,10 +197,10 @@ case "$cmd" in
   polyglot) setup_system; setup_polyglot_tools; build_polyglot ;;
   demo)
     setup
-    model="$(target/release/tpubox setup minilm | sed -n 's/^minilm: //p')"
+    model="$("$TARGET/release/tpubox" setup minilm | sed -n 's/^minilm: //p')"
     log "embedding sentences with all-MiniLM-L6-v2 in a sandboxed guest (examples/minilm-embed)"
-    target/release/tpubox run --weights "minilm=$model/model.safetensors" --dir "$model::/model" \
-      target/wasm32-wasip2/release/minilm-embed.wasm -- "${@:2}" </dev/null
+    "$TARGET/release/tpubox" run --weights "minilm=$model/model.safetensors" --dir "$model::/model" \
+      "$TARGET/wasm32-wasip2/release/minilm-embed.wasm" -- "${@:2}" </dev/null
     ;;
   test)
     setup

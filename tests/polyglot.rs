@@ -102,7 +102,11 @@ fn normalise(rows: &[[f64; IN]]) -> Vec<[f32; IN]> {
     let mut out = vec![[0f32; IN]; rows.len()];
     for c in 0..IN {
         let mean = rows.iter().map(|r| r[c]).sum::<f64>() / n;
-        let var = rows.iter().map(|r| (r[c] - mean) * (r[c] - mean)).sum::<f64>() / n;
+        let var = rows
+            .iter()
+            .map(|r| (r[c] - mean) * (r[c] - mean))
+            .sum::<f64>()
+            / n;
         let std = var.sqrt();
         for (o, r) in out.iter_mut().zip(rows) {
             o[c] = if std > 0.0 {
@@ -143,9 +147,7 @@ fn expected(csv: &str) -> Vec<Vec<f64>> {
                 .collect();
             (0..OUT)
                 .map(|m| {
-                    (0..HIDDEN).fold(f64::from(b2(m)), |acc, j| {
-                        acc + h[j] * f64::from(w2(j, m))
-                    })
+                    (0..HIDDEN).fold(f64::from(b2(m)), |acc, j| acc + h[j] * f64::from(w2(j, m)))
                 })
                 .collect()
         })
@@ -211,7 +213,12 @@ async fn many_rows_compile_for_their_own_shape() {
     let mut csv = String::from("p,q,r\n");
     for i in 0..64 {
         let i = i as f64;
-        csv += &format!("{},{},{}\n", i * 0.5 - 7.0, (i * 1.7) % 5.0, 100.0 - i * i / 9.0);
+        csv += &format!(
+            "{},{},{}\n",
+            i * 0.5 - 7.0,
+            (i * 1.7) % 5.0,
+            100.0 - i * i / 9.0
+        );
     }
     for name in GUESTS {
         let o = run(name, &["--csv", &csv], "").await;
@@ -224,24 +231,41 @@ async fn many_rows_compile_for_their_own_shape() {
 async fn assert_rejects(name: &str, args: &[&str], stdin: &str, want: &str) {
     let o = run(name, args, stdin).await;
     let err = text(&o.stderr);
-    assert!(!o.success, "{name} accepted bad input {args:?}: {}", text(&o.stdout));
-    assert_eq!(err.lines().count(), 1, "{name}: stderr is not one line:\n{err}");
+    assert!(
+        !o.success,
+        "{name} accepted bad input {args:?}: {}",
+        text(&o.stdout)
+    );
+    assert_eq!(
+        err.lines().count(),
+        1,
+        "{name}: stderr is not one line:\n{err}"
+    );
     assert!(
         err.starts_with(&format!("{name}: error: ")) && err.contains(want),
         "{name}: stderr {err:?} does not say {want:?}"
     );
-    assert!(!text(&o.stdout).contains("result:"), "{name}: printed a result");
+    assert!(
+        !text(&o.stdout).contains("result:"),
+        "{name}: printed a result"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guests_reject_bad_input_with_one_line() {
     let cases: [(&str, &str); 7] = [
-        ("a,b,c\n1,2,3\n4,x,6\n", "line 3, column 2: not a number: 'x'"),
+        (
+            "a,b,c\n1,2,3\n4,x,6\n",
+            "line 3, column 2: not a number: 'x'",
+        ),
         ("a,b,c\n1,2\n", "line 2: expected 3 fields, got 2"),
         ("a,b\n1,2\n", "line 1: header has 2 columns, expected 3"),
         ("a,b,c\n1,nan,3\n", "not a number: 'nan'"),
         ("a,b,c\n1,0x10,3\n", "not a number: '0x10'"),
-        ("a,b,c\n1,1e999,3\n", "line 2, column 2: out of range: '1e999'"),
+        (
+            "a,b,c\n1,1e999,3\n",
+            "line 2, column 2: out of range: '1e999'",
+        ),
         ("a,b,c\n\n", "no data rows"),
     ];
     for name in GUESTS {
