@@ -165,7 +165,7 @@ build_polyglot_guest() {
       local said
       said="$("$TOOLS/wit-bindgen-$WIT_BINDGEN_VER/bin/wit-bindgen" c wit --world guest --out-dir "$gen" 2>&1)" ||
         { echo "$said" >&2; return 1; }
-      clang --target=wasm32-wasi -O2 -Wall -Wextra -Werror -Wno-unused-parameter -I "$gen" \
+      clang --target=wasm32-wasi -O2 -Wall -Wextra -Werror -Wno-unused-parameter -Wl,--strip-debug -I "$gen" \
         examples/c-mlp/mlp.c "$gen/guest.c" "$gen/guest_component_type.o" -o "$gen/c-mlp.core.wasm"
       "$TOOLS/wasm-tools-$WASM_TOOLS_VER/bin/wasm-tools" component new "$gen/c-mlp.core.wasm" \
         --adapt "wasi_snapshot_preview1=$TOOLS/wasi-adapter-$ADAPTER_VER/wasi_snapshot_preview1.command.wasm" \
