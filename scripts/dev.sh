@@ -129,7 +129,12 @@ setup_polyglot_tools() {
     touch "$py/.tpubox-installed"
   fi
 
-  local js="$TOOLS/componentize-js-$COMPONENTIZE_JS_VER"
+  local js="$TOOLS/componentize-js-$COMPONENTIZE_JS_VER" node_major
+  node_major="$(node -p 'process.versions.node.split(".")[0]')"
+  if [ "$node_major" -lt 20 ]; then
+    echo "componentize-js $COMPONENTIZE_JS_VER needs Node.js 20 or newer; found $(node --version)" >&2
+    exit 1
+  fi
   if [ ! -f "$js/.tpubox-installed" ] || ! cmp -s scripts/tools/componentize-js/package-lock.json "$js/package-lock.json"; then
     log "installing componentize-js $COMPONENTIZE_JS_VER into $js (npm ci)"
     rm -rf "$js" && mkdir -p "$js"
