@@ -150,7 +150,7 @@ POLYGLOT_OUT="$TARGET/polyglot"
 
 polyglot_stamp() {
   { echo "$WASM_TOOLS_VER $WIT_BINDGEN_VER $ADAPTER_VER $COMPONENTIZE_PY_VER $COMPONENTIZE_JS_VER"
-    find wit examples/wit "examples/$1" -type f ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum
+    find wit examples/wit "examples/$1" scripts/tools -type f ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum
   } | sha256sum | cut -d' ' -f1
 }
 
