@@ -4,18 +4,31 @@
 #   bash scripts/dev.sh demo    # set up, then embed a few sentences with MiniLM in a sandboxed guest
 #   bash scripts/dev.sh test    # set up, then run every test
 #   bash scripts/dev.sh bench   # set up, then run the benchmarks (prints tables)
+#   bash scripts/dev.sh polyglot  # only the C/Python/JavaScript guest tools and guests
 # Everything downloaded goes under ${TPUBOX_CACHE_DIR:-~/.cache/tpubox}; nothing under the repo
 # except cargo's target/.
 set -euo pipefail
 cd "$(dirname "$0")/.."
 
 CACHE="${TPUBOX_CACHE_DIR:-$HOME/.cache/tpubox}"
+# cargo's output directory (honours CARGO_TARGET_DIR, e.g. one shared by several worktrees).
+TARGET="${CARGO_TARGET_DIR:-target}"
 # The PJRT C API header comes from the OpenXLA authors' CPU plugin wheel (API 0.81).
 HEADER_PKG="xla-cpu-pjrt"
 HEADER_VER="0.0.1"
 HEADER_SHA="55837b6b7b47daa717f2d9a5a03563ea0ceaa338d06a81a1e2d3f060d960decc"
 HEADER_DIR="$CACHE/plugins/$HEADER_PKG-$HEADER_VER"
 GUESTS=(hello-matmul tpubox-probe tpubox-graph-ops minilm-embed)
+
+# Tools for guests in C, Python and JavaScript (docs/guests/), installed once under $TOOLS.
+TOOLS="$CACHE/tools"
+WASM_TOOLS_VER="1.263.0"       # wasm-tools component new (C)
+WIT_BINDGEN_VER="0.63.0"       # wit-bindgen c (C)
+ADAPTER_VER="48.0.8"           # WASI preview1 adapter (C): same version as wasmtime
+ADAPTER_SHA="d3a1674fffec103c1d4367d4417a3bd5423cde3cfd56ff3b326b5fc72c0a8ebd"
+COMPONENTIZE_PY_VER="0.25.1"   # Python
+COMPONENTIZE_JS_VER="0.23.0"   # JavaScript; every npm package pinned in scripts/tools/componentize-js
+POLYGLOT_GUESTS=(c-mlp python-mlp js-mlp)
 
 log() { printf '\033[1m[dev.sh]\033[0m %s\n' "$*" >&2; }
 
@@ -25,6 +38,13 @@ setup_system() {
   local missing=()
   [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang*.so >/dev/null 2>&1 || missing+=(libclang-dev)
   command -v python3 >/dev/null || missing+=(python3 python3-pip)
+  python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
+  command -v npm >/dev/null || missing+=(nodejs npm)
+  # C guests: clang and wasm-ld for wasm32-wasi, WASI's libc, and clang's wasm32 builtins.
+  local pkg
+  for pkg in clang lld wasi-libc libclang-rt-14-dev-wasm32; do
+    dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
+  done
   if [ ${#missing[@]} -gt 0 ]; then
     log "installing Debian packages: ${missing[*]}"
     as_root apt-get update -qq
@@ -59,24 +79,138 @@ build() {
   log "building the host (release)"
   cargo build --release -p tpubox-host
   log "installing the default CPU plugin and the MiniLM model files"
-  target/release/tpubox setup cpu minilm
+  "$TARGET/release/tpubox" setup cpu minilm
   for g in "${GUESTS[@]}"; do
     log "building guest $g (wasm32-wasip2)"
     cargo build --release --target wasm32-wasip2 -p "$g"
   done
 }
 
-setup() { setup_system; setup_header; build; }
+# `cargo install`s one pinned tool into $TOOLS/NAME-VER, building in a throwaway target dir so
+# that the project's target/ is neither polluted nor locked.
+install_cargo_tool() {
+  local crate="$1" ver="$2" dir="$3" bin="$4"; shift 4
+  if [ -x "$dir/bin/$bin" ]; then return; fi
+  log "installing $crate $ver into $dir (once; several minutes)"
+  local tmp; tmp="$(mktemp -d)"
+  CARGO_TARGET_DIR="$tmp" cargo install --locked --quiet --root "$dir" "$@" "$crate@$ver"
+  rm -rf "$tmp"
+}
+
+setup_polyglot_tools() {
+  install_cargo_tool wit-bindgen-cli "$WIT_BINDGEN_VER" "$TOOLS/wit-bindgen-$WIT_BINDGEN_VER" wit-bindgen \
+    --no-default-features --features c
+  install_cargo_tool wasm-tools "$WASM_TOOLS_VER" "$TOOLS/wasm-tools-$WASM_TOOLS_VER" wasm-tools \
+    --no-default-features --features component,validate,print
+
+  # The adapter ships in a crates.io crate; cargo fetches it, we check its SHA-256.
+  local adapter="$TOOLS/wasi-adapter-$ADAPTER_VER"
+  if [ ! -f "$adapter/.tpubox-installed" ]; then
+    log "fetching the WASI preview1 adapter (wasi-preview1-component-adapter-provider $ADAPTER_VER)"
+    local tmp; tmp="$(mktemp -d)"
+    mkdir -p "$tmp/src" && touch "$tmp/src/lib.rs"
+    printf '[package]\nname = "adapter-fetch"\nversion = "0.0.0"\nedition = "2021"\n[dependencies]\nwasi-preview1-component-adapter-provider = "=%s"\n' \
+      "$ADAPTER_VER" > "$tmp/Cargo.toml"
+    (cd "$tmp" && cargo fetch --quiet)
+    local crate
+    crate="$(ls "${CARGO_HOME:-$HOME/.cargo}"/registry/cache/*/"wasi-preview1-component-adapter-provider-$ADAPTER_VER.crate" | head -n1)"
+    echo "$ADAPTER_SHA  $crate" | sha256sum -c --quiet
+    rm -rf "$adapter.tmp" && mkdir -p "$adapter.tmp"
+    tar -xzf "$crate" -C "$adapter.tmp" --strip-components=2 \
+      "wasi-preview1-component-adapter-provider-$ADAPTER_VER/artefacts"
+    echo "$ADAPTER_SHA" > "$adapter.tmp/.tpubox-installed"
+    rm -rf "$adapter" && mv "$adapter.tmp" "$adapter"
+    rm -rf "$tmp"
+  fi
+
+  # A venv is not relocatable: build it in place; the marker says it is complete.
+  local py="$TOOLS/componentize-py-$COMPONENTIZE_PY_VER"
+  if [ ! -f "$py/.tpubox-installed" ]; then
+    log "installing componentize-py $COMPONENTIZE_PY_VER into $py"
+    rm -rf "$py"
+    python3 -m venv "$py"
+    "$py/bin/pip" install --quiet --disable-pip-version-check --only-binary :all: \
+      "componentize-py==$COMPONENTIZE_PY_VER"
+    touch "$py/.tpubox-installed"
+  fi
+
+  local js="$TOOLS/componentize-js-$COMPONENTIZE_JS_VER" node_major
+  node_major="$(node -p 'process.versions.node.split(".")[0]')"
+  if [ "$node_major" -lt 20 ]; then
+    echo "componentize-js $COMPONENTIZE_JS_VER needs Node.js 20 or newer; found $(node --version)" >&2
+    exit 1
+  fi
+  if [ ! -f "$js/.tpubox-installed" ] || ! cmp -s scripts/tools/componentize-js/package-lock.json "$js/package-lock.json"; then
+    log "installing componentize-js $COMPONENTIZE_JS_VER into $js (npm ci)"
+    rm -rf "$js" && mkdir -p "$js"
+    cp scripts/tools/componentize-js/package.json scripts/tools/componentize-js/package-lock.json "$js/"
+    (cd "$js" && npm ci --no-audit --no-fund --silent)
+    touch "$js/.tpubox-installed"
+  fi
+}
+
+# Builds examples/{c,python,js}-mlp into $POLYGLOT_OUT/NAME.wasm. A guest is rebuilt only when
+# its inputs (sources, WIT, tool versions) changed: their hash is kept next to the .wasm.
+POLYGLOT_OUT="$TARGET/polyglot"
+
+polyglot_stamp() {
+  { echo "$WASM_TOOLS_VER $WIT_BINDGEN_VER $ADAPTER_VER $COMPONENTIZE_PY_VER $COMPONENTIZE_JS_VER"
+    find wit examples/wit "examples/$1" scripts/tools -type f ! -path '*/__pycache__/*' -print0 | sort -z | xargs -0 sha256sum
+  } | sha256sum | cut -d' ' -f1
+}
+
+build_polyglot_guest() {
+  local name="$1" out; out="$(mkdir -p "$POLYGLOT_OUT" && cd "$POLYGLOT_OUT" && pwd)"
+  local stamp; stamp="$(polyglot_stamp "$name")"
+  if [ -f "$out/$name.wasm" ] && [ "$(cat "$out/$name.stamp" 2>/dev/null)" = "$stamp" ]; then
+    return
+  fi
+  log "building guest $name"
+  rm -f "$out/$name.wasm" "$out/$name.stamp"
+  case "$name" in
+    c-mlp)
+      # Bindings are generated here, never committed: guest.h, guest.c, guest_component_type.o.
+      local gen="$out/c-mlp.gen"
+      rm -rf "$gen" && mkdir -p "$gen"
+      local said
+      said="$("$TOOLS/wit-bindgen-$WIT_BINDGEN_VER/bin/wit-bindgen" c wit --world guest --out-dir "$gen" 2>&1)" ||
+        { echo "$said" >&2; return 1; }
+      clang --target=wasm32-wasi -O2 -Wall -Wextra -Werror -Wno-unused-parameter -Wl,--strip-debug -I "$gen" \
+        examples/c-mlp/mlp.c "$gen/guest.c" "$gen/guest_component_type.o" -o "$gen/c-mlp.core.wasm"
+      "$TOOLS/wasm-tools-$WASM_TOOLS_VER/bin/wasm-tools" component new "$gen/c-mlp.core.wasm" \
+        --adapt "wasi_snapshot_preview1=$TOOLS/wasi-adapter-$ADAPTER_VER/wasi_snapshot_preview1.command.wasm" \
+        -o "$out/c-mlp.wasm"
+      ;;
+    python-mlp)
+      (cd examples/python-mlp && "$TOOLS/componentize-py-$COMPONENTIZE_PY_VER/bin/componentize-py" \
+        -d ../wit -w command componentize app -o "$out/python-mlp.wasm" >/dev/null)
+      ;;
+    js-mlp)
+      # `-d http fetch-event`: without it the component imports wasi:http, which the host lacks.
+      (cd examples/js-mlp && "$TOOLS/componentize-js-$COMPONENTIZE_JS_VER/node_modules/.bin/componentize-js" \
+        mlp.js --wit ../wit --world-name command-args -d http fetch-event -o "$out/js-mlp.wasm")
+      ;;
+  esac
+  echo "$stamp" > "$out/$name.stamp"
+}
+
+build_polyglot() {
+  local g
+  for g in "${POLYGLOT_GUESTS[@]}"; do build_polyglot_guest "$g"; done
+}
+
+setup() { setup_system; setup_header; build; setup_polyglot_tools; build_polyglot; }
 
 cmd="${1:-}"
 case "$cmd" in
   setup) setup ;;
+  polyglot) setup_system; setup_polyglot_tools; build_polyglot ;;
   demo)
     setup
-    model="$(target/release/tpubox setup minilm | sed -n 's/^minilm: //p')"
+    model="$("$TARGET/release/tpubox" setup minilm | sed -n 's/^minilm: //p')"
     log "embedding sentences with all-MiniLM-L6-v2 in a sandboxed guest (examples/minilm-embed)"
-    target/release/tpubox run --weights "minilm=$model/model.safetensors" --dir "$model::/model" \
-      target/wasm32-wasip2/release/minilm-embed.wasm -- "${@:2}" </dev/null
+    "$TARGET/release/tpubox" run --weights "minilm=$model/model.safetensors" --dir "$model::/model" \
+      "$TARGET/wasm32-wasip2/release/minilm-embed.wasm" -- "${@:2}" </dev/null
     ;;
   test)
     setup
@@ -90,7 +224,7 @@ case "$cmd" in
     cargo bench -p tpubox-host --bench cache
     ;;
   *)
-    echo "usage: bash scripts/dev.sh setup|demo|test|bench" >&2
+    echo "usage: bash scripts/dev.sh setup|demo|test|bench|polyglot" >&2
     exit 2
     ;;
 esac

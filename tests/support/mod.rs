@@ -33,3 +33,21 @@ pub fn test_host_config() -> HostConfig {
         ..HostConfig::default()
     }
 }
+
+/// Path of the C, Python or JavaScript example guest `name` (`c-mlp`, `python-mlp`, `js-mlp`),
+/// built by `scripts/dev.sh` into `target/polyglot/`.
+///
+/// Panics with the command that builds it when the file is missing.
+#[allow(dead_code)] // each test binary compiles this module; not all of them use every helper
+pub fn polyglot_wasm(name: &str) -> PathBuf {
+    let target = std::env::var_os("CARGO_TARGET_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"));
+    let p = target.join("polyglot").join(format!("{name}.wasm"));
+    assert!(
+        p.is_file(),
+        "{} is missing: build it with `bash scripts/dev.sh polyglot` (or `bash scripts/dev.sh setup`)",
+        p.display()
+    );
+    p
+}
