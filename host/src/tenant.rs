@@ -75,6 +75,8 @@ pub struct TenantUsage {
     pub peak_device_bytes: u64,
     /// Live tensor handles now.
     pub live_tensors: u64,
+    /// Most live tensor handles held at once.
+    pub peak_live_tensors: u64,
     /// Live executable handles now.
     pub live_executables: u64,
     /// `compile` calls admitted.
@@ -92,6 +94,7 @@ struct Held {
     device_bytes: u64,
     peak_device_bytes: u64,
     live_tensors: u64,
+    peak_live_tensors: u64,
     live_executables: u64,
     compile_times: VecDeque<Instant>,
 }
@@ -175,6 +178,7 @@ impl Tenant {
             device_bytes: h.device_bytes,
             peak_device_bytes: h.peak_device_bytes,
             live_tensors: h.live_tensors,
+            peak_live_tensors: h.peak_live_tensors,
             live_executables: h.live_executables,
             compiles: self.compiles.load(Ordering::Relaxed),
             executions: self.executions.load(Ordering::Relaxed),
@@ -230,6 +234,7 @@ impl Tenant {
             ));
         }
         h.live_tensors += count;
+        h.peak_live_tensors = h.peak_live_tensors.max(h.live_tensors);
         h.device_bytes += total;
         h.peak_device_bytes = h.peak_device_bytes.max(h.device_bytes);
         drop(h);

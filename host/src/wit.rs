@@ -131,6 +131,14 @@ impl<T: 'static> wasmtime::component::HasData for DeviceData<T> {
 /// Borrowed view of a store's data that implements the generated host traits.
 pub struct DeviceCtx<'a, T>(&'a mut T);
 
+impl<'a, T: DeviceView> DeviceCtx<'a, T> {
+    /// Wraps `data`, so the generated host traits can be called without a guest (the fuzz
+    /// target and host-side tests drive the WIT calls this way).
+    pub fn new(data: &'a mut T) -> Self {
+        DeviceCtx(data)
+    }
+}
+
 fn to_wit_error(e: DeviceError) -> WitError {
     let kind = match e.kind {
         ErrorKind::InvalidArgument => WitErrorKind::InvalidArgument,
