@@ -93,6 +93,9 @@ pub struct RunOptions {
 pub struct RunOutcome {
     /// `true` when `wasi:cli/run` returned `ok` (for Rust guests: `main` returned normally).
     pub success: bool,
+    /// The guest's exit status: 0 on success, the code it passed to `exit`, or 1 when `run`
+    /// returned `err` without calling `exit`.
+    pub exit_code: i32,
     /// Captured stdout (empty unless [`RunOptions::capture_output`]).
     pub stdout: Vec<u8>,
     /// Captured stderr (empty unless [`RunOptions::capture_output`]).
@@ -367,11 +370,11 @@ impl Sandbox {
         // however the run ended.
         drop(store);
         let elapsed = start.elapsed();
-        let success = match result {
-            Ok(r) => r.is_ok(),
+        let exit_code = match result {
+            Ok(r) => i32::from(r.is_err()),
             // `exit(n)` from the guest arrives as an `I32Exit` error.
             Err(e) => match e.downcast_ref::<wasmtime_wasi::I32Exit>() {
-                Some(code) => code.0 == 0,
+                Some(code) => code.0,
                 None => {
                     // One line for people; the wasm backtrace goes to the debug log.
                     tracing::debug!("guest {name} failed: {e:?}");
@@ -396,7 +399,8 @@ impl Sandbox {
             },
         };
         Ok(RunOutcome {
-            success,
+            success: exit_code == 0,
+            exit_code,
             stdout: out.contents().to_vec(),
             stderr: err.contents().to_vec(),
             elapsed,
