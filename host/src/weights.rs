@@ -115,6 +115,18 @@ impl WeightRegistry {
                 "a weight set named `{name}` is already loaded"
             )));
         }
+        if path.is_dir() {
+            return Err(DeviceError::invalid(format!(
+                "{} is a directory; pass the .safetensors file inside it",
+                path.display()
+            )));
+        }
+        if !path.exists() {
+            return Err(DeviceError::new(
+                ErrorKind::NotFound,
+                format!("{} does not exist", path.display()),
+            ));
+        }
         let map = MappedFile::open(path)
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
         let st = SafeTensors::deserialize(map.as_slice()).map_err(|e| {
