@@ -21,7 +21,13 @@ const GUESTS: [&str; 3] = ["c-mlp", "python-mlp", "js-mlp"];
 
 fn host() -> &'static Arc<Host> {
     static HOST: OnceLock<Arc<Host>> = OnceLock::new();
-    HOST.get_or_init(|| Arc::new(Host::new(test_host_config()).expect("host starts")))
+    HOST.get_or_init(|| {
+        // The Python and JavaScript components are 12-18 MB; compiling them takes most of this
+        // test's time, so keep wasmtime's content-keyed component cache on.
+        let mut config = test_host_config();
+        config.sandbox.cache_dir = tpubox::SandboxConfig::default().cache_dir;
+        Arc::new(Host::new(config).expect("host starts"))
+    })
 }
 
 /// Compiles each component once per test binary. Python and JavaScript components carry a
