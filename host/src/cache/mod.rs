@@ -520,7 +520,10 @@ impl CompileCache {
         if upload && let Some(remote) = self.remote.clone() {
             let entry = entry.clone();
             let counts = Arc::clone(&self.upload_counts);
-            self.uploads.lock().expect("cache lock").spawn(async move {
+            let mut uploads = self.uploads.lock().expect("cache lock");
+            // Reap finished uploads so a long-lived host does not accumulate them.
+            while uploads.try_join_next().is_some() {}
+            uploads.spawn(async move {
                 match remote.put(&key, &entry).await {
                     Ok(()) => {
                         counts.0.fetch_add(1, Ordering::Relaxed);
