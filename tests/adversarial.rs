@@ -440,7 +440,8 @@ async fn guest_limit_cases(e: &mut Env) {
             l.max_live_tensors = 16
         }),
         ("bytes-bomb", "max-device-bytes", 16, |l| {
-            l.max_device_bytes = 1 << 20
+            l.max_device_bytes = 1 << 20;
+            l.max_live_tensors = 1000;
         }),
         ("executable-bomb", "max-live-executables", 4, |l| {
             l.max_live_executables = 4
@@ -1031,11 +1032,12 @@ async fn direct_wit_cases(e: &mut Env) {
 
 /// Waits (yielding) until `cond` holds; panics if it never does. Not a timing assertion: the
 /// bound only keeps a broken host from hanging the suite.
-async fn wait_until(what: &str, mut cond: impl FnMut() -> bool) {
+async fn wait_until<T>(what: &str, task: &tokio::task::JoinHandle<T>, mut cond: impl FnMut() -> bool) {
     for _ in 0..6000 {
         if cond() {
             return;
         }
+        assert!(!task.is_finished(), "the background run ended before: {what}");
         tokio::time::sleep(Duration::from_millis(10)).await;
     }
     panic!("never happened: {what}");
@@ -1082,7 +1084,7 @@ async fn a_spinning_tenant_does_not_block_others() {
     let e = Arc::new(env(2));
     // A holds an executable and four tensors, then spins until its deadline.
     let (a, task) = spawn_probe(&e, "spinner", &["abuse", "infinite-loop"]);
-    wait_until("A holds its tensors", || a.usage().live_tensors == 4).await;
+    wait_until("A holds its tensors", &task, || a.usage().live_tensors == 4).await;
     let b = Tenant::new("B", limits());
     three_hellos(&e, &b).await;
     assert!(!task.is_finished(), "A is still spinning after B finished");
@@ -1099,12 +1101,12 @@ async fn a_tenant_executing_in_a_loop_shares_one_slot_fairly() {
     assert_eq!(e.host.device().scheduler().slots(), 1);
     // A executes a scalar add over and over, wanting the only execution slot all the time.
     let (a, task) = spawn_probe(&e, "busy", &["exec-loop", "100000000"]);
-    wait_until("A is executing", || a.usage().executions >= 100).await;
+    wait_until("A is executing", &task, || a.usage().executions >= 100).await;
     let b = Tenant::new("B", limits());
     three_hellos(&e, &b).await;
     assert!(!task.is_finished(), "A is still executing after B finished");
     let before = a.usage().executions;
-    wait_until("A keeps executing", || a.usage().executions > before).await;
+    wait_until("A keeps executing", &task, || a.usage().executions > before).await;
     task.abort();
     assert!(task.await.unwrap_err().is_cancelled());
     assert_nothing_held("busy", &a);

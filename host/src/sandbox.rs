@@ -352,9 +352,14 @@ impl Sandbox {
         let start = Instant::now();
         let limit = opts.deadline.or(tenant.limits().max_call_time);
         let deadline = limit.map(|d| start + d);
-        if let Some(f) = fuel {
-            store.set_fuel(f)?;
-            store.fuel_async_yield_interval(Some(100_000))?;
+        match fuel {
+            Some(f) => {
+                store.set_fuel(f)?;
+                store.fuel_async_yield_interval(Some(100_000))?;
+            }
+            // A metering engine starts every store at zero fuel: no limit means all of it.
+            None if self.config.consume_fuel => store.set_fuel(u64::MAX)?,
+            None => {}
         }
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |_| match deadline {
