@@ -367,7 +367,15 @@ impl Sandbox {
             _ => Ok(UpdateDeadline::Yield(1)),
         });
         let command = Command::instantiate_async(&mut store, component, &self.linker).await?;
-        let result = command.wasi_cli_run().call_run(&mut store).await;
+        let run = command.wasi_cli_run().call_run(&mut store);
+        // Epoch interruption only stops wasm code; a guest blocked in a host call (a sleep, a
+        // long execution) is stopped here, by dropping its call at the deadline.
+        let result = match deadline {
+            Some(d) => tokio::time::timeout_at(d.into(), run)
+                .await
+                .unwrap_or_else(|_| Err(wasmtime::Error::msg("deadline reached in a host call"))),
+            None => run.await,
+        };
         // Dropping the store drops the guest's handles, returning their charges to the tenant
         // however the run ended.
         drop(store);
