@@ -444,9 +444,12 @@ async fn adversarial_cases_each_leave_the_host_serving() {
     assert!(e.cases.len() >= 50, "only {} cases", e.cases.len());
 }
 
+/// A change to a case's limits or run options.
+type Tweak<T> = fn(&mut T);
+
 async fn guest_limit_cases(e: &mut Env) {
     // Bombs: refused at the limit, named; free and continue.
-    let bombs: [(&str, &str, u64, fn(&mut TenantLimits)); 3] = [
+    let bombs: [(&str, &str, u64, Tweak<TenantLimits>); 3] = [
         ("tensor-bomb", "max-live-tensors", 16, |l| {
             l.max_live_tensors = 16
         }),
@@ -594,7 +597,7 @@ async fn guest_limit_cases(e: &mut Env) {
 }
 
 async fn guest_ending_cases(e: &mut Env) {
-    let cases: [(&str, &str, &str, fn(&mut TenantLimits), fn(&mut RunOptions)); 5] = [
+    let cases: [(&str, &str, &str, Tweak<TenantLimits>, Tweak<RunOptions>); 5] = [
         (
             "infinite-loop",
             "infinite-loop",
