@@ -447,6 +447,15 @@ async fn adversarial_cases_each_leave_the_host_serving() {
 /// A change to a case's limits or run options.
 type Tweak<T> = fn(&mut T);
 
+/// A run that must be stopped: (case, probe abuse, host error fragment, limits, options).
+type Ending = (
+    &'static str,
+    &'static str,
+    &'static str,
+    Tweak<TenantLimits>,
+    Tweak<RunOptions>,
+);
+
 async fn guest_limit_cases(e: &mut Env) {
     // Bombs: refused at the limit, named; free and continue.
     let bombs: [(&str, &str, u64, Tweak<TenantLimits>); 3] = [
@@ -597,7 +606,7 @@ async fn guest_limit_cases(e: &mut Env) {
 }
 
 async fn guest_ending_cases(e: &mut Env) {
-    let cases: [(&str, &str, &str, Tweak<TenantLimits>, Tweak<RunOptions>); 5] = [
+    let cases: [Ending; 5] = [
         (
             "infinite-loop",
             "infinite-loop",
