@@ -355,9 +355,14 @@ impl Sandbox {
         let start = Instant::now();
         let limit = opts.deadline.or(tenant.limits().max_call_time);
         let deadline = limit.map(|d| start + d);
-        if let Some(f) = fuel {
-            store.set_fuel(f)?;
-            store.fuel_async_yield_interval(Some(100_000))?;
+        match fuel {
+            Some(f) => {
+                store.set_fuel(f)?;
+                store.fuel_async_yield_interval(Some(100_000))?;
+            }
+            // A metering engine starts every store at zero fuel: no limit means all of it.
+            None if self.config.consume_fuel => store.set_fuel(u64::MAX)?,
+            None => {}
         }
         store.set_epoch_deadline(1);
         store.epoch_deadline_callback(move |_| match deadline {
@@ -365,7 +370,15 @@ impl Sandbox {
             _ => Ok(UpdateDeadline::Yield(1)),
         });
         let command = Command::instantiate_async(&mut store, component, &self.linker).await?;
-        let result = command.wasi_cli_run().call_run(&mut store).await;
+        let run = command.wasi_cli_run().call_run(&mut store);
+        // Epoch interruption only stops wasm code; a guest blocked in a host call (a sleep, a
+        // long execution) is stopped here, by dropping its call at the deadline.
+        let result = match deadline {
+            Some(d) => tokio::time::timeout_at(d.into(), run)
+                .await
+                .unwrap_or_else(|_| Err(wasmtime::Error::msg("deadline reached in a host call"))),
+            None => run.await,
+        };
         // Dropping the store drops the guest's handles, returning their charges to the tenant
         // however the run ended.
         drop(store);

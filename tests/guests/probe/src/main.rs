@@ -13,6 +13,11 @@
 //! - `noop`: returns at once (for timing instantiation).
 //! - `exec-loop N`: executes a scalar add N times with inputs kept on the device and prints the
 //!   guest-measured time (for the per-call benchmark).
+//! - `check NAME`: makes only the bad call `NAME` of `errors`.
+//! - `abuse NAME [ARG]`: one misbehaviour (bombs, traps, forged handles, sandbox escapes); see
+//!   `abuse.rs`. Used by `tests/adversarial.rs`.
+
+mod abuse;
 
 use tpubox_guest::bindings::tpubox::device::{client, types};
 use tpubox_guest::{Dtype, Tensor, compile_mlir};
@@ -40,58 +45,142 @@ fn raw_tensor(
     types::Tensor::from_bytes(dtype, dims, &vec![0u8; len], device)
 }
 
-fn errors() {
-    let ok = || raw_tensor(Dtype::F32, &[2, 2], 16, None).expect("valid tensor");
-    report("short-data", raw_tensor(Dtype::F32, &[2, 2], 15, None));
-    report("long-data", raw_tensor(Dtype::F32, &[2, 2], 17, None));
-    report(
-        "dims-overflow",
-        raw_tensor(Dtype::F64, &[u64::MAX / 2, 4], 0, None),
-    );
-    report("dim-over-i64", raw_tensor(Dtype::U8, &[u64::MAX], 0, None));
-    report("rank-too-big", raw_tensor(Dtype::U8, &[1; 40], 1, None));
-    report("bad-device", raw_tensor(Dtype::F32, &[2, 2], 16, Some(999)));
-    let fmt = client::ProgramFormat::MlirText;
-    let opts = client::CompileOptions { device: None };
-    report("empty-program", client::compile(fmt, &[], opts));
-    report("not-utf8", client::compile(fmt, &[0xff, 0xfe, 0x00], opts));
-    report(
-        "garbage-mlir",
-        client::compile(fmt, b"this is not mlir", opts),
-    );
-    report(
-        "bad-bytecode",
-        client::compile(client::ProgramFormat::MlirBytecode, b"not bytecode", opts),
-    );
-    report(
-        "compile-bad-device",
-        client::compile(
-            fmt,
-            ADD.as_bytes(),
-            client::CompileOptions { device: Some(999) },
+/// The bad calls of `errors`, each on fresh tensors, so that `check NAME` can make exactly one.
+fn error_checks() -> Vec<(&'static str, Check)> {
+    fn ok() -> types::Tensor {
+        raw_tensor(Dtype::F32, &[2, 2], 16, None).expect("valid tensor")
+    }
+    fn add() -> types::Executable {
+        client::compile(client::ProgramFormat::MlirText, ADD.as_bytes(), OPTS)
+            .expect("ADD compiles")
+    }
+    const FMT: client::ProgramFormat = client::ProgramFormat::MlirText;
+    const OPTS: client::CompileOptions = client::CompileOptions { device: None };
+    vec![
+        (
+            "short-data",
+            Box::new(|| unit(raw_tensor(Dtype::F32, &[2, 2], 15, None))),
         ),
-    );
-    let exe = client::compile(fmt, ADD.as_bytes(), opts).expect("ADD compiles");
-    let (a, b) = (ok(), ok());
-    report("arg-count", client::execute(&exe, &[&a], &[]));
-    let wrong_dtype = raw_tensor(Dtype::S32, &[2, 2], 16, None).unwrap();
-    report("arg-dtype", client::execute(&exe, &[&a, &wrong_dtype], &[]));
-    let wrong_dims = raw_tensor(Dtype::F32, &[4], 16, None).unwrap();
-    report("arg-dims", client::execute(&exe, &[&a, &wrong_dims], &[]));
-    report(
-        "donate-out-of-range",
-        client::execute(&exe, &[&a, &b], &[2]),
-    );
-    report("donate-repeated", client::execute(&exe, &[&a, &b], &[0, 0]));
-    report(
-        "same-tensor-donated",
-        client::execute(&exe, &[&a, &a], &[0]),
-    );
-    report(
-        "same-tensor-borrowed",
-        client::execute(&exe, &[&a, &a], &[]),
-    );
-    report("valid-call", client::execute(&exe, &[&a, &b], &[]));
+        (
+            "long-data",
+            Box::new(|| unit(raw_tensor(Dtype::F32, &[2, 2], 17, None))),
+        ),
+        (
+            "dims-overflow",
+            Box::new(|| unit(raw_tensor(Dtype::F64, &[u64::MAX / 2, 4], 0, None))),
+        ),
+        (
+            "dim-over-i64",
+            Box::new(|| unit(raw_tensor(Dtype::U8, &[u64::MAX], 0, None))),
+        ),
+        (
+            "rank-too-big",
+            Box::new(|| unit(raw_tensor(Dtype::U8, &[1; 40], 1, None))),
+        ),
+        (
+            "bad-device",
+            Box::new(|| unit(raw_tensor(Dtype::F32, &[2, 2], 16, Some(999)))),
+        ),
+        (
+            "empty-program",
+            Box::new(|| unit(client::compile(FMT, &[], OPTS))),
+        ),
+        (
+            "not-utf8",
+            Box::new(|| unit(client::compile(FMT, &[0xff, 0xfe, 0x00], OPTS))),
+        ),
+        (
+            "garbage-mlir",
+            Box::new(|| unit(client::compile(FMT, b"this is not mlir", OPTS))),
+        ),
+        (
+            "bad-bytecode",
+            Box::new(|| {
+                unit(client::compile(
+                    client::ProgramFormat::MlirBytecode,
+                    b"not bytecode",
+                    OPTS,
+                ))
+            }),
+        ),
+        (
+            "compile-bad-device",
+            Box::new(|| {
+                unit(client::compile(
+                    FMT,
+                    ADD.as_bytes(),
+                    client::CompileOptions { device: Some(999) },
+                ))
+            }),
+        ),
+        (
+            "arg-count",
+            Box::new(|| unit(client::execute(&add(), &[&ok()], &[]))),
+        ),
+        (
+            "arg-dtype",
+            Box::new(|| {
+                let wrong = raw_tensor(Dtype::S32, &[2, 2], 16, None).unwrap();
+                unit(client::execute(&add(), &[&ok(), &wrong], &[]))
+            }),
+        ),
+        (
+            "arg-dims",
+            Box::new(|| {
+                let wrong = raw_tensor(Dtype::F32, &[4], 16, None).unwrap();
+                unit(client::execute(&add(), &[&ok(), &wrong], &[]))
+            }),
+        ),
+        (
+            "donate-out-of-range",
+            Box::new(|| unit(client::execute(&add(), &[&ok(), &ok()], &[2]))),
+        ),
+        (
+            "donate-repeated",
+            Box::new(|| unit(client::execute(&add(), &[&ok(), &ok()], &[0, 0]))),
+        ),
+        (
+            "same-tensor-donated",
+            Box::new(|| {
+                let a = ok();
+                unit(client::execute(&add(), &[&a, &a], &[0]))
+            }),
+        ),
+        (
+            "same-tensor-borrowed",
+            Box::new(|| {
+                let a = ok();
+                unit(client::execute(&add(), &[&a, &a], &[]))
+            }),
+        ),
+        (
+            "valid-call",
+            Box::new(|| unit(client::execute(&add(), &[&ok(), &ok()], &[]))),
+        ),
+    ]
+}
+
+type Check = Box<dyn Fn() -> Result<(), types::Error>>;
+
+fn unit<T>(r: Result<T, types::Error>) -> Result<(), types::Error> {
+    r.map(|_| ())
+}
+
+fn errors() {
+    for (name, check) in error_checks() {
+        report(name, check());
+    }
+}
+
+/// `check NAME`: makes only the bad call `NAME` of `errors`.
+fn check(name: &str) {
+    match error_checks().into_iter().find(|(n, _)| *n == name) {
+        Some((n, check)) => report(n, check()),
+        None => {
+            eprintln!("probe: no check named {name:?}");
+            std::process::exit(2);
+        }
+    }
 }
 
 fn donate() {
@@ -198,9 +287,11 @@ fn main() {
             }
         },
         Some("donate") => donate(),
+        Some("check") if args.len() == 3 => check(&args[2]),
+        Some("abuse") if args.len() >= 3 => abuse::run(&args[2], args.get(3).map(String::as_str)),
         _ => {
             eprintln!(
-                "usage: probe env|read PATH|loop|alloc MIB|errors|donate|weights|noop|exec-loop N"
+                "usage: probe env|read PATH|loop|alloc MIB|errors|check NAME|abuse NAME [ARG]|donate|weights|noop|exec-loop N"
             );
             std::process::exit(2);
         }

@@ -1,0 +1,1310 @@
+//! The adversarial suite: bad inputs and abuses from guests and from direct API calls, each
+//! asserting the exact error kind (or, for traps, the host's one-line error), and after every
+//! one the same host serving a fresh, well-behaved tenant (hello-matmul) with the right numbers
+//! while the offending tenant holds nothing on the device any more.
+//!
+//! The guests are `tests/guests/probe` (its `check NAME` and `abuse NAME` cases) and
+//! `examples/hello-matmul`, built for wasm32-wasip2 by `scripts/dev.sh`; the JavaScript case
+//! needs `target/polyglot/js-mlp.wasm` (`bash scripts/dev.sh setup`).
+
+mod support;
+use support::{polyglot_wasm, test_host_config, wasm};
+
+use std::collections::HashSet;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use tpubox::device::Arg;
+use tpubox::weights::WeightRegistry;
+use tpubox::wit::generated::tpubox::device::client::{CompileOptions, Host as _, ProgramFormat};
+use tpubox::wit::generated::tpubox::device::types::{
+    Dtype, Error as WitError, ErrorKind as WitKind, HostTensor,
+};
+use tpubox::wit::generated::tpubox::device::weights::{Host as _, HostWeightSet as _};
+use tpubox::wit::{DeviceCtx, DeviceView, GuestExecutable, GuestTensor};
+use tpubox::{
+    DeviceService, ErrorKind, Host, HostConfig, PrimitiveType, RunOptions, RunOutcome, Tenant,
+    TenantLimits,
+};
+use wasmtime::component::{Component, Resource, ResourceTable};
+
+// ---------------------------------------------------------------------------------------------
+// The host, its guests and the well-behaved tenant
+// ---------------------------------------------------------------------------------------------
+
+/// Largest program the host itself accepts (below every tenant's own limit in `wide()`).
+const HOST_MAX_PROGRAM: usize = 1 << 20;
+
+/// Small limits for the tenants of this suite.
+fn limits() -> TenantLimits {
+    TenantLimits {
+        max_device_bytes: 1 << 20,
+        max_live_tensors: 16,
+        max_live_executables: 4,
+        max_program_bytes: 16 << 10,
+        max_compiles_per_minute: 30,
+        max_guest_memory: 32 << 20,
+        max_call_time: Some(Duration::from_secs(20)),
+        fuel: None,
+    }
+}
+
+struct Env {
+    host: Host,
+    probe: Component,
+    hello: Component,
+    /// Number of well-behaved runs so far (varies hello's input).
+    served: u32,
+    /// `(case, summary)` of every case so far.
+    cases: Vec<(String, String)>,
+}
+
+fn config(execution_slots: usize) -> HostConfig {
+    let mut config = test_host_config();
+    config.max_program_bytes = HOST_MAX_PROGRAM;
+    config.execution_slots = execution_slots;
+    config.sandbox.consume_fuel = true;
+    config.sandbox.tenant_limits = limits();
+    config
+}
+
+fn env(execution_slots: usize) -> Env {
+    let host = Host::new(config(execution_slots)).expect("host starts on the CPU plugin");
+    host.load_weights("test", &test_weights_file())
+        .expect("test weights load");
+    let probe = host
+        .load_component(&wasm("tpubox-probe"))
+        .expect("probe loads");
+    let hello = host
+        .load_component(&wasm("hello-matmul"))
+        .expect("hello loads");
+    Env {
+        host,
+        probe,
+        hello,
+        served: 0,
+        cases: Vec::new(),
+    }
+}
+
+/// A safetensors file with `w`: f32[2,2] = [0.5, -1, 2, 8].
+fn test_weights_file() -> PathBuf {
+    use safetensors::tensor::{Dtype, TensorView};
+    let w: Vec<u8> = [0.5f32, -1.0, 2.0, 8.0]
+        .iter()
+        .flat_map(|v| v.to_le_bytes())
+        .collect();
+    let tensors = vec![("w", TensorView::new(Dtype::F32, vec![2, 2], &w).unwrap())];
+    let path = std::env::temp_dir().join(format!(
+        "tpubox-adversarial-weights-{}.safetensors",
+        std::process::id()
+    ));
+    safetensors::serialize_to_file(tensors, None, &path).unwrap();
+    path
+}
+
+fn opts(args: &[&str], tenant: &Arc<Tenant>) -> RunOptions {
+    RunOptions {
+        args: args.iter().map(|s| s.to_string()).collect(),
+        capture_output: true,
+        stdin: Some(Vec::new()),
+        deadline: Some(Duration::from_secs(20)),
+        tenant: Some(Arc::clone(tenant)),
+        ..RunOptions::default()
+    }
+}
+
+fn text(b: &[u8]) -> String {
+    String::from_utf8_lossy(b).into_owned()
+}
+
+/// The value of the line `KEY: VALUE`.
+fn line<'a>(out: &'a str, key: &str) -> &'a str {
+    let prefix = format!("{key}: ");
+    out.lines()
+        .find_map(|l| l.strip_prefix(&prefix))
+        .unwrap_or_else(|| panic!("no `{key}:` line in output:\n{out}"))
+}
+
+const HELLO_X: [f32; 6] = [0.5, -1.25, 2.0, 1.5, 0.25, -0.75];
+const HELLO_W: [f32; 12] = [
+    0.2, -0.4, 0.1, 0.3, //
+    -0.3, 0.15, 0.25, -0.2, //
+    0.05, 0.1, -0.35, 0.4,
+];
+const HELLO_B: [f32; 4] = [0.1, -0.2, 0.05, -0.15];
+
+/// `tanh(x · w + b)` for hello-matmul's inputs with x scaled by `scale`.
+fn hello_expected(scale: f32) -> Vec<Vec<f32>> {
+    let x: Vec<f32> = HELLO_X.iter().map(|v| v * scale).collect();
+    (0..2)
+        .map(|i| {
+            (0..4)
+                .map(|j| {
+                    let acc: f64 = (0..3)
+                        .map(|k| f64::from(x[i * 3 + k]) * f64::from(HELLO_W[k * 4 + j]))
+                        .sum();
+                    (acc + f64::from(HELLO_B[j])).tanh() as f32
+                })
+                .collect()
+        })
+        .collect()
+}
+
+/// Asserts that no usage is left on `t`'s books.
+fn assert_nothing_held(case: &str, t: &Tenant) {
+    let u = t.usage();
+    assert_eq!(
+        (u.device_bytes, u.live_tensors, u.live_executables),
+        (0, 0, 0),
+        "{case}: tenant `{}` still holds resources after its run ended: {u:?}",
+        t.name()
+    );
+}
+
+impl Env {
+    /// Runs hello-matmul as a fresh tenant and checks its numbers against the reference.
+    async fn serve_well_behaved(&mut self, after: &str) {
+        self.served += 1;
+        let scale = 0.5 * (self.served % 7) as f32 - 1.0;
+        let tenant = Tenant::new(format!("good-after-{after}"), limits());
+        let s = scale.to_string();
+        let o = self
+            .host
+            .run(
+                &self.hello,
+                "hello-matmul",
+                &opts(&["--scale", &s], &tenant),
+            )
+            .await
+            .unwrap_or_else(|e| panic!("after {after}: the good tenant failed: {e:#}"));
+        let out = text(&o.stdout);
+        assert!(
+            o.success,
+            "after {after}: hello failed:\n{out}\n{}",
+            text(&o.stderr)
+        );
+        let got: Vec<Vec<f32>> = serde_json::from_str(line(&out, "result")).unwrap();
+        let want = hello_expected(scale);
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert!(
+                (g - w).abs() <= 1e-5,
+                "after {after}: got {got:?}, want {want:?}"
+            );
+        }
+        assert_eq!(got.len() * got[0].len(), 8);
+        assert_nothing_held(after, &tenant);
+        assert_eq!(o.usage.executions, 1);
+    }
+
+    /// Records a finished case: the offender holds nothing, and a good tenant is served.
+    async fn done(&mut self, case: &str, offender: &Tenant, summary: String) {
+        assert!(
+            !self.cases.iter().any(|(c, _)| c == case),
+            "case {case} listed twice"
+        );
+        assert_nothing_held(case, offender);
+        self.serve_well_behaved(case).await;
+        println!("case {:>3}  {case:<34} {summary}", self.cases.len() + 1);
+        self.cases.push((case.to_string(), summary));
+    }
+
+    /// Records a case whose tenant still holds its other resources (a direct session that goes
+    /// on); the caller checks the tenant holds nothing once the session ends.
+    async fn step(&mut self, case: &str, summary: String) {
+        assert!(
+            !self.cases.iter().any(|(c, _)| c == case),
+            "case {case} listed twice"
+        );
+        self.serve_well_behaved(case).await;
+        println!("case {:>3}  {case:<34} {summary}", self.cases.len() + 1);
+        self.cases.push((case.to_string(), summary));
+    }
+
+    /// Runs the probe with `args` as tenant `case` (limits tweaked by `lim`, options by `opt`).
+    async fn probe(
+        &self,
+        case: &str,
+        args: &[&str],
+        lim: impl FnOnce(&mut TenantLimits),
+        opt: impl FnOnce(&mut RunOptions),
+    ) -> (Arc<Tenant>, anyhow::Result<RunOutcome>) {
+        let mut l = limits();
+        lim(&mut l);
+        let tenant = Tenant::new(case, l);
+        let mut o = opts(args, &tenant);
+        opt(&mut o);
+        let r = self.host.run(&self.probe, "tpubox-probe", &o).await;
+        (tenant, r)
+    }
+}
+
+/// The stdout of a run that must have returned normally.
+fn ok_stdout(case: &str, r: &anyhow::Result<RunOutcome>) -> String {
+    match r {
+        Ok(o) => {
+            let out = text(&o.stdout);
+            assert!(
+                o.success,
+                "{case}: guest failed:\n{out}\n{}",
+                text(&o.stderr)
+            );
+            out
+        }
+        Err(e) => panic!("{case}: run failed: {e:#}"),
+    }
+}
+
+/// The host's one-line error of a run that must have been stopped.
+fn trap_text(case: &str, r: &anyhow::Result<RunOutcome>) -> String {
+    match r {
+        Ok(o) => panic!(
+            "{case}: the run was not stopped:\n{}\n{}",
+            text(&o.stdout),
+            text(&o.stderr)
+        ),
+        // The message, without the wasm backtrace that traps carry as context.
+        Err(e) => e.root_cause().to_string(),
+    }
+}
+
+/// Asserts the probe line `key` is `KIND (message)` with `kind`, the message containing `has`.
+fn assert_kind(case: &str, out: &str, key: &str, kind: &str, has: &str) -> String {
+    let l = line(out, key);
+    assert_eq!(l.split(' ').next().unwrap(), kind, "{case}: {key}: {l}");
+    assert!(l.contains(has), "{case}: {key}: {l:?} does not say {has:?}");
+    l.to_string()
+}
+
+// ---------------------------------------------------------------------------------------------
+// Direct calls: a store-less view for driving the WIT host traits
+// ---------------------------------------------------------------------------------------------
+
+struct Direct {
+    table: ResourceTable,
+    device: Arc<DeviceService>,
+    weights: Arc<WeightRegistry>,
+    tenant: Arc<Tenant>,
+}
+
+impl DeviceView for Direct {
+    fn table(&mut self) -> &mut ResourceTable {
+        &mut self.table
+    }
+    fn device(&self) -> &Arc<DeviceService> {
+        &self.device
+    }
+    fn weights(&self) -> &Arc<WeightRegistry> {
+        &self.weights
+    }
+    fn tenant(&self) -> &Arc<Tenant> {
+        &self.tenant
+    }
+}
+
+impl Direct {
+    fn new(host: &(Arc<DeviceService>, Arc<WeightRegistry>), tenant: &Arc<Tenant>) -> Self {
+        Direct {
+            table: ResourceTable::new(),
+            device: Arc::clone(&host.0),
+            weights: Arc::clone(&host.1),
+            tenant: Arc::clone(tenant),
+        }
+    }
+
+    fn ctx(&mut self) -> DeviceCtx<'_, Self> {
+        DeviceCtx::new(self)
+    }
+
+    async fn tensor(&mut self, vals: [f32; 4]) -> Resource<GuestTensor> {
+        let data = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
+        self.ctx()
+            .from_bytes(Dtype::F32, vec![2, 2], data, None)
+            .await
+            .expect("no trap")
+            .expect("a valid tensor")
+    }
+
+    async fn add(&mut self) -> Resource<GuestExecutable> {
+        self.ctx()
+            .compile(
+                ProgramFormat::MlirText,
+                ADD.as_bytes().to_vec(),
+                CompileOptions { device: None },
+            )
+            .await
+            .expect("no trap")
+            .expect("ADD compiles")
+    }
+}
+
+const ADD: &str = r#"
+func.func public @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf32> {
+  %0 = stablehlo.add %a, %b : tensor<2x2xf32>
+  return %0 : tensor<2x2xf32>
+}
+"#;
+
+fn wit_kind(e: &WitError) -> ErrorKind {
+    match e.kind {
+        WitKind::InvalidArgument => ErrorKind::InvalidArgument,
+        WitKind::NotFound => ErrorKind::NotFound,
+        WitKind::FailedPrecondition => ErrorKind::FailedPrecondition,
+        WitKind::PermissionDenied => ErrorKind::PermissionDenied,
+        WitKind::ResourceExhausted => ErrorKind::ResourceExhausted,
+        WitKind::Unsupported => ErrorKind::Unsupported,
+        WitKind::CompileFailed => ErrorKind::CompileFailed,
+        WitKind::ExecutionFailed => ErrorKind::ExecutionFailed,
+        WitKind::Internal => ErrorKind::Internal,
+    }
+}
+
+/// A WIT call that must return the error `kind` (not trap).
+fn wit_err<T>(case: &str, r: wasmtime::Result<Result<T, WitError>>, kind: ErrorKind) -> String {
+    match r {
+        Ok(Err(e)) => {
+            assert_eq!(wit_kind(&e), kind, "{case}: {}", e.message);
+            format!("{} ({})", kind.as_str(), e.message)
+        }
+        Ok(Ok(_)) => panic!("{case}: the call succeeded"),
+        Err(e) => panic!("{case}: trapped instead of returning {kind:?}: {e:#}"),
+    }
+}
+
+/// A WIT call that must fail as a trap whose text contains `has`.
+fn wit_trap<T>(case: &str, r: wasmtime::Result<T>, has: &str) -> String {
+    match r {
+        Err(e) => {
+            let t = format!("{e:#}");
+            assert!(t.contains(has), "{case}: trap {t:?} does not say {has:?}");
+            format!("trap ({t})")
+        }
+        Ok(_) => panic!("{case}: the call did not trap"),
+    }
+}
+
+fn f32_bytes(v: &[f32]) -> Vec<u8> {
+    v.iter().flat_map(|x| x.to_le_bytes()).collect()
+}
+
+// ---------------------------------------------------------------------------------------------
+// The table
+// ---------------------------------------------------------------------------------------------
+
+/// The bad calls of the probe's `errors`, one run each: (name, kind, message fragment).
+const CHECKS: [(&str, &str, &str); 17] = [
+    ("short-data", "invalid-argument", "needs 16 bytes"),
+    ("long-data", "invalid-argument", "got 17"),
+    ("dims-overflow", "invalid-argument", "more bytes than"),
+    ("dim-over-i64", "invalid-argument", "exceeds i64::MAX"),
+    ("rank-too-big", "invalid-argument", "rank 40"),
+    ("bad-device", "not-found", "device 999"),
+    ("empty-program", "invalid-argument", "empty"),
+    ("not-utf8", "invalid-argument", "UTF-8"),
+    ("garbage-mlir", "compile-failed", ""),
+    ("bad-bytecode", "invalid-argument", "magic"),
+    ("compile-bad-device", "not-found", "device 999"),
+    (
+        "arg-count",
+        "invalid-argument",
+        "takes 2 argument(s), got 1",
+    ),
+    ("arg-dtype", "invalid-argument", "expects f32[2,2]"),
+    ("arg-dims", "invalid-argument", "expects f32[2,2]"),
+    ("donate-out-of-range", "invalid-argument", "out of range"),
+    ("donate-repeated", "invalid-argument", "listed twice"),
+    ("same-tensor-donated", "invalid-argument", "donated"),
+];
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn adversarial_cases_each_leave_the_host_serving() {
+    let mut e = env(2);
+
+    // ---- validation before PJRT, one bad call per guest run ----
+    for (name, kind, has) in CHECKS {
+        let case = format!("guest:{name}");
+        let (t, r) = e.probe(&case, &["check", name], |_| {}, |_| {}).await;
+        let out = ok_stdout(&case, &r);
+        let s = assert_kind(&case, &out, name, kind, has);
+        e.done(&case, &t, s).await;
+    }
+
+    guest_limit_cases(&mut e).await;
+    guest_ending_cases(&mut e).await;
+    guest_handle_cases(&mut e).await;
+    guest_sandbox_cases(&mut e).await;
+    direct_service_cases(&mut e).await;
+    direct_tenant_cases(&mut e).await;
+    direct_wit_cases(&mut e).await;
+
+    println!("{} adversarial cases", e.cases.len());
+    let distinct: HashSet<&str> = e.cases.iter().map(|(c, _)| c.as_str()).collect();
+    assert_eq!(distinct.len(), e.cases.len());
+    assert!(e.cases.len() >= 50, "only {} cases", e.cases.len());
+}
+
+/// A change to a case's limits or run options.
+type Tweak<T> = fn(&mut T);
+
+/// A run that must be stopped: (case, probe abuse, host error fragment, limits, options).
+type Ending = (
+    &'static str,
+    &'static str,
+    &'static str,
+    Tweak<TenantLimits>,
+    Tweak<RunOptions>,
+);
+
+async fn guest_limit_cases(e: &mut Env) {
+    // Bombs: refused at the limit, named; free and continue.
+    let bombs: [(&str, &str, u64, Tweak<TenantLimits>); 3] = [
+        ("tensor-bomb", "max-live-tensors", 16, |l| {
+            l.max_live_tensors = 16
+        }),
+        ("bytes-bomb", "max-device-bytes", 16, |l| {
+            l.max_device_bytes = 1 << 20;
+            l.max_live_tensors = 1000;
+        }),
+        ("executable-bomb", "max-live-executables", 4, |l| {
+            l.max_live_executables = 4
+        }),
+    ];
+    for (name, limit, made, lim) in bombs {
+        let case = format!("guest:{name}");
+        let (t, r) = e.probe(&case, &["abuse", name], lim, |_| {}).await;
+        let out = ok_stdout(&case, &r);
+        let s = assert_kind(&case, &out, name, "resource-exhausted", limit);
+        assert_eq!(line(&out, &format!("{name}-made")), made.to_string());
+        assert_eq!(line(&out, &format!("{name}-after-free")), "ok");
+        assert!(t.usage().refused >= 1);
+        e.done(&case, &t, format!("{s}; made {made}, freed, made one more"))
+            .await;
+    }
+
+    let case = "guest:compile-rate-bomb";
+    let (t, r) = e
+        .probe(
+            case,
+            &["abuse", "compile-rate"],
+            |l| l.max_compiles_per_minute = 3,
+            |_| {},
+        )
+        .await;
+    let out = ok_stdout(case, &r);
+    let s = assert_kind(
+        case,
+        &out,
+        "compile-rate",
+        "resource-exhausted",
+        "max-compiles-per-minute",
+    );
+    assert_eq!(line(&out, "compile-rate-execute-still-works"), "ok");
+    assert_eq!(t.usage().compiles, 3);
+    e.done(case, &t, s).await;
+
+    let case = "guest:enormous-program";
+    let (t, r) = e
+        .probe(
+            case,
+            &["abuse", "big-program", "4096"],
+            |l| l.max_program_bytes = 4096,
+            |_| {},
+        )
+        .await;
+    let out = ok_stdout(case, &r);
+    let s = assert_kind(
+        case,
+        &out,
+        "big-program",
+        "resource-exhausted",
+        "max-program-bytes",
+    );
+    assert!(s.contains("4097"), "{s}");
+    assert_eq!(line(&out, "big-program-at-limit"), "ok");
+    e.done(case, &t, s).await;
+
+    let case = "guest:program-over-host-limit";
+    let limit = HOST_MAX_PROGRAM.to_string();
+    let (t, r) = e
+        .probe(
+            case,
+            &["abuse", "big-program", &limit],
+            |l| l.max_program_bytes = 64 << 20,
+            |_| {},
+        )
+        .await;
+    let out = ok_stdout(case, &r);
+    let s = assert_kind(
+        case,
+        &out,
+        "big-program",
+        "resource-exhausted",
+        "max-program-bytes",
+    );
+    assert_eq!(line(&out, "big-program-at-limit"), "ok");
+    e.done(case, &t, s).await;
+
+    let case = "guest:output-bomb";
+    let (t, r) = e
+        .probe(case, &["abuse", "output-bomb"], |_| {}, |_| {})
+        .await;
+    let out = ok_stdout(case, &r);
+    let s = assert_kind(
+        case,
+        &out,
+        "output-bomb",
+        "resource-exhausted",
+        "max-device-bytes",
+    );
+    assert_eq!(line(&out, "output-bomb-small"), "ok");
+    assert!(t.usage().peak_device_bytes < 1 << 20);
+    e.done(case, &t, s).await;
+
+    let case = "guest:memory-bomb";
+    let (t, r) = e
+        .probe(case, &["abuse", "memory-bomb"], |_| {}, |_| {})
+        .await;
+    let out = ok_stdout(case, &r);
+    let l = line(&out, "memory-bomb");
+    let mib: usize = l
+        .strip_prefix("refused after ")
+        .and_then(|s| s.strip_suffix(" MiB"))
+        .and_then(|s| s.parse().ok())
+        .unwrap_or_else(|| panic!("{case}: {l}"));
+    assert!((1..32).contains(&mib), "{case}: {l} under a 32 MiB cap");
+    assert_eq!(line(&out, "memory-bomb-after-free"), "ok 1048576");
+    e.done(
+        case,
+        &t,
+        format!("grow refused after {mib} MiB; freed and allocated again"),
+    )
+    .await;
+
+    let case = "guest:memory-abort";
+    let (t, r) = e
+        .probe(case, &["abuse", "memory-abort"], |_| {}, |_| {})
+        .await;
+    let s = trap_text(case, &r);
+    assert!(s.contains("32 MiB memory limit"), "{case}: {s}");
+    assert_eq!(t.usage().peak_live_tensors, 4);
+    e.done(case, &t, s).await;
+
+    let case = "guest:read-bomb";
+    let (t, r) = e
+        .probe(
+            case,
+            &["abuse", "read-bomb", &(16u64 << 20).to_string()],
+            |l| l.max_device_bytes = 128 << 20,
+            |_| {},
+        )
+        .await;
+    let s = trap_text(case, &r);
+    assert!(s.contains("memory limit"), "{case}: {s}");
+    assert_eq!(t.usage().peak_device_bytes, (64 << 20) + 4);
+    e.done(case, &t, s).await;
+}
+
+async fn guest_ending_cases(e: &mut Env) {
+    let cases: [Ending; 5] = [
+        (
+            "infinite-loop",
+            "infinite-loop",
+            "deadline",
+            |_| {},
+            |o| o.deadline = Some(Duration::from_secs(1)),
+        ),
+        (
+            "fuel-burn",
+            "fuel-burn",
+            "fuel",
+            |l| l.fuel = Some(20_000_000),
+            |_| {},
+        ),
+        ("panic-holding", "panic", "guest aborted", |_| {}, |_| {}),
+        (
+            "stack-overflow",
+            "stack-overflow",
+            "guest trapped: wasm trap: out of bounds memory access",
+            |_| {},
+            |_| {},
+        ),
+        (
+            "sleep-past-deadline",
+            "sleep",
+            "deadline",
+            |_| {},
+            |o| o.deadline = Some(Duration::from_secs(1)),
+        ),
+    ];
+    for (name, abuse, has, lim, opt) in cases {
+        let case = format!("guest:{name}");
+        // `sleep` blocks in a host call for an hour: only the deadline ends it.
+        let args = ["abuse", abuse, "3600"];
+        let (t, r) = e.probe(&case, &args, lim, opt).await;
+        let s = trap_text(&case, &r);
+        assert!(s.contains(has), "{case}: {s:?} does not say {has:?}");
+        assert!(!s.contains('\n'), "{case}: not one line: {s}");
+        if abuse != "fuel-burn" {
+            assert_eq!(t.usage().peak_live_tensors, 4, "{case}");
+        }
+        e.done(&case, &t, s).await;
+    }
+
+    let case = "guest:exit-holding";
+    let (t, r) = e.probe(case, &["abuse", "exit"], |_| {}, |_| {}).await;
+    let o = r.unwrap_or_else(|err| panic!("{case}: {err:#}"));
+    assert!(!o.success);
+    assert_eq!(line(&text(&o.stdout), "holding"), "1 executable, 4 tensors");
+    assert_eq!(o.usage.peak_live_tensors, 4);
+    e.done(case, &t, "exit(3): failure, handles returned".into())
+        .await;
+}
+
+async fn guest_handle_cases(e: &mut Env) {
+    for (name, has) in [
+        ("forge-handle", "unknown handle index 12345"),
+        ("forge-dropped", "unknown handle index"),
+        ("forge-type", "handle index"),
+    ] {
+        let case = format!("guest:{name}");
+        let (t, r) = e.probe(&case, &["abuse", name], |_| {}, |_| {}).await;
+        let s = trap_text(&case, &r);
+        assert!(s.contains(has), "{case}: {s:?} does not say {has:?}");
+        e.done(&case, &t, s).await;
+    }
+
+    for (name, kind, has) in [
+        ("read-after-donate", "failed-precondition", "donated"),
+        ("execute-after-donate", "failed-precondition", "argument 0"),
+        ("copy-after-donate", "failed-precondition", "donated"),
+        ("donate-after-donate", "failed-precondition", "argument 0"),
+        ("copy-bad-device", "not-found", "device 7"),
+        ("missing-weights", "not-found", "offers: test"),
+        ("missing-weight-tensor", "not-found", ""),
+        ("no-main", "compile-failed", ""),
+    ] {
+        let case = format!("guest:{name}");
+        let (t, r) = e.probe(&case, &["abuse", name], |_| {}, |_| {}).await;
+        let out = ok_stdout(&case, &r);
+        let s = assert_kind(&case, &out, name, kind, has);
+        if name.ends_with("-after-donate") {
+            assert_eq!(line(&out, "other-still-usable"), "ok");
+        }
+        e.done(&case, &t, s).await;
+    }
+
+    let case = "guest:donate-weight";
+    let (t, r) = e
+        .probe(case, &["abuse", "donate-weight"], |_| {}, |_| {})
+        .await;
+    let out = ok_stdout(case, &r);
+    let s = assert_kind(
+        case,
+        &out,
+        "donate-weight",
+        "permission-denied",
+        "read-only",
+    );
+    assert_eq!(line(&out, "weight-still-readable"), "[0.5, -1.0, 2.0, 8.0]");
+    e.done(case, &t, s).await;
+}
+
+async fn guest_sandbox_cases(e: &mut Env) {
+    for (name, arg) in [
+        ("network-connect", None),
+        ("network-listen", None),
+        ("network-udp", None),
+        ("network-dns", None),
+        ("fs-read", Some("/etc/passwd")),
+        ("fs-list", Some("/")),
+        ("fs-write", Some("/tmp/tpubox-adversarial-was-here")),
+    ] {
+        let case = format!("guest:{name}");
+        let mut args = vec!["abuse", name];
+        args.extend(arg);
+        let (t, r) = e.probe(&case, &args, |_| {}, |_| {}).await;
+        let out = ok_stdout(&case, &r);
+        let l = line(&out, name);
+        assert!(l.starts_with("err "), "{case}: {l}");
+        e.done(&case, &t, l.to_string()).await;
+    }
+    assert!(!std::path::Path::new("/tmp/tpubox-adversarial-was-here").exists());
+
+    // A granted directory is read-only and cannot be escaped.
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(dir.path().join("data.txt"), b"hello").unwrap();
+    for (name, abuse, path) in [
+        ("fs-escape-grant", "fs-read", "/data/../../../etc/passwd"),
+        ("fs-write-to-grant", "fs-write", "/data/new.txt"),
+        ("fs-overwrite-grant", "fs-write", "/data/data.txt"),
+    ] {
+        let case = format!("guest:{name}");
+        let grant = dir.path().to_path_buf();
+        let (t, r) = e
+            .probe(
+                &case,
+                &["abuse", abuse, path],
+                |_| {},
+                |o| o.dirs = vec![(grant, "/data".into())],
+            )
+            .await;
+        let out = ok_stdout(&case, &r);
+        let l = line(&out, abuse);
+        assert!(l.starts_with("err "), "{case}: {l}");
+        e.done(&case, &t, l.to_string()).await;
+    }
+    assert!(!dir.path().join("new.txt").exists());
+    assert_eq!(
+        std::fs::read(dir.path().join("data.txt")).unwrap(),
+        b"hello"
+    );
+
+    let case = "guest:env-without-grant";
+    let (t, r) = e.probe(case, &["abuse", "env"], |_| {}, |_| {}).await;
+    let out = ok_stdout(case, &r);
+    assert_eq!(line(&out, "env"), "0 ");
+    e.done(case, &t, "no variables".into()).await;
+
+    let case = "guest:clock-without-grant";
+    let (t, r) = e.probe(case, &["abuse", "clock"], |_| {}, |_| {}).await;
+    let out = ok_stdout(case, &r);
+    assert_eq!(line(&out, "clock"), "wall 0 mono 0");
+    // The control: with the grant, both clocks advance.
+    let (_, r) = e
+        .probe(
+            "clock-control",
+            &["abuse", "clock"],
+            |_| {},
+            |o| o.allow_clock = true,
+        )
+        .await;
+    let granted = ok_stdout(case, &r);
+    let v: Vec<u128> = line(&granted, "clock")
+        .split(' ')
+        .filter_map(|w| w.parse().ok())
+        .collect();
+    assert!(
+        v.len() == 2 && v[0] > 1_600_000_000_000_000_000 && v[1] > 0,
+        "{granted}"
+    );
+    e.done(case, &t, "wall 0 mono 0 (granted: both advance)".into())
+        .await;
+}
+
+async fn direct_service_cases(e: &mut Env) {
+    let dev = Arc::clone(e.host.device());
+    let nobody = Tenant::new("direct-service", limits());
+    let expect = |case: &str, r: tpubox::error::DeviceResult<()>, kind: ErrorKind, has: &str| {
+        let err = r.expect_err(case);
+        assert_eq!(err.kind, kind, "{case}: {}", err.message);
+        assert!(err.message.contains(has), "{case}: {}", err.message);
+        format!("{} ({})", kind.as_str(), err.message)
+    };
+
+    let r = dev
+        .tensor_from_bytes(PrimitiveType::F32, &[-1, 4], &[], 0)
+        .map(drop);
+    let s = expect(
+        "direct:negative-dim",
+        r,
+        ErrorKind::InvalidArgument,
+        "negative",
+    );
+    e.done("direct:negative-dim", &nobody, s).await;
+
+    let r = dev
+        .tensor_from_bytes(PrimitiveType::U8, &[1; 17], &[0], 0)
+        .map(drop);
+    let s = expect("direct:rank-17", r, ErrorKind::InvalidArgument, "rank 17");
+    e.done("direct:rank-17", &nobody, s).await;
+
+    let r = dev
+        .tensor_from_bytes(PrimitiveType::F32, &[i64::MAX, 2], &[], 0)
+        .map(drop);
+    let s = expect(
+        "direct:i64-dims-overflow",
+        r,
+        ErrorKind::InvalidArgument,
+        "",
+    );
+    e.done("direct:i64-dims-overflow", &nobody, s).await;
+
+    let r = dev
+        .compile(vec![b' '; HOST_MAX_PROGRAM + 1], true, 0)
+        .await
+        .map(drop);
+    let s = expect(
+        "direct:program-over-host-limit",
+        r,
+        ErrorKind::ResourceExhausted,
+        "max-program-bytes",
+    );
+    e.done("direct:program-over-host-limit", &nobody, s).await;
+
+    let exe = dev
+        .compile(ADD.as_bytes().to_vec(), true, 0)
+        .await
+        .expect("ADD compiles");
+    let a = dev
+        .tensor_from_bytes(PrimitiveType::F32, &[2, 2], &f32_bytes(&[1.0; 4]), 0)
+        .unwrap();
+    let b = dev
+        .tensor_from_bytes(PrimitiveType::F32, &[2, 2], &f32_bytes(&[2.0; 4]), 0)
+        .unwrap();
+    let arg = |t, donate| Arg { tensor: t, donate };
+    let r = dev.execute(&exe, &[arg(&a, false)]).await.map(drop);
+    let s = expect(
+        "direct:execute-arg-count",
+        r,
+        ErrorKind::InvalidArgument,
+        "got 1",
+    );
+    e.done("direct:execute-arg-count", &nobody, s).await;
+
+    let r = dev
+        .execute(&exe, &[arg(&a, true), arg(&a, true)])
+        .await
+        .map(drop);
+    let s = expect(
+        "direct:execute-double-donation",
+        r,
+        ErrorKind::InvalidArgument,
+        "donated",
+    );
+    e.done("direct:execute-double-donation", &nobody, s).await;
+
+    let r = dev
+        .execute_for(
+            &nobody,
+            &exe,
+            &[arg(&a, false), arg(&a, false), arg(&b, false)],
+        )
+        .await
+        .map(drop);
+    let s = expect(
+        "direct:execute-too-many-args",
+        r,
+        ErrorKind::InvalidArgument,
+        "got 3",
+    );
+    e.done("direct:execute-too-many-args", &nobody, s).await;
+
+    // Still usable after all that.
+    let out = dev
+        .execute(&exe, &[arg(&a, false), arg(&b, false)])
+        .await
+        .unwrap();
+    let sum = dev.read(&out[0]).await.unwrap();
+    assert_eq!(sum, f32_bytes(&[3.0; 4]));
+}
+
+async fn direct_tenant_cases(e: &mut Env) {
+    let t = Tenant::new("direct-tenant", limits());
+
+    let err = t.charge_tensors(&[u64::MAX, u64::MAX], 0).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ResourceExhausted);
+    assert!(err.message.contains("max-device-bytes"), "{}", err.message);
+    e.done("tenant:byte-size-overflow", &t, err.to_string())
+        .await;
+
+    let held = t.charge_tensors(&[0; 16], 0).unwrap();
+    let err = t.charge_tensors(&[0], 0).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ResourceExhausted);
+    assert!(err.message.contains("max-live-tensors"), "{}", err.message);
+    drop(held);
+    drop(t.charge_tensors(&[0; 16], 0).unwrap());
+    e.done("tenant:live-tensors-then-free", &t, err.to_string())
+        .await;
+
+    let held: Vec<_> = (0..4).map(|_| t.charge_executable().unwrap()).collect();
+    let err = t.charge_executable().unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ResourceExhausted);
+    assert!(
+        err.message.contains("max-live-executables"),
+        "{}",
+        err.message
+    );
+    drop(held);
+    drop(t.charge_executable().unwrap());
+    e.done("tenant:live-executables-then-free", &t, err.to_string())
+        .await;
+
+    let err = t.admit_compile(usize::MAX).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ResourceExhausted);
+    assert!(err.message.contains("max-program-bytes"), "{}", err.message);
+    e.done("tenant:program-usize-max", &t, err.to_string())
+        .await;
+
+    let rate = Tenant::new(
+        "direct-rate",
+        TenantLimits {
+            max_compiles_per_minute: 2,
+            ..limits()
+        },
+    );
+    rate.admit_compile(1).unwrap();
+    rate.admit_compile(1).unwrap();
+    let err = rate.admit_compile(1).unwrap_err();
+    assert_eq!(err.kind, ErrorKind::ResourceExhausted);
+    assert!(
+        err.message.contains("max-compiles-per-minute"),
+        "{}",
+        err.message
+    );
+    assert_eq!(rate.usage().compiles, 2);
+    e.done("tenant:compile-rate", &rate, err.to_string()).await;
+}
+
+async fn direct_wit_cases(e: &mut Env) {
+    let host = &(Arc::clone(e.host.device()), Arc::clone(e.host.weights()));
+    let t = Tenant::new("direct-wit", limits());
+    let mut d = Direct::new(host, &t);
+
+    let r = d.ctx().read(Resource::new_own(12345)).await;
+    let s = wit_trap("wit:forged-tensor-read", r, "resource not present");
+    e.done("wit:forged-tensor-read", &t, s).await;
+
+    let r = HostTensor::drop(&mut d.ctx(), Resource::new_own(12345)).await;
+    let s = wit_trap("wit:forged-tensor-drop", r, "resource not present");
+    e.done("wit:forged-tensor-drop", &t, s).await;
+
+    let r = HostTensor::spec(&mut d.ctx(), Resource::new_borrow(7)).await;
+    let s = wit_trap("wit:forged-tensor-spec", r, "resource not present");
+    e.done("wit:forged-tensor-spec", &t, s).await;
+
+    let r = d
+        .ctx()
+        .execute(Resource::new_borrow(12345), vec![], vec![])
+        .await;
+    let s = wit_trap("wit:forged-executable", r, "resource not present");
+    e.done("wit:forged-executable", &t, s).await;
+
+    let exe = d.add().await;
+    let a = d.tensor([1.0, 2.0, 3.0, 4.0]).await;
+    let exe_b = Resource::<GuestExecutable>::new_borrow(exe.rep());
+    let a_b = Resource::<GuestTensor>::new_borrow(a.rep());
+    let r = d
+        .ctx()
+        .execute(exe_b, vec![a_b, Resource::new_borrow(12345)], vec![])
+        .await;
+    let s = wit_trap("wit:forged-argument", r, "resource not present");
+    assert_eq!(t.usage().live_tensors, 1, "the forged call charged nothing");
+    drop(d);
+    e.done("wit:forged-argument", &t, s).await;
+
+    // An executable's handle used as a tensor.
+    let mut d = Direct::new(host, &t);
+    let exe = d.add().await;
+    let r = d.ctx().read(Resource::new_borrow(exe.rep())).await;
+    let s = wit_trap("wit:type-confusion", r, "another type");
+    drop(d);
+    e.done("wit:type-confusion", &t, s).await;
+
+    // Dropping one handle twice.
+    let mut d = Direct::new(host, &t);
+    let a = d.tensor([1.0; 4]).await;
+    let rep = a.rep();
+    HostTensor::drop(&mut d.ctx(), a).await.unwrap();
+    assert_eq!(t.usage().live_tensors, 0);
+    let r = HostTensor::drop(&mut d.ctx(), Resource::new_own(rep)).await;
+    let s = wit_trap("wit:double-drop", r, "resource not present");
+    drop(d);
+    e.done("wit:double-drop", &t, s).await;
+
+    // A full handle table: the tensor made for the refused handle is not left charged.
+    let mut d = Direct::new(host, &t);
+    d.table.set_max_capacity(2);
+    let _a = d.tensor([1.0; 4]).await;
+    let _b = d.tensor([2.0; 4]).await;
+    let r = d
+        .ctx()
+        .from_bytes(Dtype::F32, vec![2, 2], f32_bytes(&[3.0; 4]), None)
+        .await;
+    let s = wit_trap("wit:table-full", r, "no free keys");
+    assert_eq!(t.usage().live_tensors, 2);
+    assert_eq!(t.usage().device_bytes, 32);
+    drop(d);
+    e.done("wit:table-full", &t, s).await;
+
+    let mut d = Direct::new(host, &t);
+    let r = d
+        .ctx()
+        .from_bytes(Dtype::F64, vec![u64::MAX / 2, 4], vec![], None)
+        .await;
+    let s = wit_err("wit:dims-overflow", r, ErrorKind::InvalidArgument);
+    e.done("wit:dims-overflow", &t, s).await;
+
+    let r = d
+        .ctx()
+        .from_bytes(Dtype::U8, vec![1 << 21], vec![0; 1 << 21], None)
+        .await;
+    let s = wit_err(
+        "wit:tensor-over-byte-limit",
+        r,
+        ErrorKind::ResourceExhausted,
+    );
+    assert!(s.contains("max-device-bytes"), "{s}");
+    e.done("wit:tensor-over-byte-limit", &t, s).await;
+
+    let a = d.tensor([1.0; 4]).await;
+    let r = d
+        .ctx()
+        .copy_to_device(Resource::new_borrow(a.rep()), 9)
+        .await;
+    let s = wit_err("wit:copy-bad-device", r, ErrorKind::NotFound);
+    assert_eq!(t.usage().live_tensors, 1, "the refused copy is not charged");
+    drop(d);
+    e.done("wit:copy-bad-device", &t, s).await;
+
+    // Donation: of a weight, twice, and use after.
+    let mut d = Direct::new(host, &t);
+    let exe = d.add().await;
+    let set = d
+        .ctx()
+        .open("test".into())
+        .await
+        .unwrap()
+        .expect("weights `test`");
+    let w = d
+        .ctx()
+        .get(Resource::new_borrow(set.rep()), "w".into())
+        .await
+        .unwrap()
+        .unwrap();
+    let a = d.tensor([10.0, 20.0, 30.0, 40.0]).await;
+    let b = |r: &Resource<GuestTensor>| Resource::<GuestTensor>::new_borrow(r.rep());
+    let xb = || Resource::<GuestExecutable>::new_borrow(exe.rep());
+    let r = d.ctx().execute(xb(), vec![b(&w), b(&a)], vec![0]).await;
+    let s = wit_err("wit:donate-weight", r, ErrorKind::PermissionDenied);
+    e.step("wit:donate-weight", s).await;
+
+    let r = d.ctx().execute(xb(), vec![b(&a), b(&w)], vec![0, 0]).await;
+    let s = wit_err("wit:donate-listed-twice", r, ErrorKind::InvalidArgument);
+    e.step("wit:donate-listed-twice", s).await;
+
+    let out = d
+        .ctx()
+        .execute(xb(), vec![b(&a), b(&w)], vec![0])
+        .await
+        .unwrap()
+        .expect("donating call");
+    let sum = d.ctx().read(b(&out[0])).await.unwrap().unwrap();
+    assert_eq!(sum, f32_bytes(&[10.5, 19.0, 32.0, 48.0]));
+    let r = d.ctx().read(b(&a)).await;
+    let s = wit_err("wit:read-after-donate", r, ErrorKind::FailedPrecondition);
+    e.step("wit:read-after-donate", s).await;
+
+    let r = d.ctx().execute(xb(), vec![b(&a), b(&w)], vec![]).await;
+    let s = wit_err("wit:execute-after-donate", r, ErrorKind::FailedPrecondition);
+    e.step("wit:execute-after-donate", s).await;
+
+    let r = d
+        .ctx()
+        .get(Resource::new_borrow(set.rep()), "nope".into())
+        .await;
+    let s = wit_err("wit:missing-weight-tensor", r, ErrorKind::NotFound);
+    e.step("wit:missing-weight-tensor", s).await;
+
+    let r = d.ctx().open("../test".into()).await;
+    let s = wit_err("wit:missing-weight-set", r, ErrorKind::NotFound);
+    assert_eq!(
+        t.usage().live_tensors,
+        2,
+        "w and the sum (the donated handle gave its charge back)"
+    );
+    drop(d);
+    e.done("wit:missing-weight-set", &t, s).await;
+    assert_eq!(
+        host.1.get("test").unwrap().device_bytes(),
+        16,
+        "the shared weights are intact"
+    );
+}
+
+// ---------------------------------------------------------------------------------------------
+// Concurrency
+// ---------------------------------------------------------------------------------------------
+
+/// Waits (yielding) until `cond` holds; panics if it never does. Not a timing assertion: the
+/// bound only keeps a broken host from hanging the suite.
+async fn wait_until<T>(
+    what: &str,
+    task: &tokio::task::JoinHandle<T>,
+    mut cond: impl FnMut() -> bool,
+) {
+    for _ in 0..6000 {
+        if cond() {
+            return;
+        }
+        assert!(
+            !task.is_finished(),
+            "the background run ended before: {what}"
+        );
+        tokio::time::sleep(Duration::from_millis(10)).await;
+    }
+    panic!("never happened: {what}");
+}
+
+/// Starts the probe as tenant `name` in the background with a long deadline.
+fn spawn_probe(
+    e: &Arc<Env>,
+    name: &str,
+    args: &[&str],
+) -> (
+    Arc<Tenant>,
+    tokio::task::JoinHandle<anyhow::Result<RunOutcome>>,
+) {
+    let tenant = Tenant::new(name, limits());
+    let mut o = opts(args, &tenant);
+    o.deadline = Some(Duration::from_secs(120));
+    let e = Arc::clone(e);
+    let task = tokio::spawn(async move { e.host.run(&e.probe, "tpubox-probe", &o).await });
+    (tenant, task)
+}
+
+/// Runs hello three times as tenant `b`, checking the numbers (through a scratch `Env`
+/// borrowing the same host is not possible, so this repeats `serve_well_behaved`'s checks).
+async fn three_hellos(e: &Env, b: &Arc<Tenant>) {
+    for scale in [1.0f32, 2.0, -0.5] {
+        let s = scale.to_string();
+        let o = e
+            .host
+            .run(&e.hello, "hello-matmul", &opts(&["--scale", &s], b))
+            .await
+            .expect("hello runs");
+        let out = text(&o.stdout);
+        assert!(o.success, "{out}\n{}", text(&o.stderr));
+        let got: Vec<Vec<f32>> = serde_json::from_str(line(&out, "result")).unwrap();
+        let want = hello_expected(scale);
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert!((g - w).abs() <= 1e-5, "got {got:?}, want {want:?}");
+        }
+    }
+    assert_eq!(b.usage().executions, 3);
+    assert_nothing_held("tenant B", b);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_spinning_tenant_does_not_block_others() {
+    let e = Arc::new(env(2));
+    // A holds an executable and four tensors, then spins until its deadline.
+    let (a, task) = spawn_probe(&e, "spinner", &["abuse", "infinite-loop"]);
+    wait_until("A holds its tensors", &task, || a.usage().live_tensors == 4).await;
+    let b = Tenant::new("B", limits());
+    three_hellos(&e, &b).await;
+    assert!(!task.is_finished(), "A is still spinning after B finished");
+    assert_eq!(a.usage().live_tensors, 4);
+    // Ending A however (here: the embedder drops its run) returns its handles.
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    assert_nothing_held("spinner", &a);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_executing_in_a_loop_shares_one_slot_fairly() {
+    let e = Arc::new(env(1));
+    assert_eq!(e.host.device().scheduler().slots(), 1);
+    // A executes a scalar add over and over, wanting the only execution slot all the time.
+    let (a, task) = spawn_probe(&e, "busy", &["exec-loop", "100000000"]);
+    wait_until("A is executing", &task, || a.usage().executions >= 100).await;
+    let b = Tenant::new("B", limits());
+    three_hellos(&e, &b).await;
+    assert!(!task.is_finished(), "A is still executing after B finished");
+    let before = a.usage().executions;
+    wait_until("A keeps executing", &task, || a.usage().executions > before).await;
+    task.abort();
+    assert!(task.await.unwrap_err().is_cancelled());
+    assert_nothing_held("busy", &a);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The JavaScript guest under a live-tensor limit
+// ---------------------------------------------------------------------------------------------
+
+/// js-mlp's result for the 2-row table `a,b,c / 1,2,3 / 3,2,1`, from its specification
+/// (docs/guests/): normalised rows are [-1, 0, 1] and [1, 0, -1].
+fn js_expected() -> Vec<Vec<f64>> {
+    let w1 = |k: usize, j: usize| f64::from((((3 * k + 5 * j) % 11) as f32 - 5.0) / 8.0);
+    let b1 = |j: usize| f64::from((((j % 3) as f64 - 1.0) / 10.0) as f32);
+    let w2 = |j: usize, m: usize| f64::from(((((7 * j + 3 * m) % 13) as f64 - 6.0) / 10.0) as f32);
+    let b2 = |m: usize| f64::from((0.25 - 0.5 * m as f64) as f32);
+    [[-1.0, 0.0, 1.0], [1.0, 0.0, -1.0]]
+        .iter()
+        .map(|x: &[f64; 3]| {
+            let h: Vec<f64> = (0..8)
+                .map(|j| (b1(j) + (0..3).map(|k| x[k] * w1(k, j)).sum::<f64>()).max(0.0))
+                .collect();
+            (0..2)
+                .map(|m| b2(m) + (0..8).map(|j| h[j] * w2(j, m)).sum::<f64>())
+                .collect()
+        })
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn js_guest_runs_within_its_live_tensor_limit() {
+    let mut config = config(2);
+    // The JavaScript component carries a whole engine: keep its compiled code between runs.
+    config.sandbox.cache_dir = Some(
+        std::env::var_os("CARGO_TARGET_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"))
+            .join("tmp/adversarial-components"),
+    );
+    config.sandbox.tenant_limits.max_guest_memory = 256 << 20;
+    let host = Host::new(config).expect("host starts");
+    let js = tokio::task::block_in_place(|| host.load_component(&polyglot_wasm("js-mlp")))
+        .expect("js-mlp loads");
+    let csv = "a,b,c\n1,2,3\n3,2,1\n";
+    let run = |max_live_tensors: u64| {
+        let tenant = Tenant::new(
+            format!("js-{max_live_tensors}"),
+            TenantLimits {
+                max_live_tensors,
+                max_guest_memory: 256 << 20,
+                ..limits()
+            },
+        );
+        let mut o = opts(&["--csv", csv], &tenant);
+        o.deadline = Some(Duration::from_secs(120));
+        let host = &host;
+        let js = &js;
+        async move {
+            let r = host.run(js, "js-mlp", &o).await.expect("js-mlp runs");
+            assert_nothing_held("js-mlp", &tenant);
+            r
+        }
+    };
+    let o = run(1000).await;
+    assert!(o.success, "{}", text(&o.stderr));
+    let peak = o.usage.peak_live_tensors;
+    // Five inputs and one output, each disposed of as soon as it is done with.
+    assert_eq!(peak, 6);
+    for limit in [peak + 1, peak] {
+        let o = run(limit).await;
+        let out = text(&o.stdout);
+        assert!(o.success, "limit {limit}: {out}\n{}", text(&o.stderr));
+        let got: Vec<Vec<f64>> = serde_json::from_str(line(&out, "result")).unwrap();
+        let want = js_expected();
+        for (g, w) in got.iter().flatten().zip(want.iter().flatten()) {
+            assert!(
+                (g - w).abs() <= 1e-5 * w.abs() + 1e-6,
+                "got {got:?}, want {want:?}"
+            );
+        }
+        assert_eq!(got.len(), 2);
+        assert_eq!(o.usage.peak_live_tensors, peak);
+    }
+    // One below the peak: refused with the limit named, and the guest says so on one line.
+    let o = run(peak - 1).await;
+    let err = text(&o.stderr);
+    assert!(!o.success);
+    assert!(
+        err.starts_with("js-mlp: error: ")
+            && err.contains("resource-exhausted")
+            && err.contains("max-live-tensors"),
+        "{err}"
+    );
+    assert_eq!(o.usage.refused, 1);
+}
