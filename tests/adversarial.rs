@@ -874,11 +874,18 @@ async fn direct_service_cases(e: &mut Env) {
     );
     e.done("direct:execute-double-donation", &nobody, s).await;
 
+    let owned = |v: f32| {
+        Arc::new(
+            dev.tensor_from_bytes(PrimitiveType::F32, &[2, 2], &f32_bytes(&[v; 4]), 0)
+                .unwrap(),
+        )
+    };
+    let (a2, b2) = (owned(1.0), owned(2.0));
     let r = dev
         .execute_for(
             &nobody,
-            &exe,
-            &[arg(&a, false), arg(&a, false), arg(&b, false)],
+            Arc::clone(&exe),
+            vec![(Arc::clone(&a2), false), (a2, false), (b2, false)],
         )
         .await
         .map(drop);

@@ -514,18 +514,29 @@ impl DeviceService {
     }
 
     /// Like [`execute`](Self::execute), after waiting for an execution slot in the fair-share
-    /// queue ([`FairShare`]); the device time is charged to `tenant`.
+    /// queue ([`FairShare`]); the device time is charged to `tenant`. `args` pairs each tensor
+    /// with whether it is donated.
     ///
-    /// Errors: as [`execute`](Self::execute).
+    /// The wait and the execution run in a task of their own that keeps the slot until the
+    /// device is done: PJRT executions cannot be cancelled, so a caller that gives up (a guest
+    /// stopped at its deadline) must not hand the slot to another tenant while the device is
+    /// still busy.
+    ///
+    /// Errors: as [`execute`](Self::execute); `internal` if the task fails.
     pub async fn execute_for(
-        &self,
+        self: &Arc<Self>,
         tenant: &Arc<Tenant>,
-        exe: &DeviceExecutable,
-        args: &[Arg<'_>],
+        exe: Arc<DeviceExecutable>,
+        args: Vec<(Arc<DeviceTensor>, bool)>,
     ) -> DeviceResult<Vec<DeviceTensor>> {
-        validate_args(exe, args)?;
-        let _slot = self.scheduler.acquire(tenant).await;
-        self.execute(exe, args).await
+        validate_args(&exe, &borrowed(&args))?;
+        let (svc, tenant) = (Arc::clone(self), Arc::clone(tenant));
+        tokio::spawn(async move {
+            let _slot = svc.scheduler.acquire(&tenant).await;
+            svc.execute(&exe, &borrowed(&args)).await
+        })
+        .await
+        .map_err(|e| DeviceError::new(ErrorKind::Internal, format!("execution task failed: {e}")))?
     }
 
     /// Executes `exe` with borrowed arguments, donating those marked, and awaits completion.
@@ -583,6 +594,15 @@ fn tidy_compile_message(msg: &str) -> String {
     } else {
         real.join("\n")
     }
+}
+
+fn borrowed(args: &[(Arc<DeviceTensor>, bool)]) -> Vec<Arg<'_>> {
+    args.iter()
+        .map(|(t, donate)| Arg {
+            tensor: t,
+            donate: *donate,
+        })
+        .collect()
 }
 
 /// Checks that `len` bytes make a dense `ty` tensor of shape `dims` and returns `len`.

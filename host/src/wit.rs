@@ -13,7 +13,7 @@ use pjrt::PrimitiveType;
 use wasmtime::component::{Resource, ResourceTable};
 
 use crate::device::{
-    Arg, DeviceExecutable, DeviceService, DeviceTensor, TensorSpec, check_tensor_bytes,
+    DeviceExecutable, DeviceService, DeviceTensor, TensorSpec, check_tensor_bytes,
     checked_byte_size, dims_from_u64,
 };
 use crate::error::{DeviceError, ErrorKind};
@@ -422,14 +422,6 @@ impl<T: DeviceView> client::Host for DeviceCtx<'_, T> {
             }
             tensors.push(t);
         }
-        let call_args: Vec<Arg<'_>> = tensors
-            .iter()
-            .zip(&donated)
-            .map(|(t, &donate)| Arg {
-                tensor: t.as_ref(),
-                donate,
-            })
-            .collect();
         // Outputs are charged before the device allocates them, crediting donated inputs.
         let sizes: Vec<u64> = exe
             .outputs()
@@ -442,11 +434,12 @@ impl<T: DeviceView> client::Host for DeviceCtx<'_, T> {
             Err(e) => return Ok(Err(to_wit_error(e))),
         };
         let service = Arc::clone(self.0.device());
-        let outputs = match service.execute_for(&tenant, &exe, &call_args).await {
+        let call_args: Vec<(Arc<DeviceTensor>, bool)> =
+            tensors.into_iter().zip(donated.iter().copied()).collect();
+        let outputs = match service.execute_for(&tenant, exe, call_args).await {
             Ok(o) => o,
             Err(e) => return Ok(Err(to_wit_error(e))),
         };
-        drop(call_args);
         for (r, &d) in args.iter().zip(&donated) {
             if d {
                 let g = self.0.table().get_mut(r)?;
