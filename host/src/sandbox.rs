@@ -114,6 +114,7 @@ pub struct GuestState {
     device: Arc<DeviceService>,
     weights: Arc<WeightRegistry>,
     tenant: Arc<Tenant>,
+    max_memory: usize,
 }
 
 impl WasiView for GuestState {
@@ -140,6 +141,10 @@ impl DeviceView for GuestState {
 
     fn tenant(&self) -> &Arc<Tenant> {
         &self.tenant
+    }
+
+    fn max_read_bytes(&self) -> u64 {
+        self.max_memory as u64
     }
 }
 
@@ -349,6 +354,7 @@ impl Sandbox {
             device: Arc::clone(device),
             weights: Arc::clone(weights),
             tenant: Arc::clone(&tenant),
+            max_memory,
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);

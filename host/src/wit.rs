@@ -110,6 +110,11 @@ pub trait DeviceView: Send {
     fn weights(&self) -> &Arc<WeightRegistry>;
     /// The tenant this guest's handles are charged to.
     fn tenant(&self) -> &Arc<Tenant>;
+    /// Largest tensor `read` copies out, in bytes: a read that cannot fit in the guest's
+    /// linear memory is refused before the host copies anything (default: no limit).
+    fn max_read_bytes(&self) -> u64 {
+        u64::MAX
+    }
 }
 
 /// Adds the `tpubox:device` interfaces to `linker`.
@@ -263,6 +268,16 @@ impl<T: DeviceView> types::HostTensor for DeviceCtx<'_, T> {
             Ok(t) => Arc::clone(t),
             Err(e) => return Ok(Err(to_wit_error(e))),
         };
+        let limit = self.0.max_read_bytes();
+        if t.byte_size() > limit {
+            return Ok(Err(to_wit_error(DeviceError::new(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "the tensor is {} bytes and cannot be read into guest memory of at most {limit} bytes (limit max-guest-memory)",
+                    t.byte_size()
+                ),
+            ))));
+        }
         Ok(self.0.device().read(&t).await.map_err(to_wit_error))
     }
 
