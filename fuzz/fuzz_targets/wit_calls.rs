@@ -144,7 +144,11 @@ fn shared() -> &'static Shared {
             .load_safetensors(&device, "tiny", &path, 0)
             .expect("load the tiny weight set");
         let _ = std::fs::remove_file(&path);
-        Shared { rt, device, weights }
+        Shared {
+            rt,
+            device,
+            weights,
+        }
     })
 }
 
@@ -155,13 +159,17 @@ fn tiny_safetensors() -> Vec<u8> {
             "w",
             "F32",
             &[3, 4],
-            (0..12).flat_map(|i| (i as f32 * 0.1).to_le_bytes()).collect(),
+            (0..12)
+                .flat_map(|i| (i as f32 * 0.1).to_le_bytes())
+                .collect(),
         ),
         (
             "b",
             "F32",
             &[4],
-            (0..4).flat_map(|i| (i as f32 - 1.5).to_le_bytes()).collect(),
+            (0..4)
+                .flat_map(|i| (i as f32 - 1.5).to_le_bytes())
+                .collect(),
         ),
         ("s", "I32", &[], 42i32.to_le_bytes().to_vec()),
         ("e", "F32", &[0], Vec::new()),
@@ -258,11 +266,21 @@ enum Data {
 enum Program {
     Valid(u8),
     /// A valid program with `bytes` written over it at `pos`.
-    Mutated { which: u8, pos: u16, bytes: Vec<u8> },
+    Mutated {
+        which: u8,
+        pos: u16,
+        bytes: Vec<u8>,
+    },
     /// A valid program truncated at `len`.
-    Truncated { which: u8, len: u16 },
+    Truncated {
+        which: u8,
+        len: u16,
+    },
     /// Random bytes, compiled as text or as bytecode.
-    Raw { text: bool, bytes: Vec<u8> },
+    Raw {
+        text: bool,
+        bytes: Vec<u8>,
+    },
     /// The bytecode magic followed by random bytes.
     Bytecode(Vec<u8>),
     /// Valid text sent as bytecode.
@@ -644,7 +662,9 @@ impl Run {
                 self.execute(exe, args, donate).await;
             }
             Op::Platform => {
-                let p = client::Host::platform(&mut self.ctx()).await.expect("platform");
+                let p = client::Host::platform(&mut self.ctx())
+                    .await
+                    .expect("platform");
                 assert!(!p.name.is_empty());
             }
             Op::ListDevices => {
@@ -654,7 +674,9 @@ impl Run {
                 assert!(d.iter().enumerate().all(|(i, d)| d.index as usize == i));
             }
             Op::Available => {
-                let names = weights::Host::available(&mut self.ctx()).await.expect("available");
+                let names = weights::Host::available(&mut self.ctx())
+                    .await
+                    .expect("available");
                 assert_eq!(names, vec!["tiny".to_string()]);
             }
             Op::Open(i) => {

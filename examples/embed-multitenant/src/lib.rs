@@ -402,7 +402,10 @@ mod tests {
             // x f32[2,3] + w f32[3,4] + b f32[4] + result f32[2,4], all held at once.
             assert_eq!(u.peak_device_bytes, 24 + 48 + 16 + 32, "{u:?}");
             assert_eq!(u.peak_live_tensors, 4, "{u:?}");
-            assert_eq!((u.device_bytes, u.live_tensors, u.live_executables), (0, 0, 0));
+            assert_eq!(
+                (u.device_bytes, u.live_tensors, u.live_executables),
+                (0, 0, 0)
+            );
             assert!(u.device_seconds > 0.0);
         }
         let (runs, total) = report.totals();
