@@ -205,7 +205,8 @@ setup() { setup_system; setup_header; build; setup_polyglot_tools; build_polyglo
 # Fuzzes the WIT host calls (fuzz/fuzz_targets/wit_calls.rs) for SECONDS. cargo-fuzz wants
 # nightly; RUSTC_BOOTSTRAP=1 lets the stable toolchain take its flags. No sanitizer: the host is
 # safe Rust and the plugin is not instrumented, so ASan would only cost speed. Its own target dir,
-# because its flags differ from the workspace's. Crashes land in fuzz/artifacts/wit_calls/.
+# because its flags differ from the workspace's. Fork mode keeps fuzzing past a crash; crash inputs
+# land in fuzz/artifacts/wit_calls/.
 CARGO_FUZZ_VER="0.13.2"
 fuzz() {
   local seconds="${1:-600}"
@@ -224,7 +225,9 @@ fuzz() {
   (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}" \
     PATH="$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER/bin:$PATH" \
     cargo fuzz run wit_calls --release --sanitizer none -- \
-    -max_total_time="$seconds" -rss_limit_mb=8192 -timeout=60 -print_final_stats=1)
+    -max_total_time="$seconds" -rss_limit_mb=8192 -timeout=60 -print_final_stats=1 \
+    -fork=1 -ignore_crashes=1)
+  log "crash inputs kept: $(find fuzz/artifacts/wit_calls -name 'crash-*' 2>/dev/null | wc -l) (fuzz/artifacts/wit_calls/)"
 }
 
 cmd="${1:-}"

@@ -575,7 +575,14 @@ impl Run {
                 let _ = types::HostTensor::drop(&mut self.ctx(), r).await;
             }
             Op::Compile { program, device } => {
-                let (text, code) = program_bytes(program);
+                let (text, mut code) = program_bytes(program);
+                // Simulates the proposed fix for regressions/wit_calls/truncated-text-plugin-segv
+                // (a NUL byte right after the program; the plugin's MLIR lexer reads past
+                // `code_size` until it finds one).
+                if std::env::var_os("TPUBOX_FUZZ_NUL_AFTER_END").is_some() {
+                    code.push(0);
+                    code.pop();
+                }
                 let format = if text {
                     ProgramFormat::MlirText
                 } else {
