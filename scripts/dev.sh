@@ -5,6 +5,7 @@
 #   bash scripts/dev.sh test    # set up, then run every test
 #   bash scripts/dev.sh bench   # set up, then run the benchmarks (prints tables)
 #   bash scripts/dev.sh polyglot  # only the C/Python/JavaScript guest tools and guests
+#   bash scripts/dev.sh fuzz [SECONDS]  # fuzz the WIT host calls (fuzz/, target wit_calls; default 600 s)
 # Everything downloaded goes under ${TPUBOX_CACHE_DIR:-~/.cache/tpubox}; nothing under the repo
 # except cargo's target/.
 set -euo pipefail
@@ -201,6 +202,35 @@ build_polyglot() {
 
 setup() { setup_system; setup_header; build; setup_polyglot_tools; build_polyglot; }
 
+# Fuzzes the WIT host calls (fuzz/fuzz_targets/wit_calls.rs) for SECONDS. cargo-fuzz wants
+# nightly; RUSTC_BOOTSTRAP=1 lets the stable toolchain take its flags. No sanitizer: the host is
+# safe Rust and the plugin is not instrumented, so ASan would only cost speed. Its own target dir,
+# because its flags differ from the workspace's. Fork mode keeps fuzzing past a crash; crash inputs
+# land in fuzz/artifacts/wit_calls/.
+CARGO_FUZZ_VER="0.13.2"
+fuzz() {
+  local seconds="${1:-600}"
+  setup_header
+  "$TARGET/release/tpubox" setup cpu >/dev/null
+  install_cargo_tool cargo-fuzz "$CARGO_FUZZ_VER" "$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER" cargo-fuzz
+  mkdir -p fuzz/corpus/wit_calls
+  log "fuzzing wit_calls for $seconds s (corpus fuzz/corpus/wit_calls, regressions fuzz/regressions/)"
+  # Regression inputs first: each should pass once its bug is fixed.
+  for f in fuzz/regressions/wit_calls/*; do
+    [ -f "$f" ] || continue
+    (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}" \
+      PATH="$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER/bin:$PATH" \
+      cargo fuzz run wit_calls --release --sanitizer none "../$f") \
+      || log "regression $f FAILS (open bugs are listed in fuzz/README.md)"
+  done
+  (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}" \
+    PATH="$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER/bin:$PATH" \
+    cargo fuzz run wit_calls --release --sanitizer none -- \
+    -max_total_time="$seconds" -rss_limit_mb=8192 -timeout=60 -print_final_stats=1 \
+    -fork=1 -ignore_crashes=1)
+  log "crash inputs kept: $(find fuzz/artifacts/wit_calls -name 'crash-*' 2>/dev/null | wc -l) (fuzz/artifacts/wit_calls/)"
+}
+
 cmd="${1:-}"
 case "$cmd" in
   setup) setup ;;
@@ -223,8 +253,13 @@ case "$cmd" in
     cargo bench -p tpubox-host --bench minilm
     cargo bench -p tpubox-host --bench cache
     ;;
+  fuzz)
+    setup_system
+    if [ ! -x "$TARGET/release/tpubox" ]; then cargo build --release -p tpubox-host; fi
+    fuzz "${2:-600}"
+    ;;
   *)
-    echo "usage: bash scripts/dev.sh setup|demo|test|bench|polyglot" >&2
+    echo "usage: bash scripts/dev.sh setup|demo|test|bench|polyglot|fuzz [SECONDS]" >&2
     exit 2
     ;;
 esac
