@@ -215,19 +215,20 @@ fuzz() {
   install_cargo_tool cargo-fuzz "$CARGO_FUZZ_VER" "$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER" cargo-fuzz
   mkdir -p fuzz/corpus/wit_calls
   log "fuzzing wit_calls for $seconds s (corpus fuzz/corpus/wit_calls, regressions fuzz/regressions/)"
-  # Regression inputs first: each should pass once its bug is fixed.
+  # Regression inputs first: each once crashed the target and must pass now.
   for f in fuzz/regressions/wit_calls/*; do
     [ -f "$f" ] || continue
     (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}" \
       PATH="$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER/bin:$PATH" \
       cargo fuzz run wit_calls --release --sanitizer none "../$f") \
-      || log "regression $f FAILS (open bugs are listed in fuzz/README.md)"
+      || { log "regression $f FAILS"; return 1; }
   done
   (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}" \
     PATH="$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER/bin:$PATH" \
     cargo fuzz run wit_calls --release --sanitizer none -- \
     -max_total_time="$seconds" -rss_limit_mb=8192 -timeout=60 -print_final_stats=1 \
     -fork=1 -ignore_crashes=1)
+  # libFuzzer's fork mode sums executions over its jobs in the last "stat::number_of_executed_units".
   log "crash inputs kept: $(find fuzz/artifacts/wit_calls -name 'crash-*' 2>/dev/null | wc -l) (fuzz/artifacts/wit_calls/)"
 }
 

@@ -290,7 +290,13 @@ impl Tenant {
             h.compile_times.pop_front();
         }
         if h.compile_times.len() as u64 >= u64::from(self.limits.max_compiles_per_minute) {
-            let wait = Duration::from_secs(60) - now.duration_since(h.compile_times[0]);
+            // Empty when the limit is 0: then no compile is ever allowed.
+            let wait = h
+                .compile_times
+                .front()
+                .map_or(Duration::from_secs(60), |t| {
+                    Duration::from_secs(60).saturating_sub(now.duration_since(*t))
+                });
             drop(h);
             return Err(self.refuse(
                 "max-compiles-per-minute",
@@ -482,6 +488,19 @@ mod tests {
                 .unwrap_err()
                 .message
                 .contains("max-program-bytes")
+        );
+        let none = Tenant::new(
+            "b",
+            TenantLimits {
+                max_compiles_per_minute: 0,
+                ..small()
+            },
+        );
+        assert!(
+            none.admit_compile(1)
+                .unwrap_err()
+                .message
+                .contains("max-compiles-per-minute")
         );
         t.admit_compile(10).unwrap();
         t.admit_compile(1).unwrap();

@@ -276,8 +276,14 @@ impl Client {
         let f = api_fn!(api, PJRT_Client_Compile)?;
         let format = program.format.as_str();
         let mut prog = sys::PJRT_Program::new();
+        // Some plugins' MLIR text lexers read past `code_size` until they meet a NUL byte (the
+        // fuzzer found `lammps-jax-pjrt-cpu` 0.11.2 segfaulting on text that ends mid-token),
+        // so the bytes handed over always end with a NUL that `code_size` does not count.
+        let mut code = Vec::with_capacity(program.code.len() + 1);
+        code.extend_from_slice(&program.code);
+        code.push(0);
         // The C API takes `char*` but does not write through it for Compile.
-        prog.code = program.code.as_ptr().cast_mut().cast();
+        prog.code = code.as_mut_ptr().cast();
         prog.code_size = program.code.len();
         prog.format = format.as_ptr().cast();
         prog.format_size = format.len();
