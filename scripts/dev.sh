@@ -228,7 +228,6 @@ fuzz() {
     cargo fuzz run wit_calls --release --sanitizer none -- \
     -max_total_time="$seconds" -rss_limit_mb=8192 -timeout=60 -print_final_stats=1 \
     -fork=1 -ignore_crashes=1)
-  # libFuzzer's fork mode sums executions over its jobs in the last "stat::number_of_executed_units".
   log "crash inputs kept: $(find fuzz/artifacts/wit_calls -name 'crash-*' 2>/dev/null | wc -l) (fuzz/artifacts/wit_calls/)"
 }
 
@@ -253,6 +252,7 @@ case "$cmd" in
     cargo bench -p tpubox-host --bench spine
     cargo bench -p tpubox-host --bench minilm
     cargo bench -p tpubox-host --bench cache
+    cargo bench -p tpubox-host --bench tenants
     ;;
   fuzz)
     setup_system
