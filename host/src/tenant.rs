@@ -235,8 +235,10 @@ impl Tenant {
         }
         h.live_tensors += count;
         h.peak_live_tensors = h.peak_live_tensors.max(h.live_tensors);
+        // Until the caller drops the donated inputs' charges both are counted; the peak records
+        // the state after that, which is what the limit was checked against.
         h.device_bytes += total;
-        h.peak_device_bytes = h.peak_device_bytes.max(h.device_bytes);
+        h.peak_device_bytes = h.peak_device_bytes.max(after);
         drop(h);
         Ok(sizes
             .iter()
@@ -466,7 +468,7 @@ mod tests {
         let u = t.usage();
         assert_eq!(
             (u.device_bytes, u.live_tensors, u.peak_device_bytes),
-            (0, 0, 1100)
+            (0, 0, 900)
         );
         assert_eq!(u.refused, 2);
         let x = t.charge_executable().unwrap();
