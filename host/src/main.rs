@@ -7,7 +7,9 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
 use tpubox::cache::{CacheConfig, CacheMode, DiskCache, RemoteCache};
-use tpubox::{Host, HostConfig, NamedValue, RunOptions, SandboxConfig, TenantLimits, plugin};
+use tpubox::{
+    Host, HostConfig, NamedValue, RunOptions, SandboxConfig, Tenant, TenantLimits, plugin,
+};
 
 /// tpubox: one process owns the accelerator (through a PJRT plugin) and lends it to sandboxed
 /// WebAssembly guests.
@@ -137,10 +139,13 @@ async fn cache_command(action: CacheAction, args: &CacheArgs) -> Result<bool> {
         CacheAction::Clear {
             remote: clear_remote,
         } => {
+            // Checked before anything is deleted.
+            if clear_remote && remote.is_none() {
+                bail!("--remote needs --cache-remote URL (nothing was removed)");
+            }
             let n = DiskCache::new(&dir, cfg.disk_max_bytes, false)?.clear()?;
             println!("removed {n} entries from {}", dir.display());
-            if clear_remote {
-                let r = remote.context("--remote needs --cache-remote URL")?;
+            if let (true, Some(r)) = (clear_remote, remote) {
                 let n = r.clear().await.map_err(anyhow::Error::msg)?;
                 println!("removed {n} entries from {}", r.url());
             }
@@ -174,14 +179,19 @@ struct DeviceArgs {
 struct CacheArgs {
     /// Compile cache mode: read-write, read-only (never writes the shared tiers), cache-only (a
     /// miss is an error), off.
-    #[arg(long, value_enum, default_value_t = CacheMode::ReadWrite, env = "TPUBOX_CACHE_MODE")]
+    #[arg(long, global = true, value_enum, default_value_t = CacheMode::ReadWrite, env = "TPUBOX_CACHE_MODE")]
     cache_mode: CacheMode,
     /// Directory of the host-disk compile cache (default ~/.cache/tpubox/executables).
-    #[arg(long, value_name = "DIR", env = "TPUBOX_COMPILE_CACHE_DIR")]
+    #[arg(
+        long,
+        global = true,
+        value_name = "DIR",
+        env = "TPUBOX_COMPILE_CACHE_DIR"
+    )]
     cache_dir: Option<PathBuf>,
     /// Tier 3: object store URL shared by a fleet (file:///DIR, s3://BUCKET/PREFIX,
     /// gs://BUCKET/PREFIX). Credentials and endpoint come from AWS_* / GOOGLE_* variables.
-    #[arg(long, value_name = "URL", env = "TPUBOX_CACHE_REMOTE")]
+    #[arg(long, global = true, value_name = "URL", env = "TPUBOX_CACHE_REMOTE")]
     cache_remote: Option<String>,
 }
 
@@ -317,20 +327,33 @@ async fn run(args: RunArgs) -> Result<bool> {
             .with_context(|| format!("--weights {w}: expected NAME=PATH"))?;
         host.load_weights(name, std::path::Path::new(path))?;
     }
-    let component = host.load_component(&args.component)?;
+    let component = host.load_component(&args.component).map_err(|e| {
+        if format!("{e:#}").contains("pooling allocator") {
+            e.context(format!(
+                "the guest needs more linear memory than --max-memory-mib {} allows",
+                args.max_memory_mib
+            ))
+        } else {
+            e
+        }
+    })?;
     let name = args
         .component
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_else(|| "guest".into());
-    let outcome = host.run(&component, &name, &opts).await?;
+    let tenant = Tenant::new(name.clone(), host.sandbox().config().tenant_limits.clone());
+    opts.tenant = Some(std::sync::Arc::clone(&tenant));
+    let outcome = host.run(&component, &name, &opts).await;
     if args.usage {
-        eprintln!("{}", serde_json::to_string(&outcome.usage)?);
+        // Also when the guest was stopped (deadline, fuel, trap): its handles are returned by
+        // then, and the peaks say what it held.
+        eprintln!("{}", serde_json::to_string(&tenant.usage())?);
     }
     if let Some(cache) = host.device().cache() {
         cache.flush_uploads().await;
     }
-    Ok(outcome.success)
+    Ok(outcome?.success)
 }
 
 async fn main_inner() -> Result<bool> {

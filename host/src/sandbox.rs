@@ -246,6 +246,11 @@ impl Sandbox {
         })
     }
 
+    /// The settings this sandbox was built with.
+    pub fn config(&self) -> &SandboxConfig {
+        &self.config
+    }
+
     /// The wasmtime engine.
     pub fn engine(&self) -> &Engine {
         &self.engine

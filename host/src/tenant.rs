@@ -259,7 +259,10 @@ impl Tenant {
             drop(h);
             return Err(self.refuse(
                 "max-live-executables",
-                format!("{n} live executables; drop executables you no longer need"),
+                format!(
+                    "{n} live executables plus 1 new would exceed {}; drop executables you no longer need",
+                    self.limits.max_live_executables
+                ),
             ));
         }
         h.live_executables += 1;
@@ -290,6 +293,13 @@ impl Tenant {
             .is_some_and(|t| now.duration_since(*t) >= Duration::from_secs(60))
         {
             h.compile_times.pop_front();
+        }
+        if self.limits.max_compiles_per_minute == 0 {
+            drop(h);
+            return Err(self.refuse(
+                "max-compiles-per-minute",
+                "this tenant may not compile (its limit is 0)".to_string(),
+            ));
         }
         if h.compile_times.len() as u64 >= u64::from(self.limits.max_compiles_per_minute) {
             // Empty when the limit is 0: then no compile is ever allowed.

@@ -379,6 +379,7 @@ impl CompileCache {
                     let compile_ms = entry.meta.compile_ms;
                     match load_blocking(&load, entry).await {
                         Ok(exe) => {
+                            tracing::debug!(target: "tpubox::cache", %key, "answered from tier 2");
                             self.disk_counters.hits.fetch_add(1, Ordering::Relaxed);
                             add_ms(&self.disk_counters.saved_us, compile_ms);
                             let delta = DiskCounters {
@@ -496,6 +497,7 @@ impl CompileCache {
         let compile_ms = entry.meta.compile_ms;
         match load_blocking(load, entry.clone()).await {
             Ok(exe) => {
+                tracing::info!(target: "tpubox::cache", %key, "answered from tier 3");
                 self.remote_counters.hits.fetch_add(1, Ordering::Relaxed);
                 add_ms(&self.remote_counters.saved_us, compile_ms);
                 // Keep a host-local copy so the next process on this host stops at tier 2.

@@ -91,13 +91,16 @@ impl RemoteCache {
         K: AsRef<str>,
         V: Into<String>,
     {
-        let parsed = url::Url::parse(url).map_err(|e| format!("remote cache URL {url:?}: {e}"))?;
+        const FORMS: &str =
+            "expected file:///ABSOLUTE/DIR, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX";
+        let parsed =
+            url::Url::parse(url).map_err(|e| format!("remote cache URL {url:?}: {e} ({FORMS})"))?;
         let options: Vec<(String, String)> = options
             .into_iter()
             .map(|(k, v)| (k.as_ref().to_ascii_lowercase(), v.into()))
             .collect();
         let (store, prefix) = object_store::parse_url_opts(&parsed, options)
-            .map_err(|e| format!("remote cache URL {url:?}: {e}"))?;
+            .map_err(|e| format!("remote cache URL {url:?}: {e} ({FORMS})"))?;
         Ok(RemoteCache {
             store: Arc::from(store),
             prefix,
