@@ -216,11 +216,18 @@ fuzz() {
   mkdir -p fuzz/corpus/wit_calls
   log "fuzzing wit_calls for $seconds s (corpus fuzz/corpus/wit_calls, regressions fuzz/regressions/)"
   # Regression inputs first: each once crashed the target and must pass now.
-  for f in fuzz/regressions/wit_calls/*; do
+  # Stored as hex text (no binaries in git); decoded into the target dir before replay.
+  local regdir="${FUZZ_TARGET_DIR:-$TARGET/fuzz}/regressions"
+  rm -rf "$regdir" && mkdir -p "$regdir"
+  for h in fuzz/regressions/wit_calls/*.hex; do
+    python3 -c 'import sys; open(sys.argv[2], "wb").write(bytes.fromhex(open(sys.argv[1]).read().strip()))' \
+      "$h" "$regdir/$(basename "$h" .hex)"
+  done
+  for f in "$regdir"/*; do
     [ -f "$f" ] || continue
     (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}" \
       PATH="$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER/bin:$PATH" \
-      cargo fuzz run wit_calls --release --sanitizer none "../$f") \
+      cargo fuzz run wit_calls --release --sanitizer none "$f") \
       || { log "regression $f FAILS"; return 1; }
   done
   (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}" \

@@ -154,38 +154,34 @@ impl RemoteCache {
     ///
     /// Errors: the store's message.
     pub async fn usage(&self) -> Result<RemoteUsage, String> {
-        let metas: Vec<_> = self
-            .store
-            .list(Some(&self.prefix))
-            .try_collect()
-            .await
-            .map_err(|e| e.to_string())?;
         let mut u = RemoteUsage::default();
-        for m in metas
-            .iter()
-            .filter(|m| m.location.as_ref().ends_with(OBJECT_SUFFIX))
-        {
+        for m in self.entries().await? {
             u.entries += 1;
             u.bytes += m.size;
         }
         Ok(u)
     }
 
-    /// Deletes every entry under the prefix; returns how many were deleted.
-    ///
-    /// Errors: the store's message.
-    pub async fn clear(&self) -> Result<u64, String> {
-        let metas: Vec<_> = self
+    /// The objects under the prefix named like cache entries.
+    async fn entries(&self) -> Result<Vec<object_store::ObjectMeta>, String> {
+        let metas: Vec<object_store::ObjectMeta> = self
             .store
             .list(Some(&self.prefix))
             .try_collect()
             .await
             .map_err(|e| e.to_string())?;
-        let mut n = 0;
-        for m in metas
-            .iter()
+        Ok(metas
+            .into_iter()
             .filter(|m| m.location.as_ref().ends_with(OBJECT_SUFFIX))
-        {
+            .collect())
+    }
+
+    /// Deletes every entry under the prefix; returns how many were deleted.
+    ///
+    /// Errors: the store's message.
+    pub async fn clear(&self) -> Result<u64, String> {
+        let mut n = 0;
+        for m in self.entries().await? {
             self.store
                 .delete(&m.location)
                 .await
