@@ -19,15 +19,17 @@ use tpubox::device::Arg;
 use tpubox::weights::WeightRegistry;
 use tpubox::wit::generated::tpubox::device::client::{CompileOptions, Host as _, ProgramFormat};
 use tpubox::wit::generated::tpubox::device::types::{
-    Dtype, Error as WitError, ErrorKind as WitKind, HostTensor,
+    Dtype, HostTensor,
 };
 use tpubox::wit::generated::tpubox::device::weights::{Host as _, HostWeightSet as _};
-use tpubox::wit::{DeviceCtx, DeviceView, GuestExecutable, GuestTensor};
+use tpubox::session::{ExecutableHandle, TensorHandle};
+use tpubox::wit::{DeviceState, HostError, HostResult};
 use tpubox::{
-    DeviceService, ErrorKind, Host, HostConfig, PrimitiveType, RunOptions, RunOutcome, Tenant,
+    DeviceService, ErrorKind, Host, HostConfig, PrimitiveType, RunOptions, RunOutcome, Session,
+    Tenant,
     TenantLimits,
 };
-use wasmtime::component::{Component, Resource, ResourceTable};
+use wasmtime::component::{Component, Resource};
 
 // ---------------------------------------------------------------------------------------------
 // The host, its guests and the well-behaved tenant
@@ -282,51 +284,30 @@ fn assert_kind(case: &str, out: &str, key: &str, kind: &str, has: &str) -> Strin
 // ---------------------------------------------------------------------------------------------
 
 struct Direct {
-    table: ResourceTable,
-    device: Arc<DeviceService>,
-    weights: Arc<WeightRegistry>,
-    tenant: Arc<Tenant>,
-}
-
-impl DeviceView for Direct {
-    fn table(&mut self) -> &mut ResourceTable {
-        &mut self.table
-    }
-    fn device(&self) -> &Arc<DeviceService> {
-        &self.device
-    }
-    fn weights(&self) -> &Arc<WeightRegistry> {
-        &self.weights
-    }
-    fn tenant(&self) -> &Arc<Tenant> {
-        &self.tenant
-    }
+    state: DeviceState,
 }
 
 impl Direct {
     fn new(host: &(Arc<DeviceService>, Arc<WeightRegistry>), tenant: &Arc<Tenant>) -> Self {
+        let session = Session::new(Arc::clone(&host.0), Arc::clone(&host.1), Arc::clone(tenant));
         Direct {
-            table: ResourceTable::new(),
-            device: Arc::clone(&host.0),
-            weights: Arc::clone(&host.1),
-            tenant: Arc::clone(tenant),
+            state: DeviceState::new(session),
         }
     }
 
-    fn ctx(&mut self) -> DeviceCtx<'_, Self> {
-        DeviceCtx::new(self)
+    fn ctx(&mut self) -> &mut DeviceState {
+        &mut self.state
     }
 
-    async fn tensor(&mut self, vals: [f32; 4]) -> Resource<GuestTensor> {
+    async fn tensor(&mut self, vals: [f32; 4]) -> Resource<TensorHandle> {
         let data = vals.iter().flat_map(|v| v.to_le_bytes()).collect();
         self.ctx()
             .from_bytes(Dtype::F32, vec![2, 2], data, None)
             .await
-            .expect("no trap")
             .expect("a valid tensor")
     }
 
-    async fn add(&mut self) -> Resource<GuestExecutable> {
+    async fn add(&mut self) -> Resource<ExecutableHandle> {
         self.ctx()
             .compile(
                 ProgramFormat::MlirText,
@@ -334,7 +315,6 @@ impl Direct {
                 CompileOptions { device: None },
             )
             .await
-            .expect("no trap")
             .expect("ADD compiles")
     }
 }
@@ -346,40 +326,27 @@ func.func public @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf
 }
 "#;
 
-fn wit_kind(e: &WitError) -> ErrorKind {
-    match e.kind {
-        WitKind::InvalidArgument => ErrorKind::InvalidArgument,
-        WitKind::NotFound => ErrorKind::NotFound,
-        WitKind::FailedPrecondition => ErrorKind::FailedPrecondition,
-        WitKind::PermissionDenied => ErrorKind::PermissionDenied,
-        WitKind::ResourceExhausted => ErrorKind::ResourceExhausted,
-        WitKind::Unsupported => ErrorKind::Unsupported,
-        WitKind::CompileFailed => ErrorKind::CompileFailed,
-        WitKind::ExecutionFailed => ErrorKind::ExecutionFailed,
-        WitKind::Internal => ErrorKind::Internal,
-    }
-}
-
 /// A WIT call that must return the error `kind` (not trap).
-fn wit_err<T>(case: &str, r: wasmtime::Result<Result<T, WitError>>, kind: ErrorKind) -> String {
+fn wit_err<T>(case: &str, r: HostResult<T>, kind: ErrorKind) -> String {
     match r {
-        Ok(Err(e)) => {
-            assert_eq!(wit_kind(&e), kind, "{case}: {}", e.message);
+        Err(HostError::Device(e)) => {
+            assert_eq!(e.kind, kind, "{case}: {}", e.message);
             format!("{} ({})", kind.as_str(), e.message)
         }
-        Ok(Ok(_)) => panic!("{case}: the call succeeded"),
-        Err(e) => panic!("{case}: trapped instead of returning {kind:?}: {e:#}"),
+        Ok(_) => panic!("{case}: the call succeeded"),
+        Err(HostError::Trap(e)) => panic!("{case}: trapped instead of returning {kind:?}: {e:#}"),
     }
 }
 
 /// A WIT call that must fail as a trap whose text contains `has`.
-fn wit_trap<T>(case: &str, r: wasmtime::Result<T>, has: &str) -> String {
-    match r {
-        Err(e) => {
+fn wit_trap<T, E: Into<HostError>>(case: &str, r: Result<T, E>, has: &str) -> String {
+    match r.map_err(Into::into) {
+        Err(HostError::Trap(e)) => {
             let t = format!("{e:#}");
             assert!(t.contains(has), "{case}: trap {t:?} does not say {has:?}");
             format!("trap ({t})")
         }
+        Err(HostError::Device(e)) => panic!("{case}: returned {e} instead of trapping"),
         Ok(_) => panic!("{case}: the call did not trap"),
     }
 }
@@ -888,14 +855,11 @@ async fn direct_service_cases(e: &mut Env) {
         )
     };
     let (a2, b2) = (owned(1.0), owned(2.0));
-    let r = dev
-        .execute_for(
-            &nobody,
-            Arc::clone(&exe),
-            vec![(Arc::clone(&a2), false), (a2, false), (b2, false)],
-        )
-        .await
-        .map(drop);
+    let r = tpubox::types::Call::new(
+        Arc::clone(&exe),
+        vec![(Arc::clone(&a2), false), (a2, false), (b2, false)],
+    )
+    .map(drop);
     let s = expect(
         "direct:execute-too-many-args",
         r,
@@ -996,8 +960,8 @@ async fn direct_wit_cases(e: &mut Env) {
 
     let exe = d.add().await;
     let a = d.tensor([1.0, 2.0, 3.0, 4.0]).await;
-    let exe_b = Resource::<GuestExecutable>::new_borrow(exe.rep());
-    let a_b = Resource::<GuestTensor>::new_borrow(a.rep());
+    let exe_b = Resource::<ExecutableHandle>::new_borrow(exe.rep());
+    let a_b = Resource::<TensorHandle>::new_borrow(a.rep());
     let r = d
         .ctx()
         .execute(exe_b, vec![a_b, Resource::new_borrow(12345)], vec![])
@@ -1028,7 +992,7 @@ async fn direct_wit_cases(e: &mut Env) {
 
     // A full handle table: the tensor made for the refused handle is not left charged.
     let mut d = Direct::new(host, &t);
-    d.table.set_max_capacity(2);
+    d.ctx().table().set_max_capacity(2);
     let _a = d.tensor([1.0; 4]).await;
     let _b = d.tensor([2.0; 4]).await;
     let r = d
@@ -1078,17 +1042,15 @@ async fn direct_wit_cases(e: &mut Env) {
         .ctx()
         .open("test".into())
         .await
-        .unwrap()
         .expect("weights `test`");
     let w = d
         .ctx()
         .get(Resource::new_borrow(set.rep()), "w".into())
         .await
-        .unwrap()
         .unwrap();
     let a = d.tensor([10.0, 20.0, 30.0, 40.0]).await;
-    let b = |r: &Resource<GuestTensor>| Resource::<GuestTensor>::new_borrow(r.rep());
-    let xb = || Resource::<GuestExecutable>::new_borrow(exe.rep());
+    let b = |r: &Resource<TensorHandle>| Resource::<TensorHandle>::new_borrow(r.rep());
+    let xb = || Resource::<ExecutableHandle>::new_borrow(exe.rep());
     let r = d.ctx().execute(xb(), vec![b(&w), b(&a)], vec![0]).await;
     let s = wit_err("wit:donate-weight", r, ErrorKind::PermissionDenied);
     e.step("wit:donate-weight", s).await;
@@ -1101,9 +1063,8 @@ async fn direct_wit_cases(e: &mut Env) {
         .ctx()
         .execute(xb(), vec![b(&a), b(&w)], vec![0])
         .await
-        .unwrap()
         .expect("donating call");
-    let sum = d.ctx().read(b(&out[0])).await.unwrap().unwrap();
+    let sum = d.ctx().read(b(&out[0])).await.unwrap();
     assert_eq!(sum, f32_bytes(&[10.5, 19.0, 32.0, 48.0]));
     let r = d.ctx().read(b(&a)).await;
     let s = wit_err("wit:read-after-donate", r, ErrorKind::FailedPrecondition);

@@ -1,137 +1,34 @@
 //! The device service: one PJRT client shared by every guest, with every value validated before
 //! it reaches the plugin.
 //!
-//! XLA aborts the whole process on some invalid inputs (see `shared/notes/PJRT_TRIALS.md`), so
-//! this module checks byte lengths, dims, argument lists and donation before calling PJRT. The
-//! WIT glue ([`crate::wit`]), the `tpubox exec` command and embedders all go through it.
+//! XLA aborts the whole process on some invalid inputs (a host buffer shorter than its dtype ×
+//! dims, arguments whose shapes differ from the program's parameters, a buffer donated twice),
+//! so this module checks byte lengths, dims, argument lists and donation before calling PJRT.
+//! Tenant rules are not decided here: the session layer ([`crate::session`]) charges tenants and
+//! checks handles, then calls this service; `tpubox exec` and embedders call it directly.
 
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
 use pjrt::{
-    Buffer, Client, CompileOptions, Device, LoadedExecutable, PrimitiveType, Program, ProgramFormat,
+    Buffer, Client, CompileOptions, Device, PrimitiveType, Program, ProgramFormat,
 };
 
-use crate::cache::{CompileCache, Compiled, Entry, PluginIdentity, cache_key, parse_spec_list};
+use crate::cache::{CompileCache, Entry, PluginIdentity, cache_key};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
-use crate::tenant::{FairShare, Tenant};
-
-pub use pjrt::TensorSpec;
-
-/// Largest rank a tensor may have. XLA itself has no small limit; this bounds host work and
-/// rejects nonsense early.
-pub const MAX_RANK: usize = 16;
+use crate::scheduler::FairShare;
+use crate::tenant::Tenant;
+pub use crate::types::{
+    Arg, Call, Compiled, DeviceExecutable, DeviceInfo, DeviceTensor, MAX_RANK, PlatformInfo,
+    TensorSpec, check_tensor_bytes, checked_byte_size, dims_from_u64, format_spec,
+    parse_spec_list, validate_args,
+};
 
 /// Default largest program accepted by [`DeviceService::compile`], in bytes (64 MiB).
 pub const DEFAULT_MAX_PROGRAM_BYTES: usize = 64 << 20;
 
 /// Executions that run on the device at once by default (see [`DeviceService::with_execution_slots`]).
 pub const DEFAULT_EXECUTION_SLOTS: usize = 2;
-
-/// A dense tensor resident on one device.
-///
-/// Shared through `Arc`: a guest's handle, the shared-weights registry and in-flight executions
-/// may all hold one. The device memory is freed when the last holder drops it.
-#[derive(Debug)]
-pub struct DeviceTensor {
-    buffer: Buffer,
-    spec: TensorSpec,
-    device: u32,
-}
-
-impl DeviceTensor {
-    /// Element type and dims.
-    pub fn spec(&self) -> &TensorSpec {
-        &self.spec
-    }
-
-    /// Index of the device holding the tensor (into [`DeviceService::devices`]).
-    pub fn device(&self) -> u32 {
-        self.device
-    }
-
-    /// Dense host size in bytes: element size × product of dims.
-    pub fn byte_size(&self) -> u64 {
-        spec_byte_size(&self.spec) as u64
-    }
-
-    /// The PJRT buffer.
-    pub fn buffer(&self) -> &Buffer {
-        &self.buffer
-    }
-}
-
-/// A compiled program plus the specs the host validates arguments against.
-#[derive(Debug)]
-pub struct DeviceExecutable {
-    exe: LoadedExecutable,
-    inputs: Vec<TensorSpec>,
-    outputs: Vec<TensorSpec>,
-    device: u32,
-    fingerprint: String,
-}
-
-impl DeviceExecutable {
-    /// Parameter specs, in order.
-    pub fn inputs(&self) -> &[TensorSpec] {
-        &self.inputs
-    }
-
-    /// Result specs, in order (tuple results flattened).
-    pub fn outputs(&self) -> &[TensorSpec] {
-        &self.outputs
-    }
-
-    /// Index of the device the executable runs on.
-    pub fn device(&self) -> u32 {
-        self.device
-    }
-
-    /// Hex fingerprint: the plugin's own when it has one, else SHA-256 of the program, its format
-    /// and the serialized compile options.
-    pub fn fingerprint(&self) -> &str {
-        &self.fingerprint
-    }
-
-    /// The PJRT executable.
-    pub fn loaded(&self) -> &LoadedExecutable {
-        &self.exe
-    }
-}
-
-/// One argument of [`DeviceService::execute`]: a tensor and whether the caller donates it.
-pub struct Arg<'a> {
-    /// The tensor passed at this position.
-    pub tensor: &'a DeviceTensor,
-    /// Whether its device memory may be handed to the program (it is unusable afterwards).
-    pub donate: bool,
-}
-
-/// Facts about the platform behind the service.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct PlatformInfo {
-    /// Platform name, e.g. `"cpu"`.
-    pub name: String,
-    /// Platform version string reported by the plugin.
-    pub version: String,
-    /// PJRT C API version of the plugin, (major, minor).
-    pub pjrt_api_version: (u32, u32),
-    /// Path of the plugin shared library.
-    pub plugin_path: String,
-}
-
-/// Facts about one addressable device.
-#[derive(Debug, Clone, serde::Serialize)]
-pub struct DeviceInfo {
-    /// Dense 0-based index used by tpubox calls.
-    pub index: u32,
-    /// PJRT device id.
-    pub id: i32,
-    /// Device kind, e.g. `"cpu"`.
-    pub kind: String,
-    /// The plugin's debug string.
-    pub description: String,
-}
 
 /// The process-wide owner of the PJRT client: creates tensors, compiles and executes, with
 /// validation in front of every PJRT call. Cheap to share (`Arc`), `Send + Sync`.
@@ -151,42 +48,6 @@ impl std::fmt::Debug for DeviceService {
             .field("platform", &self.platform)
             .finish()
     }
-}
-
-/// Dense byte size of a spec, or `None` on overflow.
-pub fn checked_byte_size(ty: PrimitiveType, dims: &[i64]) -> Option<usize> {
-    dims.iter().try_fold(ty.byte_size(), |acc, &d| {
-        usize::try_from(d).ok().and_then(|d| acc.checked_mul(d))
-    })
-}
-
-fn spec_byte_size(spec: &TensorSpec) -> usize {
-    checked_byte_size(spec.ty, &spec.dims).unwrap_or(usize::MAX)
-}
-
-/// Formats a spec the way XLA prints shapes, e.g. `f32[2,3]`.
-pub fn format_spec(spec: &TensorSpec) -> String {
-    let dims: Vec<String> = spec.dims.iter().map(|d| d.to_string()).collect();
-    format!("{}[{}]", spec.ty.name().to_lowercase(), dims.join(","))
-}
-
-/// Checks dims given as unsigned integers (as the WIT and npy files give them) and converts
-/// them to PJRT's `i64`.
-///
-/// Errors: `invalid-argument` when the rank exceeds [`MAX_RANK`] or a dim exceeds `i64::MAX`.
-pub fn dims_from_u64(dims: &[u64]) -> DeviceResult<Vec<i64>> {
-    if dims.len() > MAX_RANK {
-        return Err(DeviceError::invalid(format!(
-            "rank {} exceeds the limit of {MAX_RANK}",
-            dims.len()
-        )));
-    }
-    dims.iter()
-        .map(|&d| {
-            i64::try_from(d)
-                .map_err(|_| DeviceError::invalid(format!("dimension {d} exceeds i64::MAX")))
-        })
-        .collect()
 }
 
 impl DeviceService {
@@ -322,14 +183,11 @@ impl DeviceService {
             .client
             .buffer_from_host(data, ty, dims, dev)
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))?;
-        Ok(DeviceTensor {
-            buffer,
-            spec: TensorSpec {
-                ty,
-                dims: dims.to_vec(),
-            },
-            device,
-        })
+        let spec = TensorSpec {
+            ty,
+            dims: dims.to_vec(),
+        };
+        Ok(DeviceTensor::new(buffer, spec, device))
     }
 
     /// Reads a tensor back as dense row-major bytes, awaiting the transfer without blocking the
@@ -339,7 +197,7 @@ impl DeviceService {
     /// plugin.
     pub async fn read(&self, tensor: &DeviceTensor) -> DeviceResult<Vec<u8>> {
         tensor
-            .buffer
+            .buffer()
             .to_host()
             .await
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))
@@ -351,14 +209,10 @@ impl DeviceService {
     pub fn copy_to_device(&self, tensor: &DeviceTensor, device: u32) -> DeviceResult<DeviceTensor> {
         let dev = self.device(device)?;
         let buffer = tensor
-            .buffer
+            .buffer()
             .copy_to_device(dev)
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))?;
-        Ok(DeviceTensor {
-            buffer,
-            spec: tensor.spec.clone(),
-            device,
-        })
+        Ok(DeviceTensor::new(buffer, tensor.spec().clone(), device))
     }
 
     /// Compiles an MLIR program (text or bytecode; entry function `main`) for device `device`.
@@ -457,8 +311,8 @@ impl DeviceService {
             err
         })?;
         let compile_ms = start.elapsed().as_secs_f64() * 1e3;
-        // Serialize right away: executables containing `sort` cannot be serialized after they
-        // have run (shared/notes/PJRT_TRIALS.md).
+        // Serialize right away: on the CPU plugin, an executable containing `sort` fails
+        // `PJRT_Executable_Serialize` once it has run.
         let serialized = match self.cache {
             Some(_) => exe.serialize().ok(),
             None => None,
@@ -479,13 +333,13 @@ impl DeviceService {
             }
         };
         Ok(Compiled {
-            exe: Arc::new(DeviceExecutable {
+            exe: Arc::new(DeviceExecutable::new(
                 exe,
                 inputs,
                 outputs,
                 device,
                 fingerprint,
-            }),
+            )),
             serialized,
             compile_ms,
         })
@@ -504,36 +358,33 @@ impl DeviceService {
             ms = start.elapsed().as_secs_f64() * 1e3,
             "deserialized a cached executable"
         );
-        Ok(Arc::new(DeviceExecutable {
+        Ok(Arc::new(DeviceExecutable::new(
             exe,
-            inputs: parse_spec_list(&entry.meta.inputs)?,
-            outputs: parse_spec_list(&entry.meta.outputs)?,
+            parse_spec_list(&entry.meta.inputs)?,
+            parse_spec_list(&entry.meta.outputs)?,
             device,
-            fingerprint: entry.meta.fingerprint,
-        }))
+            entry.meta.fingerprint,
+        )))
     }
 
-    /// Like [`execute`](Self::execute), after waiting for an execution slot in the fair-share
-    /// queue ([`FairShare`]); the device time is charged to `tenant`. `args` pairs each tensor
-    /// with whether it is donated.
+    /// Runs a validated [`Call`] after waiting for an execution slot in the fair-share queue
+    /// ([`FairShare`]); the device time is charged to `tenant`.
     ///
     /// The wait and the execution run in a task of their own that keeps the slot until the
     /// device is done: PJRT executions cannot be cancelled, so a caller that gives up (a guest
     /// stopped at its deadline) must not hand the slot to another tenant while the device is
     /// still busy.
     ///
-    /// Errors: as [`execute`](Self::execute); `internal` if the task fails.
+    /// Errors: `execution-failed` from the device; `internal` if the task fails.
     pub async fn execute_for(
         self: &Arc<Self>,
         tenant: &Arc<Tenant>,
-        exe: Arc<DeviceExecutable>,
-        args: Vec<(Arc<DeviceTensor>, bool)>,
+        call: Call,
     ) -> DeviceResult<Vec<DeviceTensor>> {
-        validate_args(&exe, &borrowed(&args))?;
         let (svc, tenant) = (Arc::clone(self), Arc::clone(tenant));
         tokio::spawn(async move {
             let _slot = svc.scheduler.acquire(&tenant).await;
-            svc.execute(&exe, &borrowed(&args)).await
+            svc.execute_validated(call.executable(), &call.args()).await
         })
         .await
         .map_err(|e| DeviceError::new(ErrorKind::Internal, format!("execution task failed: {e}")))?
@@ -552,7 +403,16 @@ impl DeviceService {
         args: &[Arg<'_>],
     ) -> DeviceResult<Vec<DeviceTensor>> {
         validate_args(exe, args)?;
-        let buffers: Vec<&Buffer> = args.iter().map(|a| &a.tensor.buffer).collect();
+        self.execute_validated(exe, args).await
+    }
+
+    /// [`execute`](Self::execute) for arguments [`validate_args`] already accepted.
+    async fn execute_validated(
+        &self,
+        exe: &DeviceExecutable,
+        args: &[Arg<'_>],
+    ) -> DeviceResult<Vec<DeviceTensor>> {
+        let buffers: Vec<&Buffer> = args.iter().map(|a| a.tensor.buffer()).collect();
         let donate: Vec<usize> = args
             .iter()
             .enumerate()
@@ -560,7 +420,7 @@ impl DeviceService {
             .map(|(i, _)| i)
             .collect();
         let run = exe
-            .exe
+            .loaded()
             .execute(&buffers, &donate)
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed))?;
         run.done
@@ -570,12 +430,8 @@ impl DeviceService {
         Ok(run
             .outputs
             .into_iter()
-            .zip(&exe.outputs)
-            .map(|(buffer, spec)| DeviceTensor {
-                buffer,
-                spec: spec.clone(),
-                device: exe.device,
-            })
+            .zip(exe.outputs())
+            .map(|(buffer, spec)| DeviceTensor::new(buffer, spec.clone(), exe.device()))
             .collect())
     }
 }
@@ -596,88 +452,3 @@ fn tidy_compile_message(msg: &str) -> String {
     }
 }
 
-fn borrowed(args: &[(Arc<DeviceTensor>, bool)]) -> Vec<Arg<'_>> {
-    args.iter()
-        .map(|(t, donate)| Arg {
-            tensor: t,
-            donate: *donate,
-        })
-        .collect()
-}
-
-/// Checks that `len` bytes make a dense `ty` tensor of shape `dims` and returns `len`.
-///
-/// Errors: `invalid-argument` when the rank exceeds [`MAX_RANK`], a dim is negative, the size
-/// overflows, or `len` differs from element size × product of `dims`.
-pub fn check_tensor_bytes(ty: PrimitiveType, dims: &[i64], len: usize) -> DeviceResult<usize> {
-    validate_dims(dims)?;
-    let expected = checked_byte_size(ty, dims).ok_or_else(|| {
-        DeviceError::invalid(format!(
-            "{} with dims {dims:?} has more bytes than this host can address",
-            ty.name()
-        ))
-    })?;
-    if len != expected {
-        return Err(DeviceError::invalid(format!(
-            "{} with dims {dims:?} needs {expected} bytes ({} per element), got {len}",
-            ty.name(),
-            ty.byte_size(),
-        )));
-    }
-    Ok(len)
-}
-
-fn validate_dims(dims: &[i64]) -> DeviceResult<()> {
-    if dims.len() > MAX_RANK {
-        return Err(DeviceError::invalid(format!(
-            "rank {} exceeds the limit of {MAX_RANK}",
-            dims.len()
-        )));
-    }
-    if let Some(d) = dims.iter().find(|&&d| d < 0) {
-        return Err(DeviceError::invalid(format!(
-            "dimension {d} is negative in dims {dims:?}"
-        )));
-    }
-    Ok(())
-}
-
-/// Checks `args` against `exe`'s parameters; see [`DeviceService::execute`].
-pub fn validate_args(exe: &DeviceExecutable, args: &[Arg<'_>]) -> DeviceResult<()> {
-    if args.len() != exe.inputs.len() {
-        return Err(DeviceError::invalid(format!(
-            "the executable takes {} argument(s), got {}",
-            exe.inputs.len(),
-            args.len()
-        )));
-    }
-    for (i, (arg, want)) in args.iter().zip(&exe.inputs).enumerate() {
-        let got = &arg.tensor.spec;
-        if got != want {
-            return Err(DeviceError::invalid(format!(
-                "argument {i} is {} but the executable expects {}",
-                format_spec(got),
-                format_spec(want)
-            )));
-        }
-        if arg.tensor.device != exe.device {
-            return Err(DeviceError::new(
-                ErrorKind::FailedPrecondition,
-                format!(
-                    "argument {i} is on device {} but the executable runs on device {}; copy it first",
-                    arg.tensor.device, exe.device
-                ),
-            ));
-        }
-    }
-    for (i, a) in args.iter().enumerate() {
-        for (j, b) in args.iter().enumerate().skip(i + 1) {
-            if std::ptr::eq(a.tensor, b.tensor) && (a.donate || b.donate) {
-                return Err(DeviceError::invalid(format!(
-                    "the same tensor is passed as arguments {i} and {j} and donated; a donated tensor may appear once"
-                )));
-            }
-        }
-    }
-    Ok(())
-}

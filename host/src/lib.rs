@@ -1,14 +1,19 @@
 //! tpubox host library: owns an accelerator through the PJRT C API and lends it to sandboxed
 //! WebAssembly component guests through the `tpubox:device` WIT interfaces (`wit/device.wit`).
 //!
-//! Modules, one job each:
-//! - [`device`]: the PJRT client shared by all guests, with validation before every PJRT call;
+//! Modules, one job each, in dependency order (each imports only those above it):
+//! - [`error`]: the host's error type and kinds;
+//! - [`types`]: device tensors, executables, specs and the shape checks applied before PJRT;
+//! - [`tenant`]: tenants, their limits, charges and usage;
+//! - [`scheduler`]: fair sharing of a device's execution slots between tenants;
 //! - [`cache`]: the compile cache (in-process, host-disk and remote tiers) and its keys;
-//! - [`wit`]: the thin glue from the WIT interfaces to [`device`];
+//! - [`device`]: the PJRT client shared by all tenants, with validation before every PJRT call;
+//! - [`weights`]: named, read-only weight sets shared by all tenants;
+//! - [`session`]: one tenant connection; every tenant rule (charges, donation, read-only
+//!   weights, handle ownership, execution slots) is decided here, for every front door;
+//! - [`wit`]: the thin glue from the WIT interfaces to [`session`];
 //! - [`sandbox`]: wasmtime engine, component cache, per-guest stores, limits and deadlines;
-//! - [`tenant`]: tenants, their limits and usage, and fair sharing of execution slots;
 //! - [`host`]: the embedding API ([`Host`]);
-//! - [`weights`]: named, read-only weight sets shared by all guests;
 //! - [`plugin`]: finding and installing PJRT plugins and model packages;
 //! - [`npy`] and [`exec`]: `tpubox exec`, running a StableHLO program on `.npy` files.
 #![forbid(unsafe_code)]
@@ -22,7 +27,10 @@ pub mod host;
 pub mod npy;
 pub mod plugin;
 pub mod sandbox;
+pub mod scheduler;
+pub mod session;
 pub mod tenant;
+pub mod types;
 pub mod weights;
 pub mod wit;
 
@@ -31,4 +39,5 @@ pub use error::{DeviceError, ErrorKind};
 pub use host::{Host, HostConfig, open_device};
 pub use pjrt::{NamedValue, PrimitiveType};
 pub use sandbox::{RunOptions, RunOutcome, SandboxConfig};
+pub use session::Session;
 pub use tenant::{Tenant, TenantLimits, TenantUsage};

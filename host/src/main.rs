@@ -6,6 +6,7 @@ use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
 use clap::{Args, Parser, Subcommand};
+use clap::builder::TypedValueParser;
 use tpubox::cache::{CacheConfig, CacheMode, DiskCache, RemoteCache};
 use tpubox::{
     Host, HostConfig, NamedValue, RunOptions, SandboxConfig, Tenant, TenantLimits, plugin,
@@ -90,7 +91,7 @@ enum CacheAction {
 async fn cache_command(action: CacheAction, args: &CacheArgs) -> Result<bool> {
     let cfg = args.config();
     let remote = match &cfg.remote_url {
-        Some(url) => Some(RemoteCache::open(url).map_err(anyhow::Error::msg)?),
+        Some(url) => Some(RemoteCache::open(url)?),
         None => None,
     };
     let dir = cfg
@@ -102,7 +103,7 @@ async fn cache_command(action: CacheAction, args: &CacheArgs) -> Result<bool> {
             let usage = disk.usage();
             let counters = disk.counters();
             let remote_usage = match &remote {
-                Some(r) => Some(r.usage().await.map_err(anyhow::Error::msg)?),
+                Some(r) => Some(r.usage().await?),
                 None => None,
             };
             if json {
@@ -143,15 +144,15 @@ async fn cache_command(action: CacheAction, args: &CacheArgs) -> Result<bool> {
             if clear_remote && remote.is_none() {
                 bail!("--remote needs --cache-remote URL (nothing was removed)");
             }
-            let n = DiskCache::new(&dir, cfg.disk_max_bytes, false)?.clear()?;
+            let n = DiskCache::new(&dir, cfg.disk_max_bytes, false)?.clear();
             println!("removed {n} entries from {}", dir.display());
             if let (true, Some(r)) = (clear_remote, remote) {
-                let n = r.clear().await.map_err(anyhow::Error::msg)?;
+                let n = r.clear().await?;
                 println!("removed {n} entries from {}", r.url());
             }
         }
         CacheAction::Prune { max_bytes } => {
-            let n = DiskCache::new(&dir, cfg.disk_max_bytes, false)?.prune(max_bytes)?;
+            let n = DiskCache::new(&dir, cfg.disk_max_bytes, false)?.prune(max_bytes);
             let u = disk.usage();
             println!(
                 "removed {n} entries; {} entries, {} bytes left",
@@ -179,7 +180,9 @@ struct DeviceArgs {
 struct CacheArgs {
     /// Compile cache mode: read-write, read-only (never writes the shared tiers), cache-only (a
     /// miss is an error), off.
-    #[arg(long, global = true, value_enum, default_value_t = CacheMode::ReadWrite, env = "TPUBOX_CACHE_MODE")]
+    #[arg(long, global = true, default_value_t = CacheMode::ReadWrite, env = "TPUBOX_CACHE_MODE",
+          value_parser = clap::builder::PossibleValuesParser::new(CacheMode::ALL.map(CacheMode::as_str))
+              .map(|s| s.parse::<CacheMode>().expect("a listed mode parses")))]
     cache_mode: CacheMode,
     /// Directory of the host-disk compile cache (default ~/.cache/tpubox/executables).
     #[arg(

@@ -1,10 +1,11 @@
 //! The Wasm side of the host: engine settings, the on-disk component cache, per-guest stores
 //! with memory caps and deadlines, and running WASI command components.
 //!
-//! Settings follow `shared/notes/WASM_TRIALS.md`: epoch interruption always on (a ticker thread
-//! advances the epoch every [`EPOCH_TICK`]), the pooling allocator, a `StoreLimits` memory cap,
-//! and wasmtime's own compilation cache, whose key covers the component's bytes, the wasmtime
-//! version and the engine's compiler settings.
+//! Settings: epoch interruption always on (a ticker thread advances the epoch every
+//! [`EPOCH_TICK`]; measured on wasmtime 48 it costs guests a few percent, where fuel metering
+//! costs far more), the pooling allocator, a `StoreLimits` memory cap, and wasmtime's own
+//! compilation cache, whose key covers the component's bytes, the wasmtime version and the
+//! engine's compiler settings.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -21,9 +22,10 @@ use wasmtime_wasi::p2::pipe::{MemoryInputPipe, MemoryOutputPipe};
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
 use crate::device::DeviceService;
+use crate::session::Session;
 use crate::tenant::{Tenant, TenantLimits, TenantUsage};
 use crate::weights::WeightRegistry;
-use crate::wit::DeviceView;
+use crate::wit::DeviceState;
 
 /// Interval at which the engine's epoch advances; deadlines are checked at this granularity.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);
@@ -106,45 +108,20 @@ pub struct RunOutcome {
     pub usage: TenantUsage,
 }
 
-/// Per-guest store data: WASI context, resource table, memory limits and the device.
+/// Per-guest store data: WASI context, memory limits, and the tpubox state (resource table,
+/// shared with WASI, and the guest's session).
 pub struct GuestState {
     wasi: WasiCtx,
-    table: ResourceTable,
     limits: StoreLimits,
-    device: Arc<DeviceService>,
-    weights: Arc<WeightRegistry>,
-    tenant: Arc<Tenant>,
-    max_memory: usize,
+    device: DeviceState,
 }
 
 impl WasiView for GuestState {
     fn ctx(&mut self) -> WasiCtxView<'_> {
         WasiCtxView {
             ctx: &mut self.wasi,
-            table: &mut self.table,
+            table: self.device.table(),
         }
-    }
-}
-
-impl DeviceView for GuestState {
-    fn table(&mut self) -> &mut ResourceTable {
-        &mut self.table
-    }
-
-    fn device(&self) -> &Arc<DeviceService> {
-        &self.device
-    }
-
-    fn weights(&self) -> &Arc<WeightRegistry> {
-        &self.weights
-    }
-
-    fn tenant(&self) -> &Arc<Tenant> {
-        &self.tenant
-    }
-
-    fn max_read_bytes(&self) -> u64 {
-        self.max_memory as u64
     }
 }
 
@@ -221,7 +198,7 @@ impl Sandbox {
         let engine = Engine::new(&cfg)?;
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
-        crate::wit::add_to_linker(&mut linker)?;
+        crate::wit::add_to_linker(&mut linker, |s: &mut GuestState| &mut s.device)?;
 
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let weak = engine.weak();
@@ -352,14 +329,12 @@ impl Sandbox {
             .build();
         let mut table = ResourceTable::new();
         table.set_max_capacity(self.config.max_resources);
+        let session = Session::new(Arc::clone(device), Arc::clone(weights), Arc::clone(&tenant))
+            .with_max_read_bytes(max_memory as u64);
         let state = GuestState {
             wasi: wasi.build(),
-            table,
             limits,
-            device: Arc::clone(device),
-            weights: Arc::clone(weights),
-            tenant: Arc::clone(&tenant),
-            max_memory,
+            device: DeviceState::with_table(table, session),
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);

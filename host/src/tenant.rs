@@ -1,4 +1,4 @@
-//! Tenants: the unit of isolation and accounting, their limits, and a fair share of the device.
+//! Tenants: the unit of isolation and accounting, their limits and their usage.
 //!
 //! A [`Tenant`] is one guest instance, or several that share an identity (pass the same
 //! `Arc<Tenant>` in [`RunOptions::tenant`](crate::RunOptions::tenant)). Everything a tenant holds
@@ -12,11 +12,9 @@
 //! Exceeding a limit returns `resource-exhausted` with the limit's name in the message; nothing
 //! is allocated, and the tenant may free handles and continue.
 //!
-//! [`FairShare`] orders executions on a device when more tenants want it than it runs at once:
-//! the waiting tenant that has used the least device time goes first (start-time fair queueing
-//! over measured execution time).
+//! The order in which tenants get the device is [`crate::scheduler`]'s job.
 
-use std::collections::{BTreeMap, VecDeque};
+use std::collections::VecDeque;
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -324,125 +322,16 @@ impl Tenant {
         Ok(())
     }
 
-    fn record_execution(&self, took: Duration) {
+    /// Device time of the tenant's finished executions so far, in nanoseconds.
+    pub(crate) fn device_ns(&self) -> u64 {
+        self.device_ns.load(Ordering::Relaxed)
+    }
+
+    /// Counts one finished execution that kept the device for `took`.
+    pub(crate) fn record_execution(&self, took: Duration) {
         self.executions.fetch_add(1, Ordering::Relaxed);
         self.device_ns
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
-    }
-}
-
-#[derive(Debug, Default)]
-struct Queue {
-    running: usize,
-    seq: u64,
-    /// Waiters by (device time used so far in ns, arrival order).
-    waiting: BTreeMap<(u64, u64), tokio::sync::oneshot::Sender<()>>,
-}
-
-/// Fair sharing of one device's execution slots between tenants; see the module docs.
-#[derive(Debug)]
-pub struct FairShare {
-    slots: usize,
-    queue: Mutex<Queue>,
-}
-
-/// A granted execution slot; finishing it (drop) records the device time and wakes the next
-/// waiter.
-#[derive(Debug)]
-pub struct Slot<'a> {
-    share: &'a FairShare,
-    tenant: Arc<Tenant>,
-    start: Instant,
-}
-
-impl FairShare {
-    /// A scheduler that lets `slots` executions run at once (at least 1).
-    pub fn new(slots: usize) -> Self {
-        FairShare {
-            slots: slots.max(1),
-            queue: Mutex::new(Queue::default()),
-        }
-    }
-
-    /// How many executions may run at once.
-    pub fn slots(&self) -> usize {
-        self.slots
-    }
-
-    /// Waits for a slot for `tenant`. Cancel-safe: dropping the future gives up the place.
-    pub async fn acquire(&self, tenant: &Arc<Tenant>) -> Slot<'_> {
-        let rx = {
-            let mut q = self.queue.lock().expect("scheduler lock");
-            if q.running < self.slots && q.waiting.is_empty() {
-                q.running += 1;
-                None
-            } else {
-                let (tx, rx) = tokio::sync::oneshot::channel();
-                q.seq += 1;
-                let key = (tenant.device_ns.load(Ordering::Relaxed), q.seq);
-                q.waiting.insert(key, tx);
-                Some(WaitGuard {
-                    share: self,
-                    key,
-                    rx,
-                    granted: false,
-                })
-            }
-        };
-        if let Some(mut guard) = rx {
-            // The sender is only dropped after sending (it sits in the map until granted).
-            let _ = (&mut guard.rx).await;
-            guard.granted = true;
-        }
-        Slot {
-            share: self,
-            tenant: Arc::clone(tenant),
-            start: Instant::now(),
-        }
-    }
-
-    fn release(&self) {
-        let mut q = self.queue.lock().expect("scheduler lock");
-        q.running -= 1;
-        while q.running < self.slots {
-            let Some((_, tx)) = q.waiting.pop_first() else {
-                break;
-            };
-            if tx.send(()).is_ok() {
-                q.running += 1;
-            }
-        }
-    }
-}
-
-/// Removes a cancelled waiter, or passes on a grant it received but can no longer use.
-struct WaitGuard<'a> {
-    share: &'a FairShare,
-    key: (u64, u64),
-    rx: tokio::sync::oneshot::Receiver<()>,
-    granted: bool,
-}
-
-impl Drop for WaitGuard<'_> {
-    fn drop(&mut self) {
-        if self.granted {
-            return;
-        }
-        let removed = {
-            let mut q = self.share.queue.lock().expect("scheduler lock");
-            q.waiting.remove(&self.key).is_some()
-        };
-        if !removed && self.rx.try_recv().is_ok() {
-            // Granted after we were cancelled: hand the slot on.
-            self.share.release();
-        }
-    }
-}
-
-impl Drop for Slot<'_> {
-    fn drop(&mut self) {
-        self.tenant.record_execution(self.start.elapsed());
-        self.share.release();
     }
 }
 
@@ -523,44 +412,5 @@ mod tests {
             e.message
         );
         assert_eq!(t.usage().compiles, 2);
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn waiting_tenant_with_least_device_time_goes_first() {
-        let share = Arc::new(FairShare::new(1));
-        let heavy = Tenant::new("heavy", TenantLimits::default());
-        let light = Tenant::new("light", TenantLimits::default());
-        heavy.record_execution(Duration::from_secs(10));
-        let first = share.acquire(&heavy).await;
-        let order = Arc::new(Mutex::new(Vec::new()));
-        let mut tasks = Vec::new();
-        for t in [&heavy, &light] {
-            let (share, t, order) = (Arc::clone(&share), Arc::clone(t), Arc::clone(&order));
-            tasks.push(tokio::spawn(async move {
-                let _slot = share.acquire(&t).await;
-                order.lock().unwrap().push(t.name().to_string());
-            }));
-            // Let the heavy tenant queue first.
-            tokio::time::sleep(Duration::from_millis(50)).await;
-        }
-        drop(first);
-        for t in tasks {
-            t.await.unwrap();
-        }
-        assert_eq!(*order.lock().unwrap(), vec!["light", "heavy"]);
-        assert_eq!(light.usage().executions, 1);
-    }
-
-    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-    async fn a_cancelled_waiter_does_not_leak_the_slot() {
-        let share = FairShare::new(1);
-        let t = Tenant::new("a", TenantLimits::default());
-        let held = share.acquire(&t).await;
-        let waiting = tokio::time::timeout(Duration::from_millis(20), share.acquire(&t)).await;
-        assert!(waiting.is_err());
-        drop(held);
-        let _again = tokio::time::timeout(Duration::from_secs(5), share.acquire(&t))
-            .await
-            .expect("slot is free again");
     }
 }

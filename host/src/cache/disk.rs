@@ -28,6 +28,7 @@ use std::time::SystemTime;
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::error::{CacheError, CacheResult};
 use super::key::{CACHE_FORMAT_VERSION, CacheKey};
 
 const MAGIC: &[u8; 8] = b"TPBXEXE\0";
@@ -55,15 +56,6 @@ pub struct Entry {
     pub meta: EntryMeta,
     /// The serialized executable.
     pub executable: Vec<u8>,
-}
-
-/// Why an entry on disk was rejected.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub struct CorruptEntry {
-    /// The file.
-    pub path: PathBuf,
-    /// What check failed.
-    pub reason: String,
 }
 
 /// Size and count of the entries in a directory.
@@ -114,8 +106,18 @@ pub fn encode(key: &CacheKey, entry: &Entry) -> Vec<u8> {
     out
 }
 
-/// Decodes and verifies an entry for `key`; the error says which check failed.
-pub fn decode(key: &CacheKey, bytes: &[u8]) -> Result<Entry, String> {
+/// Decodes and verifies an entry for `key`.
+///
+/// Errors: [`CacheError::Corrupt`] saying which check failed; its location is the key (callers
+/// that know a file or object name put it there).
+pub fn decode(key: &CacheKey, bytes: &[u8]) -> CacheResult<Entry> {
+    verify(key, bytes).map_err(|reason| CacheError::Corrupt {
+        location: key.hex(),
+        reason,
+    })
+}
+
+fn verify(key: &CacheKey, bytes: &[u8]) -> Result<Entry, String> {
     if bytes.len() < HEADER_LEN {
         return Err(format!(
             "truncated: {} bytes, the header alone is {HEADER_LEN}",
@@ -164,9 +166,9 @@ impl DiskCache {
     /// entries above `max_bytes`.
     ///
     /// Errors: the directory cannot be created.
-    pub fn new(dir: &Path, max_bytes: u64, read_only: bool) -> std::io::Result<Self> {
+    pub fn new(dir: &Path, max_bytes: u64, read_only: bool) -> CacheResult<Self> {
         if !read_only {
-            std::fs::create_dir_all(dir)?;
+            std::fs::create_dir_all(dir).map_err(|e| CacheError::io(dir, e))?;
         }
         Ok(DiskCache {
             dir: dir.to_path_buf(),
@@ -185,9 +187,12 @@ impl DiskCache {
         self.dir.join(format!("{}.{ENTRY_EXT}", key.hex()))
     }
 
-    /// Reads and verifies the entry for `key`. `Ok(None)` is a miss. A corrupt entry is
-    /// removed (unless read-only) and returned as `Err`, for the caller to report.
-    pub fn get(&self, key: &CacheKey) -> Result<Option<Entry>, CorruptEntry> {
+    /// Reads and verifies the entry for `key`. `Ok(None)` is a miss (an unreadable file is
+    /// one too).
+    ///
+    /// Errors: [`CacheError::Corrupt`] naming the file, for the caller to report; the entry is
+    /// removed first (unless read-only).
+    pub fn get(&self, key: &CacheKey) -> CacheResult<Option<Entry>> {
         let path = self.path(key);
         let bytes = match std::fs::read(&path) {
             Ok(b) => b,
@@ -203,11 +208,17 @@ impl DiskCache {
                 }
                 Ok(Some(entry))
             }
-            Err(reason) => {
+            Err(e) => {
                 if !self.read_only {
                     let _ = std::fs::remove_file(&path);
                 }
-                Err(CorruptEntry { path, reason })
+                Err(match e {
+                    CacheError::Corrupt { reason, .. } => CacheError::Corrupt {
+                        location: path.display().to_string(),
+                        reason,
+                    },
+                    other => other,
+                })
             }
         }
     }
@@ -215,19 +226,23 @@ impl DiskCache {
     /// Writes the entry for `key` atomically, then evicts down to the byte cap. Does nothing
     /// in read-only mode.
     ///
-    /// Errors: I/O errors writing or renaming the file.
-    pub fn put(&self, key: &CacheKey, entry: &Entry) -> std::io::Result<()> {
+    /// Errors: [`CacheError::Io`] writing or renaming the file.
+    pub fn put(&self, key: &CacheKey, entry: &Entry) -> CacheResult<()> {
         if self.read_only {
             return Ok(());
         }
         let bytes = encode(key, entry);
+        let io = |e| CacheError::io(&self.dir, e);
         let mut tmp = tempfile::Builder::new()
             .prefix(".tmp-")
-            .tempfile_in(&self.dir)?;
-        tmp.write_all(&bytes)?;
-        tmp.as_file().sync_data()?;
-        tmp.persist(self.path(key)).map_err(|e| e.error)?;
-        self.prune(self.max_bytes)?;
+            .tempfile_in(&self.dir)
+            .map_err(io)?;
+        tmp.write_all(&bytes).map_err(io)?;
+        tmp.as_file().sync_data().map_err(io)?;
+        let path = self.path(key);
+        tmp.persist(&path)
+            .map_err(|e| CacheError::io(&path, e.error))?;
+        self.prune(self.max_bytes);
         Ok(())
     }
 
@@ -298,14 +313,13 @@ impl DiskCache {
     }
 
     /// Removes least recently used entries until the total is at most `max_bytes`; returns how
-    /// many were removed. Entries another process removed first are skipped.
-    ///
-    /// Errors: none in practice (removal failures are skipped); kept for future backends.
-    pub fn prune(&self, max_bytes: u64) -> std::io::Result<u64> {
+    /// many were removed. Entries another process removed first, and removal failures, are
+    /// skipped.
+    pub fn prune(&self, max_bytes: u64) -> u64 {
         let mut entries = self.entries();
         let mut total: u64 = entries.iter().map(|(_, n, _)| n).sum();
         if total <= max_bytes {
-            return Ok(0);
+            return 0;
         }
         entries.sort_by_key(|(_, _, t)| *t);
         let mut removed = 0;
@@ -318,13 +332,12 @@ impl DiskCache {
             }
             total = total.saturating_sub(len);
         }
-        Ok(removed)
+        removed
     }
 
     /// Removes every entry (and stray temporary files); returns how many entries were removed.
-    ///
-    /// Errors: none in practice (removal failures are skipped).
-    pub fn clear(&self) -> std::io::Result<u64> {
+    /// Removal failures are skipped.
+    pub fn clear(&self) -> u64 {
         let mut n = 0;
         if let Ok(rd) = std::fs::read_dir(&self.dir) {
             for e in rd.filter_map(|e| e.ok()) {
@@ -340,7 +353,7 @@ impl DiskCache {
                 }
             }
         }
-        Ok(n)
+        n
     }
 }
 
@@ -384,6 +397,7 @@ mod tests {
         assert!(
             decode(&CacheKey([8; 32]), &good)
                 .unwrap_err()
+                .to_string()
                 .contains("another key")
         );
     }
@@ -400,7 +414,11 @@ mod tests {
         bytes[last] ^= 0xff;
         std::fs::write(c.path(&k), bytes).unwrap();
         let err = c.get(&k).unwrap_err();
-        assert_eq!(err.reason, "checksum mismatch");
+        assert!(
+            matches!(&err, CacheError::Corrupt { location, reason }
+                if reason == "checksum mismatch" && location.ends_with(".tpbx")),
+            "{err}"
+        );
         assert!(!c.path(&k).exists(), "a corrupt entry is removed");
         assert_eq!(c.get(&k).unwrap(), None);
 
@@ -418,7 +436,7 @@ mod tests {
         assert!(!small.path(&keys[1]).exists());
         assert!(small.path(&keys[2]).exists());
         assert_eq!(small.usage().entries, 2);
-        assert_eq!(small.clear().unwrap(), 2);
+        assert_eq!(small.clear(), 2);
         assert_eq!(small.usage(), DiskUsage::default());
     }
 

@@ -15,6 +15,7 @@
 //! shows why a program recompiled.
 
 pub mod disk;
+pub mod error;
 pub mod key;
 pub mod remote;
 
@@ -27,14 +28,18 @@ use std::sync::{Arc, Mutex};
 use serde::Serialize;
 
 pub use disk::{DiskCache, DiskCounters, DiskUsage, Entry, EntryMeta};
+pub use error::{CacheError, CacheResult};
 pub use key::{CacheKey, PluginIdentity, cache_key};
-pub use remote::{FetchError, RemoteCache, RemoteUsage};
+pub use remote::{RemoteCache, RemoteUsage};
 
-use crate::device::DeviceExecutable;
+pub use crate::types::Compiled;
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
+use crate::types::{DeviceExecutable, spec_list};
 
-/// How the cache may be used.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, clap::ValueEnum, Serialize)]
+/// How the cache may be used. Parsed from and printed as its kebab-case name (`read-write`,
+/// `read-only`, `cache-only`, `off`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize)]
+#[serde(rename_all = "kebab-case")]
 pub enum CacheMode {
     /// Read and write every tier (default).
     #[default]
@@ -45,6 +50,47 @@ pub enum CacheMode {
     CacheOnly,
     /// No caching at all.
     Off,
+}
+
+impl CacheMode {
+    /// Every mode, in the order the docs list them.
+    pub const ALL: [CacheMode; 4] = [
+        CacheMode::ReadWrite,
+        CacheMode::ReadOnly,
+        CacheMode::CacheOnly,
+        CacheMode::Off,
+    ];
+
+    /// The kebab-case name, e.g. `"read-only"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheMode::ReadWrite => "read-write",
+            CacheMode::ReadOnly => "read-only",
+            CacheMode::CacheOnly => "cache-only",
+            CacheMode::Off => "off",
+        }
+    }
+}
+
+impl std::fmt::Display for CacheMode {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for CacheMode {
+    type Err = String;
+
+    /// Parses a kebab-case name. Errors: a message listing the accepted names.
+    fn from_str(s: &str) -> Result<Self, String> {
+        Self::ALL
+            .into_iter()
+            .find(|m| m.as_str() == s)
+            .ok_or_else(|| {
+                let names: Vec<&str> = Self::ALL.iter().map(|m| m.as_str()).collect();
+                format!("unknown cache mode {s:?}; expected one of {}", names.join(", "))
+            })
+    }
 }
 
 /// Settings of a [`CompileCache`].
@@ -143,18 +189,6 @@ struct Memory {
 
 type Flight = Arc<tokio::sync::OnceCell<DeviceResult<Arc<DeviceExecutable>>>>;
 
-/// What a compile produces for the cache: the executable, its serialized form (for tier 2),
-/// and how long compiling took.
-pub struct Compiled {
-    /// The loaded executable.
-    pub exe: Arc<DeviceExecutable>,
-    /// `PJRT_Executable_Serialize` output taken right after compiling; `None` when the plugin
-    /// cannot serialize this executable (it is then cached in tier 1 only).
-    pub serialized: Option<Vec<u8>>,
-    /// Wall time of the compile, in milliseconds.
-    pub compile_ms: f64,
-}
-
 /// The multi-tier compile cache; see the module docs. `Send + Sync`, shared through `Arc`.
 pub struct CompileCache {
     config: CacheConfig,
@@ -182,9 +216,9 @@ impl std::fmt::Debug for CompileCache {
 impl CompileCache {
     /// Builds the cache.
     ///
-    /// Errors: the tier-2 directory cannot be created (read-write mode only); the tier-3 URL
-    /// does not parse or names an unknown scheme (kind `InvalidInput`).
-    pub fn new(config: CacheConfig) -> std::io::Result<Self> {
+    /// Errors: [`CacheError::Io`] when the tier-2 directory cannot be created (read-write mode
+    /// only); [`CacheError::Url`] when the tier-3 URL does not parse or names an unknown scheme.
+    pub fn new(config: CacheConfig) -> CacheResult<Self> {
         let read_only = matches!(config.mode, CacheMode::ReadOnly | CacheMode::CacheOnly);
         let disk = match (&config.disk_dir, config.mode) {
             (_, CacheMode::Off) | (None, _) => None,
@@ -192,13 +226,10 @@ impl CompileCache {
         };
         let remote = match (&config.remote_url, config.mode) {
             (_, CacheMode::Off) | (None, _) => None,
-            (Some(url), _) => Some(
-                RemoteCache::open_with(
-                    url,
-                    remote::env_options().chain(config.remote_options.clone()),
-                )
-                .map_err(|e| std::io::Error::new(std::io::ErrorKind::InvalidInput, e))?,
-            ),
+            (Some(url), _) => Some(RemoteCache::open_with(
+                url,
+                remote::env_options().chain(config.remote_options.clone()),
+            )?),
         };
         Ok(CompileCache {
             config,
@@ -397,9 +428,9 @@ impl CompileCache {
                     }
                 }
                 Ok(None) => {}
-                Err(c) => {
+                Err(e) => {
                     self.corrupt.fetch_add(1, Ordering::Relaxed);
-                    tracing::warn!(target: "tpubox::cache", %key, path = %c.path.display(), reason = %c.reason, "corrupt tier-2 entry removed; recompiling");
+                    tracing::warn!(target: "tpubox::cache", %key, error = %e, "corrupt tier-2 entry removed; recompiling");
                 }
             }
             self.disk_counters.misses.fetch_add(1, Ordering::Relaxed);
@@ -472,7 +503,7 @@ impl CompileCache {
     async fn use_remote<L>(
         &self,
         key: CacheKey,
-        fetched: Result<Option<Entry>, FetchError>,
+        fetched: CacheResult<Option<Entry>>,
         load: &Arc<L>,
     ) -> Option<Arc<DeviceExecutable>>
     where
@@ -485,7 +516,7 @@ impl CompileCache {
                 return None;
             }
             Err(e) => {
-                if matches!(e, FetchError::Corrupt(_)) {
+                if e.is_corrupt() {
                     self.corrupt.fetch_add(1, Ordering::Relaxed);
                 }
                 self.remote_counters.misses.fetch_add(1, Ordering::Relaxed);
@@ -577,32 +608,4 @@ async fn on_disk<T: Send + 'static>(
 
 fn add_ms(counter: &AtomicU64, ms: f64) {
     counter.fetch_add((ms * 1e3) as u64, Ordering::Relaxed);
-}
-
-fn spec_list(specs: &[pjrt::TensorSpec]) -> Vec<(String, Vec<i64>)> {
-    specs
-        .iter()
-        .map(|s| (s.ty.name().to_string(), s.dims.clone()))
-        .collect()
-}
-
-/// Parses specs stored by [`spec_list`].
-///
-/// Errors: an unknown type name (an entry from a newer tpubox).
-pub fn parse_spec_list(specs: &[(String, Vec<i64>)]) -> DeviceResult<Vec<pjrt::TensorSpec>> {
-    specs
-        .iter()
-        .map(|(ty, dims)| {
-            let ty = pjrt::PrimitiveType::from_name(ty).ok_or_else(|| {
-                DeviceError::new(
-                    ErrorKind::Internal,
-                    format!("cache entry names unknown type {ty}"),
-                )
-            })?;
-            Ok(pjrt::TensorSpec {
-                ty,
-                dims: dims.clone(),
-            })
-        })
-        .collect()
 }

@@ -18,6 +18,7 @@ use object_store::path::Path as StorePath;
 use object_store::{ObjectStore, ObjectStoreExt, PutPayload};
 
 use super::disk::{self, Entry};
+use super::error::{CacheError, CacheResult};
 use super::key::CacheKey;
 
 /// Suffix of tier-3 object names.
@@ -39,24 +40,6 @@ impl std::fmt::Debug for RemoteCache {
     }
 }
 
-/// Why a fetch from tier 3 gave nothing usable.
-#[derive(Debug, Clone, PartialEq, Eq)]
-pub enum FetchError {
-    /// The store could not be reached or answered with an error (message from `object_store`).
-    Store(String),
-    /// The object exists but failed verification (what was wrong); it is not loaded.
-    Corrupt(String),
-}
-
-impl std::fmt::Display for FetchError {
-    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
-        match self {
-            FetchError::Store(m) => write!(f, "remote store error: {m}"),
-            FetchError::Corrupt(m) => write!(f, "corrupt remote entry: {m}"),
-        }
-    }
-}
-
 /// Entries and bytes under the remote prefix.
 #[derive(Debug, Clone, Copy, Default, PartialEq, Eq, serde::Serialize)]
 pub struct RemoteUsage {
@@ -75,9 +58,10 @@ impl RemoteCache {
     /// Opens the store named by `url`, with options taken from the environment (see the module
     /// docs). Nothing is contacted until the first request.
     ///
-    /// Errors: a URL that does not parse or names a scheme `object_store` does not know (or one
-    /// this build lacks: only `file`, `memory`, `s3` and `gs` are built in).
-    pub fn open(url: &str) -> Result<Self, String> {
+    /// Errors: [`CacheError::Url`] for a URL that does not parse or names a scheme
+    /// `object_store` does not know (or one this build lacks: only `file`, `memory`, `s3` and
+    /// `gs` are built in).
+    pub fn open(url: &str) -> CacheResult<Self> {
         Self::open_with(url, env_options())
     }
 
@@ -85,22 +69,23 @@ impl RemoteCache {
     /// names as in `object_store`'s `AmazonS3ConfigKey` and `GoogleConfigKey`).
     ///
     /// Errors: as [`open`](Self::open), and an unknown option name for the URL's scheme.
-    pub fn open_with<I, K, V>(url: &str, options: I) -> Result<Self, String>
+    pub fn open_with<I, K, V>(url: &str, options: I) -> CacheResult<Self>
     where
         I: IntoIterator<Item = (K, V)>,
         K: AsRef<str>,
         V: Into<String>,
     {
-        const FORMS: &str =
-            "expected file:///ABSOLUTE/DIR, s3://BUCKET/PREFIX or gs://BUCKET/PREFIX";
-        let parsed =
-            url::Url::parse(url).map_err(|e| format!("remote cache URL {url:?}: {e} ({FORMS})"))?;
+        let bad = |reason: String| CacheError::Url {
+            url: url.to_string(),
+            reason,
+        };
+        let parsed = url::Url::parse(url).map_err(|e| bad(e.to_string()))?;
         let options: Vec<(String, String)> = options
             .into_iter()
             .map(|(k, v)| (k.as_ref().to_ascii_lowercase(), v.into()))
             .collect();
-        let (store, prefix) = object_store::parse_url_opts(&parsed, options)
-            .map_err(|e| format!("remote cache URL {url:?}: {e} ({FORMS})"))?;
+        let (store, prefix) =
+            object_store::parse_url_opts(&parsed, options).map_err(|e| bad(e.to_string()))?;
         Ok(RemoteCache {
             store: Arc::from(store),
             prefix,
@@ -120,40 +105,42 @@ impl RemoteCache {
 
     /// Fetches and verifies the entry for `key`; `Ok(None)` when there is none.
     ///
-    /// Errors: [`FetchError::Store`] when the store fails; [`FetchError::Corrupt`] when the
-    /// object fails the header, key or checksum checks (the object is left in place: other
-    /// hosts may be reading it, and the next upload of this key replaces it).
-    pub async fn get(&self, key: &CacheKey) -> Result<Option<Entry>, FetchError> {
-        let result = match self.store.get(&self.object(key)).await {
+    /// Errors: [`CacheError::Store`] when the store fails; [`CacheError::Corrupt`] naming the
+    /// object when it fails the header, key or checksum checks (the object is left in place:
+    /// other hosts may be reading it, and the next upload of this key replaces it).
+    pub async fn get(&self, key: &CacheKey) -> CacheResult<Option<Entry>> {
+        let object = self.object(key);
+        let result = match self.store.get(&object).await {
             Ok(r) => r,
             Err(object_store::Error::NotFound { .. }) => return Ok(None),
-            Err(e) => return Err(FetchError::Store(e.to_string())),
+            Err(e) => return Err(e.into()),
         };
-        let bytes = result
-            .bytes()
-            .await
-            .map_err(|e| FetchError::Store(e.to_string()))?;
-        disk::decode(key, &bytes)
-            .map(Some)
-            .map_err(FetchError::Corrupt)
+        let bytes = result.bytes().await?;
+        match disk::decode(key, &bytes) {
+            Ok(entry) => Ok(Some(entry)),
+            Err(CacheError::Corrupt { reason, .. }) => Err(CacheError::Corrupt {
+                location: format!("{}/{object}", self.url.trim_end_matches('/')),
+                reason,
+            }),
+            Err(e) => Err(e),
+        }
     }
 
     /// Uploads `entry` under `key` (one PUT of the encoded bytes; stores make it atomic).
     ///
-    /// Errors: the store's message.
-    pub async fn put(&self, key: &CacheKey, entry: &Entry) -> Result<(), String> {
+    /// Errors: [`CacheError::Store`].
+    pub async fn put(&self, key: &CacheKey, entry: &Entry) -> CacheResult<()> {
         let bytes = disk::encode(key, entry);
         self.store
             .put(&self.object(key), PutPayload::from(bytes))
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
+            .await?;
+        Ok(())
     }
 
     /// Counts the entries under the prefix.
     ///
-    /// Errors: the store's message.
-    pub async fn usage(&self) -> Result<RemoteUsage, String> {
+    /// Errors: [`CacheError::Store`].
+    pub async fn usage(&self) -> CacheResult<RemoteUsage> {
         let mut u = RemoteUsage::default();
         for m in self.entries().await? {
             u.entries += 1;
@@ -163,13 +150,9 @@ impl RemoteCache {
     }
 
     /// The objects under the prefix named like cache entries.
-    async fn entries(&self) -> Result<Vec<object_store::ObjectMeta>, String> {
-        let metas: Vec<object_store::ObjectMeta> = self
-            .store
-            .list(Some(&self.prefix))
-            .try_collect()
-            .await
-            .map_err(|e| e.to_string())?;
+    async fn entries(&self) -> CacheResult<Vec<object_store::ObjectMeta>> {
+        let metas: Vec<object_store::ObjectMeta> =
+            self.store.list(Some(&self.prefix)).try_collect().await?;
         Ok(metas
             .into_iter()
             .filter(|m| m.location.as_ref().ends_with(OBJECT_SUFFIX))
@@ -178,14 +161,11 @@ impl RemoteCache {
 
     /// Deletes every entry under the prefix; returns how many were deleted.
     ///
-    /// Errors: the store's message.
-    pub async fn clear(&self) -> Result<u64, String> {
+    /// Errors: [`CacheError::Store`].
+    pub async fn clear(&self) -> CacheResult<u64> {
         let mut n = 0;
         for m in self.entries().await? {
-            self.store
-                .delete(&m.location)
-                .await
-                .map_err(|e| e.to_string())?;
+            self.store.delete(&m.location).await?;
             n += 1;
         }
         Ok(n)
@@ -231,14 +211,14 @@ mod tests {
         let other = CacheKey([8; 32]);
         let path = dir.path().join(format!("fleet/{other}{OBJECT_SUFFIX}"));
         std::fs::write(&path, disk::encode(&key, &entry())).unwrap();
-        assert!(matches!(r.get(&other).await, Err(FetchError::Corrupt(_))));
+        assert!(matches!(r.get(&other).await, Err(CacheError::Corrupt { .. })));
         // A flipped byte is refused.
         let path = dir.path().join(format!("fleet/{key}{OBJECT_SUFFIX}"));
         let mut bytes = std::fs::read(&path).unwrap();
         let n = bytes.len();
         bytes[n - 10] ^= 1;
         std::fs::write(&path, bytes).unwrap();
-        assert!(matches!(r.get(&key).await, Err(FetchError::Corrupt(_))));
+        assert!(matches!(r.get(&key).await, Err(CacheError::Corrupt { .. })));
         assert_eq!(r.clear().await.unwrap(), 2);
         assert_eq!(r.usage().await.unwrap(), RemoteUsage::default());
     }
