@@ -15,8 +15,8 @@
 //! Lessons this follows: JAX once returned wrong cache hits because the TPU runtime version was
 //! missing from its key (JAX `compilation_cache` / `cache_key.py` now hashes the backend
 //! version); in trials here an executable serialized by one CPU plugin build loaded into another
-//! and silently returned wrong numbers (`shared/notes/PJRT_TRIALS.md`), hence the plugin file
-//! hash and the CPU features.
+//! and silently returned wrong numbers (the two CPU plugin builds report the same platform name
+//! and version), hence the plugin file hash and the CPU features.
 
 use std::fmt;
 use std::path::Path;
