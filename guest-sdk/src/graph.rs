@@ -52,9 +52,9 @@
 use std::fmt::{self, Write as _};
 use std::sync::atomic::{AtomicU32, Ordering};
 
+use crate::spec::check_len;
 use crate::{
-    Dtype, Element, Error, ErrorKind, Executable, Result, TensorSpec, check_len, compile_mlir,
-    encode,
+    Dtype, Element, Error, ErrorKind, Executable, Result, TensorSpec, compile_mlir, encode,
 };
 
 static NEXT_GRAPH_ID: AtomicU32 = AtomicU32::new(1);
