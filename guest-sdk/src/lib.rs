@@ -14,8 +14,9 @@
 //!   output), run it with [`Executable::call`] or [`Executable::call_donating`].
 //! * [`Element`]: the Rust types that map to XLA element types ([`Dtype`]).
 //! * [`graph`]: a StableHLO graph builder — write model graphs in Rust (element-wise math,
-//!   `dot_general` with a precision setting, reductions, gather, layer norm, softmax, GELU) with
-//!   shape checks as the graph is built; it emits MLIR the host compiles.
+//!   `dot_general` with `jax.lax.dot_general`'s arguments and a precision setting, reductions,
+//!   gather, layer norm, softmax, GELU) with shape checks as the graph is built; ops nest
+//!   (`g.add(g.matmul(x, w, Precision::Highest)?, b)?`). It emits MLIR the host compiles.
 //! * [`weights`]: read-only weight sets the host loaded once (`tpubox run --weights
 //!   NAME=FILE.safetensors`), opened by name, device-resident, shared between guests.
 //! * [`platform`] and [`devices`]: what the host runs on.

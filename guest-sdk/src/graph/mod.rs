@@ -109,6 +109,13 @@ impl Precision {
     }
 }
 
+/// The `dimension_numbers` of [`Graph::dot_general`], as in `jax.lax.dot_general`:
+/// `((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`, each a list of dims of one
+/// operand; the two lists of a pair have equal lengths and pair dims of equal sizes.
+///
+/// For example `((&[1], &[0]), (&[], &[]))` is a plain matrix product of `[m, k]` and `[k, n]`.
+pub type DotDimensionNumbers<'a> = ((&'a [u64], &'a [u64]), (&'a [u64], &'a [u64]));
+
 /// The comparison of [`Graph::compare`].
 ///
 /// Floats compare with IEEE semantics (any comparison with NaN is false except `Ne`); signed
@@ -163,8 +170,8 @@ impl Binary {
             Binary::Sub => "sub",
             Binary::Mul => "mul",
             Binary::Div => "div",
-            Binary::Maximum => "max",
-            Binary::Minimum => "min",
+            Binary::Maximum => "maximum",
+            Binary::Minimum => "minimum",
             Binary::Pow => "pow",
         }
     }

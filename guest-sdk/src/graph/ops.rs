@@ -1,7 +1,10 @@
 //! The ops of [`Graph`]: constants, element-wise math, contractions, shape ops, reductions,
 //! comparisons, gathers. Each checks its operands ([`super::shape`]) before it adds anything.
 
-use super::{Binary, Compare, Graph, Op, Precision, Reduction, Unary, Value, invalid, shape};
+use super::{
+    Binary, Compare, DotDimensionNumbers, Graph, Op, Precision, Reduction, Unary, Value, invalid,
+    shape,
+};
 use crate::spec::check_len;
 use crate::{Dtype, Element, Result, TensorSpec, encode};
 
@@ -17,8 +20,7 @@ impl Graph {
     /// program (`stablehlo.constant`; large constants use the compact hex form
     /// `dense<"0x...">`).
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if
-    /// `data.len()` is not the product of `dims`.
+    /// Errors: [`ErrorKind::InvalidArgument`] if `data.len()` is not the product of `dims`.
     pub fn constant<T: Element>(&self, data: &[T], dims: &[u64]) -> Result<Value> {
         check_len(T::DTYPE, dims, data.len()).map_err(|e| invalid("constant", e.message()))?;
         Ok(self.constant_bytes(TensorSpec::new(T::DTYPE, dims), encode(data)))
@@ -80,8 +82,8 @@ impl Graph {
 
     /// `a + b`, element-wise with numpy broadcasting.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if the dtypes
-    /// differ, the shapes do not broadcast, or the dtype is `pred`.
+    /// Errors: [`ErrorKind::InvalidArgument`] if the dtypes differ, the shapes do not
+    /// broadcast, or the dtype is `pred`.
     pub fn add(&self, a: Value, b: Value) -> Result<Value> {
         self.binary(Binary::Add, a, b)
     }
@@ -102,16 +104,21 @@ impl Graph {
         self.binary(Binary::Div, a, b)
     }
 
-    /// Element-wise maximum with numpy broadcasting (NaN propagates). Also accepts `pred`
-    /// (logical or). Errors: [`ErrorKind::InvalidArgument`]
-    /// if the dtypes differ or the shapes do not broadcast.
-    pub fn max(&self, a: Value, b: Value) -> Result<Value> {
+    /// Element-wise maximum with numpy broadcasting (NaN propagates), like `jax.lax.max` and
+    /// `jnp.maximum`; for the maximum over axes see [`Graph::reduce_max`]. Also accepts `pred`
+    /// (logical or).
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] if the dtypes differ or the shapes do not
+    /// broadcast.
+    pub fn maximum(&self, a: Value, b: Value) -> Result<Value> {
         self.binary(Binary::Maximum, a, b)
     }
 
-    /// Element-wise minimum with numpy broadcasting (NaN propagates). Also accepts `pred`
-    /// (logical and). Errors: as for [`Graph::max`].
-    pub fn min(&self, a: Value, b: Value) -> Result<Value> {
+    /// Element-wise minimum with numpy broadcasting (NaN propagates), like `jax.lax.min` and
+    /// `jnp.minimum`. Also accepts `pred` (logical and).
+    ///
+    /// Errors: as for [`Graph::maximum`].
+    pub fn minimum(&self, a: Value, b: Value) -> Result<Value> {
         self.binary(Binary::Minimum, a, b)
     }
 
@@ -128,44 +135,43 @@ impl Graph {
         Ok(self.push(s, Op::Unary(op), &[a]))
     }
 
-    /// `-a`, element-wise. Errors: [`ErrorKind::InvalidArgument`]
-    /// unless `a` is a float or signed integer.
+    /// `-a`, element-wise. Errors: [`ErrorKind::InvalidArgument`] unless `a` is a float or
+    /// signed integer.
     pub fn neg(&self, a: Value) -> Result<Value> {
         self.unary(Unary::Neg, a)
     }
 
-    /// `|a|`, element-wise. Errors: [`ErrorKind::InvalidArgument`]
-    /// unless `a` is a float or signed integer.
+    /// `|a|`, element-wise. Errors: [`ErrorKind::InvalidArgument`] unless `a` is a float or
+    /// signed integer.
     pub fn abs(&self, a: Value) -> Result<Value> {
         self.unary(Unary::Abs, a)
     }
 
-    /// `e^a`, element-wise. Errors: [`ErrorKind::InvalidArgument`]
-    /// unless `a` is a float.
+    /// `e^a`, element-wise. Errors: [`ErrorKind::InvalidArgument`] unless `a` is a float.
     pub fn exp(&self, a: Value) -> Result<Value> {
         self.unary(Unary::Exp, a)
     }
 
-    /// Natural logarithm, element-wise. Errors:
-    /// [`ErrorKind::InvalidArgument`] unless `a` is a float.
+    /// Natural logarithm, element-wise. Errors: [`ErrorKind::InvalidArgument`] unless `a` is a
+    /// float.
     pub fn log(&self, a: Value) -> Result<Value> {
         self.unary(Unary::Log, a)
     }
 
-    /// Hyperbolic tangent, element-wise. Errors:
-    /// [`ErrorKind::InvalidArgument`] unless `a` is a float.
+    /// Hyperbolic tangent, element-wise. Errors: [`ErrorKind::InvalidArgument`] unless `a` is
+    /// a float.
     pub fn tanh(&self, a: Value) -> Result<Value> {
         self.unary(Unary::Tanh, a)
     }
 
-    /// Square root, element-wise. Errors:
-    /// [`ErrorKind::InvalidArgument`] unless `a` is a float.
+    /// Square root, element-wise. Errors: [`ErrorKind::InvalidArgument`] unless `a` is a
+    /// float.
     pub fn sqrt(&self, a: Value) -> Result<Value> {
         self.unary(Unary::Sqrt, a)
     }
 
-    /// `1 / sqrt(a)`, element-wise. Errors:
-    /// [`ErrorKind::InvalidArgument`] unless `a` is a float.
+    /// `1 / sqrt(a)`, element-wise. Errors: [`ErrorKind::InvalidArgument`] unless `a` is a
+    /// float.
     pub fn rsqrt(&self, a: Value) -> Result<Value> {
         self.unary(Unary::Rsqrt, a)
     }
@@ -173,8 +179,7 @@ impl Graph {
     /// The error function, element-wise (`chlo.erf`, which XLA expands into its own rational
     /// approximation; on the CPU plugin f32 results are within 1e-6 of the exact value).
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] unless `a` is
-    /// a float.
+    /// Errors: [`ErrorKind::InvalidArgument`] unless `a` is a float.
     pub fn erf(&self, a: Value) -> Result<Value> {
         self.unary(Unary::Erf, a)
     }
@@ -189,34 +194,51 @@ impl Graph {
     // Contractions
     // -----------------------------------------------------------------------------------------
 
-    /// General tensor contraction (`stablehlo.dot_general`).
+    /// General tensor contraction (`stablehlo.dot_general`), with the arguments of
+    /// [`jax.lax.dot_general(lhs, rhs, dimension_numbers, precision)`][jax]:
     ///
-    /// `batch = (a_dims, b_dims)` pairs batch dims of `a` and `b` (equal sizes), `contract`
-    /// likewise pairs contracted dims. The result's dims are the batch dims (in the order
-    /// given), then `a`'s remaining dims, then `b`'s remaining dims, each in increasing order.
-    /// `precision` applies to both operands.
+    /// `dimension_numbers = ((lhs_contracting, rhs_contracting), (lhs_batch, rhs_batch))`
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if the dtypes
-    /// differ or are `pred`, a pair of lists has different lengths, a dim is out of range or
-    /// used twice in one operand, or paired dims have different sizes.
+    /// Each pair lists dims of `lhs` and the dims of `rhs` they pair with (equal sizes):
+    /// contracting dims are summed over, batch dims are kept. The result's dims are the batch
+    /// dims (in the order given), then `lhs`'s remaining dims, then `rhs`'s remaining dims,
+    /// each in increasing order, as in JAX. `precision` applies to both operands.
+    ///
+    /// ```no_run
+    /// # use tpubox_guest::{Dtype, graph::{Graph, Precision}};
+    /// # let g = Graph::new();
+    /// let q = g.parameter(Dtype::F32, &[2, 8, 12, 32]); // [batch, seq, heads, dim]
+    /// let k = g.parameter(Dtype::F32, &[2, 8, 12, 32]);
+    /// // scores[b, h, i, j] = Σ_d q[b, i, h, d] · k[b, j, h, d]; in JAX:
+    /// // lax.dot_general(q, k, (((3,), (3,)), ((0, 2), (0, 2))), precision=Precision.HIGHEST)
+    /// let scores = g.dot_general(q, k, ((&[3], &[3]), (&[0, 2], &[0, 2])), Precision::Highest)?;
+    /// assert_eq!(g.dims(scores), [2, 12, 8, 8]);
+    /// # Ok::<(), tpubox_guest::Error>(())
+    /// ```
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] if the dtypes differ or are `pred`, a pair of
+    /// lists has different lengths, a dim is out of range or used twice in one operand, or
+    /// paired dims have different sizes.
+    ///
+    /// [jax]: https://docs.jax.dev/en/latest/_autosummary/jax.lax.dot_general.html
     pub fn dot_general(
         &self,
-        a: Value,
-        b: Value,
-        batch: (&[u64], &[u64]),
-        contract: (&[u64], &[u64]),
+        lhs: Value,
+        rhs: Value,
+        dimension_numbers: DotDimensionNumbers<'_>,
         precision: Precision,
     ) -> Result<Value> {
         const OP: &str = "dot_general";
-        let sa = self.operand(OP, a)?;
-        let sb = self.operand(OP, b)?;
-        let out = shape::dot_general(OP, &sa, &sb, contract, batch)?;
+        let (contracting, batch) = dimension_numbers;
+        let sa = self.operand(OP, lhs)?;
+        let sb = self.operand(OP, rhs)?;
+        let out = shape::dot_general(OP, &sa, &sb, contracting, batch)?;
         let op = Op::DotGeneral {
-            contracting: (contract.0.to_vec(), contract.1.to_vec()),
+            contracting: (contracting.0.to_vec(), contracting.1.to_vec()),
             batch: (batch.0.to_vec(), batch.1.to_vec()),
             precision,
         };
-        Ok(self.push(out, op, &[a, b]))
+        Ok(self.push(out, op, &[lhs, rhs]))
     }
 
     /// Matrix product over the last two dims.
@@ -226,23 +248,18 @@ impl Graph {
     ///   index of `a` (e.g. `[B, S, K] × [K, N] → [B, S, N]`), without materialising a
     ///   broadcast.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if either
-    /// operand has rank below 2, the ranks differ while `b` is not rank 2, the leading dims
-    /// differ, `k` differs, or as for [`Graph::dot_general`].
+    /// Errors: [`ErrorKind::InvalidArgument`] if either operand has rank below 2, the ranks
+    /// differ while `b` is not rank 2, the leading dims differ, `k` differs, or as for
+    /// [`Graph::dot_general`].
     pub fn matmul(&self, a: Value, b: Value, precision: Precision) -> Result<Value> {
         const OP: &str = "matmul";
         let sa = self.operand(OP, a)?;
         let sb = self.operand(OP, b)?;
         let batch = shape::matmul(&sa, &sb)?;
-        let contract = [sa.rank() as u64 - 1, sb.rank() as u64 - 2];
-        self.dot_general(
-            a,
-            b,
-            (&batch, &batch),
-            (&contract[..1], &contract[1..]),
-            precision,
-        )
-        .map_err(|e| invalid(OP, e.message()))
+        // The last dim of `a` with the next-to-last of `b`.
+        let (ca, cb) = ([sa.rank() as u64 - 1], [sb.rank() as u64 - 2]);
+        self.dot_general(a, b, ((&ca, &cb), (&batch, &batch)), precision)
+            .map_err(|e| invalid(OP, e.message()))
     }
 
     // -----------------------------------------------------------------------------------------
@@ -253,9 +270,9 @@ impl Graph {
     /// dim `broadcast_dimensions[i]`; result dims not mapped to are filled by repetition, and
     /// an operand dim of size 1 stretches.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if
-    /// `broadcast_dimensions` does not have one distinct, in-range entry per operand dim, or an
-    /// operand dim is neither 1 nor the size of the result dim it maps to.
+    /// Errors: [`ErrorKind::InvalidArgument`] if `broadcast_dimensions` does not have one
+    /// distinct, in-range entry per operand dim, or an operand dim is neither 1 nor the size
+    /// of the result dim it maps to.
     pub fn broadcast_in_dim(
         &self,
         a: Value,
@@ -271,8 +288,8 @@ impl Graph {
     /// of 1 stretches; missing leading dims are added). Returns `a` itself if it already has
     /// `dims`.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if `a` has
-    /// more dims than `dims` or a dim is neither 1 nor equal to the target's.
+    /// Errors: [`ErrorKind::InvalidArgument`] if `a` has more dims than `dims` or a dim is
+    /// neither 1 nor equal to the target's.
     pub fn broadcast_to(&self, a: Value, dims: &[u64]) -> Result<Value> {
         let s = self.operand("broadcast_to", a)?;
         shape::broadcast_to(&s, dims)?;
@@ -295,8 +312,8 @@ impl Graph {
 
     /// Permutes the dims of `a`: result dim `i` is operand dim `permutation[i]`.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if
-    /// `permutation` is not a permutation of `0..rank`.
+    /// Errors: [`ErrorKind::InvalidArgument`] if `permutation` is not a permutation of
+    /// `0..rank`.
     pub fn transpose(&self, a: Value, permutation: &[u64]) -> Result<Value> {
         let s = self.operand("transpose", a)?;
         let out = shape::transpose(&s, permutation)?;
@@ -337,8 +354,8 @@ impl Graph {
     /// Sums `a` over `axes`, which are removed from the result (`f32[2,3,4]` over `[0, 2]` →
     /// `f32[3]`). `pred` sums are logical ors.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if an axis is
-    /// out of range or repeated, or `a` is complex.
+    /// Errors: [`ErrorKind::InvalidArgument`] if an axis is out of range or repeated, or `a`
+    /// is complex.
     pub fn reduce_sum(&self, a: Value, axes: &[u64]) -> Result<Value> {
         self.reduce(Reduction::Sum, a, axes)
     }
@@ -358,8 +375,7 @@ impl Graph {
     /// Converts `a` element-wise to dtype `to` (`stablehlo.convert`: float → integer truncates
     /// toward zero; to `pred` is `x != 0`). Returns `a` itself if it already has dtype `to`.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] for a complex
-    /// → real conversion.
+    /// Errors: [`ErrorKind::InvalidArgument`] for a complex → real conversion.
     pub fn convert(&self, a: Value, to: Dtype) -> Result<Value> {
         let s = self.operand("convert", a)?;
         if s.dtype == to {
@@ -371,9 +387,8 @@ impl Graph {
 
     /// Compares `a` and `b` element-wise with numpy broadcasting; the result is `pred`.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if the dtypes
-    /// differ or the shapes do not broadcast, or for an ordering (`Lt`, `Le`, `Gt`, `Ge`) of
-    /// complex values.
+    /// Errors: [`ErrorKind::InvalidArgument`] if the dtypes differ or the shapes do not
+    /// broadcast, or for an ordering (`Lt`, `Le`, `Gt`, `Ge`) of complex values.
     pub fn compare(&self, a: Value, b: Value, dir: Compare) -> Result<Value> {
         const OP: &str = "compare";
         let sa = self.operand(OP, a)?;
@@ -388,9 +403,8 @@ impl Graph {
     /// Element-wise `pred ? on_true : on_false`, all three broadcast together with numpy
     /// rules.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if `pred` is
-    /// not `pred`, `on_true` and `on_false` have different dtypes, or the three shapes do not
-    /// broadcast.
+    /// Errors: [`ErrorKind::InvalidArgument`] if `pred` is not `pred`, `on_true` and
+    /// `on_false` have different dtypes, or the three shapes do not broadcast.
     pub fn select(&self, pred: Value, on_true: Value, on_false: Value) -> Result<Value> {
         const OP: &str = "select";
         let sp = self.operand(OP, pred)?;
@@ -406,8 +420,8 @@ impl Graph {
     /// A tensor of `dtype` and `dims` whose elements equal their index along `axis`
     /// (`iota(s32, [2, 3], 1)` = `[[0, 1, 2], [0, 1, 2]]`).
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if `axis` is
-    /// not below the rank (so a scalar iota is an error) or `dtype` is `pred`.
+    /// Errors: [`ErrorKind::InvalidArgument`] if `axis` is not below the rank (so a scalar
+    /// iota is an error) or `dtype` is `pred`.
     pub fn iota(&self, dtype: Dtype, dims: &[u64], axis: u64) -> Result<Value> {
         let out = shape::iota(dtype, dims, axis)?;
         Ok(self.push(out, Op::Iota(axis), &[]))
@@ -421,8 +435,8 @@ impl Graph {
     /// giving `[I..., D...]` (`stablehlo.gather`). Out-of-range indices are clamped into
     /// `0..V` (gather semantics), not reported.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if `table` is
-    /// a scalar or `indices` is not an integer tensor.
+    /// Errors: [`ErrorKind::InvalidArgument`] if `table` is a scalar or `indices` is not an
+    /// integer tensor.
     pub fn take(&self, table: Value, indices: Value) -> Result<Value> {
         const OP: &str = "take";
         let st = self.operand(OP, table)?;
@@ -434,9 +448,8 @@ impl Graph {
     /// The elements of `a` from `start` (inclusive) to `limit` (exclusive) every `strides`
     /// along each dim; result dim `i` is `ceil((limit[i] - start[i]) / strides[i])`.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if a list's
-    /// length is not the rank, a start exceeds its limit, a limit exceeds the dim, or a stride
-    /// is 0.
+    /// Errors: [`ErrorKind::InvalidArgument`] if a list's length is not the rank, a start
+    /// exceeds its limit, a limit exceeds the dim, or a stride is 0.
     pub fn slice(&self, a: Value, start: &[u64], limit: &[u64], strides: &[u64]) -> Result<Value> {
         let s = self.operand("slice", a)?;
         let out = shape::slice(&s, start, limit, strides)?;
@@ -451,8 +464,8 @@ impl Graph {
     /// Joins `values` along `axis`; all must have the same dtype and rank, and equal dims
     /// except along `axis`. A single value is returned as is.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if `values` is
-    /// empty, `axis` is out of range, or the dtypes, ranks or other dims differ.
+    /// Errors: [`ErrorKind::InvalidArgument`] if `values` is empty, `axis` is out of range,
+    /// or the dtypes, ranks or other dims differ.
     pub fn concatenate(&self, values: &[Value], axis: u64) -> Result<Value> {
         const OP: &str = "concatenate";
         let specs = values

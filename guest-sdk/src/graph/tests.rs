@@ -146,8 +146,8 @@ fn elementwise_broadcasting() {
     for (name, r) in [
         ("sub", g.sub(a, b)),
         ("div", g.div(a, b)),
-        ("max", g.max(a, b)),
-        ("min", g.min(a, b)),
+        ("maximum", g.maximum(a, b)),
+        ("minimum", g.minimum(a, b)),
     ] {
         assert_eq!(g.dims(r.unwrap()), &[2, 3, 4], "{name}");
     }
@@ -169,7 +169,7 @@ fn elementwise_errors() {
         g.sub(p, p),
         &["sub: needs numeric operands, got pred[2] and pred[2]"],
     );
-    assert!(g.max(p, p).is_ok());
+    assert!(g.maximum(p, p).is_ok());
     assert_msg(g.exp(i), &["exp: needs a float operand, got s32[2,3]"]);
     assert_msg(g.erf(i), &["erf", "s32[2,3]"]);
     assert_msg(
@@ -207,7 +207,7 @@ fn dot_general_shapes_and_text() {
     let a = g.parameter(Dtype::F32, &[2, 3, 4]);
     let b = g.parameter(Dtype::F32, &[2, 5, 4]);
     let c = g
-        .dot_general(a, b, (&[0], &[0]), (&[2], &[2]), Precision::Highest)
+        .dot_general(a, b, ((&[2], &[2]), (&[0], &[0])), Precision::Highest)
         .unwrap();
     assert_eq!(g.dims(c), &[2, 3, 5]);
     let m = g.to_mlir(&[c]).unwrap();
@@ -218,37 +218,37 @@ fn dot_general_shapes_and_text() {
     let x = g.parameter(Dtype::F32, &[2, 3]);
     let y = g.parameter(Dtype::F32, &[4, 5]);
     assert_msg(
-        g.dot_general(x, y, (&[], &[]), (&[1], &[0]), Precision::Default),
+        g.dot_general(x, y, ((&[1], &[0]), (&[], &[])), Precision::Default),
         &["dot_general: contracting dims differ: f32[2,3] dim 1 (3) vs f32[4,5] dim 0 (4)"],
     );
     assert_msg(
-        g.dot_general(a, b, (&[0], &[1]), (&[2], &[2]), Precision::Default),
+        g.dot_general(a, b, ((&[2], &[2]), (&[0], &[1])), Precision::Default),
         &["dot_general: batch dims differ: f32[2,3,4] dim 0 (2) vs f32[2,5,4] dim 1 (5)"],
     );
     assert_msg(
-        g.dot_general(x, y, (&[], &[]), (&[1], &[]), Precision::Default),
+        g.dot_general(x, y, ((&[1], &[]), (&[], &[])), Precision::Default),
         &[
             "contracting dim lists differ in length",
             "f32[2,3] [1] vs f32[4,5] []",
         ],
     );
     assert_msg(
-        g.dot_general(x, y, (&[], &[]), (&[2], &[0]), Precision::Default),
+        g.dot_general(x, y, ((&[2], &[0]), (&[], &[])), Precision::Default),
         &["dot_general", "2 is out of range for f32[2,3]"],
     );
     assert_msg(
-        g.dot_general(a, b, (&[2], &[2]), (&[2], &[2]), Precision::Default),
+        g.dot_general(a, b, ((&[2], &[2]), (&[2], &[2])), Precision::Default),
         &["dot_general", "2 is repeated for f32[2,3,4]"],
     );
     let i = g.parameter(Dtype::S32, &[4, 5]);
     assert_msg(
-        g.dot_general(x, i, (&[], &[]), (&[1], &[0]), Precision::Default),
+        g.dot_general(x, i, ((&[1], &[0]), (&[], &[])), Precision::Default),
         &["dot_general: dtypes differ: f32[2,3] vs s32[4,5]"],
     );
     // No batching attribute when there are no batch dims; DEFAULT precision.
     let z = g.parameter(Dtype::F32, &[3, 7]);
     let w = g
-        .dot_general(x, z, (&[], &[]), (&[1], &[0]), Precision::High)
+        .dot_general(x, z, ((&[1], &[0]), (&[], &[])), Precision::High)
         .unwrap();
     assert_eq!(g.dims(w), &[2, 7]);
     let m = g.to_mlir(&[w]).unwrap();

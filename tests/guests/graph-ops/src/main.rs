@@ -118,8 +118,8 @@ fn main() {
         Ok(vec![c.g.div(a, b)?])
     });
     let binaries: [(&str, Binary); 3] = [
-        ("max", Graph::max),
-        ("min", Graph::min),
+        ("maximum", Graph::maximum),
+        ("minimum", Graph::minimum),
         ("pow", Graph::pow),
     ];
     for (name, f) in binaries {
@@ -163,8 +163,7 @@ fn main() {
         Ok(vec![c.g.dot_general(
             a,
             b,
-            (&[0], &[0]),
-            (&[2], &[2]),
+            ((&[2], &[2]), (&[0], &[0])),
             Precision::Highest,
         )?])
     });
