@@ -180,8 +180,8 @@ fn expected() -> BTreeMap<&'static str, Want> {
     let (a, b) = (f64s(&data(6, 6)), f64s(&pos(6, 7)));
     w.insert("div", rel((0..6).map(|i| a[i] / b[i]).collect()));
     let (a, b) = (f64s(&pos(4, 8)), f64s(&data(4, 9)));
-    w.insert("max", exact((0..4).map(|i| a[i].max(b[i])).collect()));
-    w.insert("min", exact((0..4).map(|i| a[i].min(b[i])).collect()));
+    w.insert("maximum", exact((0..4).map(|i| a[i].max(b[i])).collect()));
+    w.insert("minimum", exact((0..4).map(|i| a[i].min(b[i])).collect()));
     w.insert("pow", rel((0..4).map(|i| a[i].powf(b[i])).collect()));
 
     // Unary ops.

@@ -134,7 +134,7 @@ pub fn build_encoder(batch: u64, seq: u64) -> Result<Encoder> {
         (1..=MAX_POSITIONS).contains(&seq),
         "sequence length {seq} is outside 1..={MAX_POSITIONS}"
     );
-    let mut b = Builder {
+    let b = Builder {
         g: Graph::new(),
         batch,
         seq,
@@ -169,7 +169,7 @@ struct Layer {
 }
 
 impl Builder {
-    fn encoder(&mut self) -> Result<Value> {
+    fn encoder(&self) -> Result<Value> {
         let (bsz, s) = (self.batch, self.seq);
         // Parameters, in the order of `encoder_inputs` (weight_specs order).
         let mut params = weight_specs()
@@ -194,7 +194,7 @@ impl Builder {
             .collect();
         let ids = self.g.parameter(Dtype::S32, &[bsz, s]);
         let mask = self.g.parameter(Dtype::S32, &[bsz, s]);
-        let g = &mut self.g;
+        let g = &self.g;
 
         // Embeddings: word + token type (all 0) + position (0..seq), then LayerNorm.
         let x = g.take(word, ids)?; // [B,S,H]
@@ -207,7 +207,6 @@ impl Builder {
 
         // Additive attention bias over keys: 0 for real tokens, finfo(f32).min for padding
         // (what transformers does: (1 - mask) * min), shaped [B, heads, S_query, S_key].
-        let g = &mut self.g;
         let maskf = g.convert(mask, Dtype::F32)?; // [B,S]
         let one = g.scalar(1.0f32);
         let inv = g.sub(one, maskf)?;
@@ -220,77 +219,74 @@ impl Builder {
         }
 
         // Mean pooling over real tokens, then L2 normalization.
-        let g = &mut self.g;
         let m3 = g.broadcast_in_dim(maskf, &[bsz, s, HIDDEN], &[0, 1])?;
         let xm = g.mul(x, m3)?;
         let summed = g.reduce_sum(xm, &[1])?; // [B,H]
         let count = g.reduce_sum(maskf, &[1])?; // [B]
         let floor = g.scalar(POOL_MIN_COUNT);
-        let count = g.max(count, floor)?;
+        let count = g.maximum(count, floor)?;
         let count = g.broadcast_in_dim(count, &[bsz, HIDDEN], &[0])?;
         let mean = g.div(summed, count)?;
         let sq = g.mul(mean, mean)?;
         let norm = g.reduce_sum(sq, &[1])?;
         let norm = g.sqrt(norm)?;
         let eps = g.scalar(NORMALIZE_EPS);
-        let norm = g.max(norm, eps)?;
+        let norm = g.maximum(norm, eps)?;
         let norm = g.broadcast_in_dim(norm, &[bsz, HIDDEN], &[0])?;
         Ok(g.div(mean, norm)?)
     }
 
     /// One BERT layer (post-LayerNorm): self-attention, residual + LN, GELU MLP, residual + LN.
-    fn layer(&mut self, x: Value, w: &Layer, bias: Value) -> Result<Value> {
+    fn layer(&self, x: Value, w: &Layer, bias: Value) -> Result<Value> {
         let (bsz, s) = (self.batch, self.seq);
         let heads = [bsz, s, HEADS, HEAD_DIM];
         let q = self.linear(x, w.q)?;
         let k = self.linear(x, w.k)?;
         let v = self.linear(x, w.v)?;
-        let g = &mut self.g;
+        let g = &self.g;
         let q = g.reshape(q, &heads)?; // [B,S,h,d]
         let k = g.reshape(k, &heads)?;
         let v = g.reshape(v, &heads)?;
         // scores[b,h,i,j] = q[b,i,h,:]·k[b,j,h,:] / sqrt(d)
-        let scores = g.dot_general(q, k, (&[0, 2], &[0, 2]), (&[3], &[3]), Precision::Highest)?;
+        let scores = g.dot_general(q, k, ((&[3], &[3]), (&[0, 2], &[0, 2])), Precision::Highest)?;
         let scale = g.scalar((HEAD_DIM as f32).sqrt());
         let scores = g.div(scores, scale)?;
         let scores = g.add(scores, bias)?;
         let probs = self.softmax_last(scores)?; // [B,h,S,S]
-        let g = &mut self.g;
         // ctx[b,h,i,:] = Σ_j probs[b,h,i,j] v[b,j,h,:]
         let ctx = g.dot_general(
             probs,
             v,
-            (&[0, 1], &[0, 2]),
-            (&[3], &[1]),
+            ((&[3], &[1]), (&[0, 1], &[0, 2])),
             Precision::Highest,
         )?;
         let ctx = g.transpose(ctx, &[0, 2, 1, 3])?; // [B,S,h,d]
         let ctx = g.reshape(ctx, &[bsz, s, HIDDEN])?;
         let a = self.linear(ctx, w.attn_out)?;
-        let a = self.g.add(a, x)?;
+        let a = g.add(a, x)?;
         let x = self.layer_norm(a, w.attn_ln)?;
 
         let h = self.linear(x, w.inter)?;
         let h = self.gelu(h)?;
         let o = self.linear(h, w.out)?;
-        let o = self.g.add(o, x)?;
+        let o = g.add(o, x)?;
         self.layer_norm(o, w.out_ln)
     }
 
     /// PyTorch `Linear`: `x·Wᵀ + b` with `W` as `[out, in]`, contracting x's last axis.
-    fn linear(&mut self, x: Value, (w, b): (Value, Value)) -> Result<Value> {
+    fn linear(&self, x: Value, (w, b): (Value, Value)) -> Result<Value> {
         let last = self.g.dims(x).len() as u64 - 1;
         let y = self
             .g
-            .dot_general(x, w, (&[], &[]), (&[last], &[1]), Precision::Highest)?;
+            .dot_general(x, w, ((&[last], &[1]), (&[], &[])), Precision::Highest)?;
         Ok(self.g.add(y, b)?)
     }
 
     /// LayerNorm over the last axis: `(x - mean) / sqrt(var + eps) * gamma + beta`, with the
     /// biased variance.
-    fn layer_norm(&mut self, x: Value, (gamma, beta): (Value, Value)) -> Result<Value> {
-        let g = &mut self.g;
-        let dims = g.dims(x).to_vec();
+    fn layer_norm(&self, x: Value, (gamma, beta): (Value, Value)) -> Result<Value> {
+        let g = &self.g;
+        let dims = g.dims(x);
         let last = dims.len() as u64 - 1;
         let keep: Vec<u64> = (0..last).collect();
         let n = g.scalar(1.0f32 / dims[last as usize] as f32);
@@ -311,9 +307,9 @@ impl Builder {
     }
 
     /// Softmax over the last axis, shifted by the row maximum.
-    fn softmax_last(&mut self, x: Value) -> Result<Value> {
-        let g = &mut self.g;
-        let dims = g.dims(x).to_vec();
+    fn softmax_last(&self, x: Value) -> Result<Value> {
+        let g = &self.g;
+        let dims = g.dims(x);
         let last = dims.len() as u64 - 1;
         let keep: Vec<u64> = (0..last).collect();
         let m = g.reduce_max(x, &[last])?;
@@ -326,8 +322,8 @@ impl Builder {
     }
 
     /// Exact GELU: `0.5 · x · (1 + erf(x / √2))` (`hidden_act = "gelu"` in transformers).
-    fn gelu(&mut self, x: Value) -> Result<Value> {
-        let g = &mut self.g;
+    fn gelu(&self, x: Value) -> Result<Value> {
+        let g = &self.g;
         let inv_sqrt2 = g.scalar(std::f32::consts::FRAC_1_SQRT_2);
         let t = g.mul(x, inv_sqrt2)?;
         let t = g.erf(t)?;
