@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # tpubox developer entry point. On a fresh machine it installs what is missing, then:
 #   bash scripts/dev.sh setup   # only set up: system packages, Rust target, PJRT header and plugin, builds
-#   bash scripts/dev.sh demo    # set up, then embed a few sentences with MiniLM in a sandboxed guest
+#   bash scripts/dev.sh demo    # set up what the demo needs, then embed a few sentences with MiniLM
 #   bash scripts/dev.sh test    # set up, then run every test
+#   bash scripts/dev.sh lint    # fmt --check, clippy and doc with warnings denied (CI runs it)
 #   bash scripts/dev.sh bench   # set up, then run the benchmarks (prints tables)
 #   bash scripts/dev.sh polyglot  # only the C/Python/JavaScript guest tools and guests
 #   bash scripts/dev.sh fuzz [SECONDS]  # fuzz the WIT host calls (fuzz/, target wit_calls; default 600 s)
@@ -35,10 +36,23 @@ log() { printf '\033[1m[dev.sh]\033[0m %s\n' "$*" >&2; }
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
-setup_system() {
+# What every command needs: libclang for bindgen, python3 with pip (plugin and model wheels),
+# and the Rust target guests are built for.
+setup_core() {
   local missing=()
   [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang*.so >/dev/null 2>&1 || missing+=(libclang-dev)
   command -v python3 >/dev/null || missing+=(python3 python3-pip)
+  install_debian "${missing[@]}"
+  if ! rustup target list --installed | grep -qx wasm32-wasip2; then
+    log "adding Rust target wasm32-wasip2"
+    rustup target add wasm32-wasip2
+  fi
+}
+
+# What the tests need beyond that: the C/Python/JavaScript guest toolchains and moto's S3 server.
+setup_system() {
+  setup_core
+  local missing=()
   python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
   command -v npm >/dev/null || missing+=(nodejs npm)
   # C guests: clang and wasm-ld for wasm32-wasi, WASI's libc, and clang's wasm32 builtins.
@@ -46,20 +60,19 @@ setup_system() {
   for pkg in clang lld wasi-libc libclang-rt-14-dev-wasm32; do
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
   done
-  if [ ${#missing[@]} -gt 0 ]; then
-    log "installing Debian packages: ${missing[*]}"
-    as_root apt-get update -qq
-    as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "${missing[@]}" >/dev/null
-  fi
+  install_debian "${missing[@]}"
   # moto's S3 server, started on loopback by the tier-3 compile-cache tests.
   if ! command -v moto_server >/dev/null; then
     log "installing moto[server]==5.2.1 (S3 server for the tier-3 cache tests)"
     python3 -m pip install --disable-pip-version-check -q "moto[server]==5.2.1"
   fi
-  if ! rustup target list --installed | grep -qx wasm32-wasip2; then
-    log "adding Rust target wasm32-wasip2"
-    rustup target add wasm32-wasip2
-  fi
+}
+
+install_debian() {
+  [ $# -gt 0 ] || return 0
+  log "installing Debian packages: $*"
+  as_root apt-get update -qq
+  as_root env DEBIAN_FRONTEND=noninteractive apt-get install -y -qq "$@" >/dev/null
 }
 
 setup_header() {
@@ -76,15 +89,24 @@ setup_header() {
   rm -rf "$tmp"
 }
 
-build() {
+build_host() {
   log "building the host (release)"
   cargo build --release -p tpubox-host
-  log "installing the default CPU plugin and the MiniLM model files"
-  "$TARGET/release/tpubox" setup cpu minilm
-  for g in "${GUESTS[@]}"; do
+}
+
+build_guests() {
+  local g
+  for g in "$@"; do
     log "building guest $g (wasm32-wasip2)"
     cargo build --release --target wasm32-wasip2 -p "$g"
   done
+}
+
+build() {
+  build_host
+  log "installing the default CPU plugin and the MiniLM model files"
+  "$TARGET/release/tpubox" setup cpu minilm
+  build_guests "${GUESTS[@]}"
 }
 
 # `cargo install`s one pinned tool into $TOOLS/NAME-VER, building in a throwaway target dir so
@@ -243,8 +265,11 @@ case "$cmd" in
   setup) setup ;;
   polyglot) setup_system; setup_polyglot_tools; build_polyglot ;;
   demo)
-    setup
+    # Only what the demo uses: no guest toolchains for other languages, no test servers.
+    setup_core; setup_header; build_host
+    "$TARGET/release/tpubox" setup cpu >/dev/null
     model="$("$TARGET/release/tpubox" setup minilm | sed -n 's/^minilm: //p')"
+    build_guests minilm-embed
     log "embedding sentences with all-MiniLM-L6-v2 in a sandboxed guest (examples/minilm-embed)"
     "$TARGET/release/tpubox" run --weights "minilm=$model/model.safetensors" --dir "$model::/model" \
       "$TARGET/wasm32-wasip2/release/minilm-embed.wasm" -- "${@:2}" </dev/null
@@ -253,6 +278,16 @@ case "$cmd" in
     setup
     log "running the tests"
     cargo test --release --workspace
+    ;;
+  lint)
+    # The gates CI runs besides the tests (.ci/run): formatting, clippy, docs; warnings fail.
+    setup_core; setup_header
+    log "cargo fmt --check"
+    cargo fmt --all -- --check
+    log "cargo clippy (warnings are errors)"
+    cargo clippy --workspace --all-targets -- -D warnings
+    log "cargo doc (warnings are errors)"
+    RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
     ;;
   bench)
     setup
@@ -267,7 +302,7 @@ case "$cmd" in
     fuzz "${2:-600}"
     ;;
   *)
-    echo "usage: bash scripts/dev.sh setup|demo|test|bench|polyglot|fuzz [SECONDS]" >&2
+    echo "usage: bash scripts/dev.sh setup|demo|test|lint|bench|polyglot|fuzz [SECONDS]" >&2
     exit 2
     ;;
 esac

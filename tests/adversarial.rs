@@ -16,18 +16,15 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use tpubox::device::Arg;
+use tpubox::session::{ExecutableHandle, TensorHandle};
 use tpubox::weights::WeightRegistry;
 use tpubox::wit::generated::tpubox::device::client::{CompileOptions, Host as _, ProgramFormat};
-use tpubox::wit::generated::tpubox::device::types::{
-    Dtype, HostTensor,
-};
+use tpubox::wit::generated::tpubox::device::types::{Dtype, HostTensor};
 use tpubox::wit::generated::tpubox::device::weights::{Host as _, HostWeightSet as _};
-use tpubox::session::{ExecutableHandle, TensorHandle};
 use tpubox::wit::{DeviceState, HostError, HostResult};
 use tpubox::{
     DeviceService, ErrorKind, Host, HostConfig, PrimitiveType, RunOptions, RunOutcome, Session,
-    Tenant,
-    TenantLimits,
+    Tenant, TenantLimits,
 };
 use wasmtime::component::{Component, Resource};
 
@@ -1038,11 +1035,7 @@ async fn direct_wit_cases(e: &mut Env) {
     // Donation: of a weight, twice, and use after.
     let mut d = Direct::new(host, &t);
     let exe = d.add().await;
-    let set = d
-        .ctx()
-        .open("test".into())
-        .await
-        .expect("weights `test`");
+    let set = d.ctx().open("test".into()).await.expect("weights `test`");
     let w = d
         .ctx()
         .get(Resource::new_borrow(set.rep()), "w".into())

@@ -17,7 +17,11 @@ fn fuzz_regressions_pass() {
         .filter(|p| p.extension().is_some_and(|x| x == "hex"))
         .collect();
     inputs.sort();
-    assert!(inputs.len() >= 4, "regression inputs missing from {}", dir.display());
+    assert!(
+        inputs.len() >= 4,
+        "regression inputs missing from {}",
+        dir.display()
+    );
     for path in &inputs {
         let text = std::fs::read_to_string(path).unwrap();
         let bytes = hex::decode(text.trim())

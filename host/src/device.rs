@@ -10,9 +10,7 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use pjrt::{
-    Buffer, Client, CompileOptions, Device, PrimitiveType, Program, ProgramFormat,
-};
+use pjrt::{Buffer, Client, CompileOptions, Device, PrimitiveType, Program, ProgramFormat};
 
 use crate::cache::{CompileCache, Entry, PluginIdentity, cache_key};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
@@ -20,8 +18,8 @@ use crate::scheduler::FairShare;
 use crate::tenant::Tenant;
 pub use crate::types::{
     Arg, Call, Compiled, DeviceExecutable, DeviceInfo, DeviceTensor, MAX_RANK, PlatformInfo,
-    TensorSpec, check_tensor_bytes, checked_byte_size, dims_from_u64, format_spec,
-    parse_spec_list, validate_args,
+    TensorSpec, check_tensor_bytes, checked_byte_size, dims_from_u64, format_spec, parse_spec_list,
+    validate_args,
 };
 
 /// Default largest program accepted by [`DeviceService::compile`], in bytes (64 MiB).
@@ -451,4 +449,3 @@ fn tidy_compile_message(msg: &str) -> String {
         real.join("\n")
     }
 }
-

@@ -5,8 +5,8 @@ use std::process::ExitCode;
 use std::time::Duration;
 
 use anyhow::{Context, Result, bail};
-use clap::{Args, Parser, Subcommand};
 use clap::builder::TypedValueParser;
+use clap::{Args, Parser, Subcommand};
 use tpubox::cache::{CacheConfig, CacheMode, DiskCache, RemoteCache};
 use tpubox::{
     Host, HostConfig, NamedValue, RunOptions, SandboxConfig, Tenant, TenantLimits, plugin,

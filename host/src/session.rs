@@ -28,8 +28,8 @@ use crate::device::DeviceService;
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
 use crate::tenant::{Charge, ChargeKind, Tenant, TenantUsage};
 use crate::types::{
-    Call, DeviceExecutable, DeviceInfo, DeviceTensor, PlatformInfo, TensorSpec,
-    check_tensor_bytes, dims_from_u64, spec_byte_size,
+    Call, DeviceExecutable, DeviceInfo, DeviceTensor, PlatformInfo, TensorSpec, check_tensor_bytes,
+    dims_from_u64, spec_byte_size,
 };
 use crate::weights::{WeightRegistry, WeightSet};
 
@@ -312,10 +312,7 @@ impl Session {
         self.tenant.admit_compile(code.len())?;
         let charge = self.tenant.charge_executable()?;
         let text = format == ProgramFormat::MlirText;
-        let exe = self
-            .device
-            .compile(code, text, device.unwrap_or(0))
-            .await?;
+        let exe = self.device.compile(code, text, device.unwrap_or(0)).await?;
         Ok(ExecutableHandle {
             session: self.id,
             exe,
@@ -368,7 +365,12 @@ impl Session {
                 h.restore(held);
             }
         };
-        for (i, (h, _)) in args.iter().zip(&donated).enumerate().filter(|(_, (_, d))| **d) {
+        for (i, (h, _)) in args
+            .iter()
+            .zip(&donated)
+            .enumerate()
+            .filter(|(_, (_, d))| **d)
+        {
             match h.take() {
                 Some(held) => taken.push((h, held)),
                 None => {
@@ -381,10 +383,7 @@ impl Session {
             }
         }
         let credit = taken.iter().map(|(_, h)| h.charged_bytes()).sum();
-        let charges = match self
-            .tenant
-            .charge_tensors(&exe.exe.output_bytes(), credit)
-        {
+        let charges = match self.tenant.charge_tensors(&exe.exe.output_bytes(), credit) {
             Ok(c) => c,
             Err(e) => {
                 restore(taken);

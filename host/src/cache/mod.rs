@@ -32,8 +32,8 @@ pub use error::{CacheError, CacheResult};
 pub use key::{CacheKey, PluginIdentity, cache_key};
 pub use remote::{RemoteCache, RemoteUsage};
 
-pub use crate::types::Compiled;
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
+pub use crate::types::Compiled;
 use crate::types::{DeviceExecutable, spec_list};
 
 /// How the cache may be used. Parsed from and printed as its kebab-case name (`read-write`,
@@ -88,7 +88,10 @@ impl std::str::FromStr for CacheMode {
             .find(|m| m.as_str() == s)
             .ok_or_else(|| {
                 let names: Vec<&str> = Self::ALL.iter().map(|m| m.as_str()).collect();
-                format!("unknown cache mode {s:?}; expected one of {}", names.join(", "))
+                format!(
+                    "unknown cache mode {s:?}; expected one of {}",
+                    names.join(", ")
+                )
             })
     }
 }

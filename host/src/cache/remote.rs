@@ -75,6 +75,9 @@ impl RemoteCache {
         K: AsRef<str>,
         V: Into<String>,
     {
+        // reqwest is built without a TLS crypto provider of its own (`rustls-no-provider`):
+        // give the process ring's, unless the embedder installed one first.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let bad = |reason: String| CacheError::Url {
             url: url.to_string(),
             reason,
@@ -211,7 +214,10 @@ mod tests {
         let other = CacheKey([8; 32]);
         let path = dir.path().join(format!("fleet/{other}{OBJECT_SUFFIX}"));
         std::fs::write(&path, disk::encode(&key, &entry())).unwrap();
-        assert!(matches!(r.get(&other).await, Err(CacheError::Corrupt { .. })));
+        assert!(matches!(
+            r.get(&other).await,
+            Err(CacheError::Corrupt { .. })
+        ));
         // A flipped byte is refused.
         let path = dir.path().join(format!("fleet/{key}{OBJECT_SUFFIX}"));
         let mut bytes = std::fs::read(&path).unwrap();
