@@ -1,6 +1,6 @@
 //! hello-matmul: the smallest useful tpubox guest.
 //!
-//! Computes `tanh(x · w + b)` for x: f32[2,3], w: f32[3,4], b: f32[4] on the host's device with
+//! Computes `tanh(x · w + b)` for x: `f32[2,3]`, w: `f32[3,4]`, b: `f32[4]` on the host's device with
 //! a StableHLO program, recomputes it in plain Rust inside the guest, and checks that both
 //! agree (max abs diff <= 1e-5). It exits with status 1 and a message on stderr if they do not,
 //! and with status 2 on bad arguments.
@@ -39,15 +39,15 @@ const M: usize = 2;
 const K: usize = 3;
 const N: usize = 4;
 
-/// x: f32[2,3], row-major (before `--scale`).
+/// x: `f32[2,3]`, row-major (before `--scale`).
 const X: [f32; M * K] = [0.5, -1.25, 2.0, 1.5, 0.25, -0.75];
-/// w: f32[3,4], row-major.
+/// w: `f32[3,4]`, row-major.
 const W: [f32; K * N] = [
     0.2, -0.4, 0.1, 0.3, //
     -0.3, 0.15, 0.25, -0.2, //
     0.05, 0.1, -0.35, 0.4,
 ];
-/// b: f32[4].
+/// b: `f32[4]`.
 const B: [f32; N] = [0.1, -0.2, 0.05, -0.15];
 
 /// Largest accepted absolute difference between device and guest results.

@@ -8,7 +8,7 @@
 //! - `errors`: makes bad calls straight through the raw bindings (bypassing the SDK's own
 //!   checks) and prints the error kind the host returned for each.
 //! - `donate`: donates a tensor and checks it can no longer be used.
-//! - `weights`: opens the host's weight set `test` (tensor `w`: f32[2,2]) and checks names,
+//! - `weights`: opens the host's weight set `test` (tensor `w`: `f32[2,2]`) and checks names,
 //!   specs, reads, use in an execution and that donating a weight is refused.
 //! - `noop`: returns at once (for timing instantiation).
 //! - `exec-loop N`: executes a scalar add N times with inputs kept on the device and prints the
