@@ -64,10 +64,17 @@ pub struct Host {
 /// Loads the plugin `config.plugin` resolves to, creates a PJRT client with
 /// `config.client_options`, and puts the compile cache `config.cache` in front of it.
 ///
-/// Errors: no plugin found (the message names the setup command), a plugin that fails to load
-/// or whose PJRT API version is too old, or a client that cannot be created.
+/// Before loading an accelerator plugin (`tpu`, `cuda`) it checks that this machine has the
+/// accelerator ([`crate::accelerator::check`]), so a wrong plugin fails at once, without the
+/// plugin ever running. It does not set environment variables for the plugin: a process does
+/// that with [`crate::plugin_env::prepare`] at the start of `main`, as `tpubox` does.
+///
+/// Errors: no plugin found (the message names the setup command), the plugin's accelerator is
+/// missing ([`crate::accelerator::Missing`], one line), a plugin that fails to load or whose
+/// PJRT API version is too old, or a client that cannot be created.
 pub fn open_device(config: &HostConfig) -> Result<Arc<DeviceService>> {
     let path = crate::plugin::resolve(config.plugin.as_deref())?;
+    crate::accelerator::check(&path)?;
     let plugin =
         Plugin::load(&path).with_context(|| format!("loading PJRT plugin {}", path.display()))?;
     let opts: Vec<(&str, NamedValue)> = config

@@ -13,12 +13,15 @@
 //!   weights, handle ownership, execution slots) is decided here, for every front door;
 //! - [`wit`]: the thin glue from the WIT interfaces to [`session`];
 //! - [`sandbox`]: wasmtime engine, component cache, per-guest stores, limits and deadlines;
+//! - [`accelerator`]: checking, before a plugin loads, that the machine has its accelerator;
+//! - [`plugin_env`]: the environment plugins start with (quiet logs, no metadata query);
 //! - [`host`]: the embedding API ([`Host`]);
 //! - [`plugin`]: finding and installing PJRT plugins and model packages;
 //! - [`npy`] and [`exec`]: `tpubox exec`, running a StableHLO program on `.npy` files.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
+pub mod accelerator;
 pub mod cache;
 pub mod device;
 pub mod error;
@@ -26,6 +29,7 @@ pub mod exec;
 pub mod host;
 pub mod npy;
 pub mod plugin;
+pub mod plugin_env;
 pub mod sandbox;
 pub mod scheduler;
 pub mod session;

@@ -167,6 +167,8 @@ async fn cache_command(action: CacheAction, args: &CacheArgs) -> Result<bool> {
 struct DeviceArgs {
     /// PJRT plugin: a name (cpu, xla-cpu, tpu, cuda) or a path to a plugin .so. Default:
     /// $TPUBOX_PJRT_PLUGIN, then $PJRT_NAMES_AND_LIBRARY_PATHS, then what `setup` installed.
+    /// tpu and cuda are loaded only on a machine that has the chip
+    /// (TPUBOX_SKIP_ACCELERATOR_CHECK=1 skips that check).
     #[arg(long, value_name = "NAME|PATH")]
     plugin: Option<String>,
     /// Number of devices the CPU plugin exposes (its `cpu_device_count` create option).
@@ -370,6 +372,11 @@ async fn main_inner() -> Result<bool> {
                 };
                 let lib = plugin::install(p)?;
                 println!("{}: {}", p.name, lib.display());
+                if let Some(a) = tpubox::accelerator::Accelerator::for_library(&lib)
+                    && let Err(missing) = tpubox::accelerator::detect(a, std::path::Path::new("/"))
+                {
+                    eprintln!("tpubox setup: note: {missing}");
+                }
             }
             Ok(true)
         }
@@ -416,8 +423,12 @@ async fn main_inner() -> Result<bool> {
     }
 }
 
-#[tokio::main]
-async fn main() -> ExitCode {
+fn main() -> ExitCode {
+    // First, while this is the process's only thread (the runtime below starts more): the
+    // environment variables the plugins read when they load (quiet logs; no TPU metadata query
+    // on a machine without a TPU). Setting them later would not be sound; see
+    // `tpubox::plugin_env`.
+    let env_set = tpubox::plugin_env::prepare();
     tracing_subscriber::fmt()
         .with_env_filter(
             tracing_subscriber::EnvFilter::try_from_env("TPUBOX_LOG")
@@ -425,7 +436,21 @@ async fn main() -> ExitCode {
         )
         .with_writer(std::io::stderr)
         .init();
-    match main_inner().await {
+    match env_set {
+        Ok(names) => tracing::debug!(?names, "set for the PJRT plugin"),
+        Err(e) => tracing::debug!("plugin environment left as it is: {e}"),
+    }
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
+        Ok(r) => r,
+        Err(e) => {
+            eprintln!("tpubox: starting the async runtime: {e}");
+            return ExitCode::from(2);
+        }
+    };
+    match runtime.block_on(main_inner()) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
         Err(e) => {

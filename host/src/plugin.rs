@@ -319,6 +319,25 @@ mod tests {
         assert_eq!(known("cpu").unwrap().package, "lammps-jax-pjrt-cpu");
     }
 
+    /// The accelerator check identifies `tpu` and `cuda` by their installed library's name, and
+    /// no CPU plugin as an accelerator one.
+    #[test]
+    fn accelerator_plugins_match_their_libraries() {
+        use crate::accelerator::Accelerator;
+        for a in Accelerator::ALL {
+            let p = known(a.plugin_name()).unwrap();
+            assert_eq!(
+                Path::new(p.library).file_name().unwrap(),
+                a.library_file_name()
+            );
+            assert_eq!(Accelerator::for_library(Path::new(p.library)), Some(a));
+        }
+        for name in ["cpu", "xla-cpu"] {
+            let lib = known(name).unwrap().library;
+            assert_eq!(Accelerator::for_library(Path::new(lib)), None, "{name}");
+        }
+    }
+
     #[test]
     fn missing_install_names_the_setup_command() {
         let p = KnownPackage {

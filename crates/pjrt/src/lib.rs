@@ -4,7 +4,8 @@
 //! `GetPjrtApi`. This crate loads plugins ([`Plugin`]), creates clients ([`Client`]), moves data
 //! between host and device ([`Buffer`], [`HostBytes`]), compiles StableHLO/HLO programs
 //! ([`Program`], [`CompileOptions`], [`LoadedExecutable`]) and runs them ([`Execution`],
-//! [`Event`]).
+//! [`Event`]). [`set_unset_vars`] sets the environment variables a plugin reads when it loads,
+//! while that is sound (the process has one thread).
 //!
 //! All `unsafe` code of the tpubox project lives in this crate; every `unsafe` block carries a
 //! `// SAFETY:` comment. Plugin failures come back as [`Error`] values (never panics), and
@@ -41,6 +42,7 @@ mod host_bytes;
 mod mapped_file;
 mod named_value;
 mod plugin;
+mod process_env;
 mod program;
 mod types;
 
@@ -55,6 +57,7 @@ pub use host_bytes::HostBytes;
 pub use mapped_file::MappedFile;
 pub use named_value::NamedValue;
 pub use plugin::Plugin;
+pub use process_env::set_unset_vars;
 pub use program::{Program, ProgramFormat};
 pub use types::{PrimitiveType, TensorSpec};
 
