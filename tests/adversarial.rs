@@ -8,7 +8,7 @@
 //! needs `target/polyglot/js-mlp.wasm` (`bash scripts/dev.sh setup`).
 
 mod support;
-use support::{polyglot_wasm, test_host_config, wasm};
+use support::{hello_expected, polyglot_wasm, test_host_config, wasm};
 
 use std::collections::HashSet;
 use std::path::PathBuf;
@@ -124,31 +124,6 @@ fn line<'a>(out: &'a str, key: &str) -> &'a str {
     out.lines()
         .find_map(|l| l.strip_prefix(&prefix))
         .unwrap_or_else(|| panic!("no `{key}:` line in output:\n{out}"))
-}
-
-const HELLO_X: [f32; 6] = [0.5, -1.25, 2.0, 1.5, 0.25, -0.75];
-const HELLO_W: [f32; 12] = [
-    0.2, -0.4, 0.1, 0.3, //
-    -0.3, 0.15, 0.25, -0.2, //
-    0.05, 0.1, -0.35, 0.4,
-];
-const HELLO_B: [f32; 4] = [0.1, -0.2, 0.05, -0.15];
-
-/// `tanh(x · w + b)` for hello-matmul's inputs with x scaled by `scale`.
-fn hello_expected(scale: f32) -> Vec<Vec<f32>> {
-    let x: Vec<f32> = HELLO_X.iter().map(|v| v * scale).collect();
-    (0..2)
-        .map(|i| {
-            (0..4)
-                .map(|j| {
-                    let acc: f64 = (0..3)
-                        .map(|k| f64::from(x[i * 3 + k]) * f64::from(HELLO_W[k * 4 + j]))
-                        .sum();
-                    (acc + f64::from(HELLO_B[j])).tanh() as f32
-                })
-                .collect()
-        })
-        .collect()
 }
 
 /// Asserts that no usage is left on `t`'s books.

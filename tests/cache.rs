@@ -1,6 +1,8 @@
 //! The compile cache (tiers 1 and 2) on the CPU plugin: single-flight, multi-process safety,
 //! corruption handling, key isolation between plugins, and the read-only / cache-only modes.
 
+mod support;
+
 use std::path::Path;
 use std::sync::Arc;
 
@@ -31,27 +33,7 @@ fn service(dir: &Path, mode: CacheMode, plugin: Option<&str>) -> Arc<DeviceServi
 
 /// Compiles SCALE and checks it computes 2.5·x.
 async fn compile_and_check(svc: &Arc<DeviceService>) -> Result<(), tpubox::DeviceError> {
-    let exe = svc.compile(SCALE.as_bytes().to_vec(), true, 0).await?;
-    let x = [1.0f32, -2.0, 0.5, 8.0];
-    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let t = svc.tensor_from_bytes(PrimitiveType::F32, &[4], &bytes, 0)?;
-    let out = svc
-        .execute(
-            &exe,
-            &[Arg {
-                tensor: &t,
-                donate: false,
-            }],
-        )
-        .await?;
-    let got: Vec<f32> = svc
-        .read(&out[0])
-        .await?
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    assert_eq!(got, vec![2.5, -5.0, 1.25, 20.0]);
-    Ok(())
+    support::scale_and_check(svc, SCALE, 2.5).await
 }
 
 fn entries(dir: &Path) -> Vec<std::path::PathBuf> {

@@ -1,6 +1,8 @@
 //! Tier 3 of the compile cache: a `file://` store and a real S3-compatible server (moto) on
 //! loopback, the race between fetching and compiling, background uploads, and the modes.
 
+mod support;
+
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::Path;
@@ -43,27 +45,7 @@ fn service_with(disk: &Path, mode: CacheMode, remote: &str, opts: &Options) -> A
 
 /// Compiles SCALE and checks it computes -1.5·x.
 async fn compile_and_check(svc: &Arc<DeviceService>) -> Result<(), tpubox::DeviceError> {
-    let exe = svc.compile(SCALE.as_bytes().to_vec(), true, 0).await?;
-    let x = [1.0f32, -2.0, 0.5, 8.0];
-    let bytes: Vec<u8> = x.iter().flat_map(|v| v.to_le_bytes()).collect();
-    let t = svc.tensor_from_bytes(PrimitiveType::F32, &[4], &bytes, 0)?;
-    let out = svc
-        .execute(
-            &exe,
-            &[Arg {
-                tensor: &t,
-                donate: false,
-            }],
-        )
-        .await?;
-    let got: Vec<f32> = svc
-        .read(&out[0])
-        .await?
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect();
-    assert_eq!(got, vec![-1.5, 3.0, -0.75, -12.0]);
-    Ok(())
+    support::scale_and_check(svc, SCALE, -1.5).await
 }
 
 fn file_url(dir: &Path) -> String {

@@ -4,7 +4,7 @@
 //! checked against values computed here in plain Rust, not against the guest's own output.
 
 mod support;
-use support::{test_host_config, wasm};
+use support::{hello_expected, test_host_config, wasm};
 
 use std::path::PathBuf;
 use std::sync::{Arc, OnceLock};
@@ -88,30 +88,6 @@ fn line<'a>(out: &'a str, key: &str) -> &'a str {
 fn kind<'a>(out: &'a str, key: &str) -> &'a str {
     line(out, key).split(' ').next().unwrap()
 }
-
-// Inputs of examples/hello-matmul, restated here; the expected result is computed below.
-fn hello_expected(scale: f32) -> Vec<Vec<f32>> {
-    let x: Vec<f32> = (0..6).map(|i| HELLO_X[i] * scale).collect();
-    let mut out = vec![vec![0f32; 4]; 2];
-    for (i, row) in out.iter_mut().enumerate() {
-        for (j, v) in row.iter_mut().enumerate() {
-            let mut acc = 0f64;
-            for k in 0..3 {
-                acc += x[i * 3 + k] as f64 * HELLO_W[k * 4 + j] as f64;
-            }
-            *v = (acc + HELLO_B[j] as f64).tanh() as f32;
-        }
-    }
-    out
-}
-
-const HELLO_X: [f32; 6] = [0.5, -1.25, 2.0, 1.5, 0.25, -0.75];
-const HELLO_W: [f32; 12] = [
-    0.2, -0.4, 0.1, 0.3, //
-    -0.3, 0.15, 0.25, -0.2, //
-    0.05, 0.1, -0.35, 0.4,
-];
-const HELLO_B: [f32; 4] = [0.1, -0.2, 0.05, -0.15];
 
 fn parse_result(out: &str) -> Vec<Vec<f32>> {
     serde_json::from_str(line(out, "result")).expect("result line is a JSON matrix")
