@@ -7,7 +7,6 @@ use std::path::Path;
 use std::sync::Arc;
 
 use tpubox::cache::{CacheConfig, CacheMode, DiskCache};
-use tpubox::device::Arg;
 use tpubox::{DeviceService, ErrorKind, HostConfig, PrimitiveType};
 
 const SCALE: &str = r#"

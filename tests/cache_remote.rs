@@ -12,8 +12,7 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tpubox::cache::{CacheConfig, CacheMode, CompileCache, Compiled, DiskCache, RemoteCache};
-use tpubox::device::Arg;
-use tpubox::{DeviceService, ErrorKind, HostConfig, PrimitiveType};
+use tpubox::{DeviceService, ErrorKind, HostConfig};
 
 const SCALE: &str = r#"
 func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {

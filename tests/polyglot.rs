@@ -6,7 +6,6 @@
 //! are computed here in plain Rust from the same CSV text and weight formulas, not taken from the
 //! guests.
 
-#[allow(dead_code)] // `wasm()` is for the Rust guests of the other test binaries
 mod support;
 use support::{polyglot_wasm, test_host_config};
 
