@@ -35,6 +35,35 @@ unsafe impl Send for LoadedExecutable {}
 unsafe impl Sync for LoadedExecutable {}
 
 /// Result of [`LoadedExecutable::execute`].
+/// Memory an executable needs while it runs, in bytes (`xla::CompiledMemoryStats`). "Device"
+/// fields are the default memory space (HBM on GPU and TPU; host RAM for the CPU plugin); the
+/// `host_*` fields are host memory used alongside it. Negative values from a plugin read as 0.
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct CompiledMemoryStats {
+    /// Size of the generated code.
+    pub generated_code_bytes: u64,
+    /// Size of the arguments.
+    pub argument_bytes: u64,
+    /// Size of the outputs.
+    pub output_bytes: u64,
+    /// Argument bytes reused for outputs (donation / aliasing).
+    pub alias_bytes: u64,
+    /// Temporary buffers the program allocates while running.
+    pub temp_bytes: u64,
+    /// Host-memory counterpart of `generated_code_bytes`.
+    pub host_generated_code_bytes: u64,
+    /// Host-memory counterpart of `argument_bytes`.
+    pub host_argument_bytes: u64,
+    /// Host-memory counterpart of `output_bytes`.
+    pub host_output_bytes: u64,
+    /// Host-memory counterpart of `alias_bytes`.
+    pub host_alias_bytes: u64,
+    /// Host-memory counterpart of `temp_bytes`.
+    pub host_temp_bytes: u64,
+    /// Peak device memory, when the plugin reports it (0 otherwise).
+    pub peak_bytes: u64,
+}
+
 #[derive(Debug)]
 pub struct Execution {
     /// One buffer per program result, in order. They become ready asynchronously.
@@ -217,6 +246,46 @@ impl LoadedExecutable {
                 args.executable_fingerprint_size,
             )
         })
+    }
+
+    /// What the executable needs in memory while it runs
+    /// (`PJRT_Executable_GetCompiledMemoryStats`; the fields mirror `xla::CompiledMemoryStats`,
+    /// per the C API header).
+    ///
+    /// Errors: `Unimplemented` when the plugin lacks the call (API < 0.42) or does not implement
+    /// it; the plugin's error.
+    pub fn compiled_memory_stats(&self) -> Result<CompiledMemoryStats> {
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_Executable_GetCompiledMemoryStats)?;
+        let mut args = sys::PJRT_Executable_GetCompiledMemoryStats_Args::new();
+        args.executable = self.exe;
+        // SAFETY: live executable; header-sized args whose outputs are plain integers.
+        api.check(unsafe { f(&mut args) })?;
+        let b = |v: i64| u64::try_from(v).unwrap_or(0);
+        Ok(CompiledMemoryStats {
+            generated_code_bytes: b(args.generated_code_size_in_bytes),
+            argument_bytes: b(args.argument_size_in_bytes),
+            output_bytes: b(args.output_size_in_bytes),
+            alias_bytes: b(args.alias_size_in_bytes),
+            temp_bytes: b(args.temp_size_in_bytes),
+            host_generated_code_bytes: b(args.host_generated_code_size_in_bytes),
+            host_argument_bytes: b(args.host_argument_size_in_bytes),
+            host_output_bytes: b(args.host_output_size_in_bytes),
+            host_alias_bytes: b(args.host_alias_size_in_bytes),
+            host_temp_bytes: b(args.host_temp_size_in_bytes),
+            peak_bytes: b(args.peak_memory_in_bytes),
+        })
+    }
+
+    /// What the optimized program does that a host may want to refuse before running it:
+    /// `while` loops and their trip counts, host transfers, custom-call targets (decoded from
+    /// [`optimized_program`](Self::optimized_program)).
+    ///
+    /// Errors: as [`optimized_program`](Self::optimized_program); `Internal` if it does not
+    /// decode.
+    pub fn program_facts(&self) -> Result<hlo::ProgramFacts> {
+        let (format, code) = self.optimized_program()?;
+        hlo::program_facts(&format, &code)
     }
 
     /// Platform-specific serialization (`PJRT_Executable_Serialize`), loadable with
