@@ -368,24 +368,37 @@ impl DeviceService {
     /// Runs a validated [`Call`] after waiting for an execution slot in the fair-share queue
     /// ([`FairShare`]); the device time is charged to `tenant`.
     ///
-    /// The wait and the execution run in a task of their own that keeps the slot until the
-    /// device is done: PJRT executions cannot be cancelled, so a caller that gives up (a guest
-    /// stopped at its deadline) must not hand the slot to another tenant while the device is
-    /// still busy.
+    /// PJRT executions cannot be cancelled, so once the program is submitted the slot and the
+    /// argument tensors travel with the execution, not with the caller: they are released by
+    /// the device's completion callback. A caller that gives up (a guest stopped at its
+    /// deadline) cannot hand the slot to another tenant, or free an argument, while the device
+    /// is still busy. Waiting for the slot is cancel-safe.
     ///
-    /// Errors: `execution-failed` from the device; `internal` if the task fails.
+    /// Errors: `execution-failed` from the device; `internal` if the completion was lost.
     pub async fn execute_for(
-        self: &Arc<Self>,
+        &self,
         tenant: &Arc<Tenant>,
         call: Call,
     ) -> DeviceResult<Vec<DeviceTensor>> {
-        let (svc, tenant) = (Arc::clone(self), Arc::clone(tenant));
-        tokio::spawn(async move {
-            let _slot = svc.scheduler.acquire(&tenant).await;
-            svc.execute_validated(call.executable(), &call.args()).await
-        })
-        .await
-        .map_err(|e| DeviceError::new(ErrorKind::Internal, format!("execution task failed: {e}")))?
+        let slot = self.scheduler.acquire(tenant).await;
+        let (outputs, done) = self.submit(call.executable(), &call.args())?;
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        done.on_ready(move |status| {
+            drop(slot);
+            // Hand the arguments back to the caller to drop; if it is gone, drop them on the
+            // blocking pool rather than in the plugin's callback thread.
+            if let Err((_, call)) = tx.send((status, call))
+                && let Some(rt) = runtime
+            {
+                rt.spawn_blocking(move || drop(call));
+            }
+        });
+        let (status, _call) = rx.await.map_err(|_| {
+            DeviceError::new(ErrorKind::Internal, "the execution's completion was lost")
+        })?;
+        status.map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed))?;
+        Ok(outputs)
     }
 
     /// Executes `exe` with borrowed arguments, donating those marked, and awaits completion.
@@ -410,6 +423,20 @@ impl DeviceService {
         exe: &DeviceExecutable,
         args: &[Arg<'_>],
     ) -> DeviceResult<Vec<DeviceTensor>> {
+        let (outputs, done) = self.submit(exe, args)?;
+        done.wait()
+            .await
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed))?;
+        Ok(outputs)
+    }
+
+    /// Submits an execution of validated arguments; returns its outputs (ready once `Event`
+    /// is) and the completion event.
+    fn submit(
+        &self,
+        exe: &DeviceExecutable,
+        args: &[Arg<'_>],
+    ) -> DeviceResult<(Vec<DeviceTensor>, pjrt::Event)> {
         let buffers: Vec<&Buffer> = args.iter().map(|a| a.tensor.buffer()).collect();
         let donate: Vec<usize> = args
             .iter()
@@ -421,16 +448,13 @@ impl DeviceService {
             .loaded()
             .execute(&buffers, &donate)
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed))?;
-        run.done
-            .wait()
-            .await
-            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed))?;
-        Ok(run
+        let outputs = run
             .outputs
             .into_iter()
             .zip(exe.outputs())
             .map(|(buffer, spec)| DeviceTensor::new(buffer, spec.clone(), exe.device()))
-            .collect())
+            .collect();
+        Ok((outputs, run.done))
     }
 }
 

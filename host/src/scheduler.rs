@@ -22,15 +22,21 @@ struct Queue {
 /// Fair sharing of one device's execution slots between tenants; see the module docs.
 #[derive(Debug)]
 pub struct FairShare {
+    inner: Arc<Inner>,
+}
+
+#[derive(Debug)]
+struct Inner {
     slots: usize,
     queue: Mutex<Queue>,
 }
 
 /// A granted execution slot; finishing it (drop) records the device time and wakes the next
-/// waiter.
+/// waiter. It owns its share of the scheduler, so it can travel with an execution (for example
+/// into the callback that runs when the device is done) independently of whoever asked for it.
 #[derive(Debug)]
-pub struct Slot<'a> {
-    share: &'a FairShare,
+pub struct Slot {
+    share: Arc<Inner>,
     tenant: Arc<Tenant>,
     start: Instant,
 }
@@ -39,21 +45,23 @@ impl FairShare {
     /// A scheduler that lets `slots` executions run at once (at least 1).
     pub fn new(slots: usize) -> Self {
         FairShare {
-            slots: slots.max(1),
-            queue: Mutex::new(Queue::default()),
+            inner: Arc::new(Inner {
+                slots: slots.max(1),
+                queue: Mutex::new(Queue::default()),
+            }),
         }
     }
 
     /// How many executions may run at once.
     pub fn slots(&self) -> usize {
-        self.slots
+        self.inner.slots
     }
 
     /// Waits for a slot for `tenant`. Cancel-safe: dropping the future gives up the place.
-    pub async fn acquire(&self, tenant: &Arc<Tenant>) -> Slot<'_> {
+    pub async fn acquire(&self, tenant: &Arc<Tenant>) -> Slot {
         let rx = {
-            let mut q = self.queue.lock().expect("scheduler lock");
-            if q.running < self.slots && q.waiting.is_empty() {
+            let mut q = self.inner.queue.lock().expect("scheduler lock");
+            if q.running < self.inner.slots && q.waiting.is_empty() {
                 q.running += 1;
                 None
             } else {
@@ -62,7 +70,7 @@ impl FairShare {
                 let key = (tenant.device_ns(), q.seq);
                 q.waiting.insert(key, tx);
                 Some(WaitGuard {
-                    share: self,
+                    share: &self.inner,
                     key,
                     rx,
                     granted: false,
@@ -75,12 +83,14 @@ impl FairShare {
             guard.granted = true;
         }
         Slot {
-            share: self,
+            share: Arc::clone(&self.inner),
             tenant: Arc::clone(tenant),
             start: Instant::now(),
         }
     }
+}
 
+impl Inner {
     fn release(&self) {
         let mut q = self.queue.lock().expect("scheduler lock");
         q.running -= 1;
@@ -97,7 +107,7 @@ impl FairShare {
 
 /// Removes a cancelled waiter, or passes on a grant it received but can no longer use.
 struct WaitGuard<'a> {
-    share: &'a FairShare,
+    share: &'a Inner,
     key: (u64, u64),
     rx: tokio::sync::oneshot::Receiver<()>,
     granted: bool,
@@ -119,7 +129,7 @@ impl Drop for WaitGuard<'_> {
     }
 }
 
-impl Drop for Slot<'_> {
+impl Drop for Slot {
     fn drop(&mut self) {
         self.tenant.record_execution(self.start.elapsed());
         self.share.release();

@@ -34,7 +34,6 @@ unsafe impl Send for LoadedExecutable {}
 // SAFETY: as above.
 unsafe impl Sync for LoadedExecutable {}
 
-/// Result of [`LoadedExecutable::execute`].
 /// Memory an executable needs while it runs, in bytes (`xla::CompiledMemoryStats`). "Device"
 /// fields are the default memory space (HBM on GPU and TPU; host RAM for the CPU plugin); the
 /// `host_*` fields are host memory used alongside it. Negative values from a plugin read as 0.
@@ -64,6 +63,7 @@ pub struct CompiledMemoryStats {
     pub peak_bytes: u64,
 }
 
+/// Result of [`LoadedExecutable::execute`].
 #[derive(Debug)]
 pub struct Execution {
     /// One buffer per program result, in order. They become ready asynchronously.
