@@ -18,10 +18,36 @@ use crate::types::{PrimitiveType, TensorSpec};
 
 /// `xla.HloModuleProtoWithConfig` (`xla/service/hlo.proto`): `hlo_module = 1`, `config = 2`
 /// (skipped). Format `"hlo_with_config"` of the optimized program (seen with API 0.115).
+/// `HloModuleProtoWithConfig` with its module left encoded (`hlo_module = 1`).
 #[derive(Clone, PartialEq, prost::Message)]
 struct HloModuleProtoWithConfig {
-    #[prost(message, optional, tag = "1")]
-    hlo_module: Option<HloModuleProto>,
+    #[prost(bytes = "vec", tag = "1")]
+    hlo_module: Vec<u8>,
+}
+
+/// The encoded `HloModuleProto` inside an optimized program of `format`.
+fn module_bytes<'a>(format: &str, code: &'a [u8]) -> Result<std::borrow::Cow<'a, [u8]>> {
+    match format {
+        "hlo" => Ok(std::borrow::Cow::Borrowed(code)),
+        "hlo_with_config" => {
+            let m = HloModuleProtoWithConfig::decode(code)
+                .map_err(decode_err)?
+                .hlo_module;
+            if m.is_empty() {
+                return Err(Error::internal(
+                    "HloModuleProtoWithConfig has no hlo_module",
+                ));
+            }
+            Ok(std::borrow::Cow::Owned(m))
+        }
+        other => Err(Error::unimplemented(format!(
+            "optimized program has format {other:?}; expected \"hlo\" or \"hlo_with_config\""
+        ))),
+    }
+}
+
+fn decode_err(e: prost::DecodeError) -> Error {
+    Error::internal(format!("cannot decode optimized program: {e}"))
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -50,12 +76,6 @@ struct ShapeProto {
 
 /// `xla_data.proto` `PrimitiveType.TUPLE`.
 const TUPLE: i32 = 13;
-
-#[derive(Clone, PartialEq, prost::Message)]
-struct HloModuleWithConfigFacts {
-    #[prost(message, optional, tag = "1")]
-    hlo_module: Option<HloModuleFacts>,
-}
 
 #[derive(Clone, PartialEq, prost::Message)]
 struct HloModuleFacts {
@@ -122,20 +142,7 @@ fn known_trip_count(config: &[u8]) -> Option<u64> {
 }
 
 pub(crate) fn program_facts(format: &str, code: &[u8]) -> Result<ProgramFacts> {
-    let decode_err =
-        |e: prost::DecodeError| Error::internal(format!("cannot decode optimized program: {e}"));
-    let m = match format {
-        "hlo" => HloModuleFacts::decode(code).map_err(decode_err)?,
-        "hlo_with_config" => HloModuleWithConfigFacts::decode(code)
-            .map_err(decode_err)?
-            .hlo_module
-            .ok_or_else(|| Error::internal("HloModuleProtoWithConfig has no hlo_module"))?,
-        other => {
-            return Err(Error::unimplemented(format!(
-                "optimized program has format {other:?}; expected \"hlo\" or \"hlo_with_config\""
-            )));
-        }
-    };
+    let m = HloModuleFacts::decode(&*module_bytes(format, code)?).map_err(decode_err)?;
     let mut facts = ProgramFacts::default();
     let mut transfers = std::collections::BTreeSet::new();
     let mut targets = std::collections::BTreeSet::new();
@@ -166,20 +173,7 @@ pub(crate) fn program_facts(format: &str, code: &[u8]) -> Result<ProgramFacts> {
 /// Errors: `Unimplemented` for another format, a tuple parameter or an unsupported element
 /// type; `Internal` if the bytes do not decode or lack `host_program_shape`.
 pub(crate) fn parameter_specs(format: &str, code: &[u8]) -> Result<Vec<TensorSpec>> {
-    let decode_err =
-        |e: prost::DecodeError| Error::internal(format!("cannot decode optimized program: {e}"));
-    let m = match format {
-        "hlo" => HloModuleProto::decode(code).map_err(decode_err)?,
-        "hlo_with_config" => HloModuleProtoWithConfig::decode(code)
-            .map_err(decode_err)?
-            .hlo_module
-            .ok_or_else(|| Error::internal("HloModuleProtoWithConfig has no hlo_module"))?,
-        other => {
-            return Err(Error::unimplemented(format!(
-                "optimized program has format {other:?}; expected \"hlo\" or \"hlo_with_config\""
-            )));
-        }
-    };
+    let m = HloModuleProto::decode(&*module_bytes(format, code)?).map_err(decode_err)?;
     let shape = m
         .host_program_shape
         .ok_or_else(|| Error::internal("optimized HloModuleProto has no host_program_shape"))?;
@@ -295,7 +289,7 @@ mod tests {
         };
         let specs = parameter_specs("hlo", &m.encode_to_vec()).unwrap();
         let wrapped = HloModuleProtoWithConfig {
-            hlo_module: Some(m.clone()),
+            hlo_module: m.encode_to_vec(),
         };
         assert_eq!(
             parameter_specs("hlo_with_config", &wrapped.encode_to_vec()).unwrap(),
