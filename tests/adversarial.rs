@@ -46,6 +46,7 @@ fn limits() -> TenantLimits {
         max_guest_memory: 32 << 20,
         max_call_time: Some(Duration::from_secs(20)),
         fuel: None,
+        program_policy: Default::default(),
     }
 }
 

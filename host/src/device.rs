@@ -10,9 +10,10 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use pjrt::{Buffer, Client, CompileOptions, Device, PrimitiveType, Program, ProgramFormat};
+use pjrt::{Buffer, Client, CompileOptions, Device, NamedValue, PrimitiveType};
 
 use crate::cache::{CompileCache, Entry, PluginIdentity, cache_key};
+use crate::compiler::{CompileIsolation, WorkerTarget, compile_in_worker, compile_program};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
 use crate::scheduler::FairShare;
 use crate::tenant::Tenant;
@@ -24,6 +25,10 @@ pub use crate::types::{
 
 /// Default largest program accepted by [`DeviceService::compile`], in bytes (64 MiB).
 pub const DEFAULT_MAX_PROGRAM_BYTES: usize = 64 << 20;
+
+/// How long an execution may run before the host logs it as possibly stuck (it cannot be
+/// cancelled; its tenant's usage counts it in `executions_running`).
+pub const STUCK_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Executions that run on the device at once by default (see [`DeviceService::with_execution_slots`]).
 pub const DEFAULT_EXECUTION_SLOTS: usize = 2;
@@ -38,6 +43,9 @@ pub struct DeviceService {
     cache: Option<Arc<CompileCache>>,
     identity: OnceLock<PluginIdentity>,
     scheduler: FairShare,
+    isolation: CompileIsolation,
+    /// Set when compiles go to workers (a worker is configured and the platform allows it).
+    worker_target: Option<WorkerTarget>,
 }
 
 impl std::fmt::Debug for DeviceService {
@@ -76,6 +84,11 @@ impl DeviceService {
             cache: None,
             identity: OnceLock::new(),
             scheduler: FairShare::new(DEFAULT_EXECUTION_SLOTS),
+            isolation: CompileIsolation {
+                worker: None,
+                ..CompileIsolation::default()
+            },
+            worker_target: None,
         })
     }
 
@@ -91,6 +104,38 @@ impl DeviceService {
     pub fn with_execution_slots(mut self, slots: usize) -> Self {
         self.scheduler = FairShare::new(slots);
         self
+    }
+
+    /// Compiles tenants' programs as `isolation` says ([`crate::compiler`]); workers create
+    /// their clients with `client_options`, as this service's was. Workers are used only on
+    /// platforms whose client a second process may create (the CPU plugins); elsewhere
+    /// programs compile in this process, and a warning says so.
+    pub fn with_compile_isolation(
+        mut self,
+        isolation: CompileIsolation,
+        client_options: Vec<(String, NamedValue)>,
+    ) -> Self {
+        self.worker_target = match &isolation.worker {
+            Some(_) if self.platform.name.eq_ignore_ascii_case("cpu") => Some(WorkerTarget {
+                plugin: self.client.plugin().path().to_path_buf(),
+                client_options,
+            }),
+            Some(_) => {
+                tracing::warn!(
+                    platform = %self.platform.name,
+                    "compile workers need a second client of the plugin, which this platform does not allow; compiling in process"
+                );
+                None
+            }
+            None => None,
+        };
+        self.isolation = isolation;
+        self
+    }
+
+    /// How programs are compiled, and whether workers are in use.
+    pub fn compile_isolation(&self) -> (&CompileIsolation, bool) {
+        (&self.isolation, self.worker_target.is_some())
     }
 
     /// The execution scheduler.
@@ -257,7 +302,7 @@ impl DeviceService {
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
         let Some(cache) = self.cache.clone() else {
             return self
-                .compile_on_blocking_thread(code, options, device)
+                .compile_somewhere(code, options, device)
                 .await
                 .map(|c| c.exe);
         };
@@ -273,7 +318,7 @@ impl DeviceService {
             .get_or_compile(
                 key,
                 move |entry| this.load_entry(entry, device),
-                || self.compile_on_blocking_thread(code, options, device),
+                || self.compile_somewhere(code, options, device),
             )
             .await
     }
@@ -298,49 +343,66 @@ impl DeviceService {
         options: CompileOptions,
         device: u32,
     ) -> DeviceResult<Compiled> {
-        let start = Instant::now();
-        let program = Program {
-            format: ProgramFormat::Mlir,
-            code,
-        };
-        let exe = self.client.compile(&program, &options).map_err(|e| {
-            let mut err = DeviceError::from_pjrt(e, ErrorKind::CompileFailed);
-            err.message = tidy_compile_message(&err.message);
-            err
-        })?;
-        let compile_ms = start.elapsed().as_secs_f64() * 1e3;
+        let c = compile_program(&self.client, &self.platform.plugin_path, code, &options)?;
         // Serialize right away: on the CPU plugin, an executable containing `sort` fails
         // `PJRT_Executable_Serialize` once it has run.
         let serialized = match self.cache {
-            Some(_) => exe.serialize().ok(),
+            Some(_) => c.exe.serialize().ok(),
             None => None,
-        };
-        let unsupported = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Unsupported);
-        let inputs = exe.parameter_specs().map_err(unsupported)?;
-        let outputs = exe.output_specs().map_err(unsupported)?;
-        let fingerprint = match exe.fingerprint() {
-            Ok(f) if !f.is_empty() => f,
-            _ => {
-                use sha2::{Digest, Sha256};
-                let mut h = Sha256::new();
-                h.update(b"mlir\0");
-                h.update(&program.code);
-                h.update(options.to_bytes().unwrap_or_default());
-                h.update(self.platform.plugin_path.as_bytes());
-                hex::encode(h.finalize())
-            }
         };
         Ok(Compiled {
             exe: Arc::new(DeviceExecutable::new(
-                exe,
-                inputs,
-                outputs,
+                c.exe,
+                c.inputs,
+                c.outputs,
                 device,
-                fingerprint,
+                c.fingerprint,
             )),
             serialized,
+            compile_ms: c.compile_ms,
+        })
+    }
+
+    /// Compiles in a worker process ([`crate::compiler`]) and loads the result like a cache
+    /// entry.
+    async fn compile_in_worker(
+        self: &Arc<Self>,
+        worker: &std::path::Path,
+        target: &WorkerTarget,
+        code: Vec<u8>,
+        device: u32,
+    ) -> DeviceResult<Compiled> {
+        let entry =
+            compile_in_worker(&self.isolation, worker, target, code, i64::from(device)).await?;
+        let compile_ms = entry.meta.compile_ms;
+        let serialized = entry.executable.clone();
+        let this = Arc::clone(self);
+        let exe = tokio::task::spawn_blocking(move || this.load_entry(entry, device))
+            .await
+            .map_err(|e| {
+                DeviceError::new(ErrorKind::Internal, format!("loading task failed: {e}"))
+            })??;
+        Ok(Compiled {
+            exe,
+            serialized: Some(serialized),
             compile_ms,
         })
+    }
+
+    /// Compiles where the isolation settings say: in a worker when one is configured and this
+    /// platform allows a second client, else on the blocking pool.
+    async fn compile_somewhere(
+        self: &Arc<Self>,
+        code: Vec<u8>,
+        options: CompileOptions,
+        device: u32,
+    ) -> DeviceResult<Compiled> {
+        match (&self.isolation.worker, &self.worker_target) {
+            (Some(worker), Some(target)) => {
+                self.compile_in_worker(worker, target, code, device).await
+            }
+            _ => self.compile_on_blocking_thread(code, options, device).await,
+        }
     }
 
     /// Loads a tier-2 cache entry as an executable for device `device`.
@@ -394,7 +456,20 @@ impl DeviceService {
                 rt.spawn_blocking(move || drop(call));
             }
         });
-        let (status, _call) = rx.await.map_err(|_| {
+        let mut rx = rx;
+        let finished = tokio::select! {
+            r = &mut rx => r,
+            () = tokio::time::sleep(STUCK_AFTER) => {
+                tracing::warn!(
+                    target: "tpubox::device",
+                    tenant = tenant.name(),
+                    seconds = STUCK_AFTER.as_secs(),
+                    "an execution is still running; PJRT cannot cancel it, so it keeps its slot until the device finishes (usage: executions_running)"
+                );
+                rx.await
+            }
+        };
+        let (status, _call) = finished.map_err(|_| {
             DeviceError::new(ErrorKind::Internal, "the execution's completion was lost")
         })?;
         status.map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed))?;
@@ -455,21 +530,5 @@ impl DeviceService {
             .map(|(buffer, spec)| DeviceTensor::new(buffer, spec.clone(), exe.device()))
             .collect();
         Ok((outputs, run.done))
-    }
-}
-
-/// Drops the plugin's generic "Failed to parse using StableHLO vX…" hint when the message holds
-/// a real diagnostic, and trailing blank lines.
-fn tidy_compile_message(msg: &str) -> String {
-    let lines: Vec<&str> = msg.lines().filter(|l| !l.trim().is_empty()).collect();
-    let real: Vec<&str> = lines
-        .iter()
-        .copied()
-        .filter(|l| !l.contains("Failed to parse using StableHLO"))
-        .collect();
-    if real.is_empty() {
-        lines.join("\n")
-    } else {
-        real.join("\n")
     }
 }

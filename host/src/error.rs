@@ -44,6 +44,26 @@ impl ErrorKind {
     }
 }
 
+impl ErrorKind {
+    /// Every kind, in the order of the WIT enum.
+    pub const ALL: [ErrorKind; 9] = [
+        ErrorKind::InvalidArgument,
+        ErrorKind::NotFound,
+        ErrorKind::FailedPrecondition,
+        ErrorKind::PermissionDenied,
+        ErrorKind::ResourceExhausted,
+        ErrorKind::Unsupported,
+        ErrorKind::CompileFailed,
+        ErrorKind::ExecutionFailed,
+        ErrorKind::Internal,
+    ];
+
+    /// The kind whose [`as_str`](Self::as_str) is `name`, if any.
+    pub fn from_name(name: &str) -> Option<ErrorKind> {
+        Self::ALL.into_iter().find(|k| k.as_str() == name)
+    }
+}
+
 /// An error from a device operation: its [`ErrorKind`] and a message saying what was expected.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct DeviceError {

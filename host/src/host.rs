@@ -18,6 +18,7 @@ use pjrt::{Client, NamedValue, Plugin};
 use wasmtime::component::Component;
 
 use crate::cache::{CacheConfig, CacheMode, CompileCache};
+use crate::compiler::CompileIsolation;
 use crate::device::{DEFAULT_MAX_PROGRAM_BYTES, DeviceService};
 use crate::sandbox::{RunOptions, RunOutcome, Sandbox, SandboxConfig};
 use crate::weights::{WeightRegistry, WeightSet};
@@ -39,6 +40,8 @@ pub struct HostConfig {
     pub sandbox: SandboxConfig,
     /// Compile cache settings.
     pub cache: CacheConfig,
+    /// Where tenants' programs are compiled: in a contained worker process, or in this one.
+    pub compile_isolation: CompileIsolation,
 }
 
 impl Default for HostConfig {
@@ -50,6 +53,7 @@ impl Default for HostConfig {
             execution_slots: crate::device::DEFAULT_EXECUTION_SLOTS,
             sandbox: SandboxConfig::default(),
             cache: CacheConfig::default(),
+            compile_isolation: CompileIsolation::default(),
         }
     }
 }
@@ -84,7 +88,11 @@ pub fn open_device(config: &HostConfig) -> Result<Arc<DeviceService>> {
         .collect();
     let client = Client::new(&plugin, &opts).context("creating the PJRT client")?;
     let mut service = DeviceService::new(client, config.max_program_bytes)?
-        .with_execution_slots(config.execution_slots);
+        .with_execution_slots(config.execution_slots)
+        .with_compile_isolation(
+            config.compile_isolation.clone(),
+            config.client_options.clone(),
+        );
     if config.cache.mode != CacheMode::Off {
         let cache = CompileCache::new(config.cache.clone()).context("opening the compile cache")?;
         service = service.with_cache(Arc::new(cache));

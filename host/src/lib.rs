@@ -7,6 +7,7 @@
 //! - [`tenant`]: tenants, their limits, charges and usage;
 //! - [`scheduler`]: fair sharing of a device's execution slots between tenants;
 //! - [`cache`]: the compile cache (in-process, host-disk and remote tiers) and its keys;
+//! - [`compiler`]: running the XLA compiler, in process or contained in a worker process;
 //! - [`device`]: the PJRT client shared by all tenants, with validation before every PJRT call;
 //! - [`weights`]: named, read-only weight sets shared by all tenants;
 //! - [`session`]: one tenant connection; every tenant rule (charges, donation, read-only
@@ -23,6 +24,7 @@
 
 pub mod accelerator;
 pub mod cache;
+pub mod compiler;
 pub mod device;
 pub mod error;
 pub mod exec;

@@ -63,6 +63,10 @@ enum Cmd {
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
     },
+    /// Internal: compile one program read from stdin and write the executable to stdout (the
+    /// host starts this to contain the compiler; see `tpubox::compiler`).
+    #[command(hide = true)]
+    CompileWorker,
 }
 
 #[derive(Subcommand)]
@@ -174,6 +178,13 @@ struct DeviceArgs {
     /// Number of devices the CPU plugin exposes (its `cpu_device_count` create option).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..=1024))]
     cpu_devices: Option<i64>,
+    /// Compile programs inside this process instead of a contained compile worker (faster
+    /// first compiles; only for programs you trust: some programs crash the XLA compiler).
+    #[arg(long)]
+    compile_in_process: bool,
+    /// Wall-clock limit of one compile in a worker, in seconds (limit max-compile-seconds).
+    #[arg(long, value_name = "S", default_value_t = 120.0, value_parser = positive_seconds)]
+    max_compile_seconds: f64,
     #[command(flatten)]
     cache: CacheArgs,
 }
@@ -224,10 +235,21 @@ impl DeviceArgs {
         if let Some(n) = self.cpu_devices {
             client_options.push(("cpu_device_count".to_string(), NamedValue::Int64(n)));
         }
+        let mut compile_isolation = tpubox::compiler::CompileIsolation {
+            max_compile_time: Duration::from_secs_f64(self.max_compile_seconds),
+            ..Default::default()
+        };
+        if self.compile_in_process {
+            compile_isolation.worker = None;
+        } else if compile_isolation.worker.is_none() {
+            // This binary is the worker (`tpubox compile-worker`).
+            compile_isolation.worker = std::env::current_exe().ok();
+        }
         HostConfig {
             plugin: self.plugin.clone(),
             client_options,
             cache: self.cache.config(),
+            compile_isolation,
             ..HostConfig::default()
         }
     }
@@ -271,6 +293,11 @@ struct RunArgs {
     /// Give the guest the host's clocks (without it, wall and monotonic clocks read zero).
     #[arg(long)]
     allow_clock: bool,
+    /// Trust the guest's programs: skip the program policy that refuses, for untrusted tenants,
+    /// while loops XLA cannot bound, loops over 1,048,576 trips, infeed/outfeed/send/recv and
+    /// custom calls (PJRT cannot stop a running program).
+    #[arg(long)]
+    trusted: bool,
     /// Print the tenant's usage (device bytes, handles, compiles, executions) as JSON on
     /// stderr when the guest ends.
     #[arg(long)]
@@ -300,6 +327,10 @@ async fn run(args: RunArgs) -> Result<bool> {
         max_guest_memory: args.max_memory_mib << 20,
         max_call_time: Some(Duration::from_secs_f64(args.timeout)),
         fuel: args.fuel,
+        program_policy: tpubox::tenant::ProgramPolicy {
+            trusted: args.trusted,
+            ..Default::default()
+        },
     };
     config.sandbox = SandboxConfig {
         max_guest_memory: args.max_memory_mib << 20,
@@ -358,11 +389,28 @@ async fn run(args: RunArgs) -> Result<bool> {
     if let Some(cache) = host.device().cache() {
         cache.flush_uploads().await;
     }
-    Ok(outcome?.success)
+    match outcome {
+        Ok(o) => Ok(o.success),
+        Err(e) => {
+            // The guest was stopped, and the device may still be running its last program
+            // (PJRT cannot cancel one): tearing the client down would wait for it, possibly
+            // forever. Exit now; the operating system frees the device memory.
+            exit_now(&format!("tpubox: {e:#}"), 2)
+        }
+    }
 }
 
-async fn main_inner() -> Result<bool> {
-    let cli = Cli::parse();
+/// Prints `message` to stderr and exits with `code` without running destructors (no PJRT
+/// teardown, no wait for blocking tasks).
+fn exit_now(message: &str, code: i32) -> ! {
+    use std::io::Write;
+    let _ = std::io::stdout().flush();
+    eprintln!("{message}");
+    let _ = std::io::stderr().flush();
+    std::process::exit(code)
+}
+
+async fn main_inner(cli: Cli) -> Result<bool> {
     match cli.command {
         Cmd::Setup { plugins } => {
             for name in &plugins {
@@ -402,6 +450,7 @@ async fn main_inner() -> Result<bool> {
             Ok(true)
         }
         Cmd::Run(args) => run(args).await,
+        Cmd::CompileWorker => unreachable!("handled before the runtime starts"),
         Cmd::Cache { action, cache } => cache_command(action, &cache).await,
         Cmd::Exec {
             device,
@@ -424,6 +473,7 @@ async fn main_inner() -> Result<bool> {
 }
 
 fn main() -> ExitCode {
+    let cli = Cli::parse();
     // First, while this is the process's only thread (the runtime below starts more): the
     // environment variables the plugins read when they load (quiet logs; no TPU metadata query
     // on a machine without a TPU). Setting them later would not be sound; see
@@ -440,6 +490,9 @@ fn main() -> ExitCode {
         Ok(names) => tracing::debug!(?names, "set for the PJRT plugin"),
         Err(e) => tracing::debug!("plugin environment left as it is: {e}"),
     }
+    if matches!(cli.command, Cmd::CompileWorker) {
+        std::process::exit(tpubox::compiler::worker_main());
+    }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -450,12 +503,9 @@ fn main() -> ExitCode {
             return ExitCode::from(2);
         }
     };
-    match runtime.block_on(main_inner()) {
+    match runtime.block_on(main_inner(cli)) {
         Ok(true) => ExitCode::SUCCESS,
         Ok(false) => ExitCode::FAILURE,
-        Err(e) => {
-            eprintln!("tpubox: {e:#}");
-            ExitCode::from(2)
-        }
+        Err(e) => exit_now(&format!("tpubox: {e:#}"), 2),
     }
 }

@@ -82,6 +82,7 @@ impl FairShare {
             let _ = (&mut guard.rx).await;
             guard.granted = true;
         }
+        tenant.execution_started();
         Slot {
             share: Arc::clone(&self.inner),
             tenant: Arc::clone(tenant),
@@ -147,6 +148,7 @@ mod tests {
         let share = Arc::new(FairShare::new(1));
         let heavy = Tenant::new("heavy", TenantLimits::default());
         let light = Tenant::new("light", TenantLimits::default());
+        heavy.execution_started();
         heavy.record_execution(Duration::from_secs(10));
         let first = share.acquire(&heavy).await;
         let order = Arc::new(Mutex::new(Vec::new()));

@@ -72,7 +72,7 @@ impl Held {
     fn charged_bytes(&self) -> u64 {
         match self.charge.kind() {
             ChargeKind::Tensor(b) => b,
-            ChargeKind::Executable => 0,
+            ChargeKind::Executable | ChargeKind::Scratch(_) => 0,
         }
     }
 }
@@ -299,10 +299,13 @@ impl Session {
     }
 
     /// Compiles a program for `device` (default 0): admitted against the tenant's program-size
-    /// and compile-rate limits, and charged as a live executable.
+    /// and compile-rate limits, charged as a live executable, and checked once compiled: its
+    /// loops, host transfers and custom calls against the tenant's program policy, its results
+    /// and temporaries against `max-device-bytes`.
     ///
-    /// Errors: `resource-exhausted` naming `max-program-bytes`, `max-compiles-per-minute` or
-    /// `max-live-executables`; otherwise as [`DeviceService::compile`].
+    /// Errors: `resource-exhausted` naming `max-program-bytes`, `max-compiles-per-minute`,
+    /// `max-live-executables` or `max-device-bytes`; `permission-denied` naming the policy rule
+    /// ([`Tenant::admit_program`]); otherwise as [`DeviceService::compile`].
     pub async fn compile(
         &self,
         code: Vec<u8>,
@@ -326,8 +329,9 @@ impl Session {
     /// In order: the handles must belong to this session and be live; `donate` must name each
     /// position at most once and no read-only tensor; the arguments must match the program
     /// ([`crate::types::validate_args`]); the results are charged, crediting the donated
-    /// inputs; then the execution waits for a slot and runs. Donated handles are emptied only
-    /// when the execution succeeds.
+    /// inputs, and so are the program's temporaries until the device is done with them
+    /// ([`DeviceExecutable::temp_bytes`]); then the execution waits for a slot and runs.
+    /// Donated handles are emptied only when the execution succeeds.
     ///
     /// Errors: `permission-denied` for another session's handle or a donated read-only tensor;
     /// `failed-precondition` for a donated (or concurrently donated) argument or one on another

@@ -47,6 +47,35 @@ pub struct TenantLimits {
     /// Wasm fuel (about one unit per instruction) for one run; `None` (default) for no fuel
     /// limit. Needs [`SandboxConfig::consume_fuel`](crate::SandboxConfig::consume_fuel).
     pub fuel: Option<u64>,
+    /// What the tenant's programs may contain (checked on the compiled program).
+    pub program_policy: ProgramPolicy,
+}
+
+/// What an untrusted tenant's programs may contain. PJRT cannot cancel an execution, so a
+/// program that never ends holds an execution slot and device cores until the host restarts;
+/// these rules refuse, at `compile`, what could do that. Errors name the rule
+/// (`permission-denied`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProgramPolicy {
+    /// Skip every rule below (default `false`): for tenants whose programs the operator trusts.
+    pub trusted: bool,
+    /// Largest trip count of one `while` loop, as XLA proves it on the optimized program
+    /// (default 1 048 576). A loop XLA cannot bound (`known_trip_count` missing) is refused
+    /// (rule `unbounded-loop`), one above this is refused (rule `max-loop-trips`).
+    pub max_loop_trips: u64,
+    /// Custom-call targets allowed (default none; rule `custom-call`). Custom calls run code
+    /// outside XLA that nothing here can inspect.
+    pub allowed_custom_calls: Vec<String>,
+}
+
+impl Default for ProgramPolicy {
+    fn default() -> Self {
+        ProgramPolicy {
+            trusted: false,
+            max_loop_trips: 1 << 20,
+            allowed_custom_calls: Vec::new(),
+        }
+    }
 }
 
 impl Default for TenantLimits {
@@ -60,6 +89,7 @@ impl Default for TenantLimits {
             max_guest_memory: 4 << 30,
             max_call_time: Some(Duration::from_secs(300)),
             fuel: None,
+            program_policy: ProgramPolicy::default(),
         }
     }
 }
@@ -85,6 +115,8 @@ pub struct TenantUsage {
     pub device_seconds: f64,
     /// Requests refused because a limit was reached.
     pub refused: u64,
+    /// Executions holding an execution slot now (submitted or about to be, not yet done).
+    pub executions_running: u64,
 }
 
 #[derive(Debug, Default)]
@@ -107,6 +139,7 @@ pub struct Tenant {
     executions: AtomicU64,
     device_ns: AtomicU64,
     refused: AtomicU64,
+    running: AtomicU64,
 }
 
 /// What a [`Charge`] holds back.
@@ -116,6 +149,8 @@ pub enum ChargeKind {
     Tensor(u64),
     /// An executable handle.
     Executable,
+    /// Device bytes an execution uses for its temporaries while it runs (no handle).
+    Scratch(u64),
 }
 
 /// A charge against a tenant's limits, returned when dropped.
@@ -134,6 +169,7 @@ impl Drop for Charge {
                 h.live_tensors -= 1;
             }
             ChargeKind::Executable => h.live_executables -= 1,
+            ChargeKind::Scratch(bytes) => h.device_bytes -= bytes,
         }
     }
 }
@@ -156,6 +192,7 @@ impl Tenant {
             executions: AtomicU64::new(0),
             device_ns: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            running: AtomicU64::new(0),
         })
     }
 
@@ -182,6 +219,7 @@ impl Tenant {
             executions: self.executions.load(Ordering::Relaxed),
             device_seconds: self.device_ns.load(Ordering::Relaxed) as f64 / 1e9,
             refused: self.refused.load(Ordering::Relaxed),
+            executions_running: self.running.load(Ordering::Relaxed),
         }
     }
 
@@ -245,6 +283,113 @@ impl Tenant {
                 kind: ChargeKind::Tensor(s),
             })
             .collect())
+    }
+
+    /// Charges `bytes` of temporaries an execution will use on the device while it runs, on
+    /// top of what the tenant holds.
+    ///
+    /// Errors: `resource-exhausted` naming `max-device-bytes`.
+    pub fn charge_scratch(self: &Arc<Self>, bytes: u64) -> DeviceResult<Charge> {
+        let mut h = self.held.lock().expect("tenant lock");
+        let after = h.device_bytes.saturating_add(bytes);
+        if after > self.limits.max_device_bytes {
+            let held = h.device_bytes;
+            drop(h);
+            return Err(self.refuse(
+                "max-device-bytes",
+                format!(
+                    "holding {held} device bytes, the program's {bytes} bytes of temporaries would exceed {}",
+                    self.limits.max_device_bytes
+                ),
+            ));
+        }
+        h.device_bytes = after;
+        h.peak_device_bytes = h.peak_device_bytes.max(after);
+        Ok(Charge {
+            tenant: Arc::clone(self),
+            kind: ChargeKind::Scratch(bytes),
+        })
+    }
+
+    /// Refuses a program that could never run within the limits: its results and
+    /// temporaries alone need more than `max-device-bytes`.
+    ///
+    /// Errors: `resource-exhausted` naming `max-device-bytes`.
+    pub fn admit_program_memory(&self, output_bytes: u64, temp_bytes: u64) -> DeviceResult<()> {
+        let need = output_bytes.saturating_add(temp_bytes);
+        if need > self.limits.max_device_bytes {
+            return Err(self.refuse(
+                "max-device-bytes",
+                format!(
+                    "the program needs {need} device bytes to run ({output_bytes} for its results, {temp_bytes} for temporaries), more than {}",
+                    self.limits.max_device_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a program the tenant's [`ProgramPolicy`] does not allow.
+    ///
+    /// Errors: `permission-denied` naming the rule (`unbounded-loop`, `max-loop-trips`,
+    /// `host-transfer`, `custom-call`).
+    pub fn admit_program(&self, facts: &pjrt::ProgramFacts) -> DeviceResult<()> {
+        let p = &self.limits.program_policy;
+        if p.trusted {
+            return Ok(());
+        }
+        let deny = |rule: &str, message: String| {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            DeviceError::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "tenant `{}`: {message} (policy rule {rule}; an operator can mark the tenant trusted)",
+                    self.name
+                ),
+            )
+        };
+        for w in &facts.while_loops {
+            match w.known_trip_count {
+                None => {
+                    return Err(deny(
+                        "unbounded-loop",
+                        format!(
+                            "the program has a while loop ({}) whose trip count XLA cannot bound; it could run forever, and a running program cannot be stopped",
+                            w.name
+                        ),
+                    ));
+                }
+                Some(n) if n > p.max_loop_trips => {
+                    return Err(deny(
+                        "max-loop-trips",
+                        format!(
+                            "the program has a while loop ({}) of {n} trips, more than {}",
+                            w.name, p.max_loop_trips
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some(op) = facts.host_transfers.first() {
+            return Err(deny(
+                "host-transfer",
+                format!(
+                    "the program uses {op}, which waits for a transfer nobody may feed; infeed, outfeed, send and recv are not allowed"
+                ),
+            ));
+        }
+        if let Some(t) = facts
+            .custom_call_targets
+            .iter()
+            .find(|t| !p.allowed_custom_calls.contains(t))
+        {
+            return Err(deny(
+                "custom-call",
+                format!("the program calls the custom-call target `{t}`, which is not allowed"),
+            ));
+        }
+        Ok(())
     }
 
     /// Charges one executable handle.
@@ -327,8 +472,14 @@ impl Tenant {
         self.device_ns.load(Ordering::Relaxed)
     }
 
+    /// Counts an execution that got a slot and has not finished.
+    pub(crate) fn execution_started(&self) {
+        self.running.fetch_add(1, Ordering::Relaxed);
+    }
+
     /// Counts one finished execution that kept the device for `took`.
     pub(crate) fn record_execution(&self, took: Duration) {
+        self.running.fetch_sub(1, Ordering::Relaxed);
         self.executions.fetch_add(1, Ordering::Relaxed);
         self.device_ns
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);

@@ -66,6 +66,8 @@ pub struct DeviceExecutable {
     outputs: Vec<TensorSpec>,
     device: u32,
     fingerprint: String,
+    memory: std::sync::OnceLock<Option<pjrt::CompiledMemoryStats>>,
+    facts: std::sync::OnceLock<Result<pjrt::ProgramFacts, DeviceError>>,
 }
 
 impl DeviceExecutable {
@@ -83,7 +85,50 @@ impl DeviceExecutable {
             outputs,
             device,
             fingerprint,
+            memory: std::sync::OnceLock::new(),
+            facts: std::sync::OnceLock::new(),
         }
+    }
+
+    /// What the program needs in device memory while it runs, as the plugin reports it
+    /// (`PJRT_Executable_GetCompiledMemoryStats`); `None` when the plugin does not. Asked
+    /// once, then kept.
+    pub fn memory_stats(&self) -> Option<pjrt::CompiledMemoryStats> {
+        *self
+            .memory
+            .get_or_init(|| self.exe.compiled_memory_stats().ok())
+    }
+
+    /// Device bytes of temporaries one execution uses, from [`memory_stats`](Self::memory_stats).
+    ///
+    /// Where the plugin reports no statistics, the conservative rule is the size of the
+    /// results again: a program's working set is at least comparable to what it returns, and
+    /// counting it keeps a tenant that returns big tensors from also running big temporaries
+    /// unaccounted.
+    pub fn temp_bytes(&self) -> u64 {
+        match self.memory_stats() {
+            Some(m) => m.temp_bytes,
+            None => self
+                .output_bytes()
+                .iter()
+                .fold(0u64, |a, &b| a.saturating_add(b)),
+        }
+    }
+
+    /// Loops, host transfers and custom calls of the optimized program (for the tenants'
+    /// program policy). Decoded once, then kept.
+    ///
+    /// Errors: `unsupported` when the plugin cannot return the optimized program or it does
+    /// not decode.
+    pub fn program_facts(&self) -> DeviceResult<&pjrt::ProgramFacts> {
+        self.facts
+            .get_or_init(|| {
+                self.exe
+                    .program_facts()
+                    .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Unsupported))
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// Parameter specs, in order.
@@ -279,10 +324,22 @@ pub fn validate_args(exe: &DeviceExecutable, args: &[Arg<'_>]) -> DeviceResult<(
 /// An execution whose arguments [`validate_args`] accepted: the only way to build one is
 /// [`Call::new`], so arguments are validated once, before any tenant is charged, and never
 /// again on the way to the device.
-#[derive(Debug)]
 pub struct Call {
     exe: std::sync::Arc<DeviceExecutable>,
     args: Vec<(std::sync::Arc<DeviceTensor>, bool)>,
+    /// Values released only when the device is done with this call (a tenant's charge for
+    /// the program's temporaries).
+    held: Vec<Box<dyn std::any::Any + Send>>,
+}
+
+impl std::fmt::Debug for Call {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Call")
+            .field("exe", &self.exe.fingerprint())
+            .field("args", &self.args.len())
+            .field("held", &self.held.len())
+            .finish()
+    }
 }
 
 impl Call {
@@ -294,7 +351,16 @@ impl Call {
         args: Vec<(std::sync::Arc<DeviceTensor>, bool)>,
     ) -> DeviceResult<Self> {
         validate_args(&exe, &borrowed(&args))?;
-        Ok(Call { exe, args })
+        Ok(Call {
+            exe,
+            args,
+            held: Vec::new(),
+        })
+    }
+
+    /// Keeps `value` alive until the device has finished this call, however the caller ends.
+    pub fn hold_until_done(&mut self, value: impl Send + 'static) {
+        self.held.push(Box::new(value));
     }
 
     /// The executable to run.

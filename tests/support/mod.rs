@@ -28,9 +28,15 @@ pub fn wasm(name: &str) -> PathBuf {
     p
 }
 
-/// A host configuration for tests: 256 MiB guest memory cap, no component disk cache.
+/// A host configuration for tests: 256 MiB guest memory cap, no component disk cache, and
+/// programs compiled in `tpubox compile-worker` processes (this package's binary), as the
+/// `tpubox` command does.
 pub fn test_host_config() -> HostConfig {
     HostConfig {
+        compile_isolation: tpubox::compiler::CompileIsolation {
+            worker: Some(PathBuf::from(env!("CARGO_BIN_EXE_tpubox"))),
+            ..Default::default()
+        },
         sandbox: SandboxConfig {
             max_guest_memory: 256 << 20,
             cache_dir: None,

@@ -180,6 +180,8 @@ pub fn run(name: &str, arg: Option<&str>) {
             spin();
         }
         "fuel-burn" => spin(),
+        // ---- a program from stdin (hostile programs of tests/adversarial.rs) ----
+        "run-stdin" => run_stdin(),
         "panic" => {
             let _held = hold_some();
             panic!("the guest panics on purpose while holding device resources");
@@ -309,4 +311,27 @@ fn io_result<T>(r: std::io::Result<T>) -> String {
         Ok(_) => "ok".into(),
         Err(e) => format!("err {:?}", e.kind()),
     }
+}
+
+/// Compiles the MLIR text on stdin, prints `compile: RESULT`, then runs it on zero-filled
+/// arguments of its parameters' specs and prints `execute: RESULT`.
+fn run_stdin() {
+    let mut code = Vec::new();
+    std::io::Read::read_to_end(&mut std::io::stdin(), &mut code).expect("stdin");
+    let exe = match client::compile(FMT, &code, OPTS) {
+        Ok(exe) => exe,
+        Err(e) => return report("compile", Err::<(), _>(e)),
+    };
+    println!("compile: ok");
+    flush();
+    let mut args = Vec::new();
+    for spec in exe.inputs() {
+        let n = spec.dims.iter().product::<u64>() as usize * spec.dtype.size_bytes();
+        match raw_tensor(spec.dtype, &spec.dims, n, None) {
+            Ok(t) => args.push(t),
+            Err(e) => return report("execute", Err::<(), _>(e)),
+        }
+    }
+    let borrowed: Vec<&types::Tensor> = args.iter().collect();
+    report("execute", client::execute(&exe, &borrowed, &[]));
 }
