@@ -29,6 +29,19 @@ fn device() -> Arc<DeviceService> {
         .clone()
 }
 
+/// A session on `svc` for a tenant with the default limits, as `tpubox exec` makes.
+fn session_on(svc: &Arc<DeviceService>) -> tpubox::Session {
+    tpubox::Session::new(
+        Arc::clone(svc),
+        Arc::default(),
+        tpubox::Tenant::new("exec-test", tpubox::TenantLimits::default()),
+    )
+}
+
+fn session() -> tpubox::Session {
+    session_on(&device())
+}
+
 fn program(name: &str) -> PathBuf {
     Path::new(env!("CARGO_MANIFEST_DIR"))
         .join("../tests/programs")
@@ -83,7 +96,7 @@ async fn try_run(
     let dir = tempfile::tempdir().unwrap();
     let args = write_inputs(dir.path(), inputs);
     let out = dir.path().join("out");
-    let r = tpubox::exec::exec(&device(), &program(name), &args, &out).await;
+    let r = tpubox::exec::exec(&session(), &program(name), &args, &out).await;
     (dir, r)
 }
 
@@ -1068,21 +1081,21 @@ async fn unreadable_inputs_are_errors() {
     let out = dir.path().join("o");
     let svc = device();
     // Missing program.
-    let e = tpubox::exec::exec(&svc, &dir.path().join("nope.mlir"), &[], &out)
+    let e = tpubox::exec::exec(&session_on(&svc), &dir.path().join("nope.mlir"), &[], &out)
         .await
         .unwrap_err();
     assert!(format!("{e:#}").contains("nope.mlir"), "{e:#}");
     // Empty program.
     let empty = dir.path().join("empty.mlir");
     std::fs::write(&empty, b"").unwrap();
-    let e = tpubox::exec::exec(&svc, &empty, &[], &out)
+    let e = tpubox::exec::exec(&session_on(&svc), &empty, &[], &out)
         .await
         .unwrap_err();
     assert!(format!("{e:#}").contains("empty"), "{e:#}");
     // Missing argument file.
     let missing = dir.path().join("missing.npy");
     let e = tpubox::exec::exec(
-        &svc,
+        &session_on(&svc),
         &program("concat_slice.mlir"),
         &[missing.clone(), missing],
         &out,
@@ -1093,17 +1106,27 @@ async fn unreadable_inputs_are_errors() {
     // An argument that is not an .npy file.
     let junk = dir.path().join("junk.npy");
     std::fs::write(&junk, b"definitely not numpy").unwrap();
-    let e = tpubox::exec::exec(&svc, &program("transpose_reshape.mlir"), &[junk], &out)
-        .await
-        .unwrap_err();
+    let e = tpubox::exec::exec(
+        &session_on(&svc),
+        &program("transpose_reshape.mlir"),
+        &[junk],
+        &out,
+    )
+    .await
+    .unwrap_err();
     assert!(format!("{e:#}").contains("junk.npy"), "{e:#}");
     // A truncated .npy file.
     let good = tpubox::npy::to_npy_bytes(PrimitiveType::S32, &[2, 3], &[0u8; 24]).unwrap();
     let cut = dir.path().join("cut.npy");
     std::fs::write(&cut, &good[..good.len() - 5]).unwrap();
-    let e = tpubox::exec::exec(&svc, &program("transpose_reshape.mlir"), &[cut], &out)
-        .await
-        .unwrap_err();
+    let e = tpubox::exec::exec(
+        &session_on(&svc),
+        &program("transpose_reshape.mlir"),
+        &[cut],
+        &out,
+    )
+    .await
+    .unwrap_err();
     assert!(format!("{e:#}").contains("cut.npy"), "{e:#}");
     assert!(!out.join("outputs.json").exists());
 }

@@ -577,6 +577,8 @@ impl Run {
                             ErrorKind::NotFound,
                             ErrorKind::CompileFailed,
                             ErrorKind::ResourceExhausted,
+                            // The program policy (loops, host transfers, custom calls).
+                            ErrorKind::PermissionDenied,
                         ],
                     ),
                 }

@@ -10,8 +10,9 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::device::{Arg, DeviceService, format_spec};
+use crate::device::format_spec;
 use crate::npy;
+use crate::session::{ProgramFormat, Session};
 
 /// One entry of `outputs.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -28,21 +29,29 @@ pub struct OutputInfo {
 
 /// Compiles `program` (MLIR text or bytecode) for device 0, runs it on the arrays in `args`,
 /// writes the outputs under `out_dir` (created if missing) and returns their descriptions.
+/// Everything goes through `session`, so its tenant's limits and program policy apply (a
+/// program with an unfed `infeed` or an endless loop is refused unless the tenant is trusted).
 ///
-/// Errors: unreadable files, a compile failure, an argument count or an array whose dtype or
-/// dims differ from the program's parameters (named in the message), or an execution failure.
+/// Errors: unreadable files, a compile failure or refusal, an argument count or an array whose
+/// dtype or dims differ from the program's parameters (named in the message), or an execution
+/// failure.
 pub async fn exec(
-    device: &Arc<DeviceService>,
+    session: &Session,
     program: &Path,
     args: &[PathBuf],
     out_dir: &Path,
 ) -> Result<Vec<OutputInfo>> {
     let code = std::fs::read(program).with_context(|| format!("reading {}", program.display()))?;
-    let text = !code.starts_with(b"ML\xefR");
-    let exe = device
-        .compile(code, text, 0)
+    let format = if code.starts_with(b"ML\xefR") {
+        ProgramFormat::MlirBytecode
+    } else {
+        ProgramFormat::MlirText
+    };
+    let handle = session
+        .compile(code, format, None)
         .await
         .with_context(|| format!("compiling {}", program.display()))?;
+    let exe = Arc::clone(handle.executable());
     if args.len() != exe.inputs().len() {
         let want: Vec<String> = exe.inputs().iter().map(format_spec).collect();
         bail!(
@@ -57,23 +66,18 @@ pub async fn exec(
     for (i, (path, spec)) in args.iter().zip(exe.inputs()).enumerate() {
         let arr = npy::read_npy(path, Some(spec.ty))
             .with_context(|| format!("argument {i} must be {}", format_spec(spec)))?;
-        let t = device
-            .tensor_from_bytes(arr.ty, &arr.dims, &arr.data, 0)
+        let dims: Vec<u64> = arr.dims.iter().map(|&d| d as u64).collect();
+        let t = session
+            .tensor_from_bytes(arr.ty, &dims, &arr.data, None)
             .with_context(|| format!("argument {i} ({})", path.display()))?;
         tensors.push(t);
     }
-    let call: Vec<Arg<'_>> = tensors
-        .iter()
-        .map(|t| Arg {
-            tensor: t,
-            donate: false,
-        })
-        .collect();
-    let outputs = device.execute(&exe, &call).await?;
+    let call: Vec<&_> = tensors.iter().collect();
+    let outputs = session.execute(&handle, &call, &[]).await?;
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let mut infos = Vec::with_capacity(outputs.len());
     for (index, t) in outputs.iter().enumerate() {
-        let bytes = device.read(t).await?;
+        let bytes = session.read(t).await?;
         let file = format!("out{index}.npy");
         npy::write_npy(&out_dir.join(&file), t.spec().ty, &t.spec().dims, &bytes)?;
         infos.push(OutputInfo {

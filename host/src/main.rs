@@ -62,6 +62,10 @@ enum Cmd {
         /// Directory that receives out{N}.npy and outputs.json.
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+        /// Trust the program: skip the program policy (unbounded while loops, loops over
+        /// 1,048,576 trips, infeed/outfeed/send/recv, custom calls are refused without it).
+        #[arg(long)]
+        trusted: bool,
     },
     /// Internal: compile one program read from stdin and write the executable to stdout (the
     /// host starts this to contain the compiler; see `tpubox::compiler`).
@@ -457,9 +461,22 @@ async fn main_inner(cli: Cli) -> Result<bool> {
             program,
             args,
             out,
+            trusted,
         } => {
             let svc = device.open()?;
-            let infos = tpubox::exec::exec(&svc, &program, &args, &out).await;
+            let limits = TenantLimits {
+                program_policy: tpubox::tenant::ProgramPolicy {
+                    trusted,
+                    ..Default::default()
+                },
+                ..TenantLimits::default()
+            };
+            let session = tpubox::Session::new(
+                std::sync::Arc::clone(&svc),
+                std::sync::Arc::default(),
+                Tenant::new("exec", limits),
+            );
+            let infos = tpubox::exec::exec(&session, &program, &args, &out).await;
             if let Some(cache) = svc.cache() {
                 cache.flush_uploads().await;
             }

@@ -316,6 +316,13 @@ impl Session {
         let charge = self.tenant.charge_executable()?;
         let text = format == ProgramFormat::MlirText;
         let exe = self.device.compile(code, text, device.unwrap_or(0)).await?;
+        self.tenant.admit_program(exe.program_facts()?)?;
+        let outputs = exe
+            .output_bytes()
+            .iter()
+            .fold(0u64, |a, &b| a.saturating_add(b));
+        self.tenant
+            .admit_program_memory(outputs, exe.temp_bytes())?;
         Ok(ExecutableHandle {
             session: self.id,
             exe,
@@ -387,13 +394,20 @@ impl Session {
             }
         }
         let credit = taken.iter().map(|(_, h)| h.charged_bytes()).sum();
-        let charges = match self.tenant.charge_tensors(&exe.exe.output_bytes(), credit) {
+        let charged = self
+            .tenant
+            .charge_tensors(&exe.exe.output_bytes(), credit)
+            .and_then(|c| Ok((c, self.tenant.charge_scratch(exe.exe.temp_bytes())?)));
+        let (charges, scratch) = match charged {
             Ok(c) => c,
             Err(e) => {
                 restore(taken);
                 return Err(e);
             }
         };
+        let mut call = call;
+        // The temporaries are the device's until it finishes, even if this caller gives up.
+        call.hold_until_done(scratch);
         match self.device.execute_for(&self.tenant, call).await {
             Ok(outputs) => {
                 // The donated inputs' charges are returned here.

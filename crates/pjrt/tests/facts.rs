@@ -84,3 +84,24 @@ fn temporaries_are_reported() {
         "{stats:?}"
     );
 }
+
+const INFEED: &str = r#"
+func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %tok = stablehlo.create_token : !stablehlo.token
+  %v:2 = "stablehlo.infeed"(%tok) {infeed_config = "", layout = [[0]]} : (!stablehlo.token) -> (tensor<4xf32>, !stablehlo.token)
+  return %v#0 : tensor<4xf32>
+}
+"#;
+
+#[test]
+fn infeed_is_a_host_transfer() {
+    let exe = compile(INFEED);
+    let facts = exe.program_facts().unwrap();
+    println!("{facts:?}");
+    println!("{:?}", exe.compiled_memory_stats());
+    assert_eq!(
+        facts.host_transfers,
+        vec!["infeed".to_string()],
+        "{facts:?}"
+    );
+}
