@@ -33,7 +33,10 @@ use wasmtime::component::{Component, Resource};
 // ---------------------------------------------------------------------------------------------
 
 /// Largest program the host itself accepts (below every tenant's own limit in `wide()`).
-const HOST_MAX_PROGRAM: usize = 1 << 20;
+const HOST_MAX_PROGRAM: usize = 4 << 20;
+
+/// Compile-time limit of this suite's host (compile bombs stop here).
+const COMPILE_SECONDS: u64 = 5;
 
 /// Small limits for the tenants of this suite.
 fn limits() -> TenantLimits {
@@ -63,6 +66,7 @@ struct Env {
 fn config(execution_slots: usize) -> HostConfig {
     let mut config = test_host_config();
     config.max_program_bytes = HOST_MAX_PROGRAM;
+    config.compile_isolation.max_compile_time = Duration::from_secs(COMPILE_SECONDS);
     config.execution_slots = execution_slots;
     config.sandbox.consume_fuel = true;
     config.sandbox.tenant_limits = limits();
@@ -374,6 +378,7 @@ async fn adversarial_cases_each_leave_the_host_serving() {
     guest_ending_cases(&mut e).await;
     guest_handle_cases(&mut e).await;
     guest_sandbox_cases(&mut e).await;
+    hostile_program_cases(&mut e).await;
     direct_service_cases(&mut e).await;
     direct_tenant_cases(&mut e).await;
     direct_wit_cases(&mut e).await;
@@ -655,6 +660,341 @@ async fn guest_handle_cases(e: &mut Env) {
     );
     assert_eq!(line(&out, "weight-still-readable"), "[0.5, -1.0, 2.0, 8.0]");
     e.done(case, &t, s).await;
+}
+
+// ---------------------------------------------------------------------------------------------
+// Hostile programs: each class in several sizes and shapes
+// ---------------------------------------------------------------------------------------------
+
+/// `@main(%a: tensor<4xf32>) -> tensor<4xf32>` with `body` (which must define `%r`) and extra
+/// functions after it.
+fn main4(body: &str, functions: &str) -> String {
+    format!(
+        "func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {{\n{body}\n  return %r : tensor<4xf32>\n}}\n{functions}"
+    )
+}
+
+/// A cycle of `n` private functions, entered from `@main` (n = 0: `@main` calls itself).
+fn recursion(n: usize) -> String {
+    if n == 0 {
+        return main4(
+            "  %r = func.call @main(%a) : (tensor<4xf32>) -> tensor<4xf32>",
+            "",
+        );
+    }
+    let f: String = (0..n)
+        .map(|i| {
+            format!(
+                "func.func private @f{i}(%a: tensor<4xf32>) -> tensor<4xf32> {{\n  %b = stablehlo.add %a, %a : tensor<4xf32>\n  %r = func.call @f{}(%b) : (tensor<4xf32>) -> tensor<4xf32>\n  return %r : tensor<4xf32>\n}}\n",
+                (i + 1) % n
+            )
+        })
+        .collect();
+    main4(
+        "  %r = func.call @f0(%a) : (tensor<4xf32>) -> tensor<4xf32>",
+        &f,
+    )
+}
+
+/// A parameter of `depth` nested one-element tuple types around `tensor<f32>`.
+fn nested_tuple(depth: usize) -> String {
+    let ty = format!("{}tensor<f32>{}", "tuple<".repeat(depth), ">".repeat(depth));
+    format!(
+        "func.func public @main(%t: {ty}) -> tensor<f32> {{\n  %c = stablehlo.constant dense<1.0> : tensor<f32>\n  return %c : tensor<f32>\n}}\n"
+    )
+}
+
+/// `depth` `stablehlo.case` regions nested inside each other.
+fn nested_case(depth: usize) -> String {
+    let mut body = "stablehlo.return %a : tensor<4xf32>".to_string();
+    for i in 0..depth {
+        body = format!(
+            "%x{i} = \"stablehlo.case\"(%i) ({{\n{body}\n}}) : (tensor<i32>) -> tensor<4xf32>\nstablehlo.return %x{i} : tensor<4xf32>"
+        );
+    }
+    let body = format!(
+        "  %i = stablehlo.constant dense<0> : tensor<i32>\n  %r = \"stablehlo.case\"(%i) ({{\n{body}\n}}) : (tensor<i32>) -> tensor<4xf32>"
+    );
+    main4(&body, "")
+}
+
+/// A plain chain of `n` element-wise adds (an unrolled program).
+fn chain(n: usize) -> String {
+    let mut body = String::with_capacity(n * 48);
+    let mut prev = "%a".to_string();
+    for i in 0..n {
+        body.push_str(&format!(
+            "  %v{i} = stablehlo.add {prev}, %a : tensor<4xf32>\n"
+        ));
+        prev = format!("%v{i}");
+    }
+    body.push_str(&format!("  %r = stablehlo.abs {prev} : tensor<4xf32>"));
+    main4(&body, "")
+}
+
+/// Sorts an f32 temporary of `dims` built from nothing and returns one scalar.
+fn sort_temp(dims: &[u64]) -> String {
+    let shape: Vec<String> = dims.iter().map(|d| d.to_string()).collect();
+    let t = format!("tensor<{}xf32>", shape.join("x"));
+    let all: Vec<String> = (0..dims.len()).map(|d| d.to_string()).collect();
+    format!(
+        r#"func.func public @main(%x: tensor<f32>) -> tensor<f32> {{
+  %b = stablehlo.broadcast_in_dim %x, dims = [] : (tensor<f32>) -> {t}
+  %i = stablehlo.iota dim = 0 : {t}
+  %s = stablehlo.add %b, %i : {t}
+  %sorted = "stablehlo.sort"(%s) ({{
+    ^bb0(%p: tensor<f32>, %q: tensor<f32>):
+      %gt = stablehlo.compare GT, %p, %q : (tensor<f32>, tensor<f32>) -> tensor<i1>
+      stablehlo.return %gt : tensor<i1>
+  }}) {{dimension = {last} : i64, is_stable = false}} : ({t}) -> {t}
+  %z = stablehlo.constant dense<0.0> : tensor<f32>
+  %m = stablehlo.reduce(%sorted init: %z) applies stablehlo.maximum across dimensions = [{all}] : ({t}, tensor<f32>) -> tensor<f32>
+  return %m : tensor<f32>
+}}
+"#,
+        last = dims.len() - 1,
+        all = all.join(", ")
+    )
+}
+
+/// A `while` loop over `%a`: `cond` is the condition's body (defining `%p`, may use `%i` and
+/// `%v`), and each trip adds one to the counter `%i`.
+fn while_loop(cond: &str) -> String {
+    main4(
+        &format!(
+            r#"  %c0 = stablehlo.constant dense<0> : tensor<i64>
+  %c1 = stablehlo.constant dense<1> : tensor<i64>
+  %w:2 = stablehlo.while(%i = %c0, %v = %a) : tensor<i64>, tensor<4xf32>
+    cond {{
+{cond}
+      stablehlo.return %p : tensor<i1>
+    }} do {{
+      %j = stablehlo.add %i, %c1 : tensor<i64>
+      %u = stablehlo.add %v, %v : tensor<4xf32>
+      stablehlo.return %j, %u : tensor<i64>, tensor<4xf32>
+    }}
+  %r = stablehlo.abs %w#1 : tensor<4xf32>"#
+        ),
+        "",
+    )
+}
+
+/// A loop of exactly `n` trips.
+fn counted_loop(n: u64) -> String {
+    while_loop(&format!(
+        "      %n = stablehlo.constant dense<{n}> : tensor<i64>\n      %p = stablehlo.compare LT, %i, %n : (tensor<i64>, tensor<i64>) -> tensor<i1>"
+    ))
+}
+
+const INFEED: &str = r#"func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %tok = stablehlo.create_token : !stablehlo.token
+  %v:2 = "stablehlo.infeed"(%tok) {infeed_config = "", layout = [[0]]} : (!stablehlo.token) -> (tensor<4xf32>, !stablehlo.token)
+  return %v#0 : tensor<4xf32>
+}
+"#;
+
+const OUTFEED: &str = r#"func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %tok = stablehlo.create_token : !stablehlo.token
+  %t = "stablehlo.outfeed"(%a, %tok) {outfeed_config = ""} : (tensor<4xf32>, !stablehlo.token) -> !stablehlo.token
+  return %a : tensor<4xf32>
+}
+"#;
+
+const CUSTOM_CALL: &str = r#"func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {
+  %r = stablehlo.custom_call @lapack_sgetrf_ffi(%a) : (tensor<4xf32>) -> tensor<4xf32>
+  return %r : tensor<4xf32>
+}
+"#;
+
+/// One hostile program: (case, program, the probe line it decides, kind, message fragment).
+type Hostile = (
+    &'static str,
+    String,
+    &'static str,
+    &'static str,
+    &'static str,
+);
+
+async fn hostile_program_cases(e: &mut Env) {
+    let stack = "overflowed its";
+    let time = "max-compile-seconds";
+    let bytes = "max-device-bytes";
+    let cases: Vec<Hostile> = vec![
+        // Recursion: XLA's inliner follows calls without end.
+        (
+            "recursion-self",
+            recursion(0),
+            "compile",
+            "compile-failed",
+            stack,
+        ),
+        (
+            "recursion-pair",
+            recursion(2),
+            "compile",
+            "compile-failed",
+            stack,
+        ),
+        (
+            "recursion-cycle-7",
+            recursion(7),
+            "compile",
+            "compile-failed",
+            stack,
+        ),
+        // Nested types: refused quickly when shallow, stopped at the time limit when deep.
+        (
+            "nested-tuple-2000",
+            nested_tuple(2000),
+            "compile",
+            "compile-failed",
+            "array shapes",
+        ),
+        (
+            "nested-tuple-60000",
+            nested_tuple(60_000),
+            "compile",
+            "resource-exhausted",
+            time,
+        ),
+        // Nested regions: a thousand levels compile and run; thirty thousand are a compile bomb.
+        ("nested-case-1000", nested_case(1000), "execute", "ok", ""),
+        (
+            "nested-case-30000",
+            nested_case(30_000),
+            "compile",
+            "resource-exhausted",
+            time,
+        ),
+        // Compile-time bombs: a long unrolled chain (the 4 MiB host limit admits it).
+        ("chain-2000", chain(2000), "execute", "ok", ""),
+        (
+            "chain-70000",
+            chain(70_000),
+            "compile",
+            "resource-exhausted",
+            time,
+        ),
+        // Temporaries against a 1 MiB tenant: refused at compile, whatever their shape.
+        (
+            "temp-sort-4096x4096",
+            sort_temp(&[4096, 4096]),
+            "compile",
+            "resource-exhausted",
+            bytes,
+        ),
+        (
+            "temp-sort-2x2097152",
+            sort_temp(&[2, 1 << 21]),
+            "compile",
+            "resource-exhausted",
+            bytes,
+        ),
+        (
+            "temp-sort-16^5",
+            sort_temp(&[16, 16, 16, 16, 16]),
+            "compile",
+            "resource-exhausted",
+            bytes,
+        ),
+        // XLA proves the max of a sorted [1, N] needs no sort (and no temporary): it runs.
+        (
+            "temp-sort-1x4194304-simplified",
+            sort_temp(&[1, 1 << 22]),
+            "execute",
+            "ok",
+            "",
+        ),
+        (
+            "temp-sort-64x64x64",
+            sort_temp(&[64, 64, 64]),
+            "compile",
+            "resource-exhausted",
+            bytes,
+        ),
+        (
+            "temp-sort-128x128",
+            sort_temp(&[128, 128]),
+            "execute",
+            "ok",
+            "",
+        ),
+        // Loops that may never end, and loops that end.
+        (
+            "loop-always-true",
+            while_loop("      %p = stablehlo.constant dense<true> : tensor<i1>"),
+            "compile",
+            "permission-denied",
+            "unbounded-loop",
+        ),
+        (
+            "loop-data-dependent",
+            while_loop(
+                "      %e = stablehlo.slice %v [0:1] : (tensor<4xf32>) -> tensor<1xf32>\n      %s = stablehlo.reshape %e : (tensor<1xf32>) -> tensor<f32>\n      %h = stablehlo.constant dense<1.0e+30> : tensor<f32>\n      %p = stablehlo.compare LT, %s, %h : (tensor<f32>, tensor<f32>) -> tensor<i1>",
+            ),
+            "compile",
+            "permission-denied",
+            "unbounded-loop",
+        ),
+        (
+            "loop-2^40-trips",
+            counted_loop(1 << 40),
+            "compile",
+            "permission-denied",
+            "max-loop-trips",
+        ),
+        ("loop-10-trips", counted_loop(10), "execute", "ok", ""),
+        // Transfers nobody feeds, and code outside XLA.
+        (
+            "unfed-infeed",
+            INFEED.to_string(),
+            "compile",
+            "permission-denied",
+            "host-transfer",
+        ),
+        (
+            "outfeed",
+            OUTFEED.to_string(),
+            "compile",
+            "permission-denied",
+            "host-transfer",
+        ),
+        (
+            "custom-call",
+            CUSTOM_CALL.to_string(),
+            "compile",
+            "not-found",
+            "lapack_sgetrf_ffi",
+        ),
+    ];
+    for (name, program, key, kind, has) in cases {
+        let case = format!("hostile:{name}");
+        let (t, r) = e
+            .probe(
+                &case,
+                &["abuse", "run-stdin"],
+                |l| l.max_program_bytes = HOST_MAX_PROGRAM,
+                |o| o.stdin = Some(program.into_bytes()),
+            )
+            .await;
+        let out = ok_stdout(&case, &r);
+        let s = if kind == "ok" {
+            assert_eq!(line(&out, "compile"), "ok", "{case}");
+            assert_eq!(line(&out, key), "ok", "{case}");
+            format!("compiles and runs ({} executions)", t.usage().executions)
+        } else {
+            assert_kind(&case, &out, key, kind, has)
+        };
+        if name == "temp-sort-128x128" {
+            // The sort's 64 KiB temporary was charged while it ran.
+            assert!(
+                t.usage().peak_device_bytes >= 64 << 10,
+                "{case}: {:?}",
+                t.usage()
+            );
+        }
+        e.done(&case, &t, s).await;
+    }
 }
 
 async fn guest_sandbox_cases(e: &mut Env) {
@@ -1251,4 +1591,78 @@ async fn js_guest_runs_within_its_live_tensor_limit() {
         "{err}"
     );
     assert_eq!(o.usage.refused, 1);
+}
+
+// ---------------------------------------------------------------------------------------------
+// The command line: a stopped guest ends `tpubox run`, whatever the device is doing
+// ---------------------------------------------------------------------------------------------
+
+/// Runs `tpubox run … tpubox-probe abuse run-stdin` with `program` on stdin; returns the exit
+/// code, stderr and how long the process took. Panics if it has not exited after 120 s (the
+/// bug this guards against is a process that never exits).
+fn cli_run_stdin(flags: &[&str], program: &str) -> (Option<i32>, String, Duration) {
+    use std::io::Write;
+    let start = std::time::Instant::now();
+    let mut child = std::process::Command::new(env!("CARGO_BIN_EXE_tpubox"))
+        .arg("run")
+        .args(flags)
+        .args(["--cache-mode", "off"])
+        .arg(wasm("tpubox-probe"))
+        .args(["--", "abuse", "run-stdin"])
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("tpubox starts");
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(program.as_bytes())
+        .unwrap();
+    loop {
+        if let Some(status) = child.try_wait().unwrap() {
+            let mut err = String::new();
+            std::io::Read::read_to_string(&mut child.stderr.take().unwrap(), &mut err).unwrap();
+            return (status.code(), err, start.elapsed());
+        }
+        if start.elapsed() > Duration::from_secs(120) {
+            let _ = child.kill();
+            panic!("tpubox run {flags:?} did not exit 120 s after its guest's deadline");
+        }
+        std::thread::sleep(Duration::from_millis(50));
+    }
+}
+
+#[test]
+fn a_stopped_guest_ends_tpubox_run_while_the_device_or_compiler_is_busy() {
+    let endless = while_loop("      %p = stablehlo.constant dense<true> : tensor<i1>");
+    let cases: [(&str, &[&str], String); 3] = [
+        // The device runs a loop that never ends (a trusted tenant may compile it).
+        ("endless-loop", &["--trusted", "--timeout", "2"], endless),
+        // The device waits for an infeed nobody feeds.
+        (
+            "unfed-infeed",
+            &["--trusted", "--timeout", "2"],
+            INFEED.to_string(),
+        ),
+        // The compiler runs in this process and cannot be stopped (a chain that compiles for
+        // several seconds without overflowing a thread's stack).
+        (
+            "compile-in-process",
+            &["--compile-in-process", "--timeout", "2"],
+            chain(6000),
+        ),
+    ];
+    for (name, flags, program) in cases {
+        let (code, err, took) = cli_run_stdin(flags, &program);
+        println!(
+            "{name}: exit {code:?} after {:.1} s: {}",
+            took.as_secs_f64(),
+            err.trim()
+        );
+        assert_eq!(code, Some(2), "{name}: {err}");
+        assert!(err.contains("deadline"), "{name}: {err}");
+        assert_eq!(err.trim().lines().count(), 1, "{name}: one line: {err}");
+    }
 }

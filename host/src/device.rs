@@ -436,26 +436,47 @@ impl DeviceService {
     /// deadline) cannot hand the slot to another tenant, or free an argument, while the device
     /// is still busy. Waiting for the slot is cancel-safe.
     ///
+    /// The CPU plugin runs programs its cost model calls cheap inline, inside the submitting
+    /// call. Its cost model counts a loop body once, so a program with a `while` loop (or a
+    /// host transfer, which waits) can keep the submitting thread for as long as it runs:
+    /// those are submitted from tokio's blocking pool, never from an async thread that other
+    /// tenants' requests share. Programs without loops are submitted directly (a few
+    /// microseconds).
+    ///
     /// Errors: `execution-failed` from the device; `internal` if the completion was lost.
     pub async fn execute_for(
-        &self,
+        self: &Arc<Self>,
         tenant: &Arc<Tenant>,
         call: Call,
     ) -> DeviceResult<Vec<DeviceTensor>> {
         let slot = self.scheduler.acquire(tenant).await;
-        let (outputs, done) = self.submit(call.executable(), &call.args())?;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let runtime = tokio::runtime::Handle::try_current().ok();
-        done.on_ready(move |status| {
-            drop(slot);
-            // Hand the arguments back to the caller to drop; if it is gone, drop them on the
-            // blocking pool rather than in the plugin's callback thread.
-            if let Err((_, call)) = tx.send((status, call))
-                && let Some(rt) = runtime
-            {
-                rt.spawn_blocking(move || drop(call));
-            }
+        let may_block = call.executable().program_facts().map_or(true, |f| {
+            !f.while_loops.is_empty() || !f.host_transfers.is_empty()
         });
+        let svc = Arc::clone(self);
+        let start = move || -> DeviceResult<_> {
+            let (outputs, done) = svc.submit(call.executable(), &call.args())?;
+            let (tx, rx) = tokio::sync::oneshot::channel();
+            let runtime = tokio::runtime::Handle::try_current().ok();
+            done.on_ready(move |status| {
+                drop(slot);
+                // Hand the arguments back to the caller to drop; if it is gone, drop them on
+                // the blocking pool rather than in the plugin's callback thread.
+                if let Err((_, call)) = tx.send((status, call))
+                    && let Some(rt) = runtime
+                {
+                    rt.spawn_blocking(move || drop(call));
+                }
+            });
+            Ok((outputs, rx))
+        };
+        let (outputs, rx) = if may_block {
+            tokio::task::spawn_blocking(start).await.map_err(|e| {
+                DeviceError::new(ErrorKind::Internal, format!("submitting failed: {e}"))
+            })??
+        } else {
+            start()?
+        };
         let mut rx = rx;
         let finished = tokio::select! {
             r = &mut rx => r,

@@ -105,3 +105,10 @@ fn infeed_is_a_host_transfer() {
         "{facts:?}"
     );
 }
+
+#[test]
+#[ignore]
+fn print_stats() {
+    let code = std::fs::read_to_string(std::env::var("PROGRAM").unwrap()).unwrap();
+    println!("{:?}", compile(&code).compiled_memory_stats());
+}
