@@ -394,10 +394,9 @@ impl Session {
             }
         }
         let credit = taken.iter().map(|(_, h)| h.charged_bytes()).sum();
-        let charged = self
-            .tenant
-            .charge_tensors(&exe.exe.output_bytes(), credit)
-            .and_then(|c| Ok((c, self.tenant.charge_scratch(exe.exe.temp_bytes())?)));
+        let charged =
+            self.tenant
+                .charge_execution(&exe.exe.output_bytes(), credit, exe.exe.temp_bytes());
         let (charges, scratch) = match charged {
             Ok(c) => c,
             Err(e) => {

@@ -240,20 +240,38 @@ impl Tenant {
         sizes: &[u64],
         credit_bytes: u64,
     ) -> DeviceResult<Vec<Charge>> {
+        self.charge_execution(sizes, credit_bytes, 0)
+            .map(|(c, _)| c)
+    }
+
+    /// Charges an execution: its results (`sizes`, one handle each) and `scratch_bytes` of
+    /// temporaries it uses on the device while it runs, after crediting `credit_bytes` the
+    /// caller gives back when it succeeds (donated inputs). Returns the results' charges and
+    /// the temporaries' charge, to be dropped when the device is done.
+    ///
+    /// Errors: `resource-exhausted` naming `max-live-tensors` or `max-device-bytes`.
+    pub fn charge_execution(
+        self: &Arc<Self>,
+        sizes: &[u64],
+        credit_bytes: u64,
+        scratch_bytes: u64,
+    ) -> DeviceResult<(Vec<Charge>, Charge)> {
         let mut h = self.held.lock().expect("tenant lock");
         let count = sizes.len() as u64;
         if h.live_tensors.saturating_add(count) > self.limits.max_live_tensors {
+            let live = h.live_tensors;
             drop(h);
             return Err(self.refuse(
                 "max-live-tensors",
                 format!(
-                    "{} live tensors plus {count} new would exceed {}; drop tensors you no longer need",
-                    self.held.lock().expect("tenant lock").live_tensors,
+                    "{live} live tensors plus {count} new would exceed {}; drop tensors you no longer need",
                     self.limits.max_live_tensors
                 ),
             ));
         }
-        let total: u64 = sizes.iter().fold(0u64, |a, &s| a.saturating_add(s));
+        let total: u64 = sizes
+            .iter()
+            .fold(scratch_bytes, |a, &s| a.saturating_add(s));
         let after = h
             .device_bytes
             .saturating_sub(credit_bytes)
@@ -261,10 +279,15 @@ impl Tenant {
         if after > self.limits.max_device_bytes {
             let held = h.device_bytes;
             drop(h);
+            let temps = if scratch_bytes > 0 {
+                format!(" ({scratch_bytes} of them the program's temporaries)")
+            } else {
+                String::new()
+            };
             return Err(self.refuse(
                 "max-device-bytes",
                 format!(
-                    "holding {held} device bytes, {total} more would exceed {}",
+                    "holding {held} device bytes, {total} more{temps} would exceed {}",
                     self.limits.max_device_bytes
                 ),
             ));
@@ -276,39 +299,17 @@ impl Tenant {
         h.device_bytes += total;
         h.peak_device_bytes = h.peak_device_bytes.max(after);
         drop(h);
-        Ok(sizes
-            .iter()
-            .map(|&s| Charge {
-                tenant: Arc::clone(self),
-                kind: ChargeKind::Tensor(s),
-            })
-            .collect())
-    }
-
-    /// Charges `bytes` of temporaries an execution will use on the device while it runs, on
-    /// top of what the tenant holds.
-    ///
-    /// Errors: `resource-exhausted` naming `max-device-bytes`.
-    pub fn charge_scratch(self: &Arc<Self>, bytes: u64) -> DeviceResult<Charge> {
-        let mut h = self.held.lock().expect("tenant lock");
-        let after = h.device_bytes.saturating_add(bytes);
-        if after > self.limits.max_device_bytes {
-            let held = h.device_bytes;
-            drop(h);
-            return Err(self.refuse(
-                "max-device-bytes",
-                format!(
-                    "holding {held} device bytes, the program's {bytes} bytes of temporaries would exceed {}",
-                    self.limits.max_device_bytes
-                ),
-            ));
-        }
-        h.device_bytes = after;
-        h.peak_device_bytes = h.peak_device_bytes.max(after);
-        Ok(Charge {
+        let charge = |kind| Charge {
             tenant: Arc::clone(self),
-            kind: ChargeKind::Scratch(bytes),
-        })
+            kind,
+        };
+        Ok((
+            sizes
+                .iter()
+                .map(|&s| charge(ChargeKind::Tensor(s)))
+                .collect(),
+            charge(ChargeKind::Scratch(scratch_bytes)),
+        ))
     }
 
     /// Refuses a program that could never run within the limits: its results and
@@ -530,6 +531,27 @@ mod tests {
         );
         drop(x);
         t.charge_executable().unwrap();
+    }
+
+    #[test]
+    fn temporaries_count_while_they_are_held_and_donations_are_credited_first() {
+        let t = Tenant::new("a", small());
+        let input = t.charge_tensors(&[400], 0).unwrap();
+        // 400 held, the donated input credited: 100 out + 500 temporaries fit in 1000.
+        let (out, temps) = t.charge_execution(&[100], 400, 500).unwrap();
+        assert_eq!(t.usage().device_bytes, 1000);
+        let e = t.charge_execution(&[0], 0, 1).unwrap_err();
+        assert!(
+            e.message.contains("max-device-bytes") && e.message.contains("temporaries"),
+            "{}",
+            e.message
+        );
+        drop(input);
+        drop(temps);
+        assert_eq!(t.usage().device_bytes, 100);
+        assert_eq!(t.usage().peak_device_bytes, 600);
+        drop(out);
+        assert_eq!(t.usage().device_bytes, 0);
     }
 
     #[test]
