@@ -16,7 +16,7 @@
 //! plugins. A TPU can be opened by one process only, so on other platforms the host compiles
 //! in process (and logs that it does) until workers compile against a topology description.
 //!
-//! Wire format (worker stdin, then stdout): one JSON line ([`Request`], [`Response`]) followed
+//! Wire format (worker stdin, then stdout): one JSON line (a `Request`, a `Response`) followed
 //! by the bytes it announces (the program; the serialized executable).
 
 use std::io::{BufRead, Read, Write};
@@ -375,8 +375,8 @@ fn parse_response(stdout: &[u8]) -> Result<DeviceResult<Entry>, String> {
     }
 }
 
-/// `tpubox compile-worker`: reads one [`Request`] and program from stdin, compiles it within the
-/// request's limits, writes one [`Response`] (and the serialized executable) to stdout. Returns
+/// `tpubox compile-worker`: reads one `Request` and program from stdin, compiles it within the
+/// request's limits, writes one `Response` (and the serialized executable) to stdout. Returns
 /// the process exit status: 0 when it answered (even with a compile error), 2 when it could not.
 pub fn worker_main() -> i32 {
     match serve_one() {
