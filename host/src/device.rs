@@ -323,18 +323,32 @@ impl DeviceService {
             .await
     }
 
-    async fn compile_on_blocking_thread(
+    async fn compile_on_compile_thread(
         self: &Arc<Self>,
         code: Vec<u8>,
         options: CompileOptions,
         device: u32,
     ) -> DeviceResult<Compiled> {
+        // A thread of its own with the isolation settings' stack (1 GiB by default, reserved,
+        // touched only as deep as the compiler recurses): the compiler's recursion over long
+        // or deeply nested programs overflows the blocking pool's 2 MiB stacks, and a stack
+        // overflow here aborts the host.
         let this = Arc::clone(self);
-        tokio::task::spawn_blocking(move || this.compile_blocking(code, options, device))
-            .await
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        std::thread::Builder::new()
+            .name("tpubox-compile".into())
+            .stack_size(self.isolation.stack_bytes)
+            .spawn(move || {
+                let _ = tx.send(this.compile_blocking(code, options, device));
+            })
             .map_err(|e| {
-                DeviceError::new(ErrorKind::Internal, format!("compile task failed: {e}"))
-            })?
+                DeviceError::new(
+                    ErrorKind::Internal,
+                    format!("starting a compile thread: {e}"),
+                )
+            })?;
+        rx.await
+            .map_err(|_| DeviceError::new(ErrorKind::Internal, "the compile thread panicked"))?
     }
 
     fn compile_blocking(
@@ -401,7 +415,7 @@ impl DeviceService {
             (Some(worker), Some(target)) => {
                 self.compile_in_worker(worker, target, code, device).await
             }
-            _ => self.compile_on_blocking_thread(code, options, device).await,
+            _ => self.compile_on_compile_thread(code, options, device).await,
         }
     }
 

@@ -142,8 +142,18 @@ impl KnownPackage {
 }
 
 fn not_installed(p: &KnownPackage) -> anyhow::Error {
+    // Installing an accelerator's plugin helps only on a machine with the chip: say that first.
+    if let Err(missing) = crate::accelerator::check(Path::new(p.library)) {
+        return missing.into();
+    }
+    // `dev.sh setup` installs the CPU plugins; accelerators are set up by name only.
+    let dev_sh = if p.name == "cpu" || p.name == "xla-cpu" {
+        " (or `bash scripts/dev.sh setup`)"
+    } else {
+        ""
+    };
     anyhow::anyhow!(
-        "the {} PJRT plugin ({} {}) is not installed: run `tpubox setup {}` (or `bash scripts/dev.sh setup`)",
+        "the {} PJRT plugin ({} {}) is not installed: run `tpubox setup {}`{dev_sh}",
         p.name,
         p.package,
         p.version,

@@ -344,7 +344,7 @@ impl Tenant {
             DeviceError::new(
                 ErrorKind::PermissionDenied,
                 format!(
-                    "tenant `{}`: {message} (policy rule {rule}; an operator can mark the tenant trusted)",
+                    "tenant `{}`: {message} (policy rule {rule}; an operator can mark the tenant trusted: `tpubox run --trusted`, `ProgramPolicy::trusted`)",
                     self.name
                 ),
             )
