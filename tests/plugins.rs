@@ -125,3 +125,21 @@ fn plugin_environment_is_prepared_before_threads_start() {
     assert!(set.contains("\"TPU_SKIP_MDS_QUERY\""), "{set}");
     assert!(!set.contains("TF_CPP_MIN_LOG_LEVEL"), "{set}");
 }
+
+/// `--plugin tpu|cuda` by name before `tpubox setup`: on a machine without the chip the line
+/// says the chip is missing (installing the plugin would not help), not "run tpubox setup".
+#[test]
+fn accelerator_names_not_installed_say_the_chip_is_missing() {
+    for accel in [Accelerator::Tpu, Accelerator::Cuda] {
+        let empty = tempfile::tempdir().unwrap();
+        let o = devices(Path::new(accel.plugin_name()), empty.path(), None);
+        let stderr = String::from_utf8_lossy(&o.stderr);
+        assert_eq!(o.status.code(), Some(2), "stderr:\n{stderr}");
+        assert_eq!(stderr.lines().count(), 1, "one line; stderr:\n{stderr}");
+        match accelerator::detect(accel, Path::new("/")) {
+            Err(missing) => assert_eq!(stderr.trim(), format!("tpubox: {missing}")),
+            // With the chip present, the plugin is simply not installed.
+            Ok(_) => assert!(stderr.contains("is not installed"), "{stderr}"),
+        }
+    }
+}
