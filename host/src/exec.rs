@@ -66,6 +66,19 @@ pub async fn exec(
     for (i, (path, spec)) in args.iter().zip(exe.inputs()).enumerate() {
         let arr = npy::read_npy(path, Some(spec.ty))
             .with_context(|| format!("argument {i} must be {}", format_spec(spec)))?;
+        if arr.dims != spec.dims {
+            let got = crate::types::TensorSpec {
+                ty: arr.ty,
+                dims: arr.dims.clone(),
+            };
+            bail!(
+                "argument {i} ({}) is {} but {} expects {}",
+                path.display(),
+                format_spec(&got),
+                program.display(),
+                format_spec(spec)
+            );
+        }
         let dims: Vec<u64> = arr.dims.iter().map(|&d| d as u64).collect();
         let t = session
             .tensor_from_bytes(arr.ty, &dims, &arr.data, None)

@@ -380,7 +380,7 @@ impl Sandbox {
                     let trap = e.downcast_ref::<wasmtime::Trap>().copied();
                     return Err(match (deadline, trap) {
                         (Some(d), _) if Instant::now() >= d => anyhow::anyhow!(
-                            "guest exceeded its deadline of {:?} and was stopped",
+                            "guest exceeded its deadline of {:?} and was stopped (the limit is `tpubox run --timeout`, TenantLimits::max_call_time)",
                             limit.unwrap_or_default()
                         ),
                         (_, Some(wasmtime::Trap::OutOfFuel)) => anyhow::anyhow!(
