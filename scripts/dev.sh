@@ -6,7 +6,7 @@
 #   bash scripts/dev.sh lint    # fmt --check, clippy and doc with warnings denied (CI runs it)
 #   bash scripts/dev.sh bench   # set up, then run the benchmarks (prints tables)
 #   bash scripts/dev.sh polyglot  # only the C/Python/JavaScript guest tools and guests
-#   bash scripts/dev.sh fuzz [SECONDS]  # fuzz the WIT host calls (fuzz/, target wit_calls; default 600 s)
+#   bash scripts/dev.sh fuzz [SECONDS] [TARGET]  # fuzz TARGET (wit_calls: WIT host calls; programs: generated StableHLO); default 600 s, wit_calls
 # Everything downloaded goes under ${TPUBOX_CACHE_DIR:-~/.cache/tpubox}; nothing under the repo
 # except cargo's target/.
 set -euo pipefail
@@ -20,7 +20,11 @@ HEADER_PKG="xla-cpu-pjrt"
 HEADER_VER="0.0.1"
 HEADER_SHA="55837b6b7b47daa717f2d9a5a03563ea0ceaa338d06a81a1e2d3f060d960decc"
 HEADER_DIR="$CACHE/plugins/$HEADER_PKG-$HEADER_VER"
-GUESTS=(hello-matmul tpubox-probe tpubox-graph-ops minilm-embed)
+# Model guests of `tpubox serve` (tests/serve). They are cdylibs: cargo names their component
+# with underscores, $TARGET/wasm32-wasip2/release/serve_dtypes.wasm (see guest_wasm); command
+# guests keep the package name.
+SERVE_GUESTS=(serve-dtypes minilm-serve)
+GUESTS=(hello-matmul tpubox-probe tpubox-graph-ops minilm-embed "${SERVE_GUESTS[@]}")
 
 # Tools for guests in C, Python and JavaScript (docs/guests/), installed once under $TOOLS.
 TOOLS="$CACHE/tools"
@@ -49,7 +53,8 @@ setup_core() {
   fi
 }
 
-# What the tests need beyond that: the C/Python/JavaScript guest toolchains and moto's S3 server.
+# What the tests need beyond that: the C/Python/JavaScript guest toolchains and python3-venv
+# (the test venvs are set up by setup_venvs).
 setup_system() {
   setup_core
   local missing=()
@@ -61,11 +66,29 @@ setup_system() {
     dpkg -s "$pkg" >/dev/null 2>&1 || missing+=("$pkg")
   done
   install_debian "${missing[@]}"
-  # moto's S3 server, started on loopback by the tier-3 compile-cache tests.
-  if ! command -v moto_server >/dev/null; then
-    log "installing moto[server]==5.2.1 (S3 server for the tier-3 cache tests)"
-    python3 -m pip install --disable-pip-version-check -q "moto[server]==5.2.1"
-  fi
+}
+
+# Python tools of the tests, each in its own venv under $CACHE (never the system Python), built
+# from a requirements file that pins every package, transitive ones too (scripts/venvs/).
+SERVE_VENV="$CACHE/venv-serve"   # tritonclient, numpy, pytest: tests/serve (tpubox serve)
+MOTO_VENV="$CACHE/venv-moto"     # moto's S3 server: tests/cache_remote.rs (tier-3 cache)
+
+# setup_venv DIR REQUIREMENTS: skipped while DIR's marker names this file's hash and this
+# python3; otherwise DIR is rebuilt from scratch (a venv is not relocatable: built in place).
+setup_venv() {
+  local dir="$1" req="$2" key
+  key="$(python3 -c 'import sys; print(sys.executable, sys.version.split()[0])') $(sha256sum "$req" | cut -d' ' -f1)"
+  if [ -f "$dir/.tpubox-installed" ] && [ "$(cat "$dir/.tpubox-installed")" = "$key" ]; then return; fi
+  log "installing $req into $dir"
+  rm -rf "$dir"
+  python3 -m venv "$dir"
+  "$dir/bin/pip" install --quiet --disable-pip-version-check --only-binary :all: -r "$req"
+  echo "$key" > "$dir/.tpubox-installed"
+}
+
+setup_venvs() {
+  setup_venv "$SERVE_VENV" scripts/venvs/serve.txt
+  setup_venv "$MOTO_VENV" scripts/venvs/moto.txt
 }
 
 install_debian() {
@@ -94,11 +117,40 @@ build_host() {
   cargo build --release -p tpubox-host
 }
 
+is_model_guest() {
+  local m
+  for m in "${SERVE_GUESTS[@]}"; do [ "$m" = "$1" ] && return 0; done
+  return 1
+}
+
+# The component cargo builds for guest package $1.
+guest_wasm() {
+  if is_model_guest "$1"; then
+    echo "$TARGET/wasm32-wasip2/release/${1//-/_}.wasm"
+  else
+    echo "$TARGET/wasm32-wasip2/release/$1.wasm"
+  fi
+}
+
+# Checks that model guest $1's component exports tpubox:device/model, when wasm-tools is
+# installed (with the polyglot tools; `setup` checks again once it has installed them).
+check_model_guest() {
+  local wasm wit wasm_tools="$TOOLS/wasm-tools-$WASM_TOOLS_VER/bin/wasm-tools"
+  wasm="$(guest_wasm "$1")"
+  [ -x "$wasm_tools" ] || return 0
+  wit="$("$wasm_tools" component wit "$wasm")"
+  grep -q '^  export tpubox:device/model@0.1.0;' <<<"$wit" ||
+    { log "$wasm does not export tpubox:device/model@0.1.0"; return 1; }
+}
+
 build_guests() {
-  local g
+  local g wasm
   for g in "$@"; do
     log "building guest $g (wasm32-wasip2)"
     cargo build --release --target wasm32-wasip2 -p "$g"
+    wasm="$(guest_wasm "$g")"
+    [ -f "$wasm" ] || { log "guest $g built, but $wasm is missing"; return 1; }
+    if is_model_guest "$g"; then check_model_guest "$g"; fi
   done
 }
 
@@ -222,42 +274,49 @@ build_polyglot() {
   for g in "${POLYGLOT_GUESTS[@]}"; do build_polyglot_guest "$g"; done
 }
 
-setup() { setup_system; setup_header; build; setup_polyglot_tools; build_polyglot; }
+setup() {
+  setup_system; setup_venvs; setup_header; build; setup_polyglot_tools; build_polyglot
+  local g
+  for g in "${SERVE_GUESTS[@]}"; do check_model_guest "$g"; done
+}
 
-# Fuzzes the WIT host calls (fuzz/fuzz_targets/wit_calls.rs) for SECONDS. cargo-fuzz wants
-# nightly; RUSTC_BOOTSTRAP=1 lets the stable toolchain take its flags. No sanitizer: the host is
-# safe Rust and the plugin is not instrumented, so ASan would only cost speed. Its own target dir,
-# because its flags differ from the workspace's. Fork mode keeps fuzzing past a crash; crash inputs
-# land in fuzz/artifacts/wit_calls/.
+# Fuzzes TARGET (default wit_calls: the WIT host calls; programs: structure-aware StableHLO
+# programs, see fuzz/README.md) for SECONDS. cargo-fuzz wants nightly; RUSTC_BOOTSTRAP=1 lets the
+# stable toolchain take its flags. No sanitizer: the host is safe Rust and the plugin is not
+# instrumented, so ASan would only cost speed. Its own target dir, because its flags differ from
+# the workspace's. Fork mode keeps fuzzing past a crash; crash inputs land in
+# fuzz/artifacts/TARGET/. The programs target sends recursive and deeply nested programs to
+# compile workers (the release tpubox binary).
 CARGO_FUZZ_VER="0.13.2"
 fuzz() {
-  local seconds="${1:-600}"
+  local seconds="${1:-600}" target="${2:-wit_calls}"
+  case "$target" in wit_calls|programs) ;; *) log "unknown fuzz target $target (wit_calls, programs)"; return 2 ;; esac
   setup_header
   "$TARGET/release/tpubox" setup cpu >/dev/null
   install_cargo_tool cargo-fuzz "$CARGO_FUZZ_VER" "$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER" cargo-fuzz
-  mkdir -p fuzz/corpus/wit_calls
-  log "fuzzing wit_calls for $seconds s (corpus fuzz/corpus/wit_calls, regressions fuzz/regressions/)"
+  mkdir -p "fuzz/corpus/$target"
+  log "fuzzing $target for $seconds s (corpus fuzz/corpus/$target, regressions fuzz/regressions/$target)"
+  local fuzz_env=(RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}"
+    PATH="$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER/bin:$PATH"
+    TPUBOX_COMPILE_WORKER="$(cd "$TARGET/release" && pwd)/tpubox")
   # Regression inputs first: each once crashed the target and must pass now.
   # Stored as hex text (no binaries in git); decoded into the target dir before replay.
-  local regdir="${FUZZ_TARGET_DIR:-$TARGET/fuzz}/regressions"
+  local regdir="${FUZZ_TARGET_DIR:-$TARGET/fuzz}/regressions/$target"
   rm -rf "$regdir" && mkdir -p "$regdir"
-  for h in fuzz/regressions/wit_calls/*.hex; do
+  for h in fuzz/regressions/"$target"/*.hex; do
+    [ -f "$h" ] || continue
     python3 -c 'import sys; open(sys.argv[2], "wb").write(bytes.fromhex(open(sys.argv[1]).read().strip()))' \
       "$h" "$regdir/$(basename "$h" .hex)"
   done
   for f in "$regdir"/*; do
     [ -f "$f" ] || continue
-    (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}" \
-      PATH="$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER/bin:$PATH" \
-      cargo fuzz run wit_calls --release --sanitizer none "$f") \
+    (cd fuzz && env "${fuzz_env[@]}" cargo fuzz run "$target" --release --sanitizer none "$f") \
       || { log "regression $f FAILS"; return 1; }
   done
-  (cd fuzz && RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}" \
-    PATH="$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER/bin:$PATH" \
-    cargo fuzz run wit_calls --release --sanitizer none -- \
+  (cd fuzz && env "${fuzz_env[@]}" cargo fuzz run "$target" --release --sanitizer none -- \
     -max_total_time="$seconds" -rss_limit_mb=8192 -timeout=60 -print_final_stats=1 \
     -fork=1 -ignore_crashes=1)
-  log "crash inputs kept: $(find fuzz/artifacts/wit_calls -name 'crash-*' 2>/dev/null | wc -l) (fuzz/artifacts/wit_calls/)"
+  log "crash inputs kept: $(find "fuzz/artifacts/$target" -name 'crash-*' 2>/dev/null | wc -l) (fuzz/artifacts/$target/)"
 }
 
 cmd="${1:-}"
@@ -277,7 +336,10 @@ case "$cmd" in
   test)
     setup
     log "running the tests"
-    cargo test --release --workspace
+    TPUBOX_MOTO_SERVER="$MOTO_VENV/bin/moto_server" cargo test --release --workspace
+    # tpubox serve driven by Triton's own clients (tritonclient over HTTP and gRPC).
+    log "running the serving tests (tests/serve, pytest)"
+    "$SERVE_VENV/bin/python" -m pytest tests/serve -q
     ;;
   lint)
     # The gates CI runs besides the tests (.ci/run): formatting, clippy, docs; warnings fail.
@@ -299,10 +361,10 @@ case "$cmd" in
   fuzz)
     setup_system
     if [ ! -x "$TARGET/release/tpubox" ]; then cargo build --release -p tpubox-host; fi
-    fuzz "${2:-600}"
+    fuzz "${2:-600}" "${3:-wit_calls}"
     ;;
   *)
-    echo "usage: bash scripts/dev.sh setup|demo|test|lint|bench|polyglot|fuzz [SECONDS]" >&2
+    echo "usage: bash scripts/dev.sh setup|demo|test|lint|bench|polyglot|fuzz [SECONDS] [TARGET]" >&2
     exit 2
     ;;
 esac

@@ -5,7 +5,7 @@ mod support;
 
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::process::{Child, Command, Stdio};
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -271,18 +271,36 @@ impl Drop for Moto {
     }
 }
 
+/// `moto_server`: `$TPUBOX_MOTO_SERVER`, else the venv that `scripts/dev.sh setup` makes
+/// (`<cache>/venv-moto`), else whatever `PATH` has.
+fn moto_server() -> PathBuf {
+    if let Some(p) = std::env::var_os("TPUBOX_MOTO_SERVER") {
+        return PathBuf::from(p);
+    }
+    tpubox::plugin::cache_root()
+        .map(|c| c.join("venv-moto/bin/moto_server"))
+        .filter(|p| p.is_file())
+        .unwrap_or_else(|| PathBuf::from("moto_server"))
+}
+
 fn start_moto() -> Moto {
     let port = TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()
         .unwrap()
         .port();
-    let child = Command::new("moto_server")
+    let server = moto_server();
+    let child = Command::new(&server)
         .args(["-H", "127.0.0.1", "-p", &port.to_string()])
         .stdout(Stdio::null())
         .stderr(Stdio::null())
         .spawn()
-        .expect("moto_server is missing: bash scripts/dev.sh setup installs moto[server]");
+        .unwrap_or_else(|e| {
+            panic!(
+                "starting {}: {e} (bash scripts/dev.sh setup installs moto[server] into a venv)",
+                server.display()
+            )
+        });
     let moto = Moto { child, port };
     let start = Instant::now();
     while TcpStream::connect(("127.0.0.1", port)).is_err() {

@@ -20,6 +20,8 @@
 //! * [`weights`]: read-only weight sets the host loaded once (`tpubox run --weights
 //!   NAME=FILE.safetensors`), opened by name, device-resident, shared between guests.
 //! * [`platform`] and [`devices`]: what the host runs on.
+//! * [`model`]: models served by `tpubox serve` — implement [`model::Model`] and export it with
+//!   [`export_model!`]; [`model::TensorData`] converts to and from [`Tensor`].
 //!
 //! Every fallible call returns [`Result`], whose [`Error`] carries an [`ErrorKind`] to branch on
 //! and a human-readable message.
@@ -107,7 +109,15 @@ mod spec;
 mod tensor;
 
 pub mod graph;
+pub mod model;
 pub mod weights;
+
+/// Exports a type implementing [`model::Model`] as the component's `tpubox:device/model`
+/// interface: `tpubox_guest::export_model!(MyModel);` once, at the top level of a model guest
+/// (a `cdylib` built for `wasm32-wasip2`). The argument is a type name (an identifier) in
+/// scope. See [`model`].
+#[doc(inline)]
+pub use model::bindings::export_model;
 
 pub use element::{Element, decode, encode};
 pub use error::{Error, Result};

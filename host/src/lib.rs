@@ -18,7 +18,9 @@
 //! - [`plugin_env`]: the environment plugins start with (quiet logs, no metadata query);
 //! - [`host`]: the embedding API ([`Host`]);
 //! - [`plugin`]: finding and installing PJRT plugins and model packages;
-//! - [`npy`] and [`exec`]: `tpubox exec`, running a StableHLO program on `.npy` files.
+//! - [`npy`] and [`exec`]: `tpubox exec`, running a StableHLO program on `.npy` files;
+//! - [`serve`]: `tpubox serve`, the daemon serving guest models over the Open Inference
+//!   Protocol (REST, gRPC, metrics), with the model repository and dynamic batching.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -34,6 +36,7 @@ pub mod plugin;
 pub mod plugin_env;
 pub mod sandbox;
 pub mod scheduler;
+pub mod serve;
 pub mod session;
 pub mod tenant;
 pub mod types;

@@ -67,10 +67,77 @@ enum Cmd {
         #[arg(long)]
         trusted: bool,
     },
+    /// Serve the models of a repository over the Open Inference Protocol (KServe v2, as
+    /// Triton speaks it): REST, gRPC and Prometheus metrics, until SIGTERM or Ctrl-C.
+    ///
+    /// Each model is a directory `DIR/<model>/` with `config.toml` (or `config.json`; Triton's
+    /// field names: max_batch_size, input, output, instance_group, dynamic_batching, and a
+    /// [tpubox] section for weights and limits) and `model.wasm`, a component built for the
+    /// `served-model` world of wit/model.wit. Models load in the background; readiness
+    /// (`/v2/health/ready`) is false until they have. With --tokens, requests need
+    /// `Authorization: Bearer TOKEN` and are admitted per tenant (models, max_in_flight,
+    /// max_requests_per_second). SIGTERM stops new requests, waits up to --drain-seconds for
+    /// those in flight, and exits 0. See docs/SERVING.md.
+    Serve(ServeArgs),
     /// Internal: compile one program read from stdin and write the executable to stdout (the
     /// host starts this to contain the compiler; see `tpubox::compiler`).
     #[command(hide = true)]
     CompileWorker,
+}
+
+#[derive(Args)]
+struct ServeArgs {
+    #[command(flatten)]
+    device: DeviceArgs,
+    /// The model repository: one directory per model.
+    #[arg(long, value_name = "DIR")]
+    model_repository: PathBuf,
+    /// Tokens file (TOML `[[tenant]]` entries: name, tokens, models, max_in_flight,
+    /// max_requests_per_second). Without it every request is tenant `anonymous`.
+    #[arg(long, value_name = "FILE")]
+    tokens: Option<PathBuf>,
+    /// Address to listen on.
+    #[arg(long, default_value = "127.0.0.1")]
+    host: std::net::IpAddr,
+    /// REST port (KServe v2 / Triton HTTP).
+    #[arg(long, default_value_t = 8000)]
+    http_port: u16,
+    /// gRPC port (inference.GRPCInferenceService).
+    #[arg(long, default_value_t = 8001)]
+    grpc_port: u16,
+    /// Prometheus metrics port (GET /metrics).
+    #[arg(long, default_value_t = 8002)]
+    metrics_port: u16,
+    /// Longest SIGTERM waits for requests in flight, in seconds.
+    #[arg(long, default_value_t = 30.0, value_parser = positive_seconds)]
+    drain_seconds: f64,
+    /// Largest request body (REST) or message (gRPC), in MiB.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=4096))]
+    max_request_mib: u64,
+    /// Model instances that may exist at once, over all models (the sandbox's instance pool).
+    #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
+    max_instances: u32,
+}
+
+async fn serve(args: ServeArgs) -> Result<bool> {
+    let device = args.device.open()?;
+    let sandbox = std::sync::Arc::new(tpubox::sandbox::Sandbox::new(SandboxConfig {
+        max_instances: args.max_instances,
+        ..SandboxConfig::default()
+    })?);
+    let weights = std::sync::Arc::new(tpubox::weights::WeightRegistry::new());
+    let config = tpubox::serve::ServeConfig {
+        repository: args.model_repository,
+        tokens: args.tokens,
+        host: args.host,
+        http_port: args.http_port,
+        grpc_port: args.grpc_port,
+        metrics_port: args.metrics_port,
+        drain: Duration::from_secs_f64(args.drain_seconds),
+        max_request_bytes: (args.max_request_mib << 20) as usize,
+    };
+    tpubox::serve::run(config, sandbox, device, weights).await?;
+    Ok(true)
 }
 
 #[derive(Subcommand)]
@@ -455,6 +522,7 @@ async fn main_inner(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Cmd::Run(args) => run(args).await,
+        Cmd::Serve(args) => serve(args).await,
         Cmd::CompileWorker => unreachable!("handled before the runtime starts"),
         Cmd::Cache { action, cache } => cache_command(action, &cache).await,
         Cmd::Exec {

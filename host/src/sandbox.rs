@@ -114,6 +114,34 @@ pub struct GuestState {
     wasi: WasiCtx,
     limits: StoreLimits,
     device: DeviceState,
+    /// When the guest's current call must stop (checked every [`EPOCH_TICK`]).
+    deadline: Option<Instant>,
+}
+
+impl GuestState {
+    /// Sets when the guest's wasm code is interrupted; `None` for never. A long-lived
+    /// instance sets it before each call.
+    pub fn set_deadline(&mut self, deadline: Option<Instant>) {
+        self.deadline = deadline;
+    }
+
+    /// The session the guest's device calls go through.
+    pub fn session(&self) -> &Session {
+        self.device.session()
+    }
+}
+
+/// A guest's store, built by [`Sandbox::store`], with what the caller needs beside it.
+pub struct GuestStore {
+    /// The store; instantiate components in it with [`Sandbox::linker`].
+    pub store: Store<GuestState>,
+    /// The tenant it charges.
+    pub tenant: Arc<Tenant>,
+    /// The guest's linear-memory cap in bytes (the tenant's and the sandbox's, whichever is
+    /// lower).
+    pub max_memory: usize,
+    out: MemoryOutputPipe,
+    err: MemoryOutputPipe,
 }
 
 impl WasiView for GuestState {
@@ -262,20 +290,26 @@ impl Sandbox {
             .unwrap_or((0, 0))
     }
 
-    /// Instantiates `component` as a WASI command and runs its `wasi:cli/run` export.
+    /// The linker that provides WASI p2 and the `tpubox:device` interfaces to components
+    /// instantiated in stores from [`Sandbox::store`].
+    pub fn linker(&self) -> &Linker<GuestState> {
+        &self.linker
+    }
+
+    /// A store for one guest named `name`, set up as `opts` says (arguments, environment,
+    /// directories, stdin, output capture, clocks, tenant), with the tenant's memory cap and
+    /// fuel, and epoch interruption at the deadline set by [`GuestState::set_deadline`] (none
+    /// yet: [`Sandbox::run`] sets it from `opts`, a long-lived instance before each call).
     ///
-    /// Errors: instantiation failures (a missing import: the guest needs more than WASI p2 and
-    /// `tpubox:device`), a trap (including the deadline and the memory cap), or a preopened dir
-    /// that cannot be opened. A guest that returns an error from `run` is not an `Err`: see
-    /// [`RunOutcome::success`].
-    pub async fn run(
+    /// Errors: a fuel limit on a sandbox without fuel metering, or a directory that cannot be
+    /// opened.
+    pub fn store(
         &self,
         device: &Arc<DeviceService>,
         weights: &Arc<WeightRegistry>,
-        component: &Component,
         name: &str,
         opts: &RunOptions,
-    ) -> Result<RunOutcome> {
+    ) -> Result<GuestStore> {
         let tenant = opts
             .tenant
             .clone()
@@ -335,12 +369,10 @@ impl Sandbox {
             wasi: wasi.build(),
             limits,
             device: DeviceState::with_table(table, session),
+            deadline: None,
         };
         let mut store = Store::new(&self.engine, state);
         store.limiter(|s| &mut s.limits);
-        let start = Instant::now();
-        let limit = opts.deadline.or(tenant.limits().max_call_time);
-        let deadline = limit.map(|d| start + d);
         match fuel {
             Some(f) => {
                 store.set_fuel(f)?;
@@ -351,10 +383,45 @@ impl Sandbox {
             None => {}
         }
         store.set_epoch_deadline(1);
-        store.epoch_deadline_callback(move |_| match deadline {
+        store.epoch_deadline_callback(|ctx| match ctx.data().deadline {
             Some(d) if Instant::now() >= d => Ok(UpdateDeadline::Interrupt),
             _ => Ok(UpdateDeadline::Yield(1)),
         });
+        Ok(GuestStore {
+            store,
+            tenant,
+            max_memory,
+            out,
+            err,
+        })
+    }
+
+    /// Instantiates `component` as a WASI command and runs its `wasi:cli/run` export.
+    ///
+    /// Errors: instantiation failures (a missing import: the guest needs more than WASI p2 and
+    /// `tpubox:device`), a trap (including the deadline and the memory cap), or a preopened dir
+    /// that cannot be opened. A guest that returns an error from `run` is not an `Err`: see
+    /// [`RunOutcome::success`].
+    pub async fn run(
+        &self,
+        device: &Arc<DeviceService>,
+        weights: &Arc<WeightRegistry>,
+        component: &Component,
+        name: &str,
+        opts: &RunOptions,
+    ) -> Result<RunOutcome> {
+        let GuestStore {
+            mut store,
+            tenant,
+            max_memory,
+            out,
+            err,
+        } = self.store(device, weights, name, opts)?;
+        let fuel = tenant.limits().fuel;
+        let start = Instant::now();
+        let limit = opts.deadline.or(tenant.limits().max_call_time);
+        let deadline = limit.map(|d| start + d);
+        store.data_mut().set_deadline(deadline);
         let command = Command::instantiate_async(&mut store, component, &self.linker).await?;
         let run = command.wasi_cli_run().call_run(&mut store);
         // Epoch interruption only stops wasm code; a guest blocked in a host call (a sleep, a

@@ -110,5 +110,7 @@ fn infeed_is_a_host_transfer() {
 #[ignore]
 fn print_stats() {
     let code = std::fs::read_to_string(std::env::var("PROGRAM").unwrap()).unwrap();
-    println!("{:?}", compile(&code).compiled_memory_stats());
+    let exe = compile(&code);
+    println!("{:?}", exe.compiled_memory_stats());
+    println!("{:?}", exe.program_facts());
 }

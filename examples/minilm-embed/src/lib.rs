@@ -6,17 +6,23 @@
 //! * [`tokenize`]: the model's WordPiece tokenizer, truncating at 256 tokens.
 //! * [`batching`]: the (batch, seq) bucket policy and padding.
 //! * [`output`]: the similarity table, JSON records, cosine similarity.
+//! * [`device`]: the weights from the host's weight set ([`load_weights`]) and the bucketed
+//!   encoder calls ([`embed`]); these call the host, so they run only in a guest.
 //!
 //! The guest program (`src/main.rs`) ties these to the host: it takes the weights from the
-//! host's weight set by name and runs the graph on the host's device. A native benchmark can
-//! build the same MLIR with [`build_encoder_mlir`] and tokenize with [`SentenceTokenizer`].
+//! host's weight set by name and runs the graph on the host's device. The `minilm-serve` model
+//! guest (`examples/minilm-serve`) serves the same embeddings through `tpubox serve`. A native
+//! benchmark can build the same MLIR with [`build_encoder_mlir`] and tokenize with
+//! [`SentenceTokenizer`].
 
 pub mod batching;
+pub mod device;
 pub mod model;
 pub mod output;
 pub mod tokenize;
 
 pub use batching::{BATCH_BUCKETS, Chunk, SEQ_BUCKETS, batch_bucket, pack, plan, seq_bucket};
+pub use device::{Compiled, embed, load_weights};
 pub use model::{
     EncoderInput, HIDDEN, WeightSpec, build_encoder, build_encoder_mlir, encoder_inputs,
     weight_specs,

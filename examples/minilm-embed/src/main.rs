@@ -15,19 +15,15 @@
 //! Sentences come from the arguments; without any, from stdin (one per line, blank lines
 //! skipped); when stdin is a terminal or empty, a few built-in sentences are used.
 
-use std::collections::HashMap;
-use std::collections::hash_map::Entry;
 use std::io::{IsTerminal, Read, Write};
 use std::path::PathBuf;
 use std::process::ExitCode;
 
 use anyhow::{Context, Result, bail};
 use minilm_embed::{
-    Chunk, DEFAULT_MODEL_DIR, DEFAULT_WEIGHTS, EncoderInput, HIDDEN, SentenceTokenizer,
-    build_encoder, encoder_inputs, pack, plan, similarity_table, to_json,
+    Compiled, DEFAULT_MODEL_DIR, DEFAULT_WEIGHTS, SentenceTokenizer, embed, load_weights,
+    similarity_table, to_json,
 };
-use tpubox_guest::weights::WeightSet;
-use tpubox_guest::{Executable, Tensor, TensorSpec};
 
 const USAGE: &str =
     "usage: minilm-embed [--model-dir DIR] [--weights NAME] [--json] [--repeat N] [SENTENCES...]";
@@ -128,79 +124,6 @@ fn stdin_sentences() -> Result<Option<Vec<String>>> {
     Ok(if lines.is_empty() { None } else { Some(lines) })
 }
 
-/// The encoder's weights, taken from the host's weight set (device-resident handles).
-fn load_weights(set_name: &str) -> Result<Vec<Tensor>> {
-    let set = WeightSet::open(set_name).with_context(|| {
-        format!("cannot open weight set {set_name:?} (run the host with --weights {set_name}=MODELDIR/model.safetensors)")
-    })?;
-    let mut tensors = Vec::new();
-    for input in encoder_inputs() {
-        let EncoderInput::Weight(w) = input else {
-            continue;
-        };
-        let want = TensorSpec::new(w.dtype(), &w.dims);
-        let got = set
-            .spec(&w.name)
-            .with_context(|| format!("weight set {set_name:?} is not all-MiniLM-L6-v2"))?;
-        if got != want {
-            bail!(
-                "weight {} in set {set_name:?} is {got}, expected {want}",
-                w.name
-            );
-        }
-        tensors.push(set.get(&w.name)?);
-    }
-    Ok(tensors)
-}
-
-/// Embeds every sentence (token ids given), compiling each (batch, seq) bucket once into
-/// `compiled`.
-fn embed(
-    weights: &[Tensor],
-    ids: &[Vec<i32>],
-    compiled: &mut HashMap<(usize, usize), Executable>,
-) -> Result<Vec<Vec<f32>>> {
-    let hidden = HIDDEN as usize;
-    let mut out = vec![Vec::new(); ids.len()];
-    let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
-    for chunk in plan(&lengths)? {
-        let Chunk { batch, seq, .. } = chunk;
-        let exe = match compiled.entry((batch, seq)) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => {
-                let enc = build_encoder(batch as u64, seq as u64)?;
-                let exe = enc.graph.compile(&[enc.output]).with_context(|| {
-                    format!("cannot compile the encoder for batch {batch} × seq {seq}")
-                })?;
-                e.insert(exe)
-            }
-        };
-        let (input_ids, mask) = pack(&chunk, ids)?;
-        let dims = [batch as u64, seq as u64];
-        let input_ids = Tensor::from_slice(&input_ids, &dims)?;
-        let mask = Tensor::from_slice(&mask, &dims)?;
-        let mut args: Vec<&Tensor> = weights.iter().collect();
-        args.push(&input_ids);
-        args.push(&mask);
-        let result = exe.call(&args)?;
-        let emb: Vec<f32> = result
-            .first()
-            .context("the encoder returned nothing")?
-            .to_vec()?;
-        if emb.len() != batch * hidden {
-            bail!(
-                "the encoder returned {} values, expected {}",
-                emb.len(),
-                batch * hidden
-            );
-        }
-        for (row, &i) in chunk.indices.iter().enumerate() {
-            out[i] = emb[row * hidden..(row + 1) * hidden].to_vec();
-        }
-    }
-    Ok(out)
-}
-
 fn run() -> Result<()> {
     let Some(args) = parse_args()? else {
         return Ok(());
@@ -238,7 +161,7 @@ fn run() -> Result<()> {
         .collect::<Result<_>>()?;
 
     let weights = load_weights(&args.weights)?;
-    let mut compiled = HashMap::new();
+    let mut compiled = Compiled::new();
     let start = std::time::Instant::now();
     let embeddings = embed(&weights, &ids, &mut compiled)?;
     if args.repeat > 0 {

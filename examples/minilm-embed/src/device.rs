@@ -1,0 +1,99 @@
+//! The device side of embedding: the weights taken from the host's weight set
+//! ([`load_weights`]) and the padded, bucketed encoder calls ([`embed`]), shared by the
+//! `minilm-embed` command guest and the `minilm-serve` model guest.
+//!
+//! These call the host, so they work only in a guest (`wasm32-wasip2`); natively the SDK's
+//! imports are stubs that panic.
+
+use std::collections::HashMap;
+use std::collections::hash_map::Entry;
+
+use anyhow::{Context, Result, bail};
+use tpubox_guest::weights::WeightSet;
+use tpubox_guest::{Executable, Tensor, TensorSpec};
+
+use crate::{Chunk, EncoderInput, HIDDEN, build_encoder, encoder_inputs, pack, plan};
+
+/// The encoder compiled for each (batch, seq) bucket used so far.
+pub type Compiled = HashMap<(usize, usize), Executable>;
+
+/// The encoder's weights, taken from the host's weight set `set_name` (device-resident
+/// handles), in the order of [`encoder_inputs`].
+///
+/// Errors: the set cannot be opened, lacks a weight, or holds one of another dtype or shape
+/// (the underlying [`tpubox_guest::Error`] stays reachable with `downcast_ref`).
+pub fn load_weights(set_name: &str) -> Result<Vec<Tensor>> {
+    let set = WeightSet::open(set_name).with_context(|| {
+        format!("cannot open weight set {set_name:?} (run the host with --weights {set_name}=MODELDIR/model.safetensors)")
+    })?;
+    let mut tensors = Vec::new();
+    for input in encoder_inputs() {
+        let EncoderInput::Weight(w) = input else {
+            continue;
+        };
+        let want = TensorSpec::new(w.dtype(), &w.dims);
+        let got = set
+            .spec(&w.name)
+            .with_context(|| format!("weight set {set_name:?} is not all-MiniLM-L6-v2"))?;
+        if got != want {
+            bail!(
+                "weight {} in set {set_name:?} is {got}, expected {want}",
+                w.name
+            );
+        }
+        tensors.push(set.get(&w.name)?);
+    }
+    Ok(tensors)
+}
+
+/// Embeds every sentence (token ids given; each at most [`crate::MAX_SEQ_LEN`] tokens) into a
+/// normalized `HIDDEN`-wide vector, in input order, compiling each (batch, seq) bucket once
+/// into `compiled` (see [`plan`]).
+///
+/// Errors: compiling or running the encoder (the host's [`tpubox_guest::Error`] stays
+/// reachable with `downcast_ref`), or a result of the wrong size.
+pub fn embed(
+    weights: &[Tensor],
+    ids: &[Vec<i32>],
+    compiled: &mut Compiled,
+) -> Result<Vec<Vec<f32>>> {
+    let hidden = HIDDEN as usize;
+    let mut out = vec![Vec::new(); ids.len()];
+    let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
+    for chunk in plan(&lengths)? {
+        let Chunk { batch, seq, .. } = chunk;
+        let exe = match compiled.entry((batch, seq)) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                let enc = build_encoder(batch as u64, seq as u64)?;
+                let exe = enc.graph.compile(&[enc.output]).with_context(|| {
+                    format!("cannot compile the encoder for batch {batch} × seq {seq}")
+                })?;
+                e.insert(exe)
+            }
+        };
+        let (input_ids, mask) = pack(&chunk, ids)?;
+        let dims = [batch as u64, seq as u64];
+        let input_ids = Tensor::from_slice(&input_ids, &dims)?;
+        let mask = Tensor::from_slice(&mask, &dims)?;
+        let mut args: Vec<&Tensor> = weights.iter().collect();
+        args.push(&input_ids);
+        args.push(&mask);
+        let result = exe.call(&args)?;
+        let emb: Vec<f32> = result
+            .first()
+            .context("the encoder returned nothing")?
+            .to_vec()?;
+        if emb.len() != batch * hidden {
+            bail!(
+                "the encoder returned {} values, expected {}",
+                emb.len(),
+                batch * hidden
+            );
+        }
+        for (row, &i) in chunk.indices.iter().enumerate() {
+            out[i] = emb[row * hidden..(row + 1) * hidden].to_vec();
+        }
+    }
+    Ok(out)
+}

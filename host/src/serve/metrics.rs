@@ -1,0 +1,192 @@
+//! Prometheus metrics: Triton's names and labels for per-model inference counters (so existing
+//! dashboards work), and tpubox's own for the compile cache, tenants' device bytes and refused
+//! requests. Rendered in the Prometheus text format for `GET /metrics`.
+
+use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+use super::model::{Model, VERSION};
+use crate::cache::CacheStats;
+
+/// The server's metrics.
+pub struct Metrics {
+    registry: Registry,
+    success: IntCounterVec,
+    failure: IntCounterVec,
+    count: IntCounterVec,
+    exec_count: IntCounterVec,
+    request_us: IntCounterVec,
+    queue_us: IntCounterVec,
+    compute_us: IntCounterVec,
+    pending: IntGaugeVec,
+    cache_hits: IntGaugeVec,
+    compiles: IntGaugeVec,
+    device_bytes: IntGaugeVec,
+    refused: IntCounterVec,
+}
+
+fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("a valid metric");
+    r.register(Box::new(c.clone())).expect("a unique metric");
+    c
+}
+
+fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("a valid metric");
+    r.register(Box::new(g.clone())).expect("a unique metric");
+    g
+}
+
+/// One request's numbers, for [`Metrics::record`].
+pub struct RequestRecord<'a> {
+    /// Model name.
+    pub model: &'a str,
+    /// Whether it succeeded.
+    pub success: bool,
+    /// Batch items (its batch size).
+    pub items: u64,
+    /// End to end, in microseconds.
+    pub request_us: u64,
+    /// Waiting in the queue, in microseconds.
+    pub queue_us: u64,
+    /// The `infer` call it was part of, in microseconds.
+    pub compute_us: u64,
+}
+
+impl Metrics {
+    /// The metrics, all at zero.
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let mv = &["model", "version"];
+        Metrics {
+            success: counter(
+                &r,
+                "nv_inference_request_success",
+                "Successful inference requests",
+                mv,
+            ),
+            failure: counter(
+                &r,
+                "nv_inference_request_failure",
+                "Failed inference requests",
+                mv,
+            ),
+            count: counter(
+                &r,
+                "nv_inference_count",
+                "Inferences performed (batch items)",
+                mv,
+            ),
+            exec_count: counter(
+                &r,
+                "nv_inference_exec_count",
+                "Model executions (batches)",
+                mv,
+            ),
+            request_us: counter(
+                &r,
+                "nv_inference_request_duration_us",
+                "Cumulative end-to-end request duration, microseconds",
+                mv,
+            ),
+            queue_us: counter(
+                &r,
+                "nv_inference_queue_duration_us",
+                "Cumulative time requests waited in the queue, microseconds",
+                mv,
+            ),
+            compute_us: counter(
+                &r,
+                "nv_inference_compute_infer_duration_us",
+                "Cumulative model execution time, microseconds",
+                mv,
+            ),
+            pending: gauge(
+                &r,
+                "nv_inference_pending_request_count",
+                "Requests waiting in the model's queue",
+                mv,
+            ),
+            cache_hits: gauge(
+                &r,
+                "tpubox_compile_cache_hits_total",
+                "Compile-cache hits per tier (memory, disk, remote)",
+                &["tier"],
+            ),
+            compiles: gauge(
+                &r,
+                "tpubox_compiles_total",
+                "Programs compiled (cache misses)",
+                &[],
+            ),
+            device_bytes: gauge(
+                &r,
+                "tpubox_tenant_device_bytes",
+                "Device bytes held by a tenant (a model's instances)",
+                &["tenant"],
+            ),
+            refused: counter(
+                &r,
+                "tpubox_refused_requests_total",
+                "Requests refused by a limit",
+                &["tenant", "limit"],
+            ),
+            registry: r,
+        }
+    }
+
+    /// Counts one finished request.
+    pub fn record(&self, r: &RequestRecord) {
+        let l = [r.model, VERSION];
+        if r.success {
+            self.success.with_label_values(&l).inc();
+            self.count.with_label_values(&l).inc_by(r.items);
+        } else {
+            self.failure.with_label_values(&l).inc();
+        }
+        self.request_us.with_label_values(&l).inc_by(r.request_us);
+        self.queue_us.with_label_values(&l).inc_by(r.queue_us);
+        self.compute_us.with_label_values(&l).inc_by(r.compute_us);
+    }
+
+    /// Counts a request refused by `limit` for `tenant`.
+    pub fn refused(&self, tenant: &str, limit: &str) {
+        self.refused.with_label_values(&[tenant, limit]).inc();
+    }
+
+    /// The text exposition, with gauges read now from `models` and `cache`.
+    pub fn render(&self, models: &[std::sync::Arc<Model>], cache: Option<CacheStats>) -> String {
+        for m in models {
+            let l = [m.name.as_str(), VERSION];
+            self.pending.with_label_values(&l).set(m.pending() as i64);
+            self.exec_count.with_label_values(&l).reset();
+            self.exec_count.with_label_values(&l).inc_by(
+                m.stats
+                    .execution_count
+                    .load(std::sync::atomic::Ordering::Relaxed),
+            );
+            let u = m.tenant.usage();
+            self.device_bytes
+                .with_label_values(&[m.tenant.name()])
+                .set(u.device_bytes as i64);
+        }
+        if let Some(c) = cache {
+            for (tier, t) in [("memory", c.memory), ("disk", c.disk), ("remote", c.remote)] {
+                self.cache_hits
+                    .with_label_values(&[tier])
+                    .set(t.hits as i64);
+            }
+            self.compiles
+                .with_label_values::<&str>(&[])
+                .set(c.compiles as i64);
+        }
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

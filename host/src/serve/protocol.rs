@@ -1,0 +1,700 @@
+//! The Open Inference Protocol's data model, independent of the transport: datatypes, tensors in
+//! host memory, inference requests and responses, the JSON form of tensors and the binary
+//! tensor extension. REST and gRPC both convert to and from these types.
+//!
+//! Tensor bytes use one layout everywhere (the layout of `tensor-data` in `wit/model.wit`):
+//! fixed-size datatypes row-major little-endian (`BOOL` one byte, 0 or 1); `BYTES` each element
+//! as a 4-byte little-endian length and its bytes, which is also how the binary tensor
+//! extension and gRPC's `raw_input_contents` carry `BYTES`.
+
+use serde_json::{Map, Value, json};
+
+use super::error::{ServeError, ServeResult};
+
+/// A tensor datatype of the Open Inference Protocol ("Tensor Data Types" in the KServe v2
+/// protocol).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash)]
+pub enum Datatype {
+    /// `BOOL`: one byte, 0 or 1.
+    Bool,
+    /// `UINT8`.
+    Uint8,
+    /// `UINT16`.
+    Uint16,
+    /// `UINT32`.
+    Uint32,
+    /// `UINT64`.
+    Uint64,
+    /// `INT8`.
+    Int8,
+    /// `INT16`.
+    Int16,
+    /// `INT32`.
+    Int32,
+    /// `INT64`.
+    Int64,
+    /// `FP16`: IEEE half precision.
+    Fp16,
+    /// `BF16`: bfloat16.
+    Bf16,
+    /// `FP32`.
+    Fp32,
+    /// `FP64`.
+    Fp64,
+    /// `BYTES`: variable-length byte strings.
+    Bytes,
+}
+
+impl Datatype {
+    /// Every datatype, in the protocol's order.
+    pub const ALL: [Datatype; 14] = [
+        Datatype::Bool,
+        Datatype::Uint8,
+        Datatype::Uint16,
+        Datatype::Uint32,
+        Datatype::Uint64,
+        Datatype::Int8,
+        Datatype::Int16,
+        Datatype::Int32,
+        Datatype::Int64,
+        Datatype::Fp16,
+        Datatype::Bf16,
+        Datatype::Fp32,
+        Datatype::Fp64,
+        Datatype::Bytes,
+    ];
+
+    /// The protocol's name: `"BOOL"`, `"UINT8"`, …, `"FP32"`, `"BYTES"`.
+    pub fn name(self) -> &'static str {
+        match self {
+            Datatype::Bool => "BOOL",
+            Datatype::Uint8 => "UINT8",
+            Datatype::Uint16 => "UINT16",
+            Datatype::Uint32 => "UINT32",
+            Datatype::Uint64 => "UINT64",
+            Datatype::Int8 => "INT8",
+            Datatype::Int16 => "INT16",
+            Datatype::Int32 => "INT32",
+            Datatype::Int64 => "INT64",
+            Datatype::Fp16 => "FP16",
+            Datatype::Bf16 => "BF16",
+            Datatype::Fp32 => "FP32",
+            Datatype::Fp64 => "FP64",
+            Datatype::Bytes => "BYTES",
+        }
+    }
+
+    /// Triton's model-configuration name: `"TYPE_BOOL"`, …, `"TYPE_FP32"`, and `"TYPE_STRING"`
+    /// for `BYTES`.
+    pub fn config_name(self) -> String {
+        match self {
+            Datatype::Bytes => "TYPE_STRING".into(),
+            d => format!("TYPE_{}", d.name()),
+        }
+    }
+
+    /// Parses a protocol name (`"FP32"`) or a Triton configuration name (`"TYPE_FP32"`,
+    /// `"TYPE_STRING"`), case-sensitively as the protocol spells them. `None` otherwise.
+    pub fn from_name(s: &str) -> Option<Self> {
+        let s = s.strip_prefix("TYPE_").unwrap_or(s);
+        if s == "STRING" {
+            return Some(Datatype::Bytes);
+        }
+        Self::ALL.into_iter().find(|d| d.name() == s)
+    }
+
+    /// Bytes of one element; `None` for `BYTES`.
+    pub fn element_size(self) -> Option<usize> {
+        Some(match self {
+            Datatype::Bool | Datatype::Uint8 | Datatype::Int8 => 1,
+            Datatype::Uint16 | Datatype::Int16 | Datatype::Fp16 | Datatype::Bf16 => 2,
+            Datatype::Uint32 | Datatype::Int32 | Datatype::Fp32 => 4,
+            Datatype::Uint64 | Datatype::Int64 | Datatype::Fp64 => 8,
+            Datatype::Bytes => return None,
+        })
+    }
+}
+
+/// A tensor in host memory: a request input or a response output.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Tensor {
+    /// Its name.
+    pub name: String,
+    /// Its datatype.
+    pub datatype: Datatype,
+    /// Dimensions, outermost first.
+    pub shape: Vec<u64>,
+    /// The elements in the layout described in the module docs.
+    pub data: Vec<u8>,
+}
+
+/// Number of elements of `shape`, or `None` on overflow.
+pub fn element_count(shape: &[u64]) -> Option<u64> {
+    shape.iter().try_fold(1u64, |a, &d| a.checked_mul(d))
+}
+
+impl Tensor {
+    /// Checks that `data` holds exactly the elements `shape` says.
+    ///
+    /// Errors: bad request naming the tensor, when the byte length (fixed-size datatypes) or
+    /// the number of length-prefixed elements (`BYTES`) disagrees with the shape, or a `BOOL`
+    /// byte is neither 0 nor 1.
+    pub fn check(&self) -> ServeResult<()> {
+        let n = element_count(&self.shape).ok_or_else(|| {
+            ServeError::bad_request(format!(
+                "input `{}`: shape {:?} overflows",
+                self.name, self.shape
+            ))
+        })?;
+        match self.datatype.element_size() {
+            Some(size) => {
+                let want = n.checked_mul(size as u64);
+                if want != Some(self.data.len() as u64) {
+                    return Err(ServeError::bad_request(format!(
+                        "tensor `{}`: {} bytes of data, but shape {:?} of {} needs {}",
+                        self.name,
+                        self.data.len(),
+                        self.shape,
+                        self.datatype.name(),
+                        want.map_or("more than 2^64".to_string(), |w| w.to_string())
+                    )));
+                }
+                if self.datatype == Datatype::Bool && self.data.iter().any(|&b| b > 1) {
+                    return Err(ServeError::bad_request(format!(
+                        "tensor `{}`: BOOL elements must be 0 or 1",
+                        self.name
+                    )));
+                }
+            }
+            None => {
+                let count = bytes_elements(&self.data)
+                    .map_err(|e| ServeError::bad_request(format!("tensor `{}`: {e}", self.name)))?
+                    .len() as u64;
+                if count != n {
+                    return Err(ServeError::bad_request(format!(
+                        "tensor `{}`: {count} BYTES elements, but shape {:?} needs {n}",
+                        self.name, self.shape
+                    )));
+                }
+            }
+        }
+        Ok(())
+    }
+}
+
+/// Splits `BYTES` data into its elements.
+///
+/// Errors: a length prefix that is cut off or runs past the end.
+pub fn bytes_elements(data: &[u8]) -> Result<Vec<&[u8]>, String> {
+    let mut out = Vec::new();
+    let mut rest = data;
+    while !rest.is_empty() {
+        if rest.len() < 4 {
+            return Err("BYTES data ends inside a 4-byte length prefix".into());
+        }
+        let len = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
+        rest = &rest[4..];
+        if len > rest.len() {
+            return Err(format!(
+                "a BYTES element of {len} bytes runs past the end of the data ({} bytes left)",
+                rest.len()
+            ));
+        }
+        out.push(&rest[..len]);
+        rest = &rest[len..];
+    }
+    Ok(out)
+}
+
+/// Appends one `BYTES` element (length prefix and bytes) to `out`.
+pub fn push_bytes_element(out: &mut Vec<u8>, element: &[u8]) {
+    out.extend_from_slice(&(element.len() as u32).to_le_bytes());
+    out.extend_from_slice(element);
+}
+
+/// An output the client asked for.
+#[derive(Debug, Clone, PartialEq, Default)]
+pub struct RequestedOutput {
+    /// Output name.
+    pub name: String,
+    /// Return it in the binary extension (REST only).
+    pub binary: bool,
+}
+
+/// An inference request, as both front doors decode it.
+#[derive(Debug, Clone, Default)]
+pub struct InferRequest {
+    /// The client's request id, echoed back.
+    pub id: Option<String>,
+    /// Inputs.
+    pub inputs: Vec<Tensor>,
+    /// Outputs asked for; empty for all of them.
+    pub outputs: Vec<RequestedOutput>,
+    /// REST: `binary_data_output` (every output in the binary extension).
+    pub binary_output: bool,
+}
+
+impl InferRequest {
+    /// A copy without the inputs: what the response needs to know (id, outputs asked for,
+    /// binary choices) once the inputs went to the model.
+    pub fn without_inputs(&self) -> InferRequest {
+        InferRequest {
+            id: self.id.clone(),
+            inputs: Vec::new(),
+            outputs: self.outputs.clone(),
+            binary_output: self.binary_output,
+        }
+    }
+}
+
+/// An inference response.
+#[derive(Debug, Clone)]
+pub struct InferResponse {
+    /// Model name.
+    pub model_name: String,
+    /// Model version.
+    pub model_version: String,
+    /// The request's id.
+    pub id: Option<String>,
+    /// Outputs, in the model's order, filtered to those asked for.
+    pub outputs: Vec<Tensor>,
+}
+
+// --- JSON -------------------------------------------------------------------------------------
+
+fn flatten<'a>(v: &'a Value, out: &mut Vec<&'a Value>, depth: usize) -> ServeResult<()> {
+    if depth > 64 {
+        return Err(ServeError::bad_request(
+            "tensor data nested more than 64 deep",
+        ));
+    }
+    match v {
+        Value::Array(items) => {
+            for item in items {
+                flatten(item, out, depth + 1)?;
+            }
+        }
+        other => out.push(other),
+    }
+    Ok(())
+}
+
+/// Encodes the JSON `data` of an input (flat or nested arrays, row-major) into tensor bytes.
+///
+/// Errors: bad request for an element of the wrong JSON type or out of the datatype's range.
+pub fn data_from_json(name: &str, datatype: Datatype, data: &Value) -> ServeResult<Vec<u8>> {
+    let mut items = Vec::new();
+    flatten(data, &mut items, 0)?;
+    let bad = |i: usize, what: &str| {
+        ServeError::bad_request(format!(
+            "input `{name}`: element {i} is not {what} ({} data)",
+            datatype.name()
+        ))
+    };
+    let mut out = Vec::with_capacity(items.len() * datatype.element_size().unwrap_or(8));
+    for (i, v) in items.iter().enumerate() {
+        macro_rules! int {
+            ($t:ty, $get:ident) => {{
+                let x = v
+                    .$get()
+                    .and_then(|x| <$t>::try_from(x).ok())
+                    .ok_or_else(|| {
+                        bad(i, concat!("an integer in the range of ", stringify!($t)))
+                    })?;
+                out.extend_from_slice(&x.to_le_bytes());
+            }};
+        }
+        match datatype {
+            Datatype::Bool => out.push(u8::from(v.as_bool().ok_or_else(|| bad(i, "a boolean"))?)),
+            Datatype::Uint8 => int!(u8, as_u64),
+            Datatype::Uint16 => int!(u16, as_u64),
+            Datatype::Uint32 => int!(u32, as_u64),
+            Datatype::Uint64 => int!(u64, as_u64),
+            Datatype::Int8 => int!(i8, as_i64),
+            Datatype::Int16 => int!(i16, as_i64),
+            Datatype::Int32 => int!(i32, as_i64),
+            Datatype::Int64 => int!(i64, as_i64),
+            Datatype::Fp16 => {
+                let x = v.as_f64().ok_or_else(|| bad(i, "a number"))?;
+                out.extend_from_slice(&half::f16::from_f64(x).to_le_bytes());
+            }
+            Datatype::Bf16 => {
+                let x = v.as_f64().ok_or_else(|| bad(i, "a number"))?;
+                out.extend_from_slice(&half::bf16::from_f64(x).to_le_bytes());
+            }
+            Datatype::Fp32 => {
+                let x = v.as_f64().ok_or_else(|| bad(i, "a number"))?;
+                out.extend_from_slice(&(x as f32).to_le_bytes());
+            }
+            Datatype::Fp64 => {
+                let x = v.as_f64().ok_or_else(|| bad(i, "a number"))?;
+                out.extend_from_slice(&x.to_le_bytes());
+            }
+            Datatype::Bytes => {
+                let s = v.as_str().ok_or_else(|| bad(i, "a string"))?;
+                push_bytes_element(&mut out, s.as_bytes());
+            }
+        }
+    }
+    Ok(out)
+}
+
+/// The JSON `data` of an output: a flat array in row-major order. `BYTES` elements become
+/// strings (invalid UTF-8 replaced).
+pub fn data_to_json(t: &Tensor) -> Value {
+    fn chunks<const N: usize>(data: &[u8]) -> impl Iterator<Item = [u8; N]> + '_ {
+        data.chunks_exact(N).map(|c| c.try_into().unwrap())
+    }
+    let d = &t.data;
+    let items: Vec<Value> = match t.datatype {
+        Datatype::Bool => d.iter().map(|&b| json!(b != 0)).collect(),
+        Datatype::Uint8 => d.iter().map(|&b| json!(b)).collect(),
+        Datatype::Int8 => d.iter().map(|&b| json!(b as i8)).collect(),
+        Datatype::Uint16 => chunks::<2>(d)
+            .map(|c| json!(u16::from_le_bytes(c)))
+            .collect(),
+        Datatype::Int16 => chunks::<2>(d)
+            .map(|c| json!(i16::from_le_bytes(c)))
+            .collect(),
+        Datatype::Uint32 => chunks::<4>(d)
+            .map(|c| json!(u32::from_le_bytes(c)))
+            .collect(),
+        Datatype::Int32 => chunks::<4>(d)
+            .map(|c| json!(i32::from_le_bytes(c)))
+            .collect(),
+        Datatype::Uint64 => chunks::<8>(d)
+            .map(|c| json!(u64::from_le_bytes(c)))
+            .collect(),
+        Datatype::Int64 => chunks::<8>(d)
+            .map(|c| json!(i64::from_le_bytes(c)))
+            .collect(),
+        Datatype::Fp16 => chunks::<2>(d)
+            .map(|c| float_json(half::f16::from_le_bytes(c).to_f64()))
+            .collect(),
+        Datatype::Bf16 => chunks::<2>(d)
+            .map(|c| float_json(half::bf16::from_le_bytes(c).to_f64()))
+            .collect(),
+        Datatype::Fp32 => chunks::<4>(d)
+            .map(|c| float_json(f64::from(f32::from_le_bytes(c))))
+            .collect(),
+        Datatype::Fp64 => chunks::<8>(d)
+            .map(|c| float_json(f64::from_le_bytes(c)))
+            .collect(),
+        Datatype::Bytes => bytes_elements(d)
+            .unwrap_or_default()
+            .into_iter()
+            .map(|e| json!(String::from_utf8_lossy(e)))
+            .collect(),
+    };
+    Value::Array(items)
+}
+
+/// JSON has no NaN or infinity; like Triton, they are written as strings.
+fn float_json(x: f64) -> Value {
+    if x.is_finite() {
+        json!(x)
+    } else if x.is_nan() {
+        json!("NaN")
+    } else if x > 0.0 {
+        json!("Infinity")
+    } else {
+        json!("-Infinity")
+    }
+}
+
+fn shape_from_json(name: &str, v: Option<&Value>) -> ServeResult<Vec<u64>> {
+    let arr = v.and_then(Value::as_array).ok_or_else(|| {
+        ServeError::bad_request(format!(
+            "input `{name}`: `shape` must be an array of integers"
+        ))
+    })?;
+    if arr.len() > 16 {
+        return Err(ServeError::bad_request(format!(
+            "input `{name}`: rank {} is more than 16",
+            arr.len()
+        )));
+    }
+    arr.iter()
+        .map(|d| {
+            d.as_u64().ok_or_else(|| {
+                ServeError::bad_request(format!(
+                    "input `{name}`: shape {v:?} has a dimension that is not a non-negative integer"
+                ))
+            })
+        })
+        .collect()
+}
+
+fn param<'a>(obj: &'a Map<String, Value>, key: &str) -> Option<&'a Value> {
+    obj.get("parameters")
+        .and_then(Value::as_object)
+        .and_then(|p| p.get(key))
+}
+
+/// Decodes a REST inference request: the JSON header and, for the binary tensor extension, the
+/// bytes after it (`binary` is empty without the extension). Inputs whose parameters carry
+/// `binary_data_size` take that many bytes of `binary`, in order; the others take their JSON
+/// `data`.
+///
+/// Errors: bad request for JSON that is not an inference request, an unknown datatype, a
+/// missing `data`, `binary_data_size` past the end of the body or bytes left over.
+pub fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<InferRequest> {
+    let v: Value = serde_json::from_slice(header)
+        .map_err(|e| ServeError::bad_request(format!("the request is not valid JSON: {e}")))?;
+    let obj = v
+        .as_object()
+        .ok_or_else(|| ServeError::bad_request("the request must be a JSON object"))?;
+    let mut req = InferRequest {
+        id: obj.get("id").and_then(Value::as_str).map(str::to_string),
+        binary_output: param(obj, "binary_data_output")
+            .and_then(Value::as_bool)
+            .unwrap_or(false),
+        ..InferRequest::default()
+    };
+    let inputs = obj
+        .get("inputs")
+        .and_then(Value::as_array)
+        .ok_or_else(|| ServeError::bad_request("the request has no `inputs` array"))?;
+    let mut offset = 0usize;
+    for input in inputs {
+        let input = input
+            .as_object()
+            .ok_or_else(|| ServeError::bad_request("each input must be a JSON object"))?;
+        let name = input
+            .get("name")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ServeError::bad_request("an input has no `name`"))?
+            .to_string();
+        let dt = input
+            .get("datatype")
+            .and_then(Value::as_str)
+            .ok_or_else(|| ServeError::bad_request(format!("input `{name}` has no `datatype`")))?;
+        let datatype = Datatype::from_name(dt).ok_or_else(|| {
+            ServeError::bad_request(format!("input `{name}`: unknown datatype `{dt}`"))
+        })?;
+        let shape = shape_from_json(&name, input.get("shape"))?;
+        let data = match param(input, "binary_data_size") {
+            Some(size) => {
+                let size = size.as_u64().ok_or_else(|| {
+                    ServeError::bad_request(format!(
+                        "input `{name}`: `binary_data_size` must be a non-negative integer"
+                    ))
+                })?;
+                let end = usize::try_from(size)
+                    .ok()
+                    .and_then(|s| offset.checked_add(s))
+                    .filter(|&e| e <= binary.len())
+                    .ok_or_else(|| {
+                        ServeError::bad_request(format!(
+                            "input `{name}`: binary_data_size {size} runs past the end of the binary data ({} bytes after byte {offset})",
+                            binary.len() - offset
+                        ))
+                    })?;
+                let d = binary[offset..end].to_vec();
+                offset = end;
+                d
+            }
+            None => {
+                let data = input.get("data").ok_or_else(|| {
+                    ServeError::bad_request(format!(
+                        "input `{name}` has neither `data` nor `binary_data_size`"
+                    ))
+                })?;
+                data_from_json(&name, datatype, data)?
+            }
+        };
+        let t = Tensor {
+            name,
+            datatype,
+            shape,
+            data,
+        };
+        t.check()?;
+        req.inputs.push(t);
+    }
+    if offset != binary.len() {
+        return Err(ServeError::bad_request(format!(
+            "{} bytes of binary data follow the header, but the inputs' binary_data_size add up to {offset}",
+            binary.len()
+        )));
+    }
+    if let Some(outputs) = obj.get("outputs") {
+        let outputs = outputs
+            .as_array()
+            .ok_or_else(|| ServeError::bad_request("`outputs` must be an array"))?;
+        for o in outputs {
+            let o = o
+                .as_object()
+                .ok_or_else(|| ServeError::bad_request("each output must be a JSON object"))?;
+            let name = o
+                .get("name")
+                .and_then(Value::as_str)
+                .ok_or_else(|| ServeError::bad_request("a requested output has no `name`"))?;
+            req.outputs.push(RequestedOutput {
+                name: name.to_string(),
+                binary: param(o, "binary_data")
+                    .and_then(Value::as_bool)
+                    .unwrap_or(req.binary_output),
+            });
+        }
+    }
+    Ok(req)
+}
+
+/// Encodes a REST inference response: the JSON header and the binary data that follows it
+/// (empty when no output is binary). An output is binary when the request asked for it by name
+/// with `binary_data`, or asked `binary_data_output`.
+pub fn response_to_json(resp: &InferResponse, req: &InferRequest) -> (Vec<u8>, Vec<u8>) {
+    let mut binary = Vec::new();
+    let outputs: Vec<Value> = resp
+        .outputs
+        .iter()
+        .map(|t| {
+            let as_binary = req
+                .outputs
+                .iter()
+                .find(|o| o.name == t.name)
+                .map_or(req.binary_output, |o| o.binary);
+            let mut o = json!({
+                "name": t.name,
+                "datatype": t.datatype.name(),
+                "shape": t.shape,
+            });
+            if as_binary {
+                o["parameters"] = json!({ "binary_data_size": t.data.len() });
+                binary.extend_from_slice(&t.data);
+            } else {
+                o["data"] = data_to_json(t);
+            }
+            o
+        })
+        .collect();
+    let mut v = json!({
+        "model_name": resp.model_name,
+        "model_version": resp.model_version,
+        "outputs": outputs,
+    });
+    if let Some(id) = &resp.id {
+        v["id"] = json!(id);
+    }
+    (serde_json::to_vec(&v).unwrap_or_default(), binary)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_round_trip() {
+        for d in Datatype::ALL {
+            assert_eq!(Datatype::from_name(d.name()), Some(d));
+            assert_eq!(Datatype::from_name(&d.config_name()), Some(d));
+        }
+        assert_eq!(Datatype::from_name("TYPE_STRING"), Some(Datatype::Bytes));
+        assert_eq!(Datatype::from_name("fp32"), None);
+    }
+
+    #[test]
+    fn json_and_binary_inputs() {
+        let mut bin = Vec::new();
+        push_bytes_element(&mut bin, b"hi");
+        push_bytes_element(&mut bin, b"");
+        let header = serde_json::to_vec(&json!({
+            "id": "7",
+            "inputs": [
+                {"name": "a", "datatype": "INT16", "shape": [2, 2], "data": [[1, -2], [3, 4]]},
+                {"name": "b", "datatype": "BYTES", "shape": [2], "parameters": {"binary_data_size": bin.len()}},
+                {"name": "c", "datatype": "BOOL", "shape": [1], "data": [true]},
+            ],
+            "outputs": [{"name": "x", "parameters": {"binary_data": true}}],
+        }))
+        .unwrap();
+        let r = request_from_json(&header, &bin).unwrap();
+        assert_eq!(r.id.as_deref(), Some("7"));
+        assert_eq!(r.inputs[0].data, [1, 0, 0xfe, 0xff, 3, 0, 4, 0]);
+        assert_eq!(
+            bytes_elements(&r.inputs[1].data).unwrap(),
+            [&b"hi"[..], b""]
+        );
+        assert_eq!(r.inputs[2].data, [1]);
+        assert!(r.outputs[0].binary);
+    }
+
+    #[test]
+    fn bad_inputs_are_bad_requests() {
+        let cases: &[(Value, &[u8], &str)] = &[
+            (
+                json!({"inputs": [{"name": "a", "datatype": "INT8", "shape": [1], "data": [300]}]}),
+                b"",
+                "range",
+            ),
+            (
+                json!({"inputs": [{"name": "a", "datatype": "FP32", "shape": [2], "data": [1.0]}]}),
+                b"",
+                "needs 8",
+            ),
+            (
+                json!({"inputs": [{"name": "a", "datatype": "FP33", "shape": [1], "data": [1]}]}),
+                b"",
+                "unknown datatype",
+            ),
+            (
+                json!({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 8}}]}),
+                &[0; 4],
+                "past the end",
+            ),
+            (
+                json!({"inputs": [{"name": "a", "datatype": "FP32", "shape": [1], "parameters": {"binary_data_size": 4}}]}),
+                &[0; 6],
+                "add up to 4",
+            ),
+            (
+                json!({"inputs": [{"name": "a", "datatype": "BYTES", "shape": [1], "parameters": {"binary_data_size": 4}}]}),
+                &[9, 0, 0, 0],
+                "runs past",
+            ),
+            (
+                json!({"inputs": [{"name": "a", "datatype": "FP32", "shape": [-1], "data": []}]}),
+                b"",
+                "non-negative",
+            ),
+            (
+                json!({"inputs": [{"name": "a", "datatype": "BOOL", "shape": [1], "data": [2]}]}),
+                b"",
+                "boolean",
+            ),
+            (json!([1, 2]), b"", "JSON object"),
+        ];
+        for (v, bin, want) in cases {
+            let e = request_from_json(&serde_json::to_vec(v).unwrap(), bin).unwrap_err();
+            assert_eq!(e.status_code(), 400, "{v}");
+            assert!(e.message.contains(want), "{v}: {}", e.message);
+        }
+        let e = request_from_json(b"{not json", b"").unwrap_err();
+        assert!(e.message.contains("not valid JSON"));
+    }
+
+    #[test]
+    fn every_datatype_survives_json() {
+        for d in Datatype::ALL {
+            let data = json!(match d {
+                Datatype::Bool => json!([true, false]),
+                Datatype::Bytes => json!(["x", "yz"]),
+                Datatype::Fp16 | Datatype::Bf16 | Datatype::Fp32 | Datatype::Fp64 =>
+                    json!([1.5, -2.0]),
+                Datatype::Int8 | Datatype::Int16 | Datatype::Int32 | Datatype::Int64 =>
+                    json!([-3, 4]),
+                _ => json!([3, 4]),
+            });
+            let bytes = data_from_json("t", d, &data).unwrap();
+            let t = Tensor {
+                name: "t".into(),
+                datatype: d,
+                shape: vec![2],
+                data: bytes,
+            };
+            t.check().unwrap();
+            assert_eq!(data_to_json(&t), data, "{d:?}");
+        }
+    }
+}

@@ -1,0 +1,275 @@
+//! The model repository: a directory with one subdirectory per model, scanned at start-up;
+//! models load, reload and unload at run time, each with its state as Triton reports it
+//! (`READY`, `LOADING`, `UNLOADING`, `UNAVAILABLE`).
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, RwLock};
+
+use super::config::CONFIG_FILES;
+use super::error::{ServeError, ServeErrorKind, ServeResult};
+use super::model::{LoadContext, Model};
+
+/// A model's state.
+#[derive(Clone)]
+pub enum ModelState {
+    /// Loading.
+    Loading,
+    /// Loaded and serving.
+    Ready(Arc<Model>),
+    /// Unloading: no new requests.
+    Unloading,
+    /// Not loaded: never loaded, failed to load (the reason says why), or unloaded.
+    Unavailable(String),
+}
+
+impl ModelState {
+    /// Triton's name of the state.
+    pub fn name(&self) -> &'static str {
+        match self {
+            ModelState::Loading => "LOADING",
+            ModelState::Ready(_) => "READY",
+            ModelState::Unloading => "UNLOADING",
+            ModelState::Unavailable(_) => "UNAVAILABLE",
+        }
+    }
+}
+
+/// One row of the repository index.
+#[derive(Debug, Clone, PartialEq)]
+pub struct IndexEntry {
+    /// Model name.
+    pub name: String,
+    /// Its version (always `1`).
+    pub version: String,
+    /// `READY`, `LOADING`, `UNLOADING` or `UNAVAILABLE`.
+    pub state: String,
+    /// Why it is unavailable; empty otherwise.
+    pub reason: String,
+}
+
+/// The models of one repository directory.
+pub struct Repository {
+    root: PathBuf,
+    ctx: LoadContext,
+    models: RwLock<BTreeMap<String, ModelState>>,
+}
+
+/// Whether `name` can name a model directory: letters, digits, `_`, `-`, `.`, not starting
+/// with `.`, at most 128 bytes.
+fn valid_name(name: &str) -> bool {
+    !name.is_empty()
+        && name.len() <= 128
+        && !name.starts_with('.')
+        && name
+            .bytes()
+            .all(|b| b.is_ascii_alphanumeric() || b == b'_' || b == b'-' || b == b'.')
+}
+
+impl Repository {
+    /// A repository rooted at `root`; nothing is loaded yet.
+    pub fn new(root: PathBuf, ctx: LoadContext) -> Self {
+        Repository {
+            root,
+            ctx,
+            models: RwLock::new(BTreeMap::new()),
+        }
+    }
+
+    /// The repository directory.
+    pub fn root(&self) -> &Path {
+        &self.root
+    }
+
+    /// The names of the model directories (those with a configuration file), sorted.
+    ///
+    /// Errors: the directory cannot be read.
+    pub fn scan(&self) -> std::io::Result<Vec<String>> {
+        let mut names = Vec::new();
+        for e in std::fs::read_dir(&self.root)? {
+            let e = e?;
+            let Some(name) = e.file_name().to_str().map(str::to_string) else {
+                continue;
+            };
+            if valid_name(&name) && CONFIG_FILES.iter().any(|f| e.path().join(f).is_file()) {
+                names.push(name);
+            }
+        }
+        names.sort();
+        let mut models = self.models.write().unwrap();
+        for n in &names {
+            models
+                .entry(n.clone())
+                .or_insert_with(|| ModelState::Unavailable("not loaded".into()));
+        }
+        Ok(names)
+    }
+
+    /// The model `name` if it is ready.
+    ///
+    /// Errors: not found for a model the repository does not have; not ready for one that is
+    /// not loaded (the message says its state).
+    pub fn get(&self, name: &str) -> ServeResult<Arc<Model>> {
+        match self.models.read().unwrap().get(name) {
+            Some(ModelState::Ready(m)) => Ok(Arc::clone(m)),
+            Some(s) => Err(ServeError::new(
+                ServeErrorKind::NotReady,
+                format!("model `{name}` is not ready ({})", s.name()),
+            )),
+            None => Err(ServeError::new(
+                ServeErrorKind::NotFound,
+                format!("unknown model `{name}`"),
+            )),
+        }
+    }
+
+    /// Every model's state.
+    pub fn states(&self) -> Vec<(String, ModelState)> {
+        self.models
+            .read()
+            .unwrap()
+            .iter()
+            .map(|(n, s)| (n.clone(), s.clone()))
+            .collect()
+    }
+
+    /// The repository index (after a fresh scan, so new directories appear).
+    pub fn index(&self) -> Vec<IndexEntry> {
+        let _ = self.scan();
+        self.states()
+            .into_iter()
+            .map(|(name, s)| IndexEntry {
+                name,
+                version: super::model::VERSION.into(),
+                state: s.name().into(),
+                reason: match &s {
+                    ModelState::Unavailable(r) => r.clone(),
+                    _ => String::new(),
+                },
+            })
+            .collect()
+    }
+
+    /// Whether every model is settled (none loading or unloading).
+    pub fn settled(&self) -> bool {
+        self.models
+            .read()
+            .unwrap()
+            .values()
+            .all(|s| matches!(s, ModelState::Ready(_) | ModelState::Unavailable(_)))
+    }
+
+    /// Loads (or reloads) the model `name` from its directory. A reload swaps the new model in
+    /// once it loaded; the old one finishes what it queued.
+    ///
+    /// Errors: bad request for a name that cannot be a model directory or one that is loading
+    /// or unloading; not found when the directory or its configuration is missing; internal,
+    /// with the reason, when loading fails (the model is then `UNAVAILABLE` with that reason).
+    pub async fn load(&self, name: &str) -> ServeResult<()> {
+        if !valid_name(name) {
+            return Err(ServeError::bad_request(format!(
+                "`{name}` is not a model name"
+            )));
+        }
+        let dir = self.root.join(name);
+        if !CONFIG_FILES.iter().any(|f| dir.join(f).is_file()) {
+            return Err(ServeError::new(
+                ServeErrorKind::NotFound,
+                format!(
+                    "the repository has no model `{name}` ({} has no config)",
+                    dir.display()
+                ),
+            ));
+        }
+        let old = {
+            let mut models = self.models.write().unwrap();
+            let old = models.get(name).cloned();
+            if matches!(old, Some(ModelState::Loading | ModelState::Unloading)) {
+                return Err(ServeError::bad_request(format!(
+                    "model `{name}` is {}; try again when it is done",
+                    old.as_ref().unwrap().name()
+                )));
+            }
+            if !matches!(old, Some(ModelState::Ready(_))) {
+                models.insert(name.to_string(), ModelState::Loading);
+            }
+            old
+        };
+        match Model::load(&self.ctx, name, &dir).await {
+            Ok(model) => {
+                self.models
+                    .write()
+                    .unwrap()
+                    .insert(name.to_string(), ModelState::Ready(model));
+                if let Some(ModelState::Ready(previous)) = old {
+                    previous.shutdown().await;
+                    tokio::spawn(previous.join());
+                }
+                Ok(())
+            }
+            Err(e) => {
+                let reason = format!("{e:#}");
+                tracing::error!(model = name, "loading failed: {reason}");
+                if !matches!(old, Some(ModelState::Ready(_))) {
+                    self.models
+                        .write()
+                        .unwrap()
+                        .insert(name.to_string(), ModelState::Unavailable(reason.clone()));
+                }
+                Err(ServeError::new(
+                    ServeErrorKind::Internal,
+                    format!("loading model `{name}` failed: {reason}"),
+                ))
+            }
+        }
+    }
+
+    /// Unloads the model `name`: it takes no new requests, finishes those queued, and becomes
+    /// `UNAVAILABLE` ("unloaded").
+    ///
+    /// Errors: not found for a model the repository does not have; bad request when it is not
+    /// loaded.
+    pub async fn unload(&self, name: &str) -> ServeResult<()> {
+        let model = {
+            let mut models = self.models.write().unwrap();
+            match models.get(name).cloned() {
+                Some(ModelState::Ready(m)) => {
+                    models.insert(name.to_string(), ModelState::Unloading);
+                    m
+                }
+                Some(s) => {
+                    return Err(ServeError::bad_request(format!(
+                        "model `{name}` is not loaded ({})",
+                        s.name()
+                    )));
+                }
+                None => {
+                    return Err(ServeError::new(
+                        ServeErrorKind::NotFound,
+                        format!("unknown model `{name}`"),
+                    ));
+                }
+            }
+        };
+        model.shutdown().await;
+        self.models
+            .write()
+            .unwrap()
+            .insert(name.to_string(), ModelState::Unavailable("unloaded".into()));
+        tokio::spawn(model.join());
+        Ok(())
+    }
+
+    /// Unloads every model (at shutdown) and waits until their queues are empty.
+    pub async fn unload_all(&self) {
+        let ready: Vec<String> = self
+            .states()
+            .into_iter()
+            .filter(|(_, s)| matches!(s, ModelState::Ready(_)))
+            .map(|(n, _)| n)
+            .collect();
+        for n in ready {
+            let _ = self.unload(&n).await;
+        }
+    }
+}

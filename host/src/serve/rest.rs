@@ -1,0 +1,392 @@
+//! The REST front door (KServe v2 / Triton HTTP, default port 8000) and the metrics listener
+//! (default 8002). Handlers only translate HTTP to [`Server`] calls and back.
+
+use std::future::Future;
+use std::sync::Arc;
+
+use axum::Router;
+use axum::body::{Body, Bytes};
+use axum::extract::{DefaultBodyLimit, Path, State};
+use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
+use axum::response::{IntoResponse, Response};
+use axum::routing::{get, post};
+use serde_json::{Value, json};
+
+use super::error::{ServeError, ServeErrorKind, ServeResult};
+use super::model::{Model, VERSION};
+use super::protocol::{InferRequest, request_from_json, response_to_json};
+use super::{EXTENSIONS, SERVER_NAME, Server};
+
+/// The header that gives the JSON part's length in a binary-extension body.
+pub const HEADER_LENGTH: &str = "inference-header-content-length";
+
+type S = State<Arc<Server>>;
+
+/// A [`ServeError`] as an HTTP response: its status and `{"error": message}`.
+struct ErrorResponse(ServeError);
+
+impl From<ServeError> for ErrorResponse {
+    fn from(e: ServeError) -> Self {
+        ErrorResponse(e)
+    }
+}
+
+impl IntoResponse for ErrorResponse {
+    fn into_response(self) -> Response {
+        let status =
+            StatusCode::from_u16(self.0.status_code()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
+        (status, axum::Json(json!({ "error": self.0.message }))).into_response()
+    }
+}
+
+type R<T> = Result<T, ErrorResponse>;
+
+fn auth(headers: &HeaderMap) -> Option<&str> {
+    headers
+        .get(header::AUTHORIZATION)
+        .and_then(|v| v.to_str().ok())
+}
+
+/// The REST router over `server`.
+pub fn router(server: Arc<Server>) -> Router {
+    let limit = server.max_request_bytes;
+    Router::new()
+        .route("/v2/health/live", get(live))
+        .route("/v2/health/ready", get(ready))
+        .route("/v2", get(server_metadata))
+        .route("/v2/models/stats", get(all_stats))
+        .route("/v2/models/{m}", get(model_metadata))
+        .route("/v2/models/{m}/versions/{v}", get(model_metadata_v))
+        .route("/v2/models/{m}/ready", get(model_ready))
+        .route("/v2/models/{m}/versions/{v}/ready", get(model_ready_v))
+        .route("/v2/models/{m}/config", get(model_config))
+        .route("/v2/models/{m}/versions/{v}/config", get(model_config_v))
+        .route("/v2/models/{m}/stats", get(model_stats))
+        .route("/v2/models/{m}/versions/{v}/stats", get(model_stats_v))
+        .route("/v2/models/{m}/infer", post(infer))
+        .route("/v2/models/{m}/versions/{v}/infer", post(infer_v))
+        .route("/v2/repository/index", post(repository_index))
+        .route("/v2/repository/models/{m}/load", post(repository_load))
+        .route("/v2/repository/models/{m}/unload", post(repository_unload))
+        .fallback(not_found)
+        .layer(DefaultBodyLimit::max(limit))
+        .with_state(server)
+}
+
+async fn not_found() -> ErrorResponse {
+    ErrorResponse(ServeError::new(
+        ServeErrorKind::NotFound,
+        "no such endpoint (see docs/SERVING.md)",
+    ))
+}
+
+async fn live(State(s): S) -> Response {
+    (StatusCode::OK, axum::Json(json!({ "live": s.live() }))).into_response()
+}
+
+async fn ready(State(s): S) -> Response {
+    let r = s.ready();
+    let status = if r {
+        StatusCode::OK
+    } else {
+        StatusCode::SERVICE_UNAVAILABLE
+    };
+    (status, axum::Json(json!({ "ready": r }))).into_response()
+}
+
+async fn server_metadata(State(s): S, headers: HeaderMap) -> R<axum::Json<Value>> {
+    s.authenticate(auth(&headers))?;
+    Ok(axum::Json(json!({
+        "name": SERVER_NAME,
+        "version": env!("CARGO_PKG_VERSION"),
+        "extensions": EXTENSIONS,
+    })))
+}
+
+/// Model metadata in the protocol's JSON form.
+pub fn metadata_json(m: &Model) -> Value {
+    let t = |ds: &[super::instance::TensorDecl]| -> Vec<Value> {
+        ds.iter()
+            .map(|d| json!({"name": d.name, "datatype": d.datatype.name(), "shape": m.protocol_shape(d)}))
+            .collect()
+    };
+    json!({
+        "name": m.name,
+        "versions": [VERSION],
+        "platform": "tpubox",
+        "inputs": t(&m.metadata.inputs),
+        "outputs": t(&m.metadata.outputs),
+    })
+}
+
+fn model_for(s: &Server, headers: &HeaderMap, m: &str, v: Option<&str>) -> ServeResult<Arc<Model>> {
+    s.authorize(auth(headers), m)?;
+    s.model(m, v)
+}
+
+async fn model_metadata(
+    State(s): S,
+    headers: HeaderMap,
+    Path(m): Path<String>,
+) -> R<axum::Json<Value>> {
+    let model = model_for(&s, &headers, &m, None)?;
+    Ok(axum::Json(metadata_json(&model)))
+}
+
+async fn model_metadata_v(
+    State(s): S,
+    headers: HeaderMap,
+    Path((m, v)): Path<(String, String)>,
+) -> R<axum::Json<Value>> {
+    let model = model_for(&s, &headers, &m, Some(&v))?;
+    Ok(axum::Json(metadata_json(&model)))
+}
+
+async fn ready_response(s: &Server, headers: &HeaderMap, m: &str, v: Option<&str>) -> R<Response> {
+    s.authorize(auth(headers), m)?;
+    let ok = s.model(m, v).is_ok();
+    // Triton answers 200 for a ready model and 400 for any other.
+    let status = if ok {
+        StatusCode::OK
+    } else {
+        StatusCode::BAD_REQUEST
+    };
+    Ok((status, axum::Json(json!({"name": m, "ready": ok}))).into_response())
+}
+
+async fn model_ready(State(s): S, headers: HeaderMap, Path(m): Path<String>) -> R<Response> {
+    ready_response(&s, &headers, &m, None).await
+}
+
+async fn model_ready_v(
+    State(s): S,
+    headers: HeaderMap,
+    Path((m, v)): Path<(String, String)>,
+) -> R<Response> {
+    ready_response(&s, &headers, &m, Some(&v)).await
+}
+
+async fn model_config(
+    State(s): S,
+    headers: HeaderMap,
+    Path(m): Path<String>,
+) -> R<axum::Json<Value>> {
+    Ok(axum::Json(model_for(&s, &headers, &m, None)?.config_json()))
+}
+
+async fn model_config_v(
+    State(s): S,
+    headers: HeaderMap,
+    Path((m, v)): Path<(String, String)>,
+) -> R<axum::Json<Value>> {
+    Ok(axum::Json(
+        model_for(&s, &headers, &m, Some(&v))?.config_json(),
+    ))
+}
+
+async fn all_stats(State(s): S, headers: HeaderMap) -> R<axum::Json<Value>> {
+    s.authenticate(auth(&headers))?;
+    Ok(axum::Json(s.stats_json(&s.ready_models())))
+}
+
+async fn model_stats(
+    State(s): S,
+    headers: HeaderMap,
+    Path(m): Path<String>,
+) -> R<axum::Json<Value>> {
+    let model = model_for(&s, &headers, &m, None)?;
+    Ok(axum::Json(s.stats_json(&[model])))
+}
+
+async fn model_stats_v(
+    State(s): S,
+    headers: HeaderMap,
+    Path((m, v)): Path<(String, String)>,
+) -> R<axum::Json<Value>> {
+    let model = model_for(&s, &headers, &m, Some(&v))?;
+    Ok(axum::Json(s.stats_json(&[model])))
+}
+
+/// Reads the body, refusing one over the server's limit with 413 before reading it when its
+/// Content-Length says so.
+async fn body_bytes(s: &Server, headers: &HeaderMap, body: Body) -> ServeResult<Bytes> {
+    let too_large = || {
+        ServeError::new(
+            ServeErrorKind::PayloadTooLarge,
+            format!(
+                "the request body is larger than this server accepts ({} bytes; tpubox serve --max-request-mib)",
+                s.max_request_bytes
+            ),
+        )
+    };
+    if let Some(len) = headers
+        .get(header::CONTENT_LENGTH)
+        .and_then(|v| v.to_str().ok())
+        .and_then(|v| v.parse::<u64>().ok())
+        && len > s.max_request_bytes as u64
+    {
+        return Err(too_large());
+    }
+    axum::body::to_bytes(body, s.max_request_bytes)
+        .await
+        .map_err(|e| {
+            if std::error::Error::source(&e).is_some_and(|c| c.to_string().contains("length limit"))
+                || e.to_string().contains("length limit")
+            {
+                too_large()
+            } else {
+                ServeError::bad_request(format!("reading the request body: {e}"))
+            }
+        })
+}
+
+/// Splits a body into the JSON header and the binary data after it, as the binary tensor
+/// extension's `Inference-Header-Content-Length` says.
+fn split_body<'a>(headers: &HeaderMap, body: &'a [u8]) -> ServeResult<(&'a [u8], &'a [u8])> {
+    match headers.get(HEADER_LENGTH) {
+        None => Ok((body, &[])),
+        Some(v) => {
+            let n: usize = v
+                .to_str()
+                .ok()
+                .and_then(|v| v.trim().parse().ok())
+                .ok_or_else(|| {
+                    ServeError::bad_request("Inference-Header-Content-Length is not a byte count")
+                })?;
+            if n > body.len() {
+                return Err(ServeError::bad_request(format!(
+                    "Inference-Header-Content-Length is {n}, but the body has only {} bytes",
+                    body.len()
+                )));
+            }
+            Ok(body.split_at(n))
+        }
+    }
+}
+
+async fn infer_common(
+    s: Arc<Server>,
+    headers: HeaderMap,
+    m: String,
+    v: Option<String>,
+    body: Body,
+) -> R<Response> {
+    let bytes = body_bytes(&s, &headers, body).await?;
+    let (header_json, binary) = split_body(&headers, &bytes)?;
+    let req: InferRequest = request_from_json(header_json, binary)?;
+    let echo = req.without_inputs();
+    let resp = s.infer(auth(&headers), &m, v.as_deref(), req).await?;
+    let (json_part, binary_part) = response_to_json(&resp, &echo);
+    if binary_part.is_empty() {
+        return Ok((
+            StatusCode::OK,
+            [(
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("application/json"),
+            )],
+            json_part,
+        )
+            .into_response());
+    }
+    let len = json_part.len();
+    let mut body = json_part;
+    body.extend_from_slice(&binary_part);
+    let mut r = (StatusCode::OK, body).into_response();
+    let h = r.headers_mut();
+    h.insert(
+        header::CONTENT_TYPE,
+        HeaderValue::from_static("application/octet-stream"),
+    );
+    h.insert(HEADER_LENGTH, HeaderValue::from(len));
+    Ok(r)
+}
+
+async fn infer(State(s): S, headers: HeaderMap, Path(m): Path<String>, body: Body) -> R<Response> {
+    infer_common(s, headers, m, None, body).await
+}
+
+async fn infer_v(
+    State(s): S,
+    headers: HeaderMap,
+    Path((m, v)): Path<(String, String)>,
+    body: Body,
+) -> R<Response> {
+    infer_common(s, headers, m, Some(v), body).await
+}
+
+async fn repository_index(State(s): S, headers: HeaderMap, body: Body) -> R<axum::Json<Value>> {
+    s.authenticate(auth(&headers))?;
+    let bytes = body_bytes(&s, &headers, body).await?;
+    let ready_only = serde_json::from_slice::<Value>(&bytes)
+        .ok()
+        .and_then(|v| v.get("ready").and_then(Value::as_bool))
+        .unwrap_or(false);
+    let rows: Vec<Value> = s
+        .repository
+        .index()
+        .into_iter()
+        .filter(|e| !ready_only || e.state == "READY")
+        .map(|e| {
+            let mut v = json!({"name": e.name, "version": e.version, "state": e.state});
+            if !e.reason.is_empty() {
+                v["reason"] = json!(e.reason);
+            }
+            v
+        })
+        .collect();
+    Ok(axum::Json(Value::Array(rows)))
+}
+
+async fn repository_load(State(s): S, headers: HeaderMap, Path(m): Path<String>) -> R<Response> {
+    s.authenticate(auth(&headers))?;
+    s.repository.load(&m).await?;
+    Ok(StatusCode::OK.into_response())
+}
+
+async fn repository_unload(State(s): S, headers: HeaderMap, Path(m): Path<String>) -> R<Response> {
+    s.authenticate(auth(&headers))?;
+    s.repository.unload(&m).await?;
+    Ok(StatusCode::OK.into_response())
+}
+
+/// Serves the REST router on `listener` until `stop` resolves.
+///
+/// Errors: the listener fails.
+pub async fn serve_rest(
+    listener: tokio::net::TcpListener,
+    server: Arc<Server>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    axum::serve(listener, router(server))
+        .with_graceful_shutdown(stop)
+        .await?;
+    Ok(())
+}
+
+/// Serves `GET /metrics` on `listener` until `stop` resolves.
+///
+/// Errors: the listener fails.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    server: Arc<Server>,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    let app = Router::new()
+        .route(
+            "/metrics",
+            get(|State(s): S| async move {
+                (
+                    [(
+                        header::CONTENT_TYPE,
+                        HeaderValue::from_static("text/plain; version=0.0.4"),
+                    )],
+                    s.metrics_text(),
+                )
+            }),
+        )
+        .with_state(server);
+    axum::serve(listener, app)
+        .with_graceful_shutdown(stop)
+        .await?;
+    Ok(())
+}
