@@ -365,10 +365,10 @@ impl Gen<'_, '_> {
 
     /// A value of exactly `ty`: one in scope, or a new constant.
     fn value_of(&mut self, scope: &[Val], ty: &Ty, out: &mut String, ind: usize) -> Result<Val> {
-        if self.u.ratio(3, 4)? {
-            if let Some(v) = self.pick(scope, |t| t == ty)? {
-                return Ok(v);
-            }
+        if self.u.ratio(3, 4)?
+            && let Some(v) = self.pick(scope, |t| t == ty)?
+        {
+            return Ok(v);
         }
         self.constant(ty, out, ind)
     }

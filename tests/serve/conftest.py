@@ -152,6 +152,27 @@ class Server:
             conn.close()
 
 
+
+def _copy_headers_on_infer():
+    """tritonclient.http's `infer` writes `Inference-Header-Content-Length` into the headers
+    dict it is given, so a dict shared between calls would carry a stale length into the next
+    plain-JSON request. Every test passes such shared dicts: give `infer` a copy."""
+    import tritonclient.http as httpclient
+
+    original = httpclient.InferenceServerClient.infer
+    if getattr(original, "_copies_headers", False):
+        return
+
+    def infer(self, *args, headers=None, **kwargs):
+        return original(self, *args, headers=dict(headers) if headers else headers, **kwargs)
+
+    infer._copies_headers = True
+    httpclient.InferenceServerClient.infer = infer
+
+
+_copy_headers_on_infer()
+
+
 @pytest.fixture(scope="session")
 def server(tmp_path_factory):
     global _SERVER

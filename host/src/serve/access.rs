@@ -213,11 +213,16 @@ impl Access {
                 "this server needs a bearer token (Authorization: Bearer TOKEN)",
             ));
         };
-        let token = value
-            .strip_prefix("Bearer ")
-            .or_else(|| value.strip_prefix("bearer "))
-            .unwrap_or(value)
-            .trim();
+        // RFC 6750: the scheme is `Bearer` (case-insensitive), then the token.
+        let token = match value.split_once(' ') {
+            Some((scheme, token)) if scheme.eq_ignore_ascii_case("bearer") => token.trim(),
+            _ => {
+                return Err(ServeError::new(
+                    ServeErrorKind::Unauthenticated,
+                    "the Authorization header must be `Bearer TOKEN`",
+                ));
+            }
+        };
         self.by_token
             .get(token)
             .cloned()

@@ -157,6 +157,17 @@ impl Metrics {
     pub fn render(&self, models: &[std::sync::Arc<Model>], cache: Option<CacheStats>) -> String {
         for m in models {
             let l = [m.name.as_str(), VERSION];
+            // Every series of a loaded model exists from the start, at zero.
+            for c in [
+                &self.success,
+                &self.failure,
+                &self.count,
+                &self.request_us,
+                &self.queue_us,
+                &self.compute_us,
+            ] {
+                c.with_label_values(&l);
+            }
             self.pending.with_label_values(&l).set(m.pending() as i64);
             self.exec_count.with_label_values(&l).reset();
             self.exec_count.with_label_values(&l).inc_by(

@@ -449,9 +449,8 @@ pub async fn run(
     }
     let _ = stop_tx.send(true);
     for t in [rest_task, metrics_task, grpc_task] {
-        match tokio::time::timeout(Duration::from_secs(5), t).await {
-            Ok(Ok(Err(e))) => tracing::warn!("a listener ended with: {e:#}"),
-            Ok(_) | Err(_) => {}
+        if let Ok(Ok(Err(e))) = tokio::time::timeout(Duration::from_secs(5), t).await {
+            tracing::warn!("a listener ended with: {e:#}");
         }
     }
     server.repository.unload_all().await;
