@@ -32,6 +32,9 @@ TENANTS = {
     "bob": {"token": "bob-token", "models": ["dtypes"]},
     "slow": {"token": "slow-token", "models": ["*"], "max_requests_per_second": 2},
     "narrow": {"token": "narrow-token", "models": ["*"], "max_in_flight": 1},
+    # The load test's two tenants (test_load.py): enough in flight for its 32 clients.
+    "load-a": {"token": "load-a-token", "models": ["*"], "max_in_flight": 64},
+    "load-b": {"token": "load-b-token", "models": ["dtypes"], "max_in_flight": 64},
 }
 
 

@@ -119,3 +119,38 @@ def test_concurrent_clients(server, reference):
         t.join()
     assert not errors, "\n".join(errors)
     assert len(retries) <= 16, f"{len(retries)} retries on 429 with at most 8 in flight"
+
+
+def test_a_bad_request_fails_alone(server, reference):
+    """A blank sentence (which the guest refuses) sent at the same moment as good ones: it gets
+    400, the good ones their embeddings, even when the batcher merged them (the server then
+    runs the merged requests again one by one)."""
+    cases = reference[:6]
+    barrier = threading.Barrier(len(cases) + 1)
+    results = {}
+
+    def send(key, text):
+        inp = httpclient.InferInput("text", [1], "BYTES")
+        inp.set_data_from_numpy(text_tensor([text]), binary_data=True)
+        c = http_client(server)
+        try:
+            barrier.wait()
+            try:
+                got = c.infer("minilm", [inp], headers=http_headers("load-a"))
+                results[key] = got.as_numpy("embedding")
+            except InferenceServerException as e:
+                results[key] = e
+        finally:
+            c.close()
+
+    threads = [threading.Thread(target=send, args=(i, c["text"])) for i, c in enumerate(cases)]
+    threads.append(threading.Thread(target=send, args=("blank", "   ")))
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    bad = results["blank"]
+    assert isinstance(bad, InferenceServerException) and bad.status() == "400", bad
+    for i, case in enumerate(cases):
+        assert not isinstance(results[i], Exception), results[i]
+        assert_embeddings(results[i], [case], f"request {i} beside a bad one")

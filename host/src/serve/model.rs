@@ -462,6 +462,21 @@ fn check_declared(config: &ModelConfig, m: &GuestMetadata) -> Result<()> {
     Ok(())
 }
 
+/// Sends each request of `batch` its part of the outputs.
+fn reply(batch: Vec<Pending>, parts: Vec<Vec<Tensor>>, compute: Duration) {
+    let now = Instant::now();
+    for (p, outputs) in batch.into_iter().zip(parts) {
+        let queued = now
+            .saturating_duration_since(p.enqueued)
+            .saturating_sub(compute);
+        let _ = p.reply.send(Ok(Batched {
+            outputs,
+            queued,
+            compute,
+        }));
+    }
+}
+
 /// One instance's task: takes batches from the queue, runs them, replaces the instance when
 /// it breaks.
 struct Worker {
@@ -510,33 +525,31 @@ impl Worker {
                     }
                 },
             };
-            let sizes: Vec<u64> = batch.iter().map(|p| p.batch).collect();
-            let started = Instant::now();
-            let inputs = merge(&batch);
-            self.stats.execution_count.fetch_add(1, Ordering::Relaxed);
-            let result = inst.infer(inputs).await;
-            let compute = started.elapsed();
-            let outcome = match result {
-                Ok(outputs) => self.check_outputs(outputs).and_then(|o| split(o, &sizes)),
-                Err(InferFailure::Model(e)) => Err(ServeError::from_model(&self.name, &e)),
-                Err(InferFailure::Broken(msg)) => {
-                    tracing::warn!(model = %self.name, "instance replaced: {msg}");
-                    instance = None;
-                    Err(ServeError::new(
-                        ServeErrorKind::Internal,
-                        format!("model `{}`: {msg}; the instance was replaced", self.name),
-                    ))
-                }
-            };
+            let (outcome, compute, broken) = self.execute(inst, &batch).await;
+            if broken {
+                instance = None;
+            }
             match outcome {
-                Ok(parts) => {
-                    for (p, outputs) in batch.into_iter().zip(parts) {
-                        let queued = started.saturating_duration_since(p.enqueued);
-                        let _ = p.reply.send(Ok(Batched {
-                            outputs,
-                            queued,
-                            compute,
-                        }));
+                Ok(parts) => reply(batch, parts, compute),
+                // One request the guest refused would fail every request merged with it: run
+                // them one by one, so only the bad one fails.
+                Err(e) if e.kind == ServeErrorKind::BadRequest && batch.len() > 1 => {
+                    for p in batch {
+                        let Some(inst) = instance.as_mut() else {
+                            let _ = p.reply.send(Err(e.clone()));
+                            continue;
+                        };
+                        let one = std::slice::from_ref(&p);
+                        let (outcome, compute, broken) = self.execute(inst, one).await;
+                        if broken {
+                            instance = None;
+                        }
+                        match outcome {
+                            Ok(parts) => reply(vec![p], parts, compute),
+                            Err(e) => {
+                                let _ = p.reply.send(Err(e));
+                            }
+                        }
                     }
                 }
                 Err(e) => {
@@ -544,6 +557,42 @@ impl Worker {
                         let _ = p.reply.send(Err(e.clone()));
                     }
                 }
+            }
+        }
+    }
+
+    /// Runs `batch` as one `infer`: its outputs split per request, how long the call took, and
+    /// whether the instance broke (and must be replaced).
+    async fn execute(
+        &self,
+        inst: &mut Instance,
+        batch: &[Pending],
+    ) -> (ServeResult<Vec<Vec<Tensor>>>, Duration, bool) {
+        let sizes: Vec<u64> = batch.iter().map(|p| p.batch).collect();
+        let started = Instant::now();
+        let inputs = merge(batch);
+        self.stats.execution_count.fetch_add(1, Ordering::Relaxed);
+        let result = inst.infer(inputs).await;
+        let compute = started.elapsed();
+        match result {
+            Ok(outputs) => (
+                self.check_outputs(outputs).and_then(|o| split(o, &sizes)),
+                compute,
+                false,
+            ),
+            Err(InferFailure::Model(e)) => {
+                (Err(ServeError::from_model(&self.name, &e)), compute, false)
+            }
+            Err(InferFailure::Broken(msg)) => {
+                tracing::warn!(model = %self.name, "instance replaced: {msg}");
+                (
+                    Err(ServeError::new(
+                        ServeErrorKind::Internal,
+                        format!("model `{}`: {msg}; the instance was replaced", self.name),
+                    )),
+                    compute,
+                    true,
+                )
             }
         }
     }

@@ -1,0 +1,295 @@
+//! Serving benchmark: MiniLM embeddings served by `tpubox serve` over REST, with dynamic
+//! batching on and off, at 1, 4 and 16 concurrent clients that each send one sentence per
+//! request, next to the same guest (`examples/minilm-serve`) called in process, without a
+//! server, at batch 1 and batch 16. All in one run, on one machine.
+//!
+//! The load client is this program: tokio tasks over keep-alive HTTP connections (reqwest),
+//! each sending requests back to back with the binary tensor extension. Latency is from
+//! sending a request to having read its whole response; throughput is sentences per second
+//! over a phase. Every phase starts warm (each batch size's buckets compiled before).
+//!
+//! Run with `cargo bench -p tpubox-host --bench serve` after `bash scripts/dev.sh setup`.
+
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::{Duration, Instant};
+
+use tpubox::sandbox::{RunOptions, Sandbox};
+use tpubox::serve::instance::Instance;
+use tpubox::serve::protocol::{Datatype, Tensor, push_bytes_element};
+use tpubox::weights::WeightRegistry;
+use tpubox::{HostConfig, SandboxConfig};
+
+/// Requests per client in one served phase.
+const PER_CLIENT: usize = 96;
+/// Sentences embedded per in-process measurement.
+const IN_PROCESS_SENTENCES: usize = 512;
+
+fn sentences() -> Vec<String> {
+    let subjects = [
+        "The host",
+        "A guest",
+        "Every tenant",
+        "The compiler",
+        "A notebook user",
+        "The sampler",
+    ];
+    let verbs = [
+        "compiles",
+        "executes",
+        "shares",
+        "caches",
+        "validates",
+        "embeds",
+    ];
+    let objects = [
+        "a program",
+        "the weights of a small sentence encoder",
+        "one device among many sandboxed guests",
+        "StableHLO modules for every bucket",
+        "a cache entry keyed by the program and the plugin",
+        "tokens",
+    ];
+    (0..216)
+        .map(|i| {
+            format!(
+                "{} {} {}.",
+                subjects[i % 6],
+                verbs[(i / 6) % 6],
+                objects[(i / 36) % 6]
+            )
+        })
+        .collect()
+}
+
+fn model_dir() -> PathBuf {
+    tpubox::plugin::known("minilm")
+        .and_then(|p| p.installed_library())
+        .expect("run `tpubox setup minilm` first")
+}
+
+fn component() -> PathBuf {
+    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+        .join("../target/wasm32-wasip2/release/minilm_serve.wasm");
+    assert!(
+        p.is_file(),
+        "{} is missing: run bash scripts/dev.sh setup",
+        p.display()
+    );
+    p
+}
+
+fn text_tensor(texts: &[&str]) -> Tensor {
+    let mut data = Vec::new();
+    for t in texts {
+        push_bytes_element(&mut data, t.as_bytes());
+    }
+    Tensor {
+        name: "text".into(),
+        datatype: Datatype::Bytes,
+        shape: vec![texts.len() as u64],
+        data,
+    }
+}
+
+fn percentile(sorted: &[Duration], p: f64) -> Duration {
+    sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
+}
+
+/// Sentences per second of the guest called in process, `batch` sentences per `infer`.
+async fn in_process(inst: &mut Instance, texts: &[String], batch: usize) -> f64 {
+    let start = Instant::now();
+    let mut done = 0;
+    let mut i = 0;
+    while done < IN_PROCESS_SENTENCES {
+        let chunk: Vec<&str> = (0..batch)
+            .map(|k| texts[(i + k) % texts.len()].as_str())
+            .collect();
+        i += batch;
+        let out = inst.infer(vec![text_tensor(&chunk)]).await.expect("infer");
+        assert_eq!(out[0].shape, [batch as u64, 384]);
+        done += batch;
+    }
+    done as f64 / start.elapsed().as_secs_f64()
+}
+
+struct Served {
+    child: std::process::Child,
+    port: u16,
+    _dir: tempfile::TempDir,
+}
+
+impl Drop for Served {
+    fn drop(&mut self) {
+        let pid = rustix::process::Pid::from_child(&self.child);
+        let _ = rustix::process::kill_process(pid, rustix::process::Signal::TERM);
+        let _ = self.child.wait();
+    }
+}
+
+fn free_port() -> u16 {
+    std::net::TcpListener::bind("127.0.0.1:0")
+        .unwrap()
+        .local_addr()
+        .unwrap()
+        .port()
+}
+
+/// Starts `tpubox serve` with MiniLM, with or without dynamic batching, and waits until it is
+/// ready.
+async fn serve(batching: bool, http: &reqwest::Client) -> Served {
+    let dir = tempfile::tempdir().unwrap();
+    let m = dir.path().join("minilm");
+    std::fs::create_dir(&m).unwrap();
+    std::os::unix::fs::symlink(model_dir(), m.join("files")).unwrap();
+    std::fs::copy(component(), m.join("model.wasm")).unwrap();
+    let mut config = String::from(
+        "max_batch_size = 64\n[tpubox]\nfiles = \"files\"\n[tpubox.weights]\nminilm = \"files/model.safetensors\"\n",
+    );
+    if batching {
+        config.push_str("[dynamic_batching]\nmax_queue_delay_microseconds = 2000\n");
+    }
+    std::fs::write(m.join("config.toml"), config).unwrap();
+    let port = free_port();
+    let child = std::process::Command::new(env!("CARGO_BIN_EXE_tpubox"))
+        .args(["serve", "--model-repository"])
+        .arg(dir.path())
+        .args(["--http-port", &port.to_string()])
+        .args(["--grpc-port", &free_port().to_string()])
+        .args(["--metrics-port", &free_port().to_string()])
+        .stderr(std::process::Stdio::null())
+        .spawn()
+        .expect("start tpubox serve");
+    let served = Served {
+        child,
+        port,
+        _dir: dir,
+    };
+    let url = format!("http://127.0.0.1:{port}/v2/health/ready");
+    let deadline = Instant::now() + Duration::from_secs(120);
+    loop {
+        if let Ok(r) = http.get(&url).send().await
+            && r.status() == 200
+        {
+            break;
+        }
+        assert!(Instant::now() < deadline, "tpubox serve not ready");
+        tokio::time::sleep(Duration::from_millis(100)).await;
+    }
+    served
+}
+
+fn request_body(text: &str) -> (Vec<u8>, usize) {
+    let mut raw = Vec::new();
+    push_bytes_element(&mut raw, text.as_bytes());
+    let header = serde_json::json!({
+        "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES",
+                    "parameters": {"binary_data_size": raw.len()}}],
+        "outputs": [{"name": "embedding", "parameters": {"binary_data": true}}],
+    });
+    let mut body = serde_json::to_vec(&header).unwrap();
+    let n = body.len();
+    body.extend_from_slice(&raw);
+    (body, n)
+}
+
+/// `clients` clients, `per_client` requests each: (sentences per second, sorted latencies).
+async fn load(
+    http: &reqwest::Client,
+    port: u16,
+    texts: &Arc<Vec<String>>,
+    clients: usize,
+    per_client: usize,
+) -> (f64, Vec<Duration>) {
+    let url = format!("http://127.0.0.1:{port}/v2/models/minilm/infer");
+    let start = Instant::now();
+    let mut tasks = Vec::new();
+    for c in 0..clients {
+        let (http, url, texts) = (http.clone(), url.clone(), Arc::clone(texts));
+        tasks.push(tokio::spawn(async move {
+            let mut lat = Vec::with_capacity(per_client);
+            for i in 0..per_client {
+                let (body, n) = request_body(&texts[(c * 37 + i) % texts.len()]);
+                let t = Instant::now();
+                let r = http
+                    .post(&url)
+                    .header("Inference-Header-Content-Length", n)
+                    .header("Content-Type", "application/octet-stream")
+                    .body(body)
+                    .send()
+                    .await
+                    .expect("send");
+                assert_eq!(r.status(), 200);
+                let b = r.bytes().await.expect("body");
+                lat.push(t.elapsed());
+                assert!(b.len() >= 384 * 4);
+            }
+            lat
+        }));
+    }
+    let mut all = Vec::new();
+    for t in tasks {
+        all.extend(t.await.unwrap());
+    }
+    let secs = start.elapsed().as_secs_f64();
+    all.sort();
+    ((clients * per_client) as f64 / secs, all)
+}
+
+fn main() {
+    let rt = tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    rt.block_on(async {
+        let texts = Arc::new(sentences());
+        // In process: the same component, instantiated directly.
+        let device = tpubox::open_device(&HostConfig::default()).expect("open the device");
+        let sandbox = Sandbox::new(SandboxConfig::default()).unwrap();
+        let weights = Arc::new(WeightRegistry::new());
+        weights
+            .load_safetensors(&device, "minilm", &model_dir().join("model.safetensors"), 0)
+            .unwrap();
+        let comp = sandbox.load_component(&component()).unwrap();
+        let opts = RunOptions {
+            dirs: vec![(model_dir(), "/model".into())],
+            ..RunOptions::default()
+        };
+        let mut inst = Instance::new(&sandbox, &device, &weights, &comp, "minilm", &opts)
+            .await
+            .unwrap();
+        for b in 1..=16 {
+            let chunk: Vec<&str> = texts.iter().take(b).map(String::as_str).collect();
+            inst.infer(vec![text_tensor(&chunk)]).await.unwrap();
+        }
+        let ip1 = in_process(&mut inst, &texts, 1).await;
+        let ip16 = in_process(&mut inst, &texts, 16).await;
+        drop(inst);
+        drop(device);
+
+        let http = reqwest::Client::builder()
+            .pool_max_idle_per_host(64)
+            .build()
+            .unwrap();
+        println!("MiniLM all-MiniLM-L6-v2, one sentence per request, REST + binary extension");
+        println!("in process (no server): batch 1 {ip1:.1} sentences/s, batch 16 {ip16:.1} sentences/s\n");
+        println!("| dynamic batching | clients | sentences/s | p50 ms | p99 ms | ÷ in-process batch 1 | ÷ in-process batch 16 |");
+        println!("|---|---|---|---|---|---|---|");
+        for batching in [true, false] {
+            let served = serve(batching, &http).await;
+            // Warm: every batch size the batcher may form has compiled.
+            load(&http, served.port, &texts, 16, 8).await;
+            for clients in [1usize, 4, 16] {
+                let (tput, lat) = load(&http, served.port, &texts, clients, PER_CLIENT).await;
+                println!(
+                    "| {} | {clients} | {tput:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
+                    if batching { "on" } else { "off" },
+                    percentile(&lat, 0.5).as_secs_f64() * 1e3,
+                    percentile(&lat, 0.99).as_secs_f64() * 1e3,
+                    tput / ip1,
+                    tput / ip16,
+                );
+            }
+        }
+    });
+}
