@@ -17,6 +17,12 @@ use tpubox::{
 #[derive(Parser)]
 #[command(name = "tpubox", version, about, long_about = None)]
 struct Cli {
+    /// Log format on stderr: text, or json (one object per line, for log collectors). The
+    /// level comes from $TPUBOX_LOG (e.g. `info`, `tpubox=debug`; default warn, info for
+    /// `serve`).
+    #[arg(long, global = true, default_value = "text", env = "TPUBOX_LOG_FORMAT",
+          value_parser = ["text", "json"])]
+    log_format: String,
     #[command(subcommand)]
     command: Cmd,
 }
@@ -565,13 +571,21 @@ fn main() -> ExitCode {
     // on a machine without a TPU). Setting them later would not be sound; see
     // `tpubox::plugin_env`.
     let env_set = tpubox::plugin_env::prepare();
-    tracing_subscriber::fmt()
-        .with_env_filter(
-            tracing_subscriber::EnvFilter::try_from_env("TPUBOX_LOG")
-                .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new("warn")),
-        )
-        .with_writer(std::io::stderr)
-        .init();
+    let default_level = if matches!(cli.command, Cmd::Serve(_)) {
+        "info"
+    } else {
+        "warn"
+    };
+    let filter = tracing_subscriber::EnvFilter::try_from_env("TPUBOX_LOG")
+        .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
+    let logs = tracing_subscriber::fmt()
+        .with_env_filter(filter)
+        .with_writer(std::io::stderr);
+    if cli.log_format == "json" {
+        logs.json().init();
+    } else {
+        logs.init();
+    }
     match env_set {
         Ok(names) => tracing::debug!(?names, "set for the PJRT plugin"),
         Err(e) => tracing::debug!("plugin environment left as it is: {e}"),

@@ -8,7 +8,7 @@ repository assembled here from the built guests:
 with the tenants of serve_util.TENANTS. `bash scripts/dev.sh test` builds all of it first.
 
 Environment: TPUBOX_BIN (default target/release/tpubox), CARGO_TARGET_DIR, TPUBOX_MINILM_DIR
-(default: what `tpubox setup minilm` prints), TPUBOX_MINILM_REFERENCE, RUST_LOG (default info).
+(default: what `tpubox setup minilm` prints), TPUBOX_MINILM_REFERENCE, TPUBOX_LOG (default info).
 """
 
 from __future__ import annotations
@@ -210,7 +210,7 @@ def server(tmp_path_factory):
         "--metrics-port", str(srv.metrics_port),
     ]  # fmt: skip
     env = dict(os.environ)
-    env.setdefault("RUST_LOG", "info")
+    env.setdefault("TPUBOX_LOG", "info")
     with open(srv.log_path, "wb") as log:
         srv.proc = subprocess.Popen(
             cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, cwd=root, env=env

@@ -18,8 +18,8 @@ pub struct Metrics {
     queue_us: IntCounterVec,
     compute_us: IntCounterVec,
     pending: IntGaugeVec,
-    cache_hits: IntGaugeVec,
-    compiles: IntGaugeVec,
+    cache_hits: IntCounterVec,
+    compiles: IntCounterVec,
     device_bytes: IntGaugeVec,
     refused: IntCounterVec,
 }
@@ -106,13 +106,13 @@ impl Metrics {
                 "Requests waiting in the model's queue",
                 mv,
             ),
-            cache_hits: gauge(
+            cache_hits: counter(
                 &r,
                 "tpubox_compile_cache_hits_total",
                 "Compile-cache hits per tier (memory, disk, remote)",
                 &["tier"],
             ),
-            compiles: gauge(
+            compiles: counter(
                 &r,
                 "tpubox_compiles_total",
                 "Programs compiled (cache misses)",
@@ -181,14 +181,15 @@ impl Metrics {
                 .set(u.device_bytes as i64);
         }
         if let Some(c) = cache {
+            // Counters the cache keeps; copied here at each scrape.
             for (tier, t) in [("memory", c.memory), ("disk", c.disk), ("remote", c.remote)] {
-                self.cache_hits
-                    .with_label_values(&[tier])
-                    .set(t.hits as i64);
+                let m = self.cache_hits.with_label_values(&[tier]);
+                m.reset();
+                m.inc_by(t.hits);
             }
-            self.compiles
-                .with_label_values::<&str>(&[])
-                .set(c.compiles as i64);
+            let m = self.compiles.with_label_values::<&str>(&[]);
+            m.reset();
+            m.inc_by(c.compiles);
         }
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
