@@ -8,6 +8,12 @@
 //! sending a request to having read its whole response; throughput is sentences per second
 //! over a phase. Every phase starts warm (each batch size's buckets compiled before).
 //!
+//! Batching on uses `max_queue_delay_microseconds` 2000 and `preferred_batch_size` [16, 32], as
+//! `examples/minilm-serve/config.toml` does (`TPUBOX_BENCH_DELAY_US`, `TPUBOX_BENCH_PREFERRED`
+//! change them; `TPUBOX_BENCH_ONLY_BATCHING=1` skips the phases without batching). The table
+//! also gives each phase's mean batch and the server's infer time per batch (from the
+//! statistics extension), so a difference can be placed inside or outside the guest call.
+//!
 //! Run with `cargo bench -p tpubox-host --bench serve` after `bash scripts/dev.sh setup`.
 
 use std::path::PathBuf;
@@ -25,6 +31,7 @@ const PER_CLIENT: usize = 96;
 /// Sentences embedded per in-process measurement.
 const IN_PROCESS_SENTENCES: usize = 512;
 
+/// 216 short sentences (at most 16 tokens each).
 fn sentences() -> Vec<String> {
     let subjects = [
         "The host",
@@ -42,12 +49,14 @@ fn sentences() -> Vec<String> {
         "validates",
         "embeds",
     ];
+    // Short enough that every sentence tokenizes to at most 16 tokens: both sides then run the
+    // same (batch, 16) buckets, whichever sentences a batch happens to hold.
     let objects = [
         "a program",
-        "the weights of a small sentence encoder",
-        "one device among many sandboxed guests",
-        "StableHLO modules for every bucket",
-        "a cache entry keyed by the program and the plugin",
+        "small weights",
+        "one device",
+        "StableHLO modules",
+        "a cache entry",
         "tokens",
     ];
     (0..216)
@@ -147,7 +156,12 @@ async fn serve(batching: bool, http: &reqwest::Client) -> Served {
         "max_batch_size = 64\n[tpubox]\nfiles = \"files\"\n[tpubox.weights]\nminilm = \"files/model.safetensors\"\n",
     );
     if batching {
-        config.push_str("[dynamic_batching]\nmax_queue_delay_microseconds = 2000\n");
+        let delay = std::env::var("TPUBOX_BENCH_DELAY_US").unwrap_or_else(|_| "2000".into());
+        let preferred =
+            std::env::var("TPUBOX_BENCH_PREFERRED").unwrap_or_else(|_| "[16, 32]".into());
+        config.push_str(&format!(
+            "[dynamic_batching]\nmax_queue_delay_microseconds = {delay}\npreferred_batch_size = {preferred}\n"
+        ));
     }
     std::fs::write(m.join("config.toml"), config).unwrap();
     let port = free_port();
@@ -236,6 +250,31 @@ async fn load(
     ((clients * per_client) as f64 / secs, all)
 }
 
+/// (inference count, execution count, summed infer ns, requests) of the served model, from the
+/// statistics extension.
+async fn batches(http: &reqwest::Client, port: u16) -> (u64, u64, u64, u64) {
+    let body = http
+        .get(format!("http://127.0.0.1:{port}/v2/models/minilm/stats"))
+        .send()
+        .await
+        .unwrap()
+        .bytes()
+        .await
+        .unwrap();
+    let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+    let s = &v["model_stats"][0];
+    (
+        s["inference_count"].as_u64().unwrap(),
+        s["execution_count"].as_u64().unwrap(),
+        s["inference_stats"]["compute_infer"]["ns"]
+            .as_u64()
+            .unwrap(),
+        s["inference_stats"]["compute_infer"]["count"]
+            .as_u64()
+            .unwrap(),
+    )
+}
+
 fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
@@ -264,25 +303,42 @@ fn main() {
         }
         let ip1 = in_process(&mut inst, &texts, 1).await;
         let ip16 = in_process(&mut inst, &texts, 16).await;
+        println!("in process: {:.1} ms per batch of 16", 16e3 / ip16);
         drop(inst);
         drop(device);
 
+        // reqwest is built without a TLS provider of its own (see the root Cargo.toml); plain
+        // HTTP still wants one installed.
+        let _ = rustls::crypto::ring::default_provider().install_default();
         let http = reqwest::Client::builder()
             .pool_max_idle_per_host(64)
             .build()
             .unwrap();
         println!("MiniLM all-MiniLM-L6-v2, one sentence per request, REST + binary extension");
         println!("in process (no server): batch 1 {ip1:.1} sentences/s, batch 16 {ip16:.1} sentences/s\n");
-        println!("| dynamic batching | clients | sentences/s | p50 ms | p99 ms | ÷ in-process batch 1 | ÷ in-process batch 16 |");
-        println!("|---|---|---|---|---|---|---|");
-        for batching in [true, false] {
+        println!("| dynamic batching | clients | mean batch | infer ms per batch | sentences/s | p50 ms | p99 ms | ÷ in-process batch 1 | ÷ in-process batch 16 |");
+        println!("|---|---|---|---|---|---|---|---|---|");
+        let phases: &[bool] = if std::env::var_os("TPUBOX_BENCH_ONLY_BATCHING").is_some() {
+            &[true]
+        } else {
+            &[true, false]
+        };
+        for &batching in phases {
             let served = serve(batching, &http).await;
             // Warm: every batch size the batcher may form has compiled.
-            load(&http, served.port, &texts, 16, 8).await;
+            for (clients, n) in [(1, 4), (4, 4), (16, 8)] {
+                load(&http, served.port, &texts, clients, n).await;
+            }
             for clients in [1usize, 4, 16] {
+                let before = batches(&http, served.port).await;
                 let (tput, lat) = load(&http, served.port, &texts, clients, PER_CLIENT).await;
+                let after = batches(&http, served.port).await;
+                let mean_batch = (after.0 - before.0) as f64 / (after.1 - before.1).max(1) as f64;
+                // Each request counts its batch's infer time once.
+                let infer_ms =
+                    (after.2 - before.2) as f64 / 1e6 / (after.3 - before.3).max(1) as f64;
                 println!(
-                    "| {} | {clients} | {tput:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
+                    "| {} | {clients} | {mean_batch:.1} | {infer_ms:.1} | {tput:.1} | {:.1} | {:.1} | {:.2} | {:.2} |",
                     if batching { "on" } else { "off" },
                     percentile(&lat, 0.5).as_secs_f64() * 1e3,
                     percentile(&lat, 0.99).as_secs_f64() * 1e3,
