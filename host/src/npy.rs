@@ -270,7 +270,14 @@ pub fn from_npy_bytes(bytes: &[u8], expected: Option<PrimitiveType>) -> Result<H
             e.name()
         ),
         (Some(t), _) => t,
-        (None, Some(e)) if descr.to_string() == format!("|V{}", e.byte_size()) => e,
+        // NumPy writes raw records as `|V2`; `ml_dtypes.bfloat16` arrays save as `<V2`. A byte
+        // order marker means nothing for raw records, so any is accepted.
+        (None, Some(e))
+            if descr.to_string().trim_start_matches(['<', '>', '|', '='])
+                == format!("V{}", e.byte_size()) =>
+        {
+            e
+        }
         (None, Some(e)) => bail!("array dtype {descr} cannot hold {} values", e.name()),
         (None, None) => bail!("array dtype {descr} has no XLA equivalent"),
     };
@@ -339,6 +346,20 @@ mod tests {
         assert!(text.contains("'shape': (2,"), "{text}");
         let bytes = to_npy_bytes(PrimitiveType::Bf16, &[], &[0x80, 0x3f]).unwrap();
         assert!(String::from_utf8_lossy(&bytes).contains("'descr': '|V2'"));
+    }
+
+    #[test]
+    fn raw_records_with_any_byte_order_marker() {
+        // What `np.save` writes for an `ml_dtypes.bfloat16` array: `<V2`.
+        let bytes = to_npy_bytes(PrimitiveType::Bf16, &[2], &[0x80, 0x3f, 0, 0x40]).unwrap();
+        let mut ml = bytes.clone();
+        let at = ml.windows(5).position(|w| w == b"'|V2'").unwrap();
+        ml[at + 1] = b'<';
+        let back = from_npy_bytes(&ml, Some(PrimitiveType::Bf16)).unwrap();
+        assert_eq!(back.data, [0x80, 0x3f, 0, 0x40]);
+        assert_eq!(back.dims, [2]);
+        let err = from_npy_bytes(&ml, Some(PrimitiveType::F32)).unwrap_err();
+        assert!(err.to_string().contains("cannot hold F32"), "{err}");
     }
 
     #[test]
