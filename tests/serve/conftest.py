@@ -97,6 +97,8 @@ def _tokens_toml() -> str:
         for key in ("max_in_flight", "max_requests_per_second"):
             if key in t:
                 out.append(f"{key} = {t[key]}")
+        if t.get("repository_control"):
+            out.append("repository_control = true")
         out.append("")
     return "\n".join(out)
 

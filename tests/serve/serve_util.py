@@ -28,7 +28,7 @@ REPO = Path(__file__).resolve().parents[2]
 # Tenants (the tokens file conftest.py writes).
 
 TENANTS = {
-    "alice": {"token": "alice-token", "models": ["*"], "max_in_flight": 8},
+    "alice": {"token": "alice-token", "models": ["*"], "max_in_flight": 8, "repository_control": True},
     "bob": {"token": "bob-token", "models": ["dtypes"]},
     "slow": {"token": "slow-token", "models": ["*"], "max_requests_per_second": 2},
     "narrow": {"token": "narrow-token", "models": ["*"], "max_in_flight": 1},

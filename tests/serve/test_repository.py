@@ -110,3 +110,21 @@ def test_unload_load_grpc(grpc, http):
         assert_flipped(result.as_numpy, data)
     finally:
         _ensure_loaded(http)
+
+
+def test_repository_control_is_a_permission(server, grpc):
+    """Loading and unloading needs `repository_control` and permission for the model; the index
+    lists only the models the caller may call."""
+    bob = http_headers("bob")
+    for m in ("dtypes", "minilm"):
+        for op in ("unload", "load"):
+            assert_error(request(server, "POST", f"/v2/repository/models/{m}/{op}", {}, headers=bob), 403)
+    with pytest.raises(InferenceServerException) as e:
+        grpc.unload_model("minilm", headers=grpc_headers("bob"), client_timeout=T)
+    assert grpc_status(e.value) == "PERMISSION_DENIED"
+    resp = request(server, "POST", "/v2/repository/index", {}, headers=bob)
+    assert resp.status == 200
+    assert [e["name"] for e in resp.json()] == ["dtypes"]
+    # Nothing was unloaded.
+    for m in ("dtypes", "minilm"):
+        assert request(server, "GET", f"/v2/models/{m}/ready", headers=HH).status == 200

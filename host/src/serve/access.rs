@@ -34,6 +34,10 @@ pub struct TenantEntry {
     /// no limit.
     #[serde(default)]
     pub max_requests_per_second: Option<f64>,
+    /// May load and unload (the models it may call) through the repository API (default
+    /// false).
+    #[serde(default)]
+    pub repository_control: bool,
 }
 
 fn all_models() -> Vec<String> {
@@ -135,6 +139,7 @@ impl Access {
             models: all_models(),
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_requests_per_second: None,
+            repository_control: true,
         });
         Access {
             by_token: HashMap::new(),
@@ -264,7 +269,7 @@ impl Access {
                 ServeError::limited(
                     "max-in-flight",
                     format!(
-                        "tenant `{}` has {} requests in flight (limit max-in-flight = {})",
+                        "tenant `{}` already has {} in flight (limit max-in-flight = {})",
                         tenant.entry.name, before, tenant.entry.max_in_flight
                     ),
                 ),

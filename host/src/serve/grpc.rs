@@ -382,8 +382,12 @@ impl GrpcInferenceService for Service {
         let a = auth(&r);
         let q = r.into_inner();
         let models = if q.name.is_empty() {
-            self.server.authenticate(a.as_deref()).map_err(status)?;
-            self.server.ready_models()
+            let visible = self.server.visible(a.as_deref()).map_err(status)?;
+            self.server
+                .ready_models()
+                .into_iter()
+                .filter(|m| visible(&m.name))
+                .collect()
         } else {
             self.server
                 .authorize(a.as_deref(), &q.name)
@@ -403,16 +407,14 @@ impl GrpcInferenceService for Service {
         &self,
         r: Request<RepositoryIndexRequest>,
     ) -> Result<Response<RepositoryIndexResponse>, Status> {
-        self.server
-            .authenticate(auth(&r).as_deref())
-            .map_err(status)?;
+        let visible = self.server.visible(auth(&r).as_deref()).map_err(status)?;
         let ready_only = r.get_ref().ready;
         let models = self
             .server
             .repository
             .index()
             .into_iter()
-            .filter(|e| !ready_only || e.state == "READY")
+            .filter(|e| (!ready_only || e.state == "READY") && visible(&e.name))
             .map(|e| repository_index_response::ModelIndex {
                 name: e.name,
                 version: e.version,
@@ -427,9 +429,11 @@ impl GrpcInferenceService for Service {
         &self,
         r: Request<RepositoryModelLoadRequest>,
     ) -> Result<Response<RepositoryModelLoadResponse>, Status> {
-        self.server
-            .authenticate(auth(&r).as_deref())
+        let tenant = self
+            .server
+            .authorize_control(auth(&r).as_deref(), &r.get_ref().model_name)
             .map_err(status)?;
+        tracing::info!(model = %r.get_ref().model_name, %tenant, "load requested");
         self.server
             .repository
             .load(&r.get_ref().model_name)
@@ -442,9 +446,11 @@ impl GrpcInferenceService for Service {
         &self,
         r: Request<RepositoryModelUnloadRequest>,
     ) -> Result<Response<RepositoryModelUnloadResponse>, Status> {
-        self.server
-            .authenticate(auth(&r).as_deref())
+        let tenant = self
+            .server
+            .authorize_control(auth(&r).as_deref(), &r.get_ref().model_name)
             .map_err(status)?;
+        tracing::info!(model = %r.get_ref().model_name, %tenant, "unload requested");
         self.server
             .repository
             .unload(&r.get_ref().model_name)

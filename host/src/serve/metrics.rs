@@ -148,6 +148,11 @@ impl Metrics {
         self.compute_us.with_label_values(&l).inc_by(r.compute_us);
     }
 
+    /// Counts one execution (batch) of `model`.
+    pub fn executed(&self, model: &str) {
+        self.exec_count.with_label_values(&[model, VERSION]).inc();
+    }
+
     /// Counts a request refused by `limit` for `tenant`.
     pub fn refused(&self, tenant: &str, limit: &str) {
         self.refused.with_label_values(&[tenant, limit]).inc();
@@ -162,6 +167,7 @@ impl Metrics {
                 &self.success,
                 &self.failure,
                 &self.count,
+                &self.exec_count,
                 &self.request_us,
                 &self.queue_us,
                 &self.compute_us,
@@ -169,12 +175,7 @@ impl Metrics {
                 c.with_label_values(&l);
             }
             self.pending.with_label_values(&l).set(m.pending() as i64);
-            self.exec_count.with_label_values(&l).reset();
-            self.exec_count.with_label_values(&l).inc_by(
-                m.stats
-                    .execution_count
-                    .load(std::sync::atomic::Ordering::Relaxed),
-            );
+
             let u = m.tenant.usage();
             self.device_bytes
                 .with_label_values(&[m.tenant.name()])

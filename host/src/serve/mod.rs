@@ -105,7 +105,7 @@ pub struct Server {
     /// Who may call what.
     pub access: Access,
     /// Metrics.
-    pub metrics: Metrics,
+    pub metrics: Arc<Metrics>,
     /// The device.
     pub device: Arc<DeviceService>,
     /// Largest request body in bytes.
@@ -129,13 +129,14 @@ impl Server {
     pub fn new(
         repository: Repository,
         access: Access,
+        metrics: Arc<Metrics>,
         device: Arc<DeviceService>,
         max_request_bytes: usize,
     ) -> Self {
         Server {
             repository,
             access,
-            metrics: Metrics::new(),
+            metrics,
             device,
             max_request_bytes,
             started_loading: AtomicBool::new(false),
@@ -217,9 +218,16 @@ impl Server {
 
     /// Admits a caller for `model` (its metadata, config, stats, readiness).
     ///
-    /// Errors: unauthenticated; forbidden when the tenant may not call the model.
+    /// Errors: unauthenticated; not found for a model the repository does not have; forbidden
+    /// when the tenant may not call the model.
     pub fn authorize(&self, authorization: Option<&str>, model: &str) -> ServeResult<()> {
         let t = self.access.identify(authorization)?;
+        if !self.repository.knows(model) {
+            return Err(ServeError::new(
+                ServeErrorKind::NotFound,
+                format!("unknown model `{model}`"),
+            ));
+        }
         if !t.entry.models.iter().any(|m| m == "*" || m == model) {
             return Err(ServeError::new(
                 ServeErrorKind::Forbidden,
@@ -227,6 +235,45 @@ impl Server {
             ));
         }
         Ok(())
+    }
+
+    /// Admits a caller for loading or unloading `model`: it needs `repository_control` in the
+    /// tokens file and permission for the model (without a tokens file everyone has both).
+    ///
+    /// Errors: unauthenticated; forbidden.
+    pub fn authorize_control(
+        &self,
+        authorization: Option<&str>,
+        model: &str,
+    ) -> ServeResult<String> {
+        let t = self.access.identify(authorization)?;
+        if !t.entry.repository_control {
+            return Err(ServeError::new(
+                ServeErrorKind::Forbidden,
+                format!(
+                    "tenant `{}` may not load or unload models (repository_control in the tokens file)",
+                    t.entry.name
+                ),
+            ));
+        }
+        if !t.entry.models.iter().any(|m| m == "*" || m == model) {
+            return Err(ServeError::new(
+                ServeErrorKind::Forbidden,
+                format!("tenant `{}` may not call model `{model}`", t.entry.name),
+            ));
+        }
+        Ok(t.entry.name.clone())
+    }
+
+    /// The models a caller may see (index, statistics): those its tenant may call.
+    ///
+    /// Errors: unauthenticated.
+    pub fn visible(
+        &self,
+        authorization: Option<&str>,
+    ) -> ServeResult<impl Fn(&str) -> bool + use<>> {
+        let t = self.access.identify(authorization)?;
+        Ok(move |m: &str| t.entry.models.iter().any(|x| x == "*" || x == m))
     }
 
     /// One inference: admits the caller for `model` (tenant, in-flight, rate), runs the
@@ -370,16 +417,19 @@ pub async fn run(
             config.repository.display()
         );
     }
+    let metrics = Arc::new(Metrics::new());
     let ctx = LoadContext {
         sandbox,
         device: Arc::clone(&device),
         weights,
         loaded_weights: Arc::new(std::sync::Mutex::new(BTreeMap::new())),
+        metrics: Arc::clone(&metrics),
     };
     let repository = Repository::new(config.repository.clone(), ctx);
     let server = Arc::new(Server::new(
         repository,
         access,
+        metrics,
         device,
         config.max_request_bytes,
     ));

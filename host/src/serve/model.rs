@@ -74,6 +74,9 @@ pub struct LoadContext {
     pub weights: Arc<WeightRegistry>,
     /// Weight sets already loaded, by name, and the file each came from.
     pub loaded_weights: Arc<std::sync::Mutex<std::collections::BTreeMap<String, PathBuf>>>,
+    /// The server's metrics (executions are counted there as they happen, so the counters stay
+    /// cumulative across reloads).
+    pub metrics: Arc<super::metrics::Metrics>,
 }
 
 /// A loaded model.
@@ -572,6 +575,7 @@ impl Worker {
         let started = Instant::now();
         let inputs = merge(batch);
         self.stats.execution_count.fetch_add(1, Ordering::Relaxed);
+        self.ctx.metrics.executed(&self.name);
         let result = inst.infer(inputs).await;
         let compute = started.elapsed();
         match result {

@@ -123,6 +123,11 @@ impl Repository {
         }
     }
 
+    /// Whether the repository has a model `name` (in any state).
+    pub fn knows(&self, name: &str) -> bool {
+        self.models.read().unwrap().contains_key(name)
+    }
+
     /// Every model's state.
     pub fn states(&self) -> Vec<(String, ModelState)> {
         self.models

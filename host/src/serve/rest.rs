@@ -35,7 +35,19 @@ impl IntoResponse for ErrorResponse {
     fn into_response(self) -> Response {
         let status =
             StatusCode::from_u16(self.0.status_code()).unwrap_or(StatusCode::INTERNAL_SERVER_ERROR);
-        (status, axum::Json(json!({ "error": self.0.message }))).into_response()
+        let mut r = (status, axum::Json(json!({ "error": self.0.message }))).into_response();
+        match status {
+            StatusCode::UNAUTHORIZED => {
+                r.headers_mut()
+                    .insert(header::WWW_AUTHENTICATE, HeaderValue::from_static("Bearer"));
+            }
+            StatusCode::TOO_MANY_REQUESTS => {
+                r.headers_mut()
+                    .insert(header::RETRY_AFTER, HeaderValue::from_static("1"));
+            }
+            _ => {}
+        }
+        r
     }
 }
 
@@ -69,6 +81,7 @@ pub fn router(server: Arc<Server>) -> Router {
         .route("/v2/repository/models/{m}/load", post(repository_load))
         .route("/v2/repository/models/{m}/unload", post(repository_unload))
         .fallback(not_found)
+        .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(server)
 }
@@ -78,6 +91,16 @@ async fn not_found() -> ErrorResponse {
         ServeErrorKind::NotFound,
         "no such endpoint (see docs/SERVING.md)",
     ))
+}
+
+async fn method_not_allowed() -> Response {
+    (
+        StatusCode::METHOD_NOT_ALLOWED,
+        axum::Json(
+            json!({"error": "this endpoint does not take that method (see docs/SERVING.md)"}),
+        ),
+    )
+        .into_response()
 }
 
 async fn live(State(s): S) -> Response {
@@ -185,8 +208,13 @@ async fn model_config_v(
 }
 
 async fn all_stats(State(s): S, headers: HeaderMap) -> R<axum::Json<Value>> {
-    s.authenticate(auth(&headers))?;
-    Ok(axum::Json(s.stats_json(&s.ready_models())))
+    let visible = s.visible(auth(&headers))?;
+    let models: Vec<_> = s
+        .ready_models()
+        .into_iter()
+        .filter(|m| visible(&m.name))
+        .collect();
+    Ok(axum::Json(s.stats_json(&models)))
 }
 
 async fn model_stats(
@@ -315,7 +343,7 @@ async fn infer_v(
 }
 
 async fn repository_index(State(s): S, headers: HeaderMap, body: Body) -> R<axum::Json<Value>> {
-    s.authenticate(auth(&headers))?;
+    let visible = s.visible(auth(&headers))?;
     let bytes = body_bytes(&s, &headers, body).await?;
     let ready_only = serde_json::from_slice::<Value>(&bytes)
         .ok()
@@ -325,7 +353,7 @@ async fn repository_index(State(s): S, headers: HeaderMap, body: Body) -> R<axum
         .repository
         .index()
         .into_iter()
-        .filter(|e| !ready_only || e.state == "READY")
+        .filter(|e| (!ready_only || e.state == "READY") && visible(&e.name))
         .map(|e| {
             let mut v = json!({"name": e.name, "version": e.version, "state": e.state});
             if !e.reason.is_empty() {
@@ -338,13 +366,15 @@ async fn repository_index(State(s): S, headers: HeaderMap, body: Body) -> R<axum
 }
 
 async fn repository_load(State(s): S, headers: HeaderMap, Path(m): Path<String>) -> R<Response> {
-    s.authenticate(auth(&headers))?;
+    let tenant = s.authorize_control(auth(&headers), &m)?;
+    tracing::info!(model = %m, %tenant, "load requested");
     s.repository.load(&m).await?;
     Ok(StatusCode::OK.into_response())
 }
 
 async fn repository_unload(State(s): S, headers: HeaderMap, Path(m): Path<String>) -> R<Response> {
-    s.authenticate(auth(&headers))?;
+    let tenant = s.authorize_control(auth(&headers), &m)?;
+    tracing::info!(model = %m, %tenant, "unload requested");
     s.repository.unload(&m).await?;
     Ok(StatusCode::OK.into_response())
 }
