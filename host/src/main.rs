@@ -78,12 +78,14 @@ enum Cmd {
     ///
     /// Each model is a directory `DIR/<model>/` with `config.toml` (or `config.json`; Triton's
     /// field names: max_batch_size, input, output, instance_group, dynamic_batching, and a
-    /// [tpubox] section for weights and limits) and `model.wasm`, a component built for the
+    /// [tpubox] section for the component, the files granted at /model, weights and limits)
+    /// and `model.wasm` (or `1/model.wasm`, or [tpubox] component), a component built for the
     /// `served-model` world of wit/model.wit. Models load in the background; readiness
     /// (`/v2/health/ready`) is false until they have. With --tokens, requests need
     /// `Authorization: Bearer TOKEN` and are admitted per tenant (models, max_in_flight,
-    /// max_requests_per_second). SIGTERM stops new requests, waits up to --drain-seconds for
-    /// those in flight, and exits 0. See docs/SERVING.md.
+    /// max_requests_per_second, repository_control). SIGTERM makes readiness false and new
+    /// inference requests 503, waits up to --drain-seconds for those in flight, fails those
+    /// still queued, and exits 0; a second signal exits at once. See docs/SERVING.md.
     Serve(ServeArgs),
     /// Internal: compile one program read from stdin and write the executable to stdout (the
     /// host starts this to contain the compiler; see `tpubox::compiler`).
@@ -120,6 +122,14 @@ struct ServeArgs {
     /// Largest request body (REST) or message (gRPC), in MiB.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=4096))]
     max_request_mib: u64,
+    /// Exit with status 2 when a model found at start-up fails to load (Triton's
+    /// --exit-on-error); without it the server serves the models that loaded.
+    #[arg(long)]
+    exit_on_error: bool,
+    /// Report ready only when every model found at start-up loaded (Triton's
+    /// --strict-readiness); without it, ready once every model loaded or failed.
+    #[arg(long)]
+    strict_readiness: bool,
     /// Model instances that may exist at once, over all models (the sandbox's instance pool).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     max_instances: u32,
@@ -141,6 +151,8 @@ async fn serve(args: ServeArgs) -> Result<bool> {
         metrics_port: args.metrics_port,
         drain: Duration::from_secs_f64(args.drain_seconds),
         max_request_bytes: (args.max_request_mib << 20) as usize,
+        exit_on_error: args.exit_on_error,
+        strict_readiness: args.strict_readiness,
     };
     tpubox::serve::run(config, sandbox, device, weights).await?;
     Ok(true)
@@ -580,6 +592,7 @@ fn main() -> ExitCode {
         .unwrap_or_else(|_| tracing_subscriber::EnvFilter::new(default_level));
     let logs = tracing_subscriber::fmt()
         .with_env_filter(filter)
+        .with_ansi(std::io::IsTerminal::is_terminal(&std::io::stderr()))
         .with_writer(std::io::stderr);
     if cli.log_format == "json" {
         logs.json().init();

@@ -130,6 +130,20 @@ impl Queue {
         self.notify.notify_waiters();
     }
 
+    /// Closes the queue and fails every request still waiting with `err` (at shutdown, once
+    /// the drain time is up).
+    pub fn abort(&self, err: ServeError) {
+        let pending: Vec<Pending> = {
+            let mut st = self.state.lock().unwrap();
+            st.closed = true;
+            st.pending.drain(..).collect()
+        };
+        self.notify.notify_waiters();
+        for p in pending {
+            let _ = p.reply.send(Err(err.clone()));
+        }
+    }
+
     /// The next batch for an instance: waits until one is due. `None` once the queue is closed
     /// and empty.
     pub async fn next_batch(&self) -> Option<Vec<Pending>> {

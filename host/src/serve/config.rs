@@ -25,8 +25,13 @@ pub struct TensorConfig {
     pub dims: Vec<i64>,
 }
 
+/// Triton fields accepted for compatibility and ignored (what they set does not apply to a
+/// tpubox model); unknown fields are errors.
+type Ignored = Option<Value>;
+
 /// `[[instance_group]]`.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
 pub struct InstanceGroup {
     /// Instances of the component (default 1).
     #[serde(default = "one")]
@@ -35,6 +40,16 @@ pub struct InstanceGroup {
     /// the only one.
     #[serde(default)]
     pub kind: Option<String>,
+    #[serde(default)]
+    name: Ignored,
+    #[serde(default)]
+    gpus: Ignored,
+    #[serde(default)]
+    profile: Ignored,
+    #[serde(default)]
+    passive: Ignored,
+    #[serde(default)]
+    host_policy: Ignored,
 }
 
 fn one() -> u32 {
@@ -43,14 +58,22 @@ fn one() -> u32 {
 
 /// `[dynamic_batching.default_queue_policy]`.
 #[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
 pub struct QueuePolicy {
     /// Requests that may wait in the model's queue; 0 (default) for no limit.
     #[serde(default)]
     pub max_queue_size: u32,
+    #[serde(default)]
+    timeout_action: Ignored,
+    #[serde(default)]
+    default_timeout_microseconds: Ignored,
+    #[serde(default)]
+    allow_timeout_override: Ignored,
 }
 
 /// `[dynamic_batching]`.
 #[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
 pub struct DynamicBatching {
     /// Batch sizes to run as soon as they are reached.
     #[serde(default)]
@@ -61,6 +84,14 @@ pub struct DynamicBatching {
     /// Queue limits.
     #[serde(default)]
     pub default_queue_policy: QueuePolicy,
+    #[serde(default)]
+    preserve_ordering: Ignored,
+    #[serde(default)]
+    priority_levels: Ignored,
+    #[serde(default)]
+    default_priority_level: Ignored,
+    #[serde(default)]
+    priority_queue_policy: Ignored,
 }
 
 /// `[tpubox.limits]`: the model's tenant, which every instance of the model charges.
@@ -100,8 +131,12 @@ pub struct TpuboxSection {
     pub limits: ModelLimits,
 }
 
-/// A model's `config.toml` / `config.json`.
+/// A model's `config.toml` / `config.json`. Unknown fields are errors (a misspelt
+/// `max_batch_size` must not pass unnoticed); Triton fields that have no meaning here
+/// (`version_policy`, `parameters`, `default_model_filename`, `optimization`, `model_warmup`,
+/// `response_cache`, `metric_tags`, `runtime`) are accepted and ignored.
 #[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
 pub struct ModelConfig {
     /// The model's name; must equal its directory's name when given.
     #[serde(default)]
@@ -130,6 +165,22 @@ pub struct ModelConfig {
     /// tpubox's own settings.
     #[serde(default)]
     pub tpubox: TpuboxSection,
+    #[serde(default)]
+    version_policy: Ignored,
+    #[serde(default)]
+    parameters: Ignored,
+    #[serde(default)]
+    default_model_filename: Ignored,
+    #[serde(default)]
+    optimization: Ignored,
+    #[serde(default)]
+    model_warmup: Ignored,
+    #[serde(default)]
+    response_cache: Ignored,
+    #[serde(default)]
+    metric_tags: Ignored,
+    #[serde(default)]
+    runtime: Ignored,
 }
 
 /// The file names a model directory's configuration may have, in the order they are tried.
@@ -339,5 +390,21 @@ max_device_mib = 16
         std::fs::write(m.join("config.toml"), "[tpubox]\nbogus = 1").unwrap();
         let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
         assert!(e.contains("bogus"), "{e}");
+        for typo in [
+            "max_batch_sizes = 4",
+            "[dynamic_batching]\nmax_queue_delay_microsecond = 1",
+            "[[instance_group]]\ncont = 2",
+        ] {
+            std::fs::write(m.join("config.toml"), typo).unwrap();
+            let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
+            assert!(e.contains("unknown field"), "{typo}: {e}");
+        }
+        // Triton fields with no meaning here are accepted.
+        std::fs::write(
+            m.join("config.toml"),
+            "platform = \"x\"\n[version_policy.latest]\nnum_versions = 1\n[[instance_group]]\nkind = \"KIND_CPU\"\ngpus = [0]\n",
+        )
+        .unwrap();
+        ModelConfig::load(&m).unwrap();
     }
 }

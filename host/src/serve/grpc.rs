@@ -103,7 +103,7 @@ fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
     let mut raw = r.raw_input_contents.into_iter();
     let mut inputs = Vec::with_capacity(r.inputs.len());
     for i in r.inputs {
-        let datatype = Datatype::from_name(&i.datatype).ok_or_else(|| {
+        let datatype = Datatype::from_protocol_name(&i.datatype).ok_or_else(|| {
             ServeError::bad_request(format!(
                 "input `{}`: unknown datatype `{}`",
                 i.name, i.datatype

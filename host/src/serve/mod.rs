@@ -81,6 +81,12 @@ pub struct ServeConfig {
     pub drain: Duration,
     /// Largest request body, in bytes (REST and gRPC; default 256 MiB).
     pub max_request_bytes: usize,
+    /// Exit (status 2) when a model found at start-up fails to load (default false: serve the
+    /// others).
+    pub exit_on_error: bool,
+    /// Readiness also needs every model found at start-up loaded (default false: loaded or
+    /// failed).
+    pub strict_readiness: bool,
 }
 
 impl Default for ServeConfig {
@@ -94,6 +100,8 @@ impl Default for ServeConfig {
             metrics_port: 8002,
             drain: Duration::from_secs(30),
             max_request_bytes: 256 << 20,
+            exit_on_error: false,
+            strict_readiness: false,
         }
     }
 }
@@ -112,6 +120,7 @@ pub struct Server {
     pub max_request_bytes: usize,
     started_loading: AtomicBool,
     shutting_down: AtomicBool,
+    strict_readiness: AtomicBool,
     in_flight: tokio::sync::watch::Sender<u64>,
 }
 
@@ -141,6 +150,7 @@ impl Server {
             max_request_bytes,
             started_loading: AtomicBool::new(false),
             shutting_down: AtomicBool::new(false),
+            strict_readiness: AtomicBool::new(false),
             in_flight: tokio::sync::watch::Sender::new(0),
         }
     }
@@ -173,11 +183,24 @@ impl Server {
         true
     }
 
-    /// Whether the server is ready: the start-up loads are done and it is not shutting down.
+    /// Whether the server is ready: the start-up loads are done and it is not shutting down;
+    /// with strict readiness, also no model failed to load (one unloaded on purpose does not
+    /// count).
     pub fn ready(&self) -> bool {
+        let strict_ok = !self.strict_readiness.load(Ordering::SeqCst)
+            || self.repository.states().iter().all(|(_, st)| match st {
+                repository::ModelState::Unavailable(reason) => reason == "unloaded",
+                _ => true,
+            });
         self.started_loading.load(Ordering::SeqCst)
             && self.repository.settled()
             && !self.shutting_down.load(Ordering::SeqCst)
+            && strict_ok
+    }
+
+    /// Sets strict readiness ([`ServeConfig::strict_readiness`]).
+    pub fn set_strict_readiness(&self, strict: bool) {
+        self.strict_readiness.store(strict, Ordering::SeqCst);
     }
 
     /// The model `name` at `version` (`None` or `"1"`), ready.
@@ -411,6 +434,12 @@ pub async fn run(
         Some(p) => Access::from_file(p)?,
         None => Access::open(),
     };
+    if !config.repository.exists() {
+        anyhow::bail!(
+            "the model repository {} does not exist (--model-repository DIR: one directory per model)",
+            config.repository.display()
+        );
+    }
     if !config.repository.is_dir() {
         anyhow::bail!(
             "the model repository {} is not a directory",
@@ -433,6 +462,7 @@ pub async fn run(
         device,
         config.max_request_bytes,
     ));
+    server.set_strict_readiness(config.strict_readiness);
     let addr = |port| SocketAddr::new(config.host, port);
     let http = tokio::net::TcpListener::bind(addr(config.http_port))
         .await
@@ -448,15 +478,12 @@ pub async fn run(
         grpc = %grpc.local_addr()?,
         metrics = %metrics.local_addr()?,
         repository = %config.repository.display(),
-        "tpubox serve listening"
-    );
-    eprintln!(
-        "tpubox serve: REST on http://{}, gRPC on {}, metrics on http://{}/metrics; loading models from {}",
+        "tpubox serve listening: REST on http://{}, gRPC on {}, metrics on http://{}/metrics; loading the models",
         http.local_addr()?,
         grpc.local_addr()?,
-        metrics.local_addr()?,
-        config.repository.display()
+        metrics.local_addr()?
     );
+
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
@@ -476,6 +503,7 @@ pub async fn run(
         Arc::clone(&server),
         stopped(stop_rx.clone()),
     ));
+    let exit_on_error = config.exit_on_error;
     let loader = {
         let s = Arc::clone(&server);
         tokio::spawn(async move {
@@ -483,28 +511,58 @@ pub async fn run(
                 tracing::error!("{e:#}");
             }
             let ready: Vec<String> = s.ready_models().iter().map(|m| m.name.clone()).collect();
-            eprintln!("tpubox serve: ready; models loaded: {}", ready.join(", "));
+            let failed: Vec<String> = s
+                .repository
+                .states()
+                .into_iter()
+                .filter(|(_, st)| matches!(st, repository::ModelState::Unavailable(_)))
+                .map(|(n, _)| n)
+                .collect();
+            if failed.is_empty() {
+                tracing::info!("ready; models loaded: {}", ready.join(", "));
+            } else {
+                tracing::warn!(
+                    "ready; models loaded: {}; FAILED to load: {} (POST /v2/repository/index gives the reasons)",
+                    ready.join(", "),
+                    failed.join(", ")
+                );
+                if exit_on_error {
+                    tracing::error!("exiting: a model failed to load and --exit-on-error is set");
+                    std::process::exit(2);
+                }
+            }
         })
     };
     shutdown_signal().await;
-    eprintln!("tpubox serve: shutting down; draining in-flight requests");
+    tracing::info!(
+        "shutting down: new inference requests get 503; draining those in flight (up to {:?}; a second signal exits at once)",
+        config.drain
+    );
+    tokio::spawn(async {
+        shutdown_signal().await;
+        eprintln!("tpubox serve: second signal; exiting without waiting");
+        std::process::exit(1);
+    });
     server.begin_shutdown();
     loader.abort();
     let drained = server.drain(config.drain).await;
     if !drained {
         tracing::warn!(
-            "requests still in flight after {:?}; stopping anyway",
+            "requests still in flight after {:?}; failing those still queued",
             config.drain
         );
+        server.repository.abort_all();
     }
+    server.repository.unload_all().await;
     let _ = stop_tx.send(true);
+    // The listeners finish the responses they are writing; a request still inside a model
+    // (PJRT cannot cancel it) is not waited for past this.
     for t in [rest_task, metrics_task, grpc_task] {
-        if let Ok(Ok(Err(e))) = tokio::time::timeout(Duration::from_secs(5), t).await {
+        if let Ok(Ok(Err(e))) = tokio::time::timeout(Duration::from_secs(1), t).await {
             tracing::warn!("a listener ended with: {e:#}");
         }
     }
-    server.repository.unload_all().await;
-    eprintln!("tpubox serve: stopped");
+    tracing::info!("stopped");
     Ok(())
 }
 

@@ -406,6 +406,14 @@ impl Model {
         self.queue.close();
     }
 
+    /// Stops taking requests and fails those still queued as the server shutting down.
+    pub fn abort(&self) {
+        self.queue.abort(ServeError::new(
+            ServeErrorKind::ShuttingDown,
+            "the server is shutting down (its drain time is up)",
+        ));
+    }
+
     /// Waits for every instance task to end (after [`Model::shutdown`]).
     pub async fn join(self: Arc<Self>) {
         let model = match Arc::try_unwrap(self) {

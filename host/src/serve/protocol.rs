@@ -103,6 +103,13 @@ impl Datatype {
         Self::ALL.into_iter().find(|d| d.name() == s)
     }
 
+    /// Parses exactly a protocol name (`"FP32"`, `"BYTES"`): what requests carry. `None`
+    /// otherwise (Triton's configuration names such as `TYPE_STRING` are not request
+    /// datatypes).
+    pub fn from_protocol_name(s: &str) -> Option<Self> {
+        Self::ALL.into_iter().find(|d| d.name() == s)
+    }
+
     /// Bytes of one element; `None` for `BYTES`.
     pub fn element_size(self) -> Option<usize> {
         Some(match self {
@@ -469,7 +476,7 @@ pub fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<InferReque
             .get("datatype")
             .and_then(Value::as_str)
             .ok_or_else(|| ServeError::bad_request(format!("input `{name}` has no `datatype`")))?;
-        let datatype = Datatype::from_name(dt).ok_or_else(|| {
+        let datatype = Datatype::from_protocol_name(dt).ok_or_else(|| {
             ServeError::bad_request(format!("input `{name}`: unknown datatype `{dt}`"))
         })?;
         let shape = shape_from_json(&name, input.get("shape"))?;
@@ -592,6 +599,8 @@ mod tests {
         }
         assert_eq!(Datatype::from_name("TYPE_STRING"), Some(Datatype::Bytes));
         assert_eq!(Datatype::from_name("fp32"), None);
+        assert_eq!(Datatype::from_protocol_name("STRING"), None);
+        assert_eq!(Datatype::from_protocol_name("TYPE_FP32"), None);
     }
 
     #[test]

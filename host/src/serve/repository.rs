@@ -112,6 +112,10 @@ impl Repository {
     pub fn get(&self, name: &str) -> ServeResult<Arc<Model>> {
         match self.models.read().unwrap().get(name) {
             Some(ModelState::Ready(m)) => Ok(Arc::clone(m)),
+            Some(ModelState::Unavailable(reason)) => Err(ServeError::new(
+                ServeErrorKind::NotReady,
+                format!("model `{name}` is not ready (UNAVAILABLE: {reason})"),
+            )),
             Some(s) => Err(ServeError::new(
                 ServeErrorKind::NotReady,
                 format!("model `{name}` is not ready ({})", s.name()),
@@ -168,7 +172,7 @@ impl Repository {
     /// once it loaded; the old one finishes what it queued.
     ///
     /// Errors: bad request for a name that cannot be a model directory or one that is loading
-    /// or unloading; not found when the directory or its configuration is missing; internal,
+    /// or unloading; not found when the directory or its configuration is missing; bad request,
     /// with the reason, when loading fails (the model is then `UNAVAILABLE` with that reason).
     pub async fn load(&self, name: &str) -> ServeResult<()> {
         if !valid_name(name) {
@@ -221,10 +225,10 @@ impl Repository {
                         .unwrap()
                         .insert(name.to_string(), ModelState::Unavailable(reason.clone()));
                 }
-                Err(ServeError::new(
-                    ServeErrorKind::Internal,
-                    format!("loading model `{name}` failed: {reason}"),
-                ))
+                // Triton answers a failed load with 400.
+                Err(ServeError::bad_request(format!(
+                    "loading model `{name}` failed: {reason}"
+                )))
             }
         }
     }
@@ -265,7 +269,16 @@ impl Repository {
         Ok(())
     }
 
-    /// Unloads every model (at shutdown) and waits until their queues are empty.
+    /// Fails every queued request of every model (at shutdown, once the drain time is up).
+    pub fn abort_all(&self) {
+        for (_, s) in self.states() {
+            if let ModelState::Ready(m) = s {
+                m.abort();
+            }
+        }
+    }
+
+    /// Unloads every model (at shutdown): they take no new requests.
     pub async fn unload_all(&self) {
         let ready: Vec<String> = self
             .states()
