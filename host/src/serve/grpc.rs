@@ -482,3 +482,164 @@ pub async fn serve_grpc(
         .await?;
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn input(
+        name: &str,
+        dt: &str,
+        shape: &[i64],
+        contents: InferTensorContents,
+    ) -> model_infer_request::InferInputTensor {
+        model_infer_request::InferInputTensor {
+            name: name.into(),
+            datatype: dt.into(),
+            shape: shape.to_vec(),
+            contents: Some(contents),
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn typed_contents_become_tensor_bytes() {
+        let req = ModelInferRequest {
+            inputs: vec![
+                input(
+                    "a",
+                    "INT16",
+                    &[2],
+                    InferTensorContents {
+                        int_contents: vec![-2, 3],
+                        ..Default::default()
+                    },
+                ),
+                input(
+                    "b",
+                    "UINT8",
+                    &[2],
+                    InferTensorContents {
+                        uint_contents: vec![1, 255],
+                        ..Default::default()
+                    },
+                ),
+                input(
+                    "c",
+                    "BOOL",
+                    &[1],
+                    InferTensorContents {
+                        bool_contents: vec![true],
+                        ..Default::default()
+                    },
+                ),
+                input(
+                    "d",
+                    "BYTES",
+                    &[1],
+                    InferTensorContents {
+                        bytes_contents: vec![b"hi".to_vec()],
+                        ..Default::default()
+                    },
+                ),
+                input(
+                    "e",
+                    "FP64",
+                    &[1],
+                    InferTensorContents {
+                        fp64_contents: vec![0.5],
+                        ..Default::default()
+                    },
+                ),
+            ],
+            ..Default::default()
+        };
+        let r = decode_request(req).unwrap();
+        assert_eq!(r.inputs[0].data, [0xfe, 0xff, 3, 0]);
+        assert_eq!(r.inputs[1].data, [1, 255]);
+        assert_eq!(r.inputs[2].data, [1]);
+        assert_eq!(r.inputs[3].data, [2, 0, 0, 0, b'h', b'i']);
+        assert_eq!(r.inputs[4].data, 0.5f64.to_le_bytes());
+    }
+
+    #[test]
+    fn bad_messages_are_invalid_arguments() {
+        let cases = [
+            // Out of the datatype's range.
+            (
+                vec![input(
+                    "a",
+                    "INT8",
+                    &[1],
+                    InferTensorContents {
+                        int_contents: vec![300],
+                        ..Default::default()
+                    },
+                )],
+                vec![],
+                "out of the range",
+            ),
+            // FP16 has no typed field.
+            (
+                vec![input("a", "FP16", &[1], InferTensorContents::default())],
+                vec![],
+                "raw_input_contents",
+            ),
+            // The element count disagrees with the shape.
+            (
+                vec![input(
+                    "a",
+                    "FP32",
+                    &[3],
+                    InferTensorContents {
+                        fp32_contents: vec![1.0],
+                        ..Default::default()
+                    },
+                )],
+                vec![],
+                "needs 12",
+            ),
+            // A configuration name is not a request datatype.
+            (
+                vec![input(
+                    "a",
+                    "TYPE_FP32",
+                    &[1],
+                    InferTensorContents::default(),
+                )],
+                vec![],
+                "unknown datatype",
+            ),
+            // Raw contents for some inputs only.
+            (
+                vec![
+                    input("a", "FP32", &[1], InferTensorContents::default()),
+                    input("b", "FP32", &[1], InferTensorContents::default()),
+                ],
+                vec![vec![0u8; 4]],
+                "raw_input_contents for 2 inputs",
+            ),
+            // A negative dimension.
+            (
+                vec![input("a", "FP32", &[-1], InferTensorContents::default())],
+                vec![],
+                "non-negative",
+            ),
+        ];
+        for (inputs, raw, want) in cases {
+            let e = decode_request(ModelInferRequest {
+                inputs,
+                raw_input_contents: raw,
+                ..Default::default()
+            })
+            .unwrap_err();
+            assert_eq!(
+                status(e.clone()).code(),
+                tonic::Code::InvalidArgument,
+                "{}",
+                e.message
+            );
+            assert!(e.message.contains(want), "{want}: {}", e.message);
+        }
+    }
+}
