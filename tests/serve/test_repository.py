@@ -128,3 +128,12 @@ def test_repository_control_is_a_permission(server, grpc):
     # Nothing was unloaded.
     for m in ("dtypes", "minilm"):
         assert request(server, "GET", f"/v2/models/{m}/ready", headers=HH).status == 200
+
+
+def test_load_refuses_a_config_override(server):
+    """Triton's `config` / `file:` load parameters would bypass the model directory: refused."""
+    for params in ({"config": "{}"}, {"file:1/model.wasm": "AAAA"}):
+        resp = request(server, "POST", "/v2/repository/models/dtypes/load", {"parameters": params}, headers=HH)
+        assert_error(resp, 400)
+        assert "not supported" in resp.json()["error"]
+    assert request(server, "GET", "/v2/models/dtypes/ready", headers=HH).status == 200

@@ -152,6 +152,11 @@ def test_model_stats(http, model_configs):
     assert after["inference_count"] - before["inference_count"] == 3 * items
     assert 1 <= after["execution_count"] - before["execution_count"] <= 3
     assert after["inference_stats"]["success"]["ns"] > before["inference_stats"]["success"]["ns"]
+    # Per batch size: these three ran as batches of 2 (sequential requests of batch 2).
+    by_size = {b["batch_size"]: b["compute_infer"]["count"] for b in after["batch_stats"]}
+    was = {b["batch_size"]: b["compute_infer"]["count"] for b in before["batch_stats"]}
+    assert by_size.get(2, 0) - was.get(2, 0) == 3, after["batch_stats"]
+    assert sum(by_size.values()) == after["execution_count"]
 
     everything = http.get_inference_statistics(headers=H)
     names = {s["name"] for s in everything["model_stats"]}

@@ -232,6 +232,18 @@ fn stats_message(m: &Model) -> ModelStatistics {
             cache_hit: d(0, 0),
             cache_miss: d(0, 0),
         }),
+        batch_stats: s
+            .batches
+            .lock()
+            .unwrap()
+            .iter()
+            .map(|(&batch_size, &(count, ns))| InferBatchStatistics {
+                batch_size,
+                compute_input: d(count, 0),
+                compute_infer: d(count, ns),
+                compute_output: d(count, 0),
+            })
+            .collect(),
         ..ModelStatistics::default()
     }
 }
@@ -432,6 +444,8 @@ impl GrpcInferenceService for Service {
         let tenant = self
             .server
             .authorize_control(auth(&r).as_deref(), &r.get_ref().model_name)
+            .map_err(status)?;
+        super::repository::check_load_parameters(r.get_ref().parameters.keys().map(String::as_str))
             .map_err(status)?;
         tracing::info!(model = %r.get_ref().model_name, %tenant, "load requested");
         self.server

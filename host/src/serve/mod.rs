@@ -412,7 +412,14 @@ impl Server {
                         "cache_hit": dur(0, 0),
                         "cache_miss": dur(0, 0),
                     },
-                    "batch_stats": [],
+                    "batch_stats": m.stats.batches.lock().unwrap().iter().map(|(&size, &(count, ns))| {
+                        serde_json::json!({
+                            "batch_size": size,
+                            "compute_input": dur(count, 0),
+                            "compute_infer": dur(count, ns),
+                            "compute_output": dur(count, 0),
+                        })
+                    }).collect::<Vec<_>>(),
                 })
             })
             .collect();
@@ -463,6 +470,22 @@ pub async fn run(
         config.max_request_bytes,
     ));
     server.set_strict_readiness(config.strict_readiness);
+    if let Ok(names) = server.repository.scan() {
+        if config.tokens.is_some() && server.access.tenants().is_empty() {
+            tracing::warn!("the tokens file names no tenant: every request will get 401");
+        }
+        for t in server.access.tenants() {
+            for m in &t.entry.models {
+                if m != "*" && !names.contains(m) {
+                    tracing::warn!(
+                        tenant = %t.entry.name,
+                        "the tokens file lets tenant `{}` call model `{m}`, which the repository does not have",
+                        t.entry.name
+                    );
+                }
+            }
+        }
+    }
     let addr = |port| SocketAddr::new(config.host, port);
     let http = tokio::net::TcpListener::bind(addr(config.http_port))
         .await

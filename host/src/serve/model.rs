@@ -48,6 +48,8 @@ pub struct ModelStats {
     pub last_inference_ms: AtomicU64,
     /// Instances replaced after a trap.
     pub instance_restarts: AtomicU64,
+    /// Executions per batch size: (count, summed infer ns), for the statistics' `batch_stats`.
+    pub batches: std::sync::Mutex<std::collections::BTreeMap<u64, (u64, u64)>>,
 }
 
 /// A request's outputs and what it cost.
@@ -586,6 +588,12 @@ impl Worker {
         self.ctx.metrics.executed(&self.name);
         let result = inst.infer(inputs).await;
         let compute = started.elapsed();
+        {
+            let mut b = self.stats.batches.lock().unwrap();
+            let e = b.entry(sizes.iter().sum()).or_default();
+            e.0 += 1;
+            e.1 += compute.as_nanos() as u64;
+        }
         match result {
             Ok(outputs) => (
                 self.check_outputs(outputs).and_then(|o| split(o, &sizes)),

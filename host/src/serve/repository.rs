@@ -55,6 +55,22 @@ pub struct Repository {
     models: RwLock<BTreeMap<String, ModelState>>,
 }
 
+/// Checks the parameters of a load request. Triton's `config` and `file:…` parameters (a
+/// configuration or files sent with the request) are not supported: a model loads from its
+/// directory.
+///
+/// Errors: bad request naming the parameter.
+pub fn check_load_parameters<'a>(keys: impl IntoIterator<Item = &'a str>) -> ServeResult<()> {
+    for k in keys {
+        if k == "config" || k.starts_with("file:") {
+            return Err(ServeError::bad_request(format!(
+                "load parameter `{k}` is not supported: a model loads from its directory in the repository (edit its config.toml there)"
+            )));
+        }
+    }
+    Ok(())
+}
+
 /// Whether `name` can name a model directory: letters, digits, `_`, `-`, `.`, not starting
 /// with `.`, at most 128 bytes.
 fn valid_name(name: &str) -> bool {

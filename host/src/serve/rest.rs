@@ -365,8 +365,19 @@ async fn repository_index(State(s): S, headers: HeaderMap, body: Body) -> R<axum
     Ok(axum::Json(Value::Array(rows)))
 }
 
-async fn repository_load(State(s): S, headers: HeaderMap, Path(m): Path<String>) -> R<Response> {
+async fn repository_load(
+    State(s): S,
+    headers: HeaderMap,
+    Path(m): Path<String>,
+    body: Body,
+) -> R<Response> {
     let tenant = s.authorize_control(auth(&headers), &m)?;
+    let bytes = body_bytes(&s, &headers, body).await?;
+    if let Ok(v) = serde_json::from_slice::<Value>(&bytes)
+        && let Some(p) = v.get("parameters").and_then(Value::as_object)
+    {
+        super::repository::check_load_parameters(p.keys().map(String::as_str))?;
+    }
     tracing::info!(model = %m, %tenant, "load requested");
     s.repository.load(&m).await?;
     Ok(StatusCode::OK.into_response())
