@@ -956,6 +956,33 @@ fn cli_compile_failure_fails_cleanly() {
     );
 }
 
+#[test]
+fn cli_a_dynamic_dimension_is_named() {
+    let dir = tempfile::tempdir().unwrap();
+    let prog = dir.path().join("dyn.mlir");
+    std::fs::write(
+        &prog,
+        "func.func public @main(%x: tensor<?x4xf32>) -> tensor<?x4xf32> {\n  %y = stablehlo.add %x, %x : tensor<?x4xf32>\n  return %y : tensor<?x4xf32>\n}\n",
+    )
+    .unwrap();
+    let args = write_inputs(
+        dir.path(),
+        &[input(PrimitiveType::F32, &[3, 4], vec![0; 48])],
+    );
+    let out = dir.path().join("o");
+    let mut cli: Vec<&std::ffi::OsStr> = vec!["exec".as_ref(), prog.as_os_str()];
+    for a in &args {
+        cli.push("--arg".as_ref());
+        cli.push(a.as_os_str());
+    }
+    cli.push("--out".as_ref());
+    cli.push(out.as_os_str());
+    assert_cli_fails(
+        &cli,
+        "parameter 0 of `main` has a dimension of unknown size (f32[?,4])",
+    );
+}
+
 // ---------------------------------------------------------------------------------------------
 // 5. Errors through the library
 // ---------------------------------------------------------------------------------------------

@@ -122,6 +122,28 @@ pub const MAX_COMPILE_MESSAGE: usize = 4096;
 
 /// Drops the plugin's generic "Failed to parse using StableHLO vX…" hint when the message holds
 /// a real diagnostic, and blank lines; cuts it to [`MAX_COMPILE_MESSAGE`] bytes.
+/// A sentence for a program with a dimension of unknown size (`tensor<?x4xf32>`, or a
+/// `jax.export` made with `symbolic_shape`), which XLA refuses as "Unbounded dynamism is
+/// disabled for instruction: %… = f32[?,4]{1,0} parameter(0)": it names the parameter and its
+/// shape and says what to do. `None` for any other message.
+fn explain_dynamic_shape(msg: &str) -> Option<String> {
+    let rest = &msg[msg.find("Unbounded dynamism is disabled for instruction:")?..];
+    let line = rest.lines().next().unwrap_or(rest);
+    let shape = line
+        .split_whitespace()
+        .find(|w| w.contains('?'))
+        .map(|w| w.split('{').next().unwrap_or(w).to_string());
+    let param = line
+        .find("parameter(")
+        .and_then(|i| line[i + "parameter(".len()..].split(')').next())
+        .map(|n| format!("parameter {n} of `main`"));
+    Some(format!(
+        "{} has a dimension of unknown size{}: this plugin compiles static shapes only. Export the program for concrete shapes (for jax.export: without symbolic_shape, one export per shape you need).",
+        param.unwrap_or_else(|| "a value of the program".into()),
+        shape.map(|s| format!(" ({s})")).unwrap_or_default()
+    ))
+}
+
 fn tidy_compile_message(msg: &str) -> String {
     let lines: Vec<&str> = msg.lines().filter(|l| !l.trim().is_empty()).collect();
     let real: Vec<&str> = lines
@@ -129,11 +151,14 @@ fn tidy_compile_message(msg: &str) -> String {
         .copied()
         .filter(|l| !l.contains("Failed to parse using StableHLO"))
         .collect();
-    let text = if real.is_empty() {
+    let mut text = if real.is_empty() {
         lines.join("\n")
     } else {
         real.join("\n")
     };
+    if let Some(why) = explain_dynamic_shape(&text) {
+        text = format!("{why}\ncompiler: {text}");
+    }
     if text.len() <= MAX_COMPILE_MESSAGE {
         return text;
     }
@@ -484,4 +509,19 @@ fn compile_for_worker(req: Request, code: Vec<u8>) -> DeviceResult<Entry> {
         },
         executable,
     })
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn a_dynamic_dimension_is_named() {
+        let msg = "during context [hlo verifier]: Unbounded dynamism is disabled for instruction: %Arg_0.1 = f32[?,4]{1,0} parameter(0)\nFailed after pipeline-start";
+        let t = super::tidy_compile_message(msg);
+        assert!(
+            t.starts_with("parameter 0 of `main` has a dimension of unknown size (f32[?,4])"),
+            "{t}"
+        );
+        assert!(t.contains("compiler: during context"), "{t}");
+        assert_eq!(super::explain_dynamic_shape("some other error"), None);
+    }
 }
