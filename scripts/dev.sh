@@ -72,6 +72,7 @@ setup_system() {
 # from a requirements file that pins every package, transitive ones too (scripts/venvs/).
 SERVE_VENV="$CACHE/venv-serve"   # tritonclient, numpy, pytest: tests/serve (tpubox serve)
 MOTO_VENV="$CACHE/venv-moto"     # moto's S3 server: tests/cache_remote.rs (tier-3 cache)
+JAX_VENV="$CACHE/venv-jax"       # a pinned jax: tests/jax (jax.export artifacts through tpubox exec)
 
 # setup_venv DIR REQUIREMENTS: skipped while DIR's marker names this file's hash and this
 # python3; otherwise DIR is rebuilt from scratch (a venv is not relocatable: built in place).
@@ -89,6 +90,7 @@ setup_venv() {
 setup_venvs() {
   setup_venv "$SERVE_VENV" scripts/venvs/serve.txt
   setup_venv "$MOTO_VENV" scripts/venvs/moto.txt
+  setup_venv "$JAX_VENV" scripts/venvs/jax.txt
 }
 
 install_debian() {
@@ -339,6 +341,9 @@ case "$cmd" in
     TPUBOX_MOTO_SERVER="$MOTO_VENV/bin/moto_server" cargo test --release --workspace
     # tpubox serve driven by Triton's own clients (tritonclient over HTTP and gRPC).
     log "running the serving tests (tests/serve, pytest)"
+    # jax.export artifacts made by a pinned jax, run with tpubox exec against JAX's outputs.
+    log "running the jax.export tests (tests/jax, pytest)"
+    "$JAX_VENV/bin/python" -m pytest tests/jax -q -p no:cacheprovider
     "$SERVE_VENV/bin/python" -m pytest tests/serve -q
     ;;
   lint)

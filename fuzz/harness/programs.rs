@@ -208,7 +208,10 @@ pub fn run_program(program: &Program, fill: &[u8]) -> Outcome {
             .expect("the facts of an admitted program");
         assert!(
             compiled.host_transfers.is_empty()
-                && compiled.custom_call_targets.is_empty()
+                && compiled
+                    .custom_call_targets
+                    .iter()
+                    .all(|t| limits.program_policy.allowed_custom_calls.contains(t))
                 && compiled
                     .while_loops
                     .iter()

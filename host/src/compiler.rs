@@ -127,7 +127,21 @@ pub const MAX_COMPILE_MESSAGE: usize = 4096;
 /// disabled for instruction: %… = f32[?,4]{1,0} parameter(0)": it names the parameter and its
 /// shape and says what to do. `None` for any other message.
 fn explain_dynamic_shape(msg: &str) -> Option<String> {
-    let rest = &msg[msg.find("Unbounded dynamism is disabled for instruction:")?..];
+    let Some(at) = msg.find("Unbounded dynamism is disabled for instruction:") else {
+        // A `jax.export` with symbolic dimensions: its shape computations (e.g.
+        // `stablehlo.dynamic_broadcast_in_dim`) do not translate.
+        if !msg.contains("can't be translated to XLA HLO") {
+            return None;
+        }
+        let ty = msg.find("tensor<?").map(|i| {
+            let t = &msg[i..];
+            t[..t.find('>').map_or(t.len(), |j| j + 1)].to_string()
+        })?;
+        return Some(format!(
+            "the program has dimensions of unknown size ({ty}; a symbolic shape, e.g. jax.export with symbolic_shape): this plugin compiles static shapes only. Export the program for concrete shapes (one export per shape you need)."
+        ));
+    };
+    let rest = &msg[at..];
     let line = rest.lines().next().unwrap_or(rest);
     let shape = line
         .split_whitespace()
@@ -523,5 +537,11 @@ mod tests {
         );
         assert!(t.contains("compiler: during context"), "{t}");
         assert_eq!(super::explain_dynamic_shape("some other error"), None);
+        let jax = "loc: error: 'stablehlo.dynamic_broadcast_in_dim' op can't be translated to XLA HLO\n %0 = ... -> tensor<?x4xf32>";
+        let t = super::tidy_compile_message(jax);
+        assert!(
+            t.starts_with("the program has dimensions of unknown size (tensor<?x4xf32>"),
+            "{t}"
+        );
     }
 }

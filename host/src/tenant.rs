@@ -63,17 +63,22 @@ pub struct ProgramPolicy {
     /// (default 1 048 576). A loop XLA cannot bound (`known_trip_count` missing) is refused
     /// (rule `unbounded-loop`), one above this is refused (rule `max-loop-trips`).
     pub max_loop_trips: u64,
-    /// Custom-call targets allowed (default none; rule `custom-call`). Custom calls run code
-    /// outside XLA that nothing here can inspect.
+    /// Custom-call targets allowed (default [`XLA_CUSTOM_CALLS`], which XLA implements itself;
+    /// rule `custom-call`). Other custom calls run code outside XLA that nothing here can
+    /// inspect.
     pub allowed_custom_calls: Vec<String>,
 }
+
+/// Custom-call targets XLA implements itself (no code from outside XLA runs), allowed by
+/// default: `TopK` (what `jax.lax.top_k` lowers to; XLA expands it into a sort).
+pub const XLA_CUSTOM_CALLS: [&str; 1] = ["TopK"];
 
 impl Default for ProgramPolicy {
     fn default() -> Self {
         ProgramPolicy {
             trusted: false,
             max_loop_trips: 1 << 20,
-            allowed_custom_calls: Vec::new(),
+            allowed_custom_calls: XLA_CUSTOM_CALLS.iter().map(|s| s.to_string()).collect(),
         }
     }
 }
