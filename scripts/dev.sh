@@ -339,11 +339,11 @@ case "$cmd" in
     setup
     log "running the tests"
     TPUBOX_MOTO_SERVER="$MOTO_VENV/bin/moto_server" cargo test --release --workspace
-    # tpubox serve driven by Triton's own clients (tritonclient over HTTP and gRPC).
-    log "running the serving tests (tests/serve, pytest)"
     # jax.export artifacts made by a pinned jax, run with tpubox exec against JAX's outputs.
     log "running the jax.export tests (tests/jax, pytest)"
     "$JAX_VENV/bin/python" -m pytest tests/jax -q -p no:cacheprovider
+    # tpubox serve driven by Triton's own clients (tritonclient over HTTP and gRPC).
+    log "running the serving tests (tests/serve, pytest)"
     "$SERVE_VENV/bin/python" -m pytest tests/serve -q
     ;;
   lint)
