@@ -244,7 +244,7 @@ pub fn run_program(program: &Program, fill: &[u8]) -> Outcome {
         for _ in 0..2 {
             match session.execute(&exe, &refs, &[]).await {
                 Ok(outs) => {
-                    check_results(&outs, &program.results, shown(&program.text));
+                    check_results(&outs, &program.results, &program.text);
                     let mut bytes = Vec::new();
                     for o in &outs {
                         match session.read(o).await {
@@ -308,13 +308,15 @@ fn shown(text: &str) -> &str {
 }
 
 fn check_results(outs: &[tpubox::session::TensorHandle], want: &[Ty], text: &str) {
-    assert_eq!(outs.len(), want.len(), "result count\n{text}");
+    // `shown` only on failure: it writes the dump file and cuts the text.
+    assert_eq!(outs.len(), want.len(), "result count\n{}", shown(text));
     for (i, (o, w)) in outs.iter().zip(want).enumerate() {
         let spec = o.spec();
         assert_eq!(
             (spec.ty, spec.dims.as_slice()),
             (w.et, w.dims.as_slice()),
-            "result {i} has the wrong type\n{text}"
+            "result {i} has the wrong type\n{}",
+            shown(text)
         );
     }
 }
