@@ -19,8 +19,11 @@
 //! - [`host`]: the embedding API ([`Host`]);
 //! - [`plugin`]: finding and installing PJRT plugins and model packages;
 //! - [`npy`] and [`exec`]: `tpubox exec`, running a StableHLO program on `.npy` files;
+//! - [`session_api`]: the daemon's session API (`tpubox.v1.Session`, gRPC over a Unix socket
+//!   and TCP) for notebook kernels and Python clients, over [`session`];
 //! - [`serve`]: `tpubox serve`, the daemon serving guest models over the Open Inference
-//!   Protocol (REST, gRPC, metrics), with the model repository and dynamic batching.
+//!   Protocol (REST, gRPC, metrics), with the model repository and dynamic batching, and the
+//!   session API.
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
@@ -38,6 +41,7 @@ pub mod sandbox;
 pub mod scheduler;
 pub mod serve;
 pub mod session;
+pub mod session_api;
 pub mod tenant;
 pub mod types;
 pub mod weights;

@@ -97,9 +97,10 @@ enum Cmd {
 struct ServeArgs {
     #[command(flatten)]
     device: DeviceArgs,
-    /// The model repository: one directory per model.
+    /// The model repository: one directory per model. Without it no inference doors open
+    /// (only the session API, with --session-socket or --session-port, and metrics).
     #[arg(long, value_name = "DIR")]
-    model_repository: PathBuf,
+    model_repository: Option<PathBuf>,
     /// Tokens file (TOML `[[tenant]]` entries: name, tokens, models, max_in_flight,
     /// max_requests_per_second). Without it every request is tenant `anonymous`.
     #[arg(long, value_name = "FILE")]
@@ -133,6 +134,22 @@ struct ServeArgs {
     /// Model instances that may exist at once, over all models (the sandbox's instance pool).
     #[arg(long, default_value_t = 64, value_parser = clap::value_parser!(u32).range(1..=4096))]
     max_instances: u32,
+    /// Serve the session API (gRPC `tpubox.v1.Session`, for notebook kernels and the `tpubox`
+    /// Python package) on this Unix socket, created with mode 0600. Tenants open sessions with
+    /// their token when their tokens-file entry has a [tenant.session] table (every caller
+    /// may without --tokens). See docs/NOTEBOOKS.md.
+    #[arg(long, value_name = "PATH")]
+    session_socket: Option<PathBuf>,
+    /// Serve the session API on this TCP port too (on --host).
+    #[arg(long, value_name = "PORT")]
+    session_port: Option<u16>,
+    /// Components (WASI commands) sessions may run by name: DIR/NAME.wasm.
+    #[arg(long, value_name = "DIR")]
+    components: Option<PathBuf>,
+    /// Load a safetensors file as the shared weight set NAME, which sessions open read-only
+    /// (repeatable).
+    #[arg(long = "weights", value_name = "NAME=FILE")]
+    weights: Vec<String>,
 }
 
 async fn serve(args: ServeArgs) -> Result<bool> {
@@ -142,6 +159,15 @@ async fn serve(args: ServeArgs) -> Result<bool> {
         ..SandboxConfig::default()
     })?);
     let weights = std::sync::Arc::new(tpubox::weights::WeightRegistry::new());
+    for w in &args.weights {
+        let (name, path) = w
+            .split_once('=')
+            .with_context(|| format!("--weights {w}: expected NAME=FILE"))?;
+        weights
+            .load_safetensors(&device, name, std::path::Path::new(path), 0)
+            .map_err(|e| anyhow::anyhow!("--weights {w}: {e}"))?;
+    }
+    let max_request_bytes = (args.max_request_mib << 20) as usize;
     let config = tpubox::serve::ServeConfig {
         repository: args.model_repository,
         tokens: args.tokens,
@@ -150,9 +176,17 @@ async fn serve(args: ServeArgs) -> Result<bool> {
         grpc_port: args.grpc_port,
         metrics_port: args.metrics_port,
         drain: Duration::from_secs_f64(args.drain_seconds),
-        max_request_bytes: (args.max_request_mib << 20) as usize,
+        max_request_bytes,
         exit_on_error: args.exit_on_error,
         strict_readiness: args.strict_readiness,
+        sessions: tpubox::session_api::SessionApiConfig {
+            socket: args.session_socket,
+            tcp: args
+                .session_port
+                .map(|p| std::net::SocketAddr::new(args.host, p)),
+            components: args.components,
+            max_message_bytes: max_request_bytes,
+        },
     };
     tpubox::serve::run(config, sandbox, device, weights).await?;
     Ok(true)

@@ -88,6 +88,62 @@ pub struct RunOptions {
     /// Give the guest the host's wall and monotonic clocks. Without this (the default) both
     /// clocks read zero forever: a guest learns nothing about time it was not granted.
     pub allow_clock: bool,
+    /// Send stdout and stderr, as the guest writes them, to these channels (takes precedence
+    /// over [`capture_output`](Self::capture_output)).
+    pub output_sink: Option<OutputSink>,
+}
+
+/// Where a guest's output goes as it is written: each write is one message on the channel.
+/// The guest's writes fail (a broken pipe, as a closed terminal) once `max_bytes` were sent
+/// on a stream, or once the receiver is gone.
+#[derive(Debug, Clone)]
+pub struct OutputSink {
+    /// Receives stdout.
+    pub stdout: tokio::sync::mpsc::UnboundedSender<Vec<u8>>,
+    /// Receives stderr.
+    pub stderr: tokio::sync::mpsc::UnboundedSender<Vec<u8>>,
+    /// Most bytes sent on each stream.
+    pub max_bytes: usize,
+}
+
+/// An `AsyncWrite` over one of an [`OutputSink`]'s channels.
+struct ChannelWriter {
+    tx: tokio::sync::mpsc::UnboundedSender<Vec<u8>>,
+    left: usize,
+}
+
+impl tokio::io::AsyncWrite for ChannelWriter {
+    fn poll_write(
+        mut self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+        buf: &[u8],
+    ) -> std::task::Poll<std::io::Result<usize>> {
+        if buf.len() > self.left {
+            return std::task::Poll::Ready(Err(std::io::Error::new(
+                std::io::ErrorKind::BrokenPipe,
+                "the output limit of this guest run was reached",
+            )));
+        }
+        if self.tx.send(buf.to_vec()).is_err() {
+            return std::task::Poll::Ready(Err(std::io::ErrorKind::BrokenPipe.into()));
+        }
+        self.left -= buf.len();
+        std::task::Poll::Ready(Ok(buf.len()))
+    }
+
+    fn poll_flush(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
+
+    fn poll_shutdown(
+        self: std::pin::Pin<&mut Self>,
+        _cx: &mut std::task::Context<'_>,
+    ) -> std::task::Poll<std::io::Result<()>> {
+        std::task::Poll::Ready(Ok(()))
+    }
 }
 
 /// How a guest run ended.
@@ -352,7 +408,19 @@ impl Sandbox {
             MemoryOutputPipe::new(64 << 20),
             MemoryOutputPipe::new(64 << 20),
         );
-        if opts.capture_output {
+        if let Some(sink) = &opts.output_sink {
+            let stream = |tx: &tokio::sync::mpsc::UnboundedSender<Vec<u8>>| {
+                wasmtime_wasi::cli::AsyncStdoutStream::new(
+                    64 << 10,
+                    ChannelWriter {
+                        tx: tx.clone(),
+                        left: sink.max_bytes,
+                    },
+                )
+            };
+            wasi.stdout(stream(&sink.stdout))
+                .stderr(stream(&sink.stderr));
+        } else if opts.capture_output {
             wasi.stdout(out.clone()).stderr(err.clone());
         } else {
             wasi.inherit_stdout().inherit_stderr();

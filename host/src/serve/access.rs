@@ -12,6 +12,10 @@ use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 
 use super::error::{ServeError, ServeErrorKind, ServeResult};
+use crate::error::{DeviceError, ErrorKind};
+use crate::session_api::SessionAccess;
+use crate::session_api::policy::SessionPolicy;
+use crate::session_api::registry::{AccessError, AccessResult, OpenGrant};
 
 /// Default `max_in_flight` of a tenant.
 pub const DEFAULT_MAX_IN_FLIGHT: u32 = 64;
@@ -38,6 +42,10 @@ pub struct TenantEntry {
     /// false).
     #[serde(default)]
     pub repository_control: bool,
+    /// `[tenant.session]`: the tenant may open sessions on the session API, each with these
+    /// limits; absent, it may not.
+    #[serde(default)]
+    pub session: Option<SessionPolicy>,
 }
 
 fn all_models() -> Vec<String> {
@@ -140,6 +148,7 @@ impl Access {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_requests_per_second: None,
             repository_control: true,
+            session: Some(SessionPolicy::default()),
         });
         Access {
             by_token: HashMap::new(),
@@ -169,6 +178,15 @@ impl Access {
             {
                 bail!(
                     "{}: tenant `{}`: max_requests_per_second must be positive",
+                    path.display(),
+                    entry.name
+                );
+            }
+            if let Some(p) = &entry.session
+                && let Err(e) = p.check()
+            {
+                bail!(
+                    "{}: tenant `{}`: [tenant.session]: {e}",
                     path.display(),
                     entry.name
                 );
@@ -289,6 +307,30 @@ impl Access {
             ));
         }
         Ok(admission)
+    }
+}
+
+/// The session API asks the same tokens file: a tenant token opens sessions when its entry
+/// has a `[tenant.session]` table.
+impl SessionAccess for Access {
+    fn grant(&self, token: Option<&str>) -> AccessResult<OpenGrant> {
+        let value = token.map(|t| format!("Bearer {t}"));
+        let tenant = self
+            .identify(value.as_deref())
+            .map_err(|e| AccessError::Unauthenticated(e.message))?;
+        match &tenant.entry.session {
+            Some(p) => Ok(OpenGrant {
+                tenant: tenant.entry.name.clone(),
+                policy: p.clone(),
+            }),
+            None => Err(AccessError::Device(DeviceError::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "tenant `{}` may not open sessions (its tokens-file entry has no [tenant.session] table)",
+                    tenant.entry.name
+                ),
+            ))),
+        }
     }
 }
 

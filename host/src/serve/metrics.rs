@@ -6,6 +6,7 @@ use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncode
 
 use super::model::{Model, VERSION};
 use crate::cache::CacheStats;
+use crate::tenant::TenantUsage;
 
 /// The server's metrics.
 pub struct Metrics {
@@ -22,6 +23,7 @@ pub struct Metrics {
     compiles: IntCounterVec,
     device_bytes: IntGaugeVec,
     refused: IntCounterVec,
+    sessions: IntGaugeVec,
 }
 
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -121,7 +123,13 @@ impl Metrics {
             device_bytes: gauge(
                 &r,
                 "tpubox_tenant_device_bytes",
-                "Device bytes held by a tenant (a model's instances)",
+                "Device bytes held by a tenant (a model's instances, or a tenant's sessions)",
+                &["tenant"],
+            ),
+            sessions: gauge(
+                &r,
+                "tpubox_sessions",
+                "Open sessions of a tenant (session API)",
                 &["tenant"],
             ),
             refused: counter(
@@ -159,7 +167,19 @@ impl Metrics {
     }
 
     /// The text exposition, with gauges read now from `models` and `cache`.
-    pub fn render(&self, models: &[std::sync::Arc<Model>], cache: Option<CacheStats>) -> String {
+    pub fn render(
+        &self,
+        models: &[std::sync::Arc<Model>],
+        cache: Option<CacheStats>,
+        sessions: &[(String, u32, TenantUsage)],
+    ) -> String {
+        // A tenant's device bytes: its model's (a model tenant is named after its model) and
+        // its sessions', summed.
+        let mut bytes: std::collections::BTreeMap<&str, u64> = Default::default();
+        for (tenant, n, u) in sessions {
+            *bytes.entry(tenant).or_default() += u.device_bytes;
+            self.sessions.with_label_values(&[tenant]).set(i64::from(*n));
+        }
         for m in models {
             let l = [m.name.as_str(), VERSION];
             // Every series of a loaded model exists from the start, at zero.
@@ -176,10 +196,12 @@ impl Metrics {
             }
             self.pending.with_label_values(&l).set(m.pending() as i64);
 
-            let u = m.tenant.usage();
+            *bytes.entry(m.tenant.name()).or_default() += m.tenant.usage().device_bytes;
+        }
+        for (tenant, b) in bytes {
             self.device_bytes
-                .with_label_values(&[m.tenant.name()])
-                .set(u.device_bytes as i64);
+                .with_label_values(&[tenant])
+                .set(b as i64);
         }
         if let Some(c) = cache {
             // Counters the cache keeps; copied here at each scrape.

@@ -15,6 +15,10 @@
 //! - [`metrics`]: Prometheus metrics with Triton's names;
 //! - [`rest`] and [`grpc`]: the two front doors, translating the protocol only.
 //!
+//! With `--session-socket`/`--session-port` the same daemon also serves the session API
+//! ([`crate::session_api`]) to notebook kernels and Python clients, authenticated by the same
+//! tokens file.
+//!
 //! [`Server`] is what both doors call: every request is admitted for its tenant
 //! ([`access::Access::admit`]) and checked against the model ([`model::Model::check_request`])
 //! there, so no door decides anything about tenants.
@@ -48,6 +52,8 @@ use self::protocol::{InferRequest, InferResponse};
 use self::repository::Repository;
 use crate::device::DeviceService;
 use crate::sandbox::Sandbox;
+use crate::session_api::registry::Registry;
+use crate::session_api::{self, SessionApiConfig, SessionAccess};
 use crate::weights::WeightRegistry;
 
 /// The server's name in `GET /v2`.
@@ -65,8 +71,9 @@ pub const EXTENSIONS: [&str; 5] = [
 /// How `tpubox serve` runs.
 #[derive(Debug, Clone)]
 pub struct ServeConfig {
-    /// The model repository directory.
-    pub repository: PathBuf,
+    /// The model repository directory; `None` opens no inference doors (REST and gRPC
+    /// inference), only the session API and metrics.
+    pub repository: Option<PathBuf>,
     /// The tokens file; `None` serves everyone as tenant `anonymous`.
     pub tokens: Option<PathBuf>,
     /// Address the three listeners bind (default 127.0.0.1).
@@ -87,12 +94,14 @@ pub struct ServeConfig {
     /// Readiness also needs every model found at start-up loaded (default false: loaded or
     /// failed).
     pub strict_readiness: bool,
+    /// The session API's listeners (none by default).
+    pub sessions: SessionApiConfig,
 }
 
 impl Default for ServeConfig {
     fn default() -> Self {
         ServeConfig {
-            repository: PathBuf::from("models"),
+            repository: Some(PathBuf::from("models")),
             tokens: None,
             host: IpAddr::from([127, 0, 0, 1]),
             http_port: 8000,
@@ -102,6 +111,7 @@ impl Default for ServeConfig {
             max_request_bytes: 256 << 20,
             exit_on_error: false,
             strict_readiness: false,
+            sessions: SessionApiConfig::default(),
         }
     }
 }
@@ -111,7 +121,9 @@ pub struct Server {
     /// The model repository.
     pub repository: Repository,
     /// Who may call what.
-    pub access: Access,
+    pub access: Arc<Access>,
+    /// The session API's live sessions (empty without its listeners).
+    pub sessions: Arc<Registry>,
     /// Metrics.
     pub metrics: Arc<Metrics>,
     /// The device.
@@ -137,14 +149,16 @@ impl Server {
     /// A server over `repository`, with nothing loaded yet.
     pub fn new(
         repository: Repository,
-        access: Access,
+        access: Arc<Access>,
         metrics: Arc<Metrics>,
         device: Arc<DeviceService>,
         max_request_bytes: usize,
+        sessions: Arc<Registry>,
     ) -> Self {
         Server {
             repository,
             access,
+            sessions,
             metrics,
             device,
             max_request_bytes,
@@ -370,7 +384,8 @@ impl Server {
     /// The metrics text.
     pub fn metrics_text(&self) -> String {
         let cache = self.device.cache().map(|c| c.stats());
-        self.metrics.render(&self.ready_models(), cache)
+        self.metrics
+            .render(&self.ready_models(), cache, &self.sessions.tenants())
     }
 
     /// Starts shutting down: readiness turns false and new inference requests are refused.
@@ -437,40 +452,48 @@ pub async fn run(
     device: Arc<DeviceService>,
     weights: Arc<WeightRegistry>,
 ) -> Result<()> {
-    let access = match &config.tokens {
+    let access = Arc::new(match &config.tokens {
         Some(p) => Access::from_file(p)?,
         None => Access::open(),
-    };
-    if !config.repository.exists() {
+    });
+    if let Some(repo) = &config.repository {
+        if !repo.exists() {
+            anyhow::bail!(
+                "the model repository {} does not exist (--model-repository DIR: one directory per model)",
+                repo.display()
+            );
+        }
+        if !repo.is_dir() {
+            anyhow::bail!("the model repository {} is not a directory", repo.display());
+        }
+    } else if !config.sessions.enabled() {
         anyhow::bail!(
-            "the model repository {} does not exist (--model-repository DIR: one directory per model)",
-            config.repository.display()
-        );
-    }
-    if !config.repository.is_dir() {
-        anyhow::bail!(
-            "the model repository {} is not a directory",
-            config.repository.display()
+            "nothing to serve: give --model-repository DIR (inference), --session-socket PATH or --session-port N (sessions), or several"
         );
     }
     let metrics = Arc::new(Metrics::new());
     let ctx = LoadContext {
         sandbox,
         device: Arc::clone(&device),
-        weights,
+        weights: Arc::clone(&weights),
         loaded_weights: Arc::new(std::sync::Mutex::new(BTreeMap::new())),
         metrics: Arc::clone(&metrics),
     };
-    let repository = Repository::new(config.repository.clone(), ctx);
+    let sandbox = Arc::clone(&ctx.sandbox);
+    let repository = Repository::new(config.repository.clone().unwrap_or_default(), ctx);
+    let registry = Registry::new(Arc::clone(&device), weights);
     let server = Arc::new(Server::new(
         repository,
-        access,
+        Arc::clone(&access),
         metrics,
         device,
         config.max_request_bytes,
+        Arc::clone(&registry),
     ));
     server.set_strict_readiness(config.strict_readiness);
-    if let Ok(names) = server.repository.scan() {
+    if config.repository.is_some()
+        && let Ok(names) = server.repository.scan()
+    {
         if config.tokens.is_some() && server.access.tenants().is_empty() {
             tracing::warn!("the tokens file names no tenant: every request will get 401");
         }
@@ -487,49 +510,100 @@ pub async fn run(
         }
     }
     let addr = |port| SocketAddr::new(config.host, port);
-    let http = tokio::net::TcpListener::bind(addr(config.http_port))
-        .await
-        .with_context(|| format!("binding the REST port {}", addr(config.http_port)))?;
+    let inference = config.repository.is_some();
+    let (http, grpc) = if inference {
+        let http = tokio::net::TcpListener::bind(addr(config.http_port))
+            .await
+            .with_context(|| format!("binding the REST port {}", addr(config.http_port)))?;
+        let grpc = tokio::net::TcpListener::bind(addr(config.grpc_port))
+            .await
+            .with_context(|| format!("binding the gRPC port {}", addr(config.grpc_port)))?;
+        (Some(http), Some(grpc))
+    } else {
+        (None, None)
+    };
     let metrics = tokio::net::TcpListener::bind(addr(config.metrics_port))
         .await
         .with_context(|| format!("binding the metrics port {}", addr(config.metrics_port)))?;
-    let grpc = tokio::net::TcpListener::bind(addr(config.grpc_port))
-        .await
-        .with_context(|| format!("binding the gRPC port {}", addr(config.grpc_port)))?;
-    tracing::info!(
-        rest = %http.local_addr()?,
-        grpc = %grpc.local_addr()?,
-        metrics = %metrics.local_addr()?,
-        repository = %config.repository.display(),
-        "tpubox serve listening: REST on http://{}, gRPC on {}, metrics on http://{}/metrics; loading the models",
-        http.local_addr()?,
-        grpc.local_addr()?,
-        metrics.local_addr()?
-    );
+    let session_listeners = if config.sessions.enabled() {
+        Some(session_api::Listeners::bind(&config.sessions).await?)
+    } else {
+        None
+    };
+    if let (Some(http), Some(grpc), Some(repo)) = (&http, &grpc, &config.repository) {
+        tracing::info!(
+            rest = %http.local_addr()?,
+            grpc = %grpc.local_addr()?,
+            metrics = %metrics.local_addr()?,
+            repository = %repo.display(),
+            "tpubox serve listening: REST on http://{}, gRPC on {}, metrics on http://{}/metrics; loading the models",
+            http.local_addr()?,
+            grpc.local_addr()?,
+            metrics.local_addr()?
+        );
+    } else {
+        tracing::info!(
+            metrics = %metrics.local_addr()?,
+            "tpubox serve: no model repository, so no inference doors; metrics on http://{}/metrics",
+            metrics.local_addr()?
+        );
+    }
+    if let Some(l) = &session_listeners {
+        let socket = l.socket_path().map(|p| format!("unix:{}", p.display()));
+        let tcp = l.tcp_addr().map(|a| a.to_string());
+        tracing::info!(
+            socket = socket.as_deref().unwrap_or("-"),
+            tcp = tcp.as_deref().unwrap_or("-"),
+            "session API listening on {}",
+            [socket.clone(), tcp.clone()]
+                .into_iter()
+                .flatten()
+                .collect::<Vec<_>>()
+                .join(" and ")
+        );
+    }
 
     let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let rest_task = tokio::spawn(rest::serve_rest(
-        http,
-        Arc::clone(&server),
-        stopped(stop_rx.clone()),
-    ));
-    let metrics_task = tokio::spawn(rest::serve_metrics(
+    let mut tasks = Vec::new();
+    if let (Some(http), Some(grpc)) = (http, grpc) {
+        tasks.push(tokio::spawn(rest::serve_rest(
+            http,
+            Arc::clone(&server),
+            stopped(stop_rx.clone()),
+        )));
+        tasks.push(tokio::spawn(grpc::serve_grpc(
+            grpc,
+            Arc::clone(&server),
+            stopped(stop_rx.clone()),
+        )));
+    }
+    tasks.push(tokio::spawn(rest::serve_metrics(
         metrics,
         Arc::clone(&server),
         stopped(stop_rx.clone()),
-    ));
-    let grpc_task = tokio::spawn(grpc::serve_grpc(
-        grpc,
-        Arc::clone(&server),
-        stopped(stop_rx.clone()),
-    ));
+    )));
+    let (sessions_stop_tx, sessions_stop_rx) = tokio::sync::watch::channel(false);
+    let sessions_task = session_listeners.map(|l| {
+        let access: Arc<dyn SessionAccess> = Arc::clone(&access) as Arc<dyn SessionAccess>;
+        tokio::spawn(session_api::serve(
+            l,
+            Arc::clone(&registry),
+            access,
+            Arc::clone(&sandbox),
+            config.sessions.clone(),
+            stopped(sessions_stop_rx),
+        ))
+    });
     let exit_on_error = config.exit_on_error;
     let loader = {
         let s = Arc::clone(&server);
         tokio::spawn(async move {
+            if !inference {
+                return;
+            }
             if let Err(e) = s.load_all().await {
                 tracing::error!("{e:#}");
             }
@@ -577,10 +651,17 @@ pub async fn run(
         server.repository.abort_all();
     }
     server.repository.unload_all().await;
+    // Sessions end (their clients see ENDED on Attach, then UNAUTHENTICATED/session-ended).
+    let _ = sessions_stop_tx.send(true);
+    if let Some(t) = sessions_task
+        && let Ok(Ok(Err(e))) = tokio::time::timeout(Duration::from_secs(2), t).await
+    {
+        tracing::warn!("the session API ended with: {e:#}");
+    }
     let _ = stop_tx.send(true);
     // The listeners finish the responses they are writing; a request still inside a model
     // (PJRT cannot cancel it) is not waited for past this.
-    for t in [rest_task, metrics_task, grpc_task] {
+    for t in tasks {
         if let Ok(Ok(Err(e))) = tokio::time::timeout(Duration::from_secs(1), t).await {
             tracing::warn!("a listener ended with: {e:#}");
         }
