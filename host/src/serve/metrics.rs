@@ -178,7 +178,9 @@ impl Metrics {
         let mut bytes: std::collections::BTreeMap<&str, u64> = Default::default();
         for (tenant, n, u) in sessions {
             *bytes.entry(tenant).or_default() += u.device_bytes;
-            self.sessions.with_label_values(&[tenant]).set(i64::from(*n));
+            self.sessions
+                .with_label_values(&[tenant])
+                .set(i64::from(*n));
         }
         for m in models {
             let l = [m.name.as_str(), VERSION];
@@ -199,9 +201,7 @@ impl Metrics {
             *bytes.entry(m.tenant.name()).or_default() += m.tenant.usage().device_bytes;
         }
         for (tenant, b) in bytes {
-            self.device_bytes
-                .with_label_values(&[tenant])
-                .set(b as i64);
+            self.device_bytes.with_label_values(&[tenant]).set(b as i64);
         }
         if let Some(c) = cache {
             // Counters the cache keeps; copied here at each scrape.

@@ -53,7 +53,7 @@ use self::repository::Repository;
 use crate::device::DeviceService;
 use crate::sandbox::Sandbox;
 use crate::session_api::registry::Registry;
-use crate::session_api::{self, SessionApiConfig, SessionAccess};
+use crate::session_api::{self, SessionAccess, SessionApiConfig};
 use crate::weights::WeightRegistry;
 
 /// The server's name in `GET /v2`.

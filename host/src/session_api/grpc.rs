@@ -323,12 +323,7 @@ impl SessionRpc for Service {
         let r = req.into_inner();
         let (s, token) = self
             .registry
-            .open(
-                &grant,
-                &requested(r.limits),
-                r.end_on_disconnect,
-                &r.label,
-            )
+            .open(&grant, &requested(r.limits), r.end_on_disconnect, &r.label)
             .map_err(device_status)?;
         Ok(Response::new(OpenResponse {
             session_id: s.id.clone(),

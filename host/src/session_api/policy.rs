@@ -133,7 +133,9 @@ impl SessionPolicy {
         };
         SessionLimits {
             tenant: t,
-            idle_timeout: self.idle_timeout_seconds.map_or(DEFAULT_IDLE_TIMEOUT, seconds),
+            idle_timeout: self
+                .idle_timeout_seconds
+                .map_or(DEFAULT_IDLE_TIMEOUT, seconds),
         }
     }
 
@@ -143,7 +145,9 @@ impl SessionPolicy {
     /// finite.
     pub fn check(&self) -> Result<(), String> {
         if self.max_sessions == 0 {
-            return Err("max_sessions must be at least 1 (drop [tenant.session] to forbid sessions)".into());
+            return Err(
+                "max_sessions must be at least 1 (drop [tenant.session] to forbid sessions)".into(),
+            );
         }
         for (name, v) in [
             ("max_call_seconds", self.max_call_seconds),

@@ -270,7 +270,10 @@ pub struct Registry {
     device: Arc<DeviceService>,
     weights: Arc<WeightRegistry>,
     sessions: Mutex<HashMap<[u8; 32], Arc<LiveSession>>>,
-    ended: Mutex<(HashMap<[u8; 32], String>, std::collections::VecDeque<[u8; 32]>)>,
+    ended: Mutex<(
+        HashMap<[u8; 32], String>,
+        std::collections::VecDeque<[u8; 32]>,
+    )>,
     tenants_seen: Mutex<BTreeSet<String>>,
     stopping: Mutex<Option<String>>,
 }
@@ -348,11 +351,7 @@ impl Registry {
             ));
         }
         let tenant = Tenant::new(grant.tenant.clone(), limits.tenant.clone());
-        let session = Session::new(
-            Arc::clone(&self.device),
-            Arc::clone(&self.weights),
-            tenant,
-        );
+        let session = Session::new(Arc::clone(&self.device), Arc::clone(&self.weights), tenant);
         let label: String = label.chars().take(200).collect();
         let live = Arc::new(LiveSession {
             id: id.clone(),
