@@ -438,6 +438,27 @@ impl SessionRpc for Service {
             )));
         }
         let device = first.device;
+        // One message with all the data (the common case below the message limit) is used
+        // as it arrived, without another copy.
+        if first.data.len() == expected {
+            let more = stream.message().await?;
+            if more
+                .as_ref()
+                .is_some_and(|m| !m.data.is_empty() || m.spec.is_some())
+            {
+                return Err(invalid(format!(
+                    "PutTensor sent more than the {expected} bytes a {ty} tensor of dims {:?} holds",
+                    spec.dims
+                )));
+            }
+            let t = s
+                .session()
+                .tensor_from_bytes(ty, &spec.dims, &first.data, device)
+                .map_err(device_status)?;
+            let info = tensor_info(0, &t);
+            let h = s.insert_tensor(t).map_err(access_status)?;
+            return Ok(Response::new(TensorInfo { handle: h, ..info }));
+        }
         let mut data: Vec<u8> = Vec::new();
         let mut push = |chunk: &Bytes| -> Result<(), Status> {
             if data.len() + chunk.len() > expected {

@@ -29,6 +29,12 @@ use anyhow::{Context, Result};
 use crate::sandbox::Sandbox;
 use registry::{AccessResult, OpenGrant, Registry};
 
+/// HTTP/2 stream window of the session listeners, in bytes (a connection's is 4×).
+pub const WINDOW_BYTES: u32 = 16 << 20;
+/// Largest HTTP/2 frame the session listeners accept, in bytes (the protocol's ceiling is
+/// 2^24 - 1).
+pub const FRAME_BYTES: u32 = (1 << 24) - 1;
+
 /// Who may open sessions: the daemon's tokens file answers (`crate::serve::access`).
 pub trait SessionAccess: Send + Sync {
     /// The tenant of a bearer token and its session policy.
@@ -144,10 +150,15 @@ pub async fn serve(
     };
     // HTTP/2 pings find clients whose machine went away without closing the connection, so
     // their attached sessions end.
+    // Large flow-control windows and frames: a 64 MiB tensor then moves in a few round trips
+    // instead of thousands of 16 KiB frames and window updates.
     let builder = || {
         tonic::transport::Server::builder()
             .http2_keepalive_interval(Some(Duration::from_secs(10)))
             .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+            .initial_stream_window_size(Some(WINDOW_BYTES))
+            .initial_connection_window_size(Some(4 * WINDOW_BYTES))
+            .max_frame_size(Some(FRAME_BYTES))
             .tcp_nodelay(true)
     };
     let mut tasks = Vec::new();
