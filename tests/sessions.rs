@@ -887,3 +887,189 @@ async fn run_component_streams_output_and_charges_the_session() {
     assert_ne!(code, Some(0));
     assert!(String::from_utf8_lossy(&stderr).contains("usage"));
 }
+
+/// One bulk-socket request: header JSON and descriptors in; reply JSON and descriptors out.
+fn bulk(
+    path: &std::path::Path,
+    header: &[u8],
+    fds: &[std::os::fd::BorrowedFd<'_>],
+) -> (serde_json::Value, Vec<std::os::fd::OwnedFd>) {
+    use rustix::net::*;
+    use std::io::{IoSlice, IoSliceMut};
+    use std::mem::MaybeUninit;
+    let s = std::os::unix::net::UnixStream::connect(path).unwrap();
+    let mut msg = (header.len() as u32).to_le_bytes().to_vec();
+    msg.extend_from_slice(header);
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+    let mut control = SendAncillaryBuffer::new(&mut space);
+    if !fds.is_empty() {
+        assert!(control.push(SendAncillaryMessage::ScmRights(fds)));
+    }
+    sendmsg(&s, &[IoSlice::new(&msg)], &mut control, SendFlags::empty()).unwrap();
+    let mut buf = vec![0u8; 1 << 16];
+    let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(1))];
+    let mut control = RecvAncillaryBuffer::new(&mut space);
+    let r = recvmsg(
+        &s,
+        &mut [IoSliceMut::new(&mut buf)],
+        &mut control,
+        RecvFlags::empty(),
+    )
+    .unwrap();
+    let mut out = Vec::new();
+    for m in control.drain() {
+        if let RecvAncillaryMessage::ScmRights(it) = m {
+            out.extend(it);
+        }
+    }
+    let len = u32::from_le_bytes(buf[..4].try_into().unwrap()) as usize;
+    assert_eq!(r.bytes, 4 + len, "one reply in one message");
+    (serde_json::from_slice(&buf[4..4 + len]).unwrap(), out)
+}
+
+fn memfd(data: &[u8], seals: rustix::fs::SealFlags) -> std::os::fd::OwnedFd {
+    use rustix::fs::*;
+    let fd = memfd_create("test", MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING).unwrap();
+    let f = std::fs::File::from(fd);
+    use std::io::Write;
+    (&f).write_all(data).unwrap();
+    let fd = std::os::fd::OwnedFd::from(f);
+    if !seals.is_empty() {
+        fcntl_add_seals(&fd, seals).unwrap();
+    }
+    fd
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn bulk_socket_moves_tensors_through_sealed_memfds_only() {
+    use rustix::fs::SealFlags;
+    use std::os::fd::AsFd;
+    let d = daemon().await;
+    let mut c = client(&d).await;
+    let s = open(&mut c, "alice-token", OpenRequest::default()).await;
+    let info = c
+        .info(authed(InfoRequest {}, &s.session_token))
+        .await
+        .unwrap()
+        .into_inner();
+    let path = std::path::PathBuf::from(&info.bulk_socket);
+    assert!(path.ends_with("tpubox.sock.bulk"), "{path:?}");
+    let token = s.session_token.clone();
+    let sealed = SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW;
+    tokio::task::spawn_blocking(move || {
+        let kind = |v: &serde_json::Value| v["error"]["kind"].as_str().unwrap_or("").to_string();
+        let put = |dims: &str, fds: &[std::os::fd::BorrowedFd<'_>]| {
+            let h = format!(r#"{{"op":"put","token":"{token}","dtype":"F32","dims":{dims}}}"#);
+            bulk(&path, h.as_bytes(), fds).0
+        };
+        let data = f32_bytes(&[1., 2., 3., 4., 5., 6.]);
+        // Put through a sealed memfd, get back a sealed memfd with the same bytes.
+        let fd = memfd(&data, sealed);
+        let r = put("[2,3]", &[fd.as_fd()]);
+        let h = r["ok"]["handle"].as_u64().unwrap_or_else(|| panic!("{r}"));
+        assert_eq!(r["ok"]["byte_size"], 24);
+        let (r, fds) = bulk(
+            &path,
+            format!(r#"{{"op":"get","token":"{token}","handle":{h}}}"#).as_bytes(),
+            &[],
+        );
+        assert_eq!(r["ok"]["dims"], serde_json::json!([2, 3]));
+        assert_eq!(fds.len(), 1);
+        let seals = rustix::fs::fcntl_get_seals(&fds[0]).unwrap();
+        assert!(seals.contains(SealFlags::WRITE | SealFlags::SHRINK));
+        let mut back = vec![0u8; 24];
+        use std::os::unix::fs::FileExt;
+        std::fs::File::from(fds.into_iter().next().unwrap())
+            .read_exact_at(&mut back, 0)
+            .unwrap();
+        assert_eq!(back, data);
+        // Hostile puts, each with its kind.
+        let unsealed = memfd(&data, SealFlags::empty());
+        assert_eq!(
+            kind(&put("[6]", &[unsealed.as_fd()])),
+            "invalid-argument",
+            "an unsealed memfd"
+        );
+        let shrinkable = memfd(&data, SealFlags::WRITE);
+        assert_eq!(
+            kind(&put("[6]", &[shrinkable.as_fd()])),
+            "invalid-argument",
+            "no F_SEAL_SHRINK"
+        );
+        let (pipe_r, _pipe_w) = rustix::pipe::pipe().unwrap();
+        assert_eq!(
+            kind(&put("[6]", &[pipe_r.as_fd()])),
+            "invalid-argument",
+            "a pipe"
+        );
+        let short = memfd(&data[..8], sealed);
+        assert_eq!(
+            kind(&put("[6]", &[short.as_fd()])),
+            "invalid-argument",
+            "too few bytes"
+        );
+        assert_eq!(kind(&put("[6]", &[])), "invalid-argument", "no descriptor");
+        let two = memfd(&data, sealed);
+        assert_eq!(
+            kind(&put("[6]", &[fd.as_fd(), two.as_fd()])),
+            "invalid-argument",
+            "two descriptors"
+        );
+        let r = put("[1048576]", &[fd.as_fd()]);
+        assert_eq!(kind(&r), "resource-exhausted", "over alice's 1 MiB");
+        assert!(
+            r["error"]["message"]
+                .as_str()
+                .unwrap()
+                .contains("max-device-bytes")
+        );
+        assert_eq!(
+            kind(&put("[18446744073709551615]", &[fd.as_fd()])),
+            "invalid-argument",
+            "a dim over i64"
+        );
+        for bad in [
+            &b"{"[..],
+            b"[]",
+            br#"{"op":"put"}"#,
+            br#"{"op":"drop","token":"x"}"#,
+        ] {
+            assert_eq!(
+                kind(&bulk(&path, bad, &[]).0),
+                "invalid-argument",
+                "{}",
+                String::from_utf8_lossy(bad)
+            );
+        }
+        let r = bulk(&path, br#"{"op":"get","token":"nope","handle":1}"#, &[]).0;
+        assert_eq!(kind(&r), "unauthenticated");
+        let r = bulk(
+            &path,
+            format!(
+                r#"{{"op":"get","token":"{token}","handle":{}}}"#,
+                1u64 << 60
+            )
+            .as_bytes(),
+            &[],
+        )
+        .0;
+        assert_eq!(kind(&r), "not-found");
+        // A header longer than the limit is refused from its length alone.
+        let s = std::os::unix::net::UnixStream::connect(&path).unwrap();
+        use std::io::{Read, Write};
+        (&s).write_all(&u32::MAX.to_le_bytes()).unwrap();
+        let mut reply = Vec::new();
+        (&s).read_to_end(&mut reply).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&reply[4..]).unwrap();
+        assert_eq!(kind(&v), "invalid-argument");
+    })
+    .await
+    .unwrap();
+    // Only the one good tensor is held.
+    let u = c
+        .usage(authed(UsageRequest {}, &s.session_token))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!((u.live_tensors, u.device_bytes), (1, 24));
+}

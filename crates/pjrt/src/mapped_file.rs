@@ -43,6 +43,42 @@ impl MappedFile {
         Ok(MappedFile { map })
     }
 
+    /// Maps a memfd (`memfd_create(2)`) that its writer sealed against writing and shrinking
+    /// (`F_SEAL_WRITE | F_SEAL_SHRINK`), e.g. a tensor a client process on the same machine
+    /// hands over a Unix socket.
+    ///
+    /// Errors: `InvalidArgument` when the descriptor is not a memfd, lacks either seal, or
+    /// cannot be mapped.
+    pub fn sealed_memfd(fd: std::os::fd::OwnedFd) -> Result<Self> {
+        use rustix::fs::SealFlags;
+        let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| {
+            Error::new(
+                ErrorCode::InvalidArgument,
+                format!("the descriptor is not a memfd (F_GET_SEALS: {e})"),
+            )
+        })?;
+        if !seals.contains(SealFlags::WRITE | SealFlags::SHRINK) {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                "the memfd must be sealed with F_SEAL_WRITE and F_SEAL_SHRINK before it is handed over",
+            ));
+        }
+        let file = std::fs::File::from(fd);
+        // SAFETY: the kernel enforces both seals for as long as the file exists, and this map
+        // keeps it open: F_SEAL_SHRINK means the file never gets shorter than it is now, so no
+        // page of the map can fault with SIGBUS; F_SEAL_WRITE means no process can change its
+        // contents (no write(2), and no writable shared mapping: the seal could not have been
+        // added while one existed), so the `&[u8]` handed out below is immutable memory. The
+        // bytes are borrowed from `self` and cannot outlive the map.
+        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| {
+            Error::new(
+                ErrorCode::InvalidArgument,
+                format!("mapping the memfd: {e}"),
+            )
+        })?;
+        Ok(MappedFile { map })
+    }
+
     /// The file's bytes.
     pub fn as_slice(&self) -> &[u8] {
         &self.map

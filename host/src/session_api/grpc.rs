@@ -206,6 +206,7 @@ pub struct Service {
     access: Arc<dyn SessionAccess>,
     sandbox: Arc<Sandbox>,
     components: Option<PathBuf>,
+    bulk: Option<PathBuf>,
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -224,7 +225,21 @@ impl Service {
             access,
             sandbox,
             components,
+            bulk: None,
         }
+    }
+
+    /// Tells clients (in `Info` and `Open`) where the bulk socket is.
+    pub fn with_bulk_socket(mut self, path: Option<PathBuf>) -> Self {
+        self.bulk = path;
+        self
+    }
+
+    fn bulk_socket(&self) -> String {
+        self.bulk
+            .as_ref()
+            .map(|p| p.display().to_string())
+            .unwrap_or_default()
     }
 
     /// The session of a request's session token, kept active for the returned guard's life.
@@ -331,6 +346,7 @@ impl SessionRpc for Service {
             tenant: s.tenant_name.clone(),
             limits: Some(wire_limits(&s.limits.tenant, s.limits.idle_timeout)),
             platform: Some(self.platform()),
+            bulk_socket: self.bulk_socket(),
         }))
     }
 
@@ -403,6 +419,7 @@ impl SessionRpc for Service {
             usage: Some(wire_usage(&s.tenant().usage())),
             weight_sets: s.session().weight_sets(),
             components: self.component_names(),
+            bulk_socket: self.bulk_socket(),
         }))
     }
 

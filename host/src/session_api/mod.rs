@@ -12,8 +12,10 @@
 //! One job per module:
 //! - [`policy`]: the `[tenant.session]` table of the tokens file and the limits of one session;
 //! - [`registry`]: the live sessions, their handle tables, and how they end;
-//! - [`grpc`]: the gRPC service.
+//! - [`grpc`]: the gRPC service;
+//! - [`bulk`]: the bulk socket beside the Unix socket, tensor data through shared memory.
 
+pub mod bulk;
 pub mod grpc;
 pub mod policy;
 pub mod registry;
@@ -48,7 +50,8 @@ pub trait SessionAccess: Send + Sync {
 /// Where the session API listens and what it offers.
 #[derive(Debug, Clone, Default)]
 pub struct SessionApiConfig {
-    /// A Unix socket to create (mode 0600; an existing socket file is replaced).
+    /// A Unix socket to create (mode 0600; an existing socket file is replaced), and beside
+    /// it the bulk socket `PATH.bulk` ([`bulk`]).
     pub socket: Option<PathBuf>,
     /// A TCP address.
     pub tcp: Option<SocketAddr>,
@@ -68,6 +71,7 @@ impl SessionApiConfig {
 /// The bound listeners of the session API.
 pub struct Listeners {
     unix: Option<(tokio::net::UnixListener, PathBuf)>,
+    bulk: Option<(tokio::net::UnixListener, PathBuf)>,
     tcp: Option<tokio::net::TcpListener>,
 }
 
@@ -77,27 +81,12 @@ impl Listeners {
     /// Errors: a socket path that exists and is not a socket, a directory that does not
     /// exist, an address in use.
     pub async fn bind(config: &SessionApiConfig) -> Result<Self> {
-        let unix = match &config.socket {
+        let (unix, bulk) = match &config.socket {
             Some(p) => {
-                use std::os::unix::fs::FileTypeExt;
-                if let Ok(m) = std::fs::symlink_metadata(p) {
-                    if !m.file_type().is_socket() {
-                        anyhow::bail!(
-                            "--session-socket {}: the path exists and is not a socket",
-                            p.display()
-                        );
-                    }
-                    std::fs::remove_file(p)
-                        .with_context(|| format!("removing the old socket {}", p.display()))?;
-                }
-                let l = tokio::net::UnixListener::bind(p)
-                    .with_context(|| format!("binding the session socket {}", p.display()))?;
-                use std::os::unix::fs::PermissionsExt;
-                std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
-                    .with_context(|| format!("setting the mode of {}", p.display()))?;
-                Some((l, p.clone()))
+                let b = bulk::bulk_path(p);
+                (Some((bind_unix(p)?, p.clone())), Some((bind_unix(&b)?, b)))
             }
-            None => None,
+            None => (None, None),
         };
         let tcp = match config.tcp {
             Some(a) => Some(
@@ -107,7 +96,7 @@ impl Listeners {
             ),
             None => None,
         };
-        Ok(Listeners { unix, tcp })
+        Ok(Listeners { unix, bulk, tcp })
     }
 
     /// The Unix socket's path, if any.
@@ -119,6 +108,26 @@ impl Listeners {
     pub fn tcp_addr(&self) -> Option<SocketAddr> {
         self.tcp.as_ref().and_then(|l| l.local_addr().ok())
     }
+}
+
+/// Binds a Unix socket at `p` with mode 0600, replacing a stale socket file.
+fn bind_unix(p: &std::path::Path) -> Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    if let Ok(m) = std::fs::symlink_metadata(p) {
+        if !m.file_type().is_socket() {
+            anyhow::bail!(
+                "--session-socket {}: the path exists and is not a socket",
+                p.display()
+            );
+        }
+        std::fs::remove_file(p)
+            .with_context(|| format!("removing the old socket {}", p.display()))?;
+    }
+    let l = tokio::net::UnixListener::bind(p)
+        .with_context(|| format!("binding the session socket {}", p.display()))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("setting the mode of {}", p.display()))?;
+    Ok(l)
 }
 
 /// Serves the session API on `listeners` until `stop` resolves; then ends every session.
@@ -137,6 +146,7 @@ pub async fn serve(
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
+    let bulk_path = listeners.bulk.as_ref().map(|(_, p)| p.clone());
     let make = || {
         grpc::service(
             grpc::Service::new(
@@ -144,7 +154,8 @@ pub async fn serve(
                 Arc::clone(&access),
                 Arc::clone(&sandbox),
                 config.components.clone(),
-            ),
+            )
+            .with_bulk_socket(bulk_path.clone()),
             config.max_message_bytes,
         )
     };
@@ -163,6 +174,9 @@ pub async fn serve(
     };
     let mut tasks = Vec::new();
     let socket_path = listeners.socket_path().cloned();
+    let bulk_task = listeners
+        .bulk
+        .map(|(l, _)| tokio::spawn(bulk::serve(l, Arc::clone(&registry))));
     if let Some((l, _)) = listeners.unix {
         let svc = make();
         let stop = stopped(stop_rx.clone());
@@ -198,7 +212,10 @@ pub async fn serve(
         }
     }
     reaper.abort();
-    if let Some(p) = socket_path {
+    if let Some(t) = bulk_task {
+        t.abort();
+    }
+    for p in [socket_path, bulk_path].into_iter().flatten() {
         let _ = std::fs::remove_file(p);
     }
     Ok(())
