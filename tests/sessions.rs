@@ -888,8 +888,8 @@ async fn run_component_streams_output_and_charges_the_session() {
     assert!(String::from_utf8_lossy(&stderr).contains("usage"));
 }
 
-/// One bulk-socket request: header JSON and descriptors in; reply JSON and descriptors out.
-fn bulk(
+/// One local-socket request: header JSON and descriptors in; reply JSON and descriptors out.
+fn local(
     path: &std::path::Path,
     header: &[u8],
     fds: &[std::os::fd::BorrowedFd<'_>],
@@ -941,7 +941,7 @@ fn memfd(data: &[u8], seals: rustix::fs::SealFlags) -> std::os::fd::OwnedFd {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn bulk_socket_moves_tensors_through_sealed_memfds_only() {
+async fn local_socket_moves_tensors_through_sealed_memfds_only() {
     use rustix::fs::SealFlags;
     use std::os::fd::AsFd;
     let d = daemon().await;
@@ -952,15 +952,27 @@ async fn bulk_socket_moves_tensors_through_sealed_memfds_only() {
         .await
         .unwrap()
         .into_inner();
-    let path = std::path::PathBuf::from(&info.bulk_socket);
-    assert!(path.ends_with("tpubox.sock.bulk"), "{path:?}");
+    let path = std::path::PathBuf::from(&info.local_socket);
+    assert!(path.ends_with("tpubox.sock.local"), "{path:?}");
     let token = s.session_token.clone();
+    let exe = c
+        .compile(authed(
+            CompileRequest {
+                program: ADD.as_bytes().to_vec().into(),
+                ..Default::default()
+            },
+            &token,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .executable;
     let sealed = SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW;
     tokio::task::spawn_blocking(move || {
         let kind = |v: &serde_json::Value| v["error"]["kind"].as_str().unwrap_or("").to_string();
         let put = |dims: &str, fds: &[std::os::fd::BorrowedFd<'_>]| {
             let h = format!(r#"{{"op":"put","token":"{token}","dtype":"F32","dims":{dims}}}"#);
-            bulk(&path, h.as_bytes(), fds).0
+            local(&path, h.as_bytes(), fds).0
         };
         let data = f32_bytes(&[1., 2., 3., 4., 5., 6.]);
         // Put through a sealed memfd, get back a sealed memfd with the same bytes.
@@ -968,7 +980,7 @@ async fn bulk_socket_moves_tensors_through_sealed_memfds_only() {
         let r = put("[2,3]", &[fd.as_fd()]);
         let h = r["ok"]["handle"].as_u64().unwrap_or_else(|| panic!("{r}"));
         assert_eq!(r["ok"]["byte_size"], 24);
-        let (r, fds) = bulk(
+        let (r, fds) = local(
             &path,
             format!(r#"{{"op":"get","token":"{token}","handle":{h}}}"#).as_bytes(),
             &[],
@@ -983,6 +995,30 @@ async fn bulk_socket_moves_tensors_through_sealed_memfds_only() {
             .read_exact_at(&mut back, 0)
             .unwrap();
         assert_eq!(back, data);
+        // Execute and free over the local socket, as over gRPC; donation empties the handle.
+        let four = memfd(&f32_bytes(&[1., 2., 3., 4.]), sealed);
+        let r = put("[4]", &[four.as_fd()]);
+        let x = r["ok"]["handle"].as_u64().unwrap();
+        let call = |donate: &str| {
+            let h = format!(
+                r#"{{"op":"execute","token":"{token}","executable":{exe},"arguments":[{x},{x}],"donate":{donate}}}"#
+            );
+            local(&path, h.as_bytes(), &[]).0
+        };
+        let r = call("[]");
+        let y = r["ok"]["results"][0]["handle"].as_u64().unwrap_or_else(|| panic!("{r}"));
+        let (_, fds) = local(&path, format!(r#"{{"op":"get","token":"{token}","handle":{y}}}"#).as_bytes(), &[]);
+        let mut back = vec![0u8; 16];
+        std::fs::File::from(fds.into_iter().next().unwrap()).read_exact_at(&mut back, 0).unwrap();
+        assert_eq!(back, f32_bytes(&[2., 4., 6., 8.]));
+        assert_eq!(kind(&call("[0, 0]")), "invalid-argument");
+        let r = local(&path, format!(r#"{{"op":"execute","token":"{token}","executable":{x},"arguments":[]}}"#).as_bytes(), &[]).0;
+        assert_eq!(kind(&r), "not-found", "a tensor handle as the executable");
+        let r = local(&path, format!(r#"{{"op":"free","token":"{token}","tensors":[{x},{y},{}]}}"#, 1u64 << 60).as_bytes(), &[]).0;
+        assert_eq!(r["ok"]["freed"], 2, "{r}");
+        assert_eq!(r["ok"]["unknown"].as_array().unwrap().len(), 1);
+        let r = local(&path, format!(r#"{{"op":"free","token":"{token}"}}"#).as_bytes(), &[fd.as_fd()]).0;
+        assert_eq!(kind(&r), "invalid-argument", "a descriptor on a free");
         // Hostile puts, each with its kind.
         let unsealed = memfd(&data, SealFlags::empty());
         assert_eq!(
@@ -1035,15 +1071,15 @@ async fn bulk_socket_moves_tensors_through_sealed_memfds_only() {
             br#"{"op":"drop","token":"x"}"#,
         ] {
             assert_eq!(
-                kind(&bulk(&path, bad, &[]).0),
+                kind(&local(&path, bad, &[]).0),
                 "invalid-argument",
                 "{}",
                 String::from_utf8_lossy(bad)
             );
         }
-        let r = bulk(&path, br#"{"op":"get","token":"nope","handle":1}"#, &[]).0;
+        let r = local(&path, br#"{"op":"get","token":"nope","handle":1}"#, &[]).0;
         assert_eq!(kind(&r), "unauthenticated");
-        let r = bulk(
+        let r = local(
             &path,
             format!(
                 r#"{{"op":"get","token":"{token}","handle":{}}}"#,

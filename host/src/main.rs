@@ -152,7 +152,43 @@ struct ServeArgs {
     weights: Vec<String>,
 }
 
+/// glibc reads its tunables only when a process starts, so `tpubox serve` restarts itself once
+/// (same PID, same arguments) with `GLIBC_TUNABLES=glibc.malloc.hugetlb=1`: large allocations
+/// (tensors being moved, the plugin's buffers) then get transparent huge pages where the kernel
+/// offers them (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise or always), which cut
+/// the page faults of a 64 MiB transfer ~500-fold and made session-API transfers 1.4-1.7×
+/// faster here (docs/BENCHMARKS.md). Skipped when GLIBC_TUNABLES already names the tunable, or
+/// with TPUBOX_MALLOC_TUNING=0.
+fn restart_with_malloc_tunables() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    {
+        use std::os::unix::process::CommandExt;
+        const TUNABLE: &str = "glibc.malloc.hugetlb=1";
+        let current = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
+        if current.contains("glibc.malloc.hugetlb")
+            || std::env::var("TPUBOX_MALLOC_TUNING").is_ok_and(|v| v == "0")
+        {
+            return;
+        }
+        let Ok(exe) = std::env::current_exe() else {
+            return;
+        };
+        let value = if current.is_empty() {
+            TUNABLE.to_string()
+        } else {
+            format!("{current}:{TUNABLE}")
+        };
+        // `exec` returns only when it failed; serving goes on without the tunable.
+        let err = std::process::Command::new(exe)
+            .args(std::env::args_os().skip(1))
+            .env("GLIBC_TUNABLES", value)
+            .exec();
+        tracing::debug!("could not restart with GLIBC_TUNABLES={TUNABLE}: {err}");
+    }
+}
+
 async fn serve(args: ServeArgs) -> Result<bool> {
+    restart_with_malloc_tunables();
     let device = args.device.open()?;
     let sandbox = std::sync::Arc::new(tpubox::sandbox::Sandbox::new(SandboxConfig {
         max_instances: args.max_instances,

@@ -206,7 +206,7 @@ pub struct Service {
     access: Arc<dyn SessionAccess>,
     sandbox: Arc<Sandbox>,
     components: Option<PathBuf>,
-    bulk: Option<PathBuf>,
+    local: Option<PathBuf>,
 }
 
 type EventStream<T> = Pin<Box<dyn Stream<Item = Result<T, Status>> + Send + 'static>>;
@@ -225,18 +225,18 @@ impl Service {
             access,
             sandbox,
             components,
-            bulk: None,
+            local: None,
         }
     }
 
-    /// Tells clients (in `Info` and `Open`) where the bulk socket is.
-    pub fn with_bulk_socket(mut self, path: Option<PathBuf>) -> Self {
-        self.bulk = path;
+    /// Tells clients (in `Info` and `Open`) where the local socket is.
+    pub fn with_local_socket(mut self, path: Option<PathBuf>) -> Self {
+        self.local = path;
         self
     }
 
-    fn bulk_socket(&self) -> String {
-        self.bulk
+    fn local_socket(&self) -> String {
+        self.local
             .as_ref()
             .map(|p| p.display().to_string())
             .unwrap_or_default()
@@ -346,7 +346,7 @@ impl SessionRpc for Service {
             tenant: s.tenant_name.clone(),
             limits: Some(wire_limits(&s.limits.tenant, s.limits.idle_timeout)),
             platform: Some(self.platform()),
-            bulk_socket: self.bulk_socket(),
+            local_socket: self.local_socket(),
         }))
     }
 
@@ -419,7 +419,7 @@ impl SessionRpc for Service {
             usage: Some(wire_usage(&s.tenant().usage())),
             weight_sets: s.session().weight_sets(),
             components: self.component_names(),
-            bulk_socket: self.bulk_socket(),
+            local_socket: self.local_socket(),
         }))
     }
 

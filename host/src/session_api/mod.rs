@@ -13,10 +13,10 @@
 //! - [`policy`]: the `[tenant.session]` table of the tokens file and the limits of one session;
 //! - [`registry`]: the live sessions, their handle tables, and how they end;
 //! - [`grpc`]: the gRPC service;
-//! - [`bulk`]: the bulk socket beside the Unix socket, tensor data through shared memory.
+//! - [`local`]: the local socket beside the Unix socket, tensor data through shared memory.
 
-pub mod bulk;
 pub mod grpc;
+pub mod local;
 pub mod policy;
 pub mod registry;
 
@@ -51,7 +51,7 @@ pub trait SessionAccess: Send + Sync {
 #[derive(Debug, Clone, Default)]
 pub struct SessionApiConfig {
     /// A Unix socket to create (mode 0600; an existing socket file is replaced), and beside
-    /// it the bulk socket `PATH.bulk` ([`bulk`]).
+    /// it the local socket `PATH.local` ([`local`]).
     pub socket: Option<PathBuf>,
     /// A TCP address.
     pub tcp: Option<SocketAddr>,
@@ -71,7 +71,7 @@ impl SessionApiConfig {
 /// The bound listeners of the session API.
 pub struct Listeners {
     unix: Option<(tokio::net::UnixListener, PathBuf)>,
-    bulk: Option<(tokio::net::UnixListener, PathBuf)>,
+    local: Option<(tokio::net::UnixListener, PathBuf)>,
     tcp: Option<tokio::net::TcpListener>,
 }
 
@@ -81,9 +81,9 @@ impl Listeners {
     /// Errors: a socket path that exists and is not a socket, a directory that does not
     /// exist, an address in use.
     pub async fn bind(config: &SessionApiConfig) -> Result<Self> {
-        let (unix, bulk) = match &config.socket {
+        let (unix, local) = match &config.socket {
             Some(p) => {
-                let b = bulk::bulk_path(p);
+                let b = local::local_path(p);
                 (Some((bind_unix(p)?, p.clone())), Some((bind_unix(&b)?, b)))
             }
             None => (None, None),
@@ -96,7 +96,7 @@ impl Listeners {
             ),
             None => None,
         };
-        Ok(Listeners { unix, bulk, tcp })
+        Ok(Listeners { unix, local, tcp })
     }
 
     /// The Unix socket's path, if any.
@@ -146,7 +146,7 @@ pub async fn serve(
     let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
         let _ = rx.wait_for(|s| *s).await;
     };
-    let bulk_path = listeners.bulk.as_ref().map(|(_, p)| p.clone());
+    let local_path = listeners.local.as_ref().map(|(_, p)| p.clone());
     let make = || {
         grpc::service(
             grpc::Service::new(
@@ -155,7 +155,7 @@ pub async fn serve(
                 Arc::clone(&sandbox),
                 config.components.clone(),
             )
-            .with_bulk_socket(bulk_path.clone()),
+            .with_local_socket(local_path.clone()),
             config.max_message_bytes,
         )
     };
@@ -174,9 +174,9 @@ pub async fn serve(
     };
     let mut tasks = Vec::new();
     let socket_path = listeners.socket_path().cloned();
-    let bulk_task = listeners
-        .bulk
-        .map(|(l, _)| tokio::spawn(bulk::serve(l, Arc::clone(&registry))));
+    let local_task = listeners
+        .local
+        .map(|(l, _)| tokio::spawn(local::serve(l, Arc::clone(&registry))));
     if let Some((l, _)) = listeners.unix {
         let svc = make();
         let stop = stopped(stop_rx.clone());
@@ -212,10 +212,10 @@ pub async fn serve(
         }
     }
     reaper.abort();
-    if let Some(t) = bulk_task {
+    if let Some(t) = local_task {
         t.abort();
     }
-    for p in [socket_path, bulk_path].into_iter().flatten() {
+    for p in [socket_path, local_path].into_iter().flatten() {
         let _ = std::fs::remove_file(p);
     }
     Ok(())
