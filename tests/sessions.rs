@@ -57,6 +57,14 @@ async fn daemon() -> Daemon {
     let tokens = dir.path().join("tokens.toml");
     std::fs::write(&tokens, TOKENS).unwrap();
     let host = Host::new(support::test_host_config()).unwrap();
+    {
+        use safetensors::tensor::{Dtype, TensorView};
+        let w = f32_bytes(&[0.5, -1.5]);
+        let views = vec![("w", TensorView::new(Dtype::F32, vec![2], &w).unwrap())];
+        let path = dir.path().join("tiny.safetensors");
+        safetensors::serialize_to_file(views, None, &path).unwrap();
+        host.load_weights("tiny", &path).unwrap();
+    }
     let sandbox = Arc::new(Sandbox::new(support::test_host_config().sandbox).unwrap());
     let components = dir.path().join("components");
     std::fs::create_dir(&components).unwrap();
@@ -352,6 +360,64 @@ async fn tensors_compile_execute_donate_and_free() {
         kind(&e),
         (tonic::Code::InvalidArgument, "compile-failed".into())
     );
+
+    // Shared weights: readable, usable as arguments, never donated, charged to nobody.
+    assert_eq!(
+        c.info(authed(InfoRequest {}, t))
+            .await
+            .unwrap()
+            .into_inner()
+            .weight_sets,
+        vec!["tiny".to_string()]
+    );
+    let before = c
+        .usage(authed(UsageRequest {}, t))
+        .await
+        .unwrap()
+        .into_inner();
+    let ws = c
+        .open_weights(authed(
+            OpenWeightsRequest {
+                name: "tiny".into(),
+            },
+            t,
+        ))
+        .await
+        .unwrap()
+        .into_inner();
+    let w = ws.tensors[0].tensor.clone().unwrap();
+    assert_eq!((ws.tensors[0].name.as_str(), w.read_only), ("w", true));
+    assert_eq!(
+        get(&mut c, t, w.handle).await.unwrap(),
+        f32_bytes(&[0.5, -1.5])
+    );
+    let after = c
+        .usage(authed(UsageRequest {}, t))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(after.device_bytes, before.device_bytes);
+    assert_eq!(after.live_tensors, before.live_tensors + 1);
+    let e = c
+        .open_weights(authed(
+            OpenWeightsRequest {
+                name: "nope".into(),
+            },
+            t,
+        ))
+        .await
+        .unwrap_err();
+    assert_eq!(kind(&e).1, "not-found");
+    assert!(e.message().contains("tiny"), "{}", e.message());
+    c.free(authed(
+        FreeRequest {
+            tensors: vec![w.handle],
+            executables: vec![],
+        },
+        t,
+    ))
+    .await
+    .unwrap();
 
     let usage = c
         .usage(authed(UsageRequest {}, t))
