@@ -6,6 +6,7 @@
 #   bash scripts/dev.sh lint    # fmt --check, clippy and doc with warnings denied (CI runs it)
 #   bash scripts/dev.sh bench   # set up, then run the benchmarks (prints tables)
 #   bash scripts/dev.sh polyglot  # only the C/Python/JavaScript guest tools and guests
+#   bash scripts/dev.sh python-proto  # regenerate python/tpubox/_proto from host/proto (pinned grpcio-tools)
 #   bash scripts/dev.sh fuzz [SECONDS] [TARGET]  # fuzz TARGET (wit_calls: WIT host calls; programs: generated StableHLO); default 600 s, wit_calls
 # Everything downloaded goes under ${TPUBOX_CACHE_DIR:-~/.cache/tpubox}; nothing under the repo
 # except cargo's target/.
@@ -73,6 +74,7 @@ setup_system() {
 SERVE_VENV="$CACHE/venv-serve"   # tritonclient, numpy, pytest: tests/serve (tpubox serve)
 MOTO_VENV="$CACHE/venv-moto"     # moto's S3 server: tests/cache_remote.rs (tier-3 cache)
 JAX_VENV="$CACHE/venv-jax"       # a pinned jax: tests/jax (jax.export artifacts through tpubox exec)
+PYTHON_VENV="$CACHE/venv-python" # the tpubox Python client: python/tests, tests/notebook (Jupyter)
 
 # setup_venv DIR REQUIREMENTS: skipped while DIR's marker names this file's hash and this
 # python3; otherwise DIR is rebuilt from scratch (a venv is not relocatable: built in place).
@@ -91,6 +93,18 @@ setup_venvs() {
   setup_venv "$SERVE_VENV" scripts/venvs/serve.txt
   setup_venv "$MOTO_VENV" scripts/venvs/moto.txt
   setup_venv "$JAX_VENV" scripts/venvs/jax.txt
+  setup_venv "$PYTHON_VENV" scripts/venvs/python.txt
+}
+
+# Installs ./python (the tpubox client) into $PYTHON_VENV again, so that the tests see its
+# current sources: no dependencies (the venv pins them), no build isolation (the venv's pinned
+# setuptools builds it; nothing fetched). setuptools builds in the source tree: its build/ and
+# egg-info are removed before (a stale build/lib would be packed) and after.
+install_python_client() {
+  rm -rf python/build python/tpubox.egg-info
+  "$PYTHON_VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+    --force-reinstall ./python
+  rm -rf python/build python/tpubox.egg-info
 }
 
 install_debian() {
@@ -345,6 +359,20 @@ case "$cmd" in
     # tpubox serve driven by Triton's own clients (tritonclient over HTTP and gRPC).
     log "running the serving tests (tests/serve, pytest)"
     "$SERVE_VENV/bin/python" -m pytest tests/serve -q
+    # The Python client against tpubox serve's session API, tpubox.jax against JAX on the CPU.
+    install_python_client
+    log "running the Python client tests (python/tests, pytest)"
+    "$PYTHON_VENV/bin/python" -m pytest python/tests -q -p no:cacheprovider
+    # Jupyter kernels (jupyter_client, ipykernel) started through the tpubox kernel provisioner.
+    log "running the notebook tests (tests/notebook, pytest)"
+    "$PYTHON_VENV/bin/python" -m pytest tests/notebook -q -p no:cacheprovider
+    ;;
+  python-proto)
+    # python/tpubox/_proto from host/proto/tpubox/v1/session.proto; python/tests checks that
+    # the committed files are what this writes.
+    setup_venv "$PYTHON_VENV" scripts/venvs/python.txt
+    "$PYTHON_VENV/bin/python" python/tools/gen_proto.py python/tpubox/_proto
+    log "regenerated python/tpubox/_proto"
     ;;
   lint)
     # The gates CI runs besides the tests (.ci/run): formatting, clippy, docs; warnings fail.
@@ -362,6 +390,9 @@ case "$cmd" in
     cargo bench -p tpubox-host --bench minilm
     cargo bench -p tpubox-host --bench cache
     cargo bench -p tpubox-host --bench tenants
+    # The session API from the Python client: tiny-execute latency, 64 MiB transfers.
+    install_python_client
+    "$PYTHON_VENV/bin/python" python/bench/bench_session.py
     ;;
   fuzz)
     setup_system
@@ -369,7 +400,7 @@ case "$cmd" in
     fuzz "${2:-600}" "${3:-wit_calls}"
     ;;
   *)
-    echo "usage: bash scripts/dev.sh setup|demo|test|lint|bench|polyglot|fuzz [SECONDS] [TARGET]" >&2
+    echo "usage: bash scripts/dev.sh setup|demo|test|lint|bench|polyglot|python-proto|fuzz [SECONDS] [TARGET]" >&2
     exit 2
     ;;
 esac

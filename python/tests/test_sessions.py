@@ -1,0 +1,350 @@
+"""Sessions: isolation, limits, freeing, ending (closed, process gone, daemon gone), tokens."""
+
+from __future__ import annotations
+
+import gc
+import os
+import subprocess
+import sys
+import textwrap
+import time
+from urllib.request import urlopen
+
+import numpy as np
+import pytest
+from conftest import ALICE, BOB, EXITS, FEW, NO_SESSIONS
+
+import tpubox
+
+ADD = """
+func.func @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf32> {
+  %0 = stablehlo.add %a, %b : tensor<2x2xf32>
+  func.return %0 : tensor<2x2xf32>
+}
+"""
+
+
+def wait_until(pred, timeout=10.0, what="condition"):
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout} s (last: {v!r})")
+        time.sleep(0.05)
+
+
+def test_open_info_usage(alice, daemon):
+    assert alice.owned and alice.tenant == "alice"
+    assert alice.platform.name == "cpu" and alice.platform.devices
+    assert alice.limits.max_device_bytes == 1024 << 20
+    info = alice.info()
+    assert info.session_id == alice.session_id and info.tenant == "alice"
+    assert info.limits == alice.limits
+    assert info.usage == tpubox.Usage()
+    assert "alice" in repr(alice) and alice.token not in repr(alice)
+
+
+def test_tcp_and_unix_reach_the_same_daemon(daemon, alice, bob):
+    assert bob.address == daemon.tcp and alice.address == daemon.unix
+    t = bob.tensor(np.arange(3))
+    np.testing.assert_array_equal(t.numpy(), np.arange(3))
+    u = tpubox.tenant_usage(daemon.tcp, BOB)
+    assert u.tenant == "bob" and u.sessions == 1 and u.usage.device_bytes == 24
+
+
+def test_requested_limits_narrow_the_tenants(daemon):
+    with tpubox.connect(daemon.unix, ALICE, limits={"max_device_bytes": 1000}) as s:
+        assert s.limits.max_device_bytes == 1000
+        with pytest.raises(tpubox.ResourceExhausted, match="max-device-bytes"):
+            s.tensor(np.zeros(1001, np.uint8))
+    with pytest.raises(tpubox.InvalidArgument):
+        tpubox.connect(daemon.unix, ALICE, limits=tpubox.Limits(max_device_bytes=2 << 30))
+    with pytest.raises(ValueError, match="unknown limits"):
+        tpubox.connect(daemon.unix, ALICE, limits={"max_device_mib": 1})
+
+
+def test_another_sessions_handle_is_not_found(daemon, alice, bob):
+    a = alice.tensor(np.ones((2, 2), np.float32))
+    with pytest.raises(tpubox.NotFound) as e:
+        bob.get(a.handle)
+    assert e.value.kind == "not-found"
+    # Bob's executable given alice's tensor handle.
+    exe = bob.compile(ADD)
+    with pytest.raises(tpubox.NotFound):
+        exe(a, a)
+    # Bob cannot free it either: reported unknown, nothing freed.
+    assert bob.free(a.handle) == 0
+    np.testing.assert_array_equal(a.numpy(), np.ones((2, 2)))
+    # Nor use alice's executable.
+    alice_exe = alice.compile(ADD)
+    with pytest.raises(tpubox.NotFound):
+        tpubox.Executable.__call__(
+            _rebind(alice_exe, bob), bob.tensor(np.ones((2, 2), np.float32)),
+            bob.tensor(np.ones((2, 2), np.float32)),
+        )  # fmt: skip
+
+
+def _rebind(exe: tpubox.Executable, session: tpubox.Session) -> tpubox.Executable:
+    """EXE's handle number, as if SESSION had it."""
+    from tpubox._proto import session_pb2 as pb
+
+    other = tpubox.Executable(session, pb.CompileResponse(executable=exe.handle))
+    other._freed = True  # not ours to free
+    return other
+
+
+def test_device_byte_limit_then_free_and_go_on(small):
+    assert small.limits.max_device_bytes == 1 << 20
+    a = small.tensor(np.zeros(600_000, np.uint8))
+    with pytest.raises(tpubox.ResourceExhausted) as e:
+        small.tensor(np.zeros(600_000, np.uint8))
+    assert e.value.kind == "resource-exhausted"
+    assert e.value.limit == "max-device-bytes"
+    assert "max-device-bytes" in str(e.value)
+    u = small.usage()
+    assert u.device_bytes == 600_000 and u.refused >= 1
+    a.free()
+    b = small.tensor(np.ones(900_000, np.uint8))
+    assert int(b.numpy().sum()) == 900_000
+    assert small.usage().device_bytes == 900_000
+
+
+def test_execution_results_count_against_the_limit(small):
+    exe = small.compile(
+        """func.func @main(%a: tensor<f32>) -> tensor<200000xf32> {
+             %0 = stablehlo.broadcast_in_dim %a, dims = [] : (tensor<f32>) -> tensor<200000xf32>
+             func.return %0 : tensor<200000xf32>
+           }"""
+    )
+    (r,) = exe(np.float32(1))  # 800,000 bytes
+    with pytest.raises(tpubox.ResourceExhausted, match="max-device-bytes"):
+        exe(np.float32(2))
+    r.free()
+    (r,) = exe(np.float32(3))
+    assert r.numpy()[0] == 3
+
+
+def test_live_tensor_limit(small):
+    ts = [small.tensor(np.int8(i)) for i in range(50)]
+    with pytest.raises(tpubox.ResourceExhausted) as e:
+        small.tensor(np.int8(0))
+    assert e.value.limit == "max-live-tensors"
+    small.free(*ts)
+    assert small.usage().live_tensors == 0
+
+
+def test_free_context_managers_and_del_return_usage_to_zero(alice):
+    exe = alice.compile(ADD)
+    with alice.tensor(np.ones((2, 2), np.float32)) as x:
+        (y,) = exe(x, x)
+        assert alice.usage().live_tensors == 2
+    assert alice.usage().live_tensors == 1
+    assert alice.free(y, exe) == 2
+    assert alice.free(y) == 0  # already freed here: nothing sent
+    u = alice.usage()
+    assert (u.device_bytes, u.live_tensors, u.live_executables) == (0, 0, 0)
+    # Dropped objects are freed with the next call.
+    t = alice.tensor(np.zeros(1000, np.float32))
+    e = alice.compile(ADD)
+    del t, e
+    gc.collect()
+    u = alice.usage()
+    assert (u.device_bytes, u.live_tensors, u.live_executables) == (0, 0, 0), u
+    # Free by handle number.
+    t = alice.tensor(np.zeros(3))
+    assert alice.free(t.handle) == 1
+    assert alice.usage().live_tensors == 0
+
+
+def test_close_frees_everything(daemon):
+    s = tpubox.connect(daemon.unix, ALICE)
+    exe = s.compile(ADD)
+    xs = [s.tensor(np.ones((2, 2), np.float32)) for _ in range(5)]
+    exe(xs[0], xs[1])
+    u = tpubox.tenant_usage(daemon.unix, ALICE)
+    assert u.sessions == 1 and u.usage.live_tensors == 6 and u.usage.device_bytes == 96
+    s.close()
+    u = tpubox.tenant_usage(daemon.unix, ALICE)
+    assert u.sessions == 0 and u.usage == tpubox.Usage(), u
+    assert s.close() is False  # idempotent
+    assert xs[0].freed
+    with pytest.raises(tpubox.SessionEnded):
+        s.tensor(np.ones(2))
+    with pytest.raises(tpubox.SessionEnded):
+        xs[0].numpy()
+    del xs  # no error in __del__ after close
+
+
+def test_metrics_show_the_tenant(daemon, alice):
+    t = alice.tensor(np.zeros(1 << 16, np.uint8))
+
+    def gauge(name):
+        text = urlopen(daemon.metrics_url, timeout=5).read().decode()
+        for line in text.splitlines():
+            if line.startswith(f'{name}{{tenant="alice"}}'):
+                return float(line.split()[-1])
+        return None
+
+    assert gauge("tpubox_sessions") == 1
+    assert gauge("tpubox_tenant_device_bytes") == 1 << 16
+    t.free()
+    assert gauge("tpubox_tenant_device_bytes") == 0
+
+
+def _child(code: str, **env: str) -> subprocess.Popen:
+    return subprocess.Popen(
+        [sys.executable, "-c", textwrap.dedent(code)],
+        env={**os.environ, **env},
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+
+
+@pytest.mark.parametrize("how", ["exit", "os._exit", "SIGKILL"])
+def test_session_ends_when_its_process_goes_away(daemon, how):
+    # The child opens a session, makes a tensor, waits for a line on stdin, then goes away
+    # without closing: a normal exit (atexit runs), os._exit (no atexit: only the Attach
+    # stream's end tells the daemon), or SIGKILL.
+    code = f"""
+        import os, sys, numpy as np, tpubox
+        s = tpubox.connect({daemon.unix!r}, {EXITS!r})
+        t = s.tensor(np.ones(1 << 20, np.float32))
+        print(s.session_id, flush=True)
+        sys.stdin.readline()
+        if {how!r} == "os._exit":
+            os._exit(0)
+        sys.stdin.readline()  # SIGKILL comes while it waits here
+        """
+    p = _child(code)
+    sid = p.stdout.readline().strip()
+    assert sid.startswith("s-"), p.stderr.read() if p.poll() is not None else sid
+    u = tpubox.tenant_usage(daemon.unix, EXITS)
+    assert u.sessions == 1 and u.usage.device_bytes == 4 << 20, u
+    if how == "SIGKILL":
+        p.kill()
+    else:
+        p.stdin.write("go\n" if how == "os._exit" else "go\ngo\n")
+        p.stdin.flush()
+    p.wait(timeout=30)
+    wait_until(
+        lambda: tpubox.tenant_usage(daemon.unix, EXITS).sessions == 0,
+        timeout=5,
+        what="the child's session ending",
+    )
+    u = tpubox.tenant_usage(daemon.unix, EXITS)
+    assert u.usage == tpubox.Usage(), u
+    assert f"session={sid}" in daemon.log()
+
+
+def test_joined_session_from_the_environment(daemon, alice):
+    t = alice.tensor(np.arange(4, dtype=np.int32))
+    code = f"""
+        import numpy as np, tpubox
+        s = tpubox.connect()
+        assert not s.owned and s.session_id == {alice.session_id!r}, s
+        print(s.get({t.handle}).tolist())
+        u = s.tensor(np.ones(2, np.int8))
+        with s:  # a joined session's context manager does not end it
+            pass
+        print(u.handle)
+        """
+    p = _child(code, TPUBOX_ADDRESS=daemon.unix, TPUBOX_SESSION_TOKEN=alice.token)
+    out, err = p.communicate(timeout=60)
+    assert p.returncode == 0, err
+    lines = out.splitlines()
+    assert lines[0] == "[0, 1, 2, 3]"
+    # The child exited; the session (alice's) lives on with the child's tensor in it.
+    assert alice.usage().live_tensors == 2
+    np.testing.assert_array_equal(alice.get(int(lines[1])), [1, 1])
+
+
+def test_connect_without_address_or_environment(monkeypatch):
+    monkeypatch.delenv("TPUBOX_ADDRESS", raising=False)
+    monkeypatch.delenv("TPUBOX_SESSION_TOKEN", raising=False)
+    with pytest.raises(ValueError, match="TPUBOX_ADDRESS"):
+        tpubox.connect()
+
+
+def test_bad_tokens(daemon, alice):
+    with pytest.raises(tpubox.Unauthenticated) as e:
+        tpubox.connect(daemon.unix, "not-a-token")
+    assert e.value.kind == "unauthenticated"
+    with pytest.raises(tpubox.Unauthenticated):
+        tpubox.connect(daemon.unix, None)
+    with pytest.raises(tpubox.PermissionDenied):
+        tpubox.connect(daemon.unix, NO_SESSIONS)
+    # A session token is not a tenant token, and the other way round.
+    with pytest.raises(tpubox.Unauthenticated):
+        tpubox.tenant_usage(daemon.unix, alice.token)
+    with pytest.raises(tpubox.Unauthenticated):
+        tpubox.session._join(daemon.unix, ALICE, 5.0)
+
+
+def test_max_sessions(daemon):
+    a = tpubox.connect(daemon.unix, FEW)
+    b = tpubox.connect(daemon.tcp, FEW)
+    with pytest.raises(tpubox.ResourceExhausted, match="max-sessions"):
+        tpubox.connect(daemon.unix, FEW)
+    a.close()
+    c = tpubox.connect(daemon.unix, FEW)
+    b.close()
+    c.close()
+    assert tpubox.tenant_usage(daemon.unix, FEW).sessions == 0
+
+
+def test_unreachable_daemon_is_unavailable_at_once(tmp_path):
+    for address in (f"unix:{tmp_path}/nothing.sock", "127.0.0.1:1"):
+        t0 = time.monotonic()
+        with pytest.raises(tpubox.Unavailable) as e:
+            tpubox.connect(address, ALICE)
+        assert time.monotonic() - t0 < 5
+        assert address in str(e.value) and e.value.kind == "unavailable"
+
+
+@pytest.mark.parametrize("door", ["local", "unix", "tcp"])
+def test_daemon_killed_means_unavailable_promptly(own_daemon, door):
+    address = own_daemon.tcp if door == "tcp" else own_daemon.unix
+    s = tpubox.connect(address, ALICE, local=door == "local")
+    assert s.transport == ("local" if door == "local" else "grpc")
+    t = s.tensor(np.ones(4, np.float32))
+    exe = s.compile(ADD)
+    own_daemon.kill()
+    for call in (t.numpy, s.usage, lambda: s.tensor(np.ones(2)), lambda: exe(t, t)):
+        t0 = time.monotonic()
+        with pytest.raises(tpubox.Unavailable) as e:
+            call()
+        assert time.monotonic() - t0 < 5, call
+        assert address in str(e.value)
+    s.close()  # does not raise
+
+
+def test_daemon_stopping_ends_attached_sessions(own_daemon):
+    s = tpubox.connect(own_daemon.tcp, BOB)
+    s.tensor(np.ones(2))
+    assert own_daemon.stop() == 0
+    wait_until(lambda: s._attachment.done.is_set(), what="the Attach stream ending")
+    with pytest.raises((tpubox.SessionEnded, tpubox.Unavailable)):
+        s.usage()
+
+
+def test_transport_choice(daemon):
+    with tpubox.connect(daemon.unix, BOB) as s:
+        assert s.transport == "local"  # a Unix-socket session on the daemon's machine
+    with tpubox.connect(daemon.tcp, BOB) as s:
+        assert s.transport == "grpc"  # TCP: the local socket only when asked for
+    with tpubox.connect(daemon.tcp, BOB, local=True) as s:
+        assert s.transport == "local"
+        np.testing.assert_array_equal(s.tensor(np.arange(3)).numpy(), np.arange(3))
+    assert tpubox.tenant_usage(daemon.unix, BOB).sessions == 0
+
+
+def test_closing_a_joined_session_only_disconnects(daemon, alice):
+    # A joined Session object has no Attach stream of its own; the owner's holds the session.
+    joined = tpubox.session._join(daemon.unix, alice.token, 5.0)
+    joined.close()  # disconnects only
+    assert alice.usage() == tpubox.Usage()
+    assert joined.closed and not alice.closed

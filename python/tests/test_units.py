@@ -1,0 +1,161 @@
+"""Pieces of the client that need no daemon: addresses, limits, error mapping, the bulk-message
+codec, output sinks, the kernelspec command's parsing."""
+
+from __future__ import annotations
+
+import io
+
+import grpc
+import numpy as np
+import pytest
+
+import tpubox
+from tpubox import _dtypes, _wire, errors
+from tpubox._proto import session_pb2 as pb
+from tpubox.kernelspec import kernel_json, parse_limit
+from tpubox.session import _Sink, _target
+
+
+@pytest.mark.parametrize(
+    "given, want",
+    [
+        ("unix:/run/tpubox.sock", "unix:/run/tpubox.sock"),
+        ("/run/tpubox.sock", "unix:/run/tpubox.sock"),
+        ("127.0.0.1:7070", "127.0.0.1:7070"),
+        ("grpc://localhost:7070", "localhost:7070"),
+        ("tcp://[::1]:7070", "[::1]:7070"),
+    ],
+)
+def test_addresses(given, want):
+    assert _target(given) == want
+
+
+def test_limits_coerce():
+    assert tpubox.Limits.coerce(None) == tpubox.Limits()
+    lim = tpubox.Limits.coerce({"max_device_bytes": "1024", "max_call_seconds": 2})
+    assert lim.max_device_bytes == 1024 and lim.max_call_seconds == 2.0
+    assert isinstance(lim.max_call_seconds, float)
+    with pytest.raises(ValueError, match="unknown limits"):
+        tpubox.Limits.coerce({"max_device_mib": 1})
+
+
+class FakeRpcError(grpc.RpcError):
+    def __init__(self, code, details, kind=None):
+        self._code, self._details, self._kind = code, details, kind
+
+    def code(self):
+        return self._code
+
+    def details(self):
+        return self._details
+
+    def trailing_metadata(self):
+        return (("tpubox-error-kind", self._kind),) if self._kind else ()
+
+
+def test_error_kinds_from_the_trailer_then_the_status():
+    e = errors.from_rpc_error(
+        FakeRpcError(grpc.StatusCode.INVALID_ARGUMENT, "bad MLIR", "compile-failed"), "a", "Compile"
+    )
+    assert type(e) is tpubox.CompileFailed and e.kind == "compile-failed"
+    assert e.code == grpc.StatusCode.INVALID_ARGUMENT
+    e = errors.from_rpc_error(
+        FakeRpcError(
+            grpc.StatusCode.UNAUTHENTICATED, "the session has ended: idle", "session-ended"
+        ),
+        "a",
+        "Usage",
+    )
+    assert isinstance(e, tpubox.SessionEnded)
+    e = errors.from_rpc_error(
+        FakeRpcError(grpc.StatusCode.UNAVAILABLE, "refused"), "unix:/x", "Info"
+    )
+    assert isinstance(e, tpubox.Unavailable) and "unix:/x" in str(e) and "Info" in str(e)
+    e = errors.from_rpc_error(
+        FakeRpcError(
+            grpc.StatusCode.RESOURCE_EXHAUSTED,
+            "holding 3 bytes, 9 more would exceed 10 (limit max-device-bytes)",
+            "resource-exhausted",
+        ),
+        "a",
+        "PutTensor",
+    )
+    assert e.limit == "max-device-bytes" and str(e).startswith("resource-exhausted: ")
+    assert isinstance(e, tpubox.TpuboxError)
+    # Unknown kinds still make a TpuboxError; pickling keeps the class.
+    import pickle
+
+    e = errors.error("something-new", "?")
+    assert type(e) is tpubox.TpuboxError and e.kind == "something-new"
+    e2 = pickle.loads(pickle.dumps(tpubox.NotFound("not-found", "handle 3")))
+    assert type(e2) is tpubox.NotFound and e2.message == "handle 3"
+
+
+def test_every_kind_has_its_class():
+    for name in tpubox.__all__:
+        obj = getattr(tpubox, name)
+        if (
+            isinstance(obj, type)
+            and issubclass(obj, tpubox.TpuboxError)
+            and obj is not tpubox.TpuboxError
+        ):
+            assert type(errors.error(obj.KIND, "m")) is obj
+            assert obj.__doc__
+
+
+def test_wire_codec_matches_protobuf():
+    data = np.arange(1000, dtype=np.uint8)
+    head = pb.PutTensorChunk(spec=pb.TensorSpec(dtype=pb.U8, dims=[1000]), device=2)
+    raw = _wire.put_chunk(head, memoryview(data))
+    m = pb.PutTensorChunk.FromString(raw)
+    assert m.spec.dims == [1000] and m.device == 2 and m.data == data.tobytes()
+    assert _wire.put_chunk(None, memoryview(b"")) == b""
+    for n in (0, 1, 127, 128, 300, 1 << 22, (1 << 35) + 7):
+        assert _wire._read_varint(memoryview(_wire.varint(n)), 0) == (n, len(_wire.varint(n)))
+    chunk = pb.TensorChunk(info=pb.TensorInfo(handle=7, byte_size=5), data=b"hello")
+    info, view = _wire.parse_tensor_chunk(chunk.SerializeToString())
+    assert info.handle == 7 and bytes(view) == b"hello"
+    info, view = _wire.parse_tensor_chunk(pb.TensorChunk(data=b"xy").SerializeToString())
+    assert info is None and bytes(view) == b"xy"
+
+
+def test_dtype_table_is_complete():
+    assert len(_dtypes.SUPPORTED) == 15
+    for dt in _dtypes.SUPPORTED:
+        assert _dtypes.from_wire(_dtypes.to_wire(dt)) == dt
+        assert _dtypes.to_wire(dt.newbyteorder(">")) == _dtypes.to_wire(dt) or dt.itemsize == 1
+    with pytest.raises(TypeError):
+        _dtypes.to_wire(np.dtype("U3"))
+
+
+def test_sinks_decode_across_chunks():
+    text = io.StringIO()
+    s = _Sink(text)
+    snow = "snow ☃ man".encode()
+    for i in range(len(snow)):  # one byte at a time: the snowman is split
+        s.write(snow[i : i + 1])
+    s.finish()
+    assert text.getvalue() == "snow ☃ man"
+    b = io.BytesIO()
+    s = _Sink(b)
+    s.write(b"\xff\x00")
+    assert b.getvalue() == b"\xff\x00"
+    _Sink(False).write(b"nothing")
+
+
+def test_parse_limit_and_kernel_json():
+    assert parse_limit("max_device_bytes=64MiB") == ("max_device_bytes", 64 << 20)
+    assert parse_limit("max-device-bytes=2G") == ("max_device_bytes", 2 << 30)
+    assert parse_limit("max_device_bytes=1000") == ("max_device_bytes", 1000)
+    assert parse_limit("max_live_tensors=12") == ("max_live_tensors", 12)
+    assert parse_limit("idle_timeout_seconds=1.5") == ("idle_timeout_seconds", 1.5)
+    for bad in ("max_device_mib=3", "max_device_bytes", "max_device_bytes=lots"):
+        with pytest.raises(ValueError):
+            parse_limit(bad)
+    spec = kernel_json(address="unix:/s", token_file="~/t", limits={"max_live_tensors": 5})
+    assert spec["argv"][1:] == ["-m", "ipykernel_launcher", "-f", "{connection_file}"]
+    prov = spec["metadata"]["kernel_provisioner"]
+    assert prov == {
+        "provisioner_name": "tpubox-provisioner",
+        "config": {"address": "unix:/s", "token_file": "~/t", "limits": {"max_live_tensors": 5}},
+    }

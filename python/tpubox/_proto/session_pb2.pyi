@@ -1,0 +1,371 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf.internal import enum_type_wrapper as _enum_type_wrapper
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class DType(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+    __slots__ = ()
+    DTYPE_UNSPECIFIED: _ClassVar[DType]
+    PRED: _ClassVar[DType]
+    S8: _ClassVar[DType]
+    S16: _ClassVar[DType]
+    S32: _ClassVar[DType]
+    S64: _ClassVar[DType]
+    U8: _ClassVar[DType]
+    U16: _ClassVar[DType]
+    U32: _ClassVar[DType]
+    U64: _ClassVar[DType]
+    F16: _ClassVar[DType]
+    F32: _ClassVar[DType]
+    F64: _ClassVar[DType]
+    C64: _ClassVar[DType]
+    BF16: _ClassVar[DType]
+    C128: _ClassVar[DType]
+DTYPE_UNSPECIFIED: DType
+PRED: DType
+S8: DType
+S16: DType
+S32: DType
+S64: DType
+U8: DType
+U16: DType
+U32: DType
+U64: DType
+F16: DType
+F32: DType
+F64: DType
+C64: DType
+BF16: DType
+C128: DType
+
+class TensorSpec(_message.Message):
+    __slots__ = ("dtype", "dims")
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    DIMS_FIELD_NUMBER: _ClassVar[int]
+    dtype: DType
+    dims: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class Limits(_message.Message):
+    __slots__ = ("max_device_bytes", "max_live_tensors", "max_live_executables", "max_program_bytes", "max_compiles_per_minute", "max_call_seconds", "max_guest_memory_bytes", "idle_timeout_seconds")
+    MAX_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_LIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    MAX_LIVE_EXECUTABLES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PROGRAM_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_COMPILES_PER_MINUTE_FIELD_NUMBER: _ClassVar[int]
+    MAX_CALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_GUEST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
+    IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    max_device_bytes: int
+    max_live_tensors: int
+    max_live_executables: int
+    max_program_bytes: int
+    max_compiles_per_minute: int
+    max_call_seconds: float
+    max_guest_memory_bytes: int
+    idle_timeout_seconds: float
+    def __init__(self, max_device_bytes: _Optional[int] = ..., max_live_tensors: _Optional[int] = ..., max_live_executables: _Optional[int] = ..., max_program_bytes: _Optional[int] = ..., max_compiles_per_minute: _Optional[int] = ..., max_call_seconds: _Optional[float] = ..., max_guest_memory_bytes: _Optional[int] = ..., idle_timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class OpenRequest(_message.Message):
+    __slots__ = ("limits", "end_on_disconnect", "label")
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    END_ON_DISCONNECT_FIELD_NUMBER: _ClassVar[int]
+    LABEL_FIELD_NUMBER: _ClassVar[int]
+    limits: Limits
+    end_on_disconnect: bool
+    label: str
+    def __init__(self, limits: _Optional[_Union[Limits, _Mapping]] = ..., end_on_disconnect: bool = ..., label: _Optional[str] = ...) -> None: ...
+
+class OpenResponse(_message.Message):
+    __slots__ = ("session_id", "session_token", "tenant", "limits", "platform", "local_socket")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    session_token: str
+    tenant: str
+    limits: Limits
+    platform: Platform
+    local_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tenant: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., platform: _Optional[_Union[Platform, _Mapping]] = ..., local_socket: _Optional[str] = ...) -> None: ...
+
+class Platform(_message.Message):
+    __slots__ = ("name", "version", "plugin", "devices")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PLUGIN_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: str
+    plugin: str
+    devices: _containers.RepeatedCompositeFieldContainer[Device]
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[str] = ..., plugin: _Optional[str] = ..., devices: _Optional[_Iterable[_Union[Device, _Mapping]]] = ...) -> None: ...
+
+class Device(_message.Message):
+    __slots__ = ("index", "kind", "description")
+    INDEX_FIELD_NUMBER: _ClassVar[int]
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    DESCRIPTION_FIELD_NUMBER: _ClassVar[int]
+    index: int
+    kind: str
+    description: str
+    def __init__(self, index: _Optional[int] = ..., kind: _Optional[str] = ..., description: _Optional[str] = ...) -> None: ...
+
+class AttachRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class AttachEvent(_message.Message):
+    __slots__ = ("kind", "session_id", "reason")
+    class Kind(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        KIND_UNSPECIFIED: _ClassVar[AttachEvent.Kind]
+        ATTACHED: _ClassVar[AttachEvent.Kind]
+        ENDED: _ClassVar[AttachEvent.Kind]
+    KIND_UNSPECIFIED: AttachEvent.Kind
+    ATTACHED: AttachEvent.Kind
+    ENDED: AttachEvent.Kind
+    KIND_FIELD_NUMBER: _ClassVar[int]
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    kind: AttachEvent.Kind
+    session_id: str
+    reason: str
+    def __init__(self, kind: _Optional[_Union[AttachEvent.Kind, str]] = ..., session_id: _Optional[str] = ..., reason: _Optional[str] = ...) -> None: ...
+
+class CloseRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class CloseResponse(_message.Message):
+    __slots__ = ("closed",)
+    CLOSED_FIELD_NUMBER: _ClassVar[int]
+    closed: bool
+    def __init__(self, closed: bool = ...) -> None: ...
+
+class InfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class InfoResponse(_message.Message):
+    __slots__ = ("session_id", "tenant", "limits", "platform", "usage", "weight_sets", "components", "local_socket")
+    SESSION_ID_FIELD_NUMBER: _ClassVar[int]
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    LIMITS_FIELD_NUMBER: _ClassVar[int]
+    PLATFORM_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    WEIGHT_SETS_FIELD_NUMBER: _ClassVar[int]
+    COMPONENTS_FIELD_NUMBER: _ClassVar[int]
+    LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    session_id: str
+    tenant: str
+    limits: Limits
+    platform: Platform
+    usage: UsageResponse
+    weight_sets: _containers.RepeatedScalarFieldContainer[str]
+    components: _containers.RepeatedScalarFieldContainer[str]
+    local_socket: str
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., platform: _Optional[_Union[Platform, _Mapping]] = ..., usage: _Optional[_Union[UsageResponse, _Mapping]] = ..., weight_sets: _Optional[_Iterable[str]] = ..., components: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ...) -> None: ...
+
+class PutTensorChunk(_message.Message):
+    __slots__ = ("spec", "device", "data")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    spec: TensorSpec
+    device: int
+    data: bytes
+    def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., device: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class TensorInfo(_message.Message):
+    __slots__ = ("handle", "spec", "device", "byte_size", "read_only")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    spec: TensorSpec
+    device: int
+    byte_size: int
+    read_only: bool
+    def __init__(self, handle: _Optional[int] = ..., spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., device: _Optional[int] = ..., byte_size: _Optional[int] = ..., read_only: bool = ...) -> None: ...
+
+class GetTensorRequest(_message.Message):
+    __slots__ = ("handle", "chunk_bytes")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    chunk_bytes: int
+    def __init__(self, handle: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class TensorChunk(_message.Message):
+    __slots__ = ("info", "data")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    info: TensorInfo
+    data: bytes
+    def __init__(self, info: _Optional[_Union[TensorInfo, _Mapping]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class FreeRequest(_message.Message):
+    __slots__ = ("tensors", "executables")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    EXECUTABLES_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedScalarFieldContainer[int]
+    executables: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, tensors: _Optional[_Iterable[int]] = ..., executables: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class FreeResponse(_message.Message):
+    __slots__ = ("freed", "unknown")
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    freed: int
+    unknown: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, freed: _Optional[int] = ..., unknown: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CompileRequest(_message.Message):
+    __slots__ = ("program", "format", "device")
+    class Format(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
+        __slots__ = ()
+        FORMAT_AUTO: _ClassVar[CompileRequest.Format]
+        MLIR_TEXT: _ClassVar[CompileRequest.Format]
+        MLIR_BYTECODE: _ClassVar[CompileRequest.Format]
+    FORMAT_AUTO: CompileRequest.Format
+    MLIR_TEXT: CompileRequest.Format
+    MLIR_BYTECODE: CompileRequest.Format
+    PROGRAM_FIELD_NUMBER: _ClassVar[int]
+    FORMAT_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    program: bytes
+    format: CompileRequest.Format
+    device: int
+    def __init__(self, program: _Optional[bytes] = ..., format: _Optional[_Union[CompileRequest.Format, str]] = ..., device: _Optional[int] = ...) -> None: ...
+
+class CompileResponse(_message.Message):
+    __slots__ = ("executable", "parameters", "results", "result_bytes", "temp_bytes", "fingerprint")
+    EXECUTABLE_FIELD_NUMBER: _ClassVar[int]
+    PARAMETERS_FIELD_NUMBER: _ClassVar[int]
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_BYTES_FIELD_NUMBER: _ClassVar[int]
+    TEMP_BYTES_FIELD_NUMBER: _ClassVar[int]
+    FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    executable: int
+    parameters: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    results: _containers.RepeatedCompositeFieldContainer[TensorSpec]
+    result_bytes: int
+    temp_bytes: int
+    fingerprint: str
+    def __init__(self, executable: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., result_bytes: _Optional[int] = ..., temp_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+
+class ExecuteRequest(_message.Message):
+    __slots__ = ("executable", "arguments", "donate")
+    EXECUTABLE_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    DONATE_FIELD_NUMBER: _ClassVar[int]
+    executable: int
+    arguments: _containers.RepeatedScalarFieldContainer[int]
+    donate: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, executable: _Optional[int] = ..., arguments: _Optional[_Iterable[int]] = ..., donate: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ExecuteResponse(_message.Message):
+    __slots__ = ("results",)
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    def __init__(self, results: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+
+class OpenWeightsRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class OpenWeightsResponse(_message.Message):
+    __slots__ = ("tensors",)
+    class Entry(_message.Message):
+        __slots__ = ("name", "tensor")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        TENSOR_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        tensor: TensorInfo
+        def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ...) -> None: ...
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedCompositeFieldContainer[OpenWeightsResponse.Entry]
+    def __init__(self, tensors: _Optional[_Iterable[_Union[OpenWeightsResponse.Entry, _Mapping]]] = ...) -> None: ...
+
+class RunComponentRequest(_message.Message):
+    __slots__ = ("wasm", "name", "args", "stdin", "timeout_seconds")
+    WASM_FIELD_NUMBER: _ClassVar[int]
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    ARGS_FIELD_NUMBER: _ClassVar[int]
+    STDIN_FIELD_NUMBER: _ClassVar[int]
+    TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    wasm: bytes
+    name: str
+    args: _containers.RepeatedScalarFieldContainer[str]
+    stdin: bytes
+    timeout_seconds: float
+    def __init__(self, wasm: _Optional[bytes] = ..., name: _Optional[str] = ..., args: _Optional[_Iterable[str]] = ..., stdin: _Optional[bytes] = ..., timeout_seconds: _Optional[float] = ...) -> None: ...
+
+class RunComponentEvent(_message.Message):
+    __slots__ = ("stdout", "stderr", "exit")
+    class Exit(_message.Message):
+        __slots__ = ("code", "error", "elapsed_seconds")
+        CODE_FIELD_NUMBER: _ClassVar[int]
+        ERROR_FIELD_NUMBER: _ClassVar[int]
+        ELAPSED_SECONDS_FIELD_NUMBER: _ClassVar[int]
+        code: int
+        error: str
+        elapsed_seconds: float
+        def __init__(self, code: _Optional[int] = ..., error: _Optional[str] = ..., elapsed_seconds: _Optional[float] = ...) -> None: ...
+    STDOUT_FIELD_NUMBER: _ClassVar[int]
+    STDERR_FIELD_NUMBER: _ClassVar[int]
+    EXIT_FIELD_NUMBER: _ClassVar[int]
+    stdout: bytes
+    stderr: bytes
+    exit: RunComponentEvent.Exit
+    def __init__(self, stdout: _Optional[bytes] = ..., stderr: _Optional[bytes] = ..., exit: _Optional[_Union[RunComponentEvent.Exit, _Mapping]] = ...) -> None: ...
+
+class UsageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class UsageResponse(_message.Message):
+    __slots__ = ("device_bytes", "peak_device_bytes", "live_tensors", "live_executables", "compiles", "executions", "device_seconds", "refused")
+    DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    LIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    LIVE_EXECUTABLES_FIELD_NUMBER: _ClassVar[int]
+    COMPILES_FIELD_NUMBER: _ClassVar[int]
+    EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    REFUSED_FIELD_NUMBER: _ClassVar[int]
+    device_bytes: int
+    peak_device_bytes: int
+    live_tensors: int
+    live_executables: int
+    compiles: int
+    executions: int
+    device_seconds: float
+    refused: int
+    def __init__(self, device_bytes: _Optional[int] = ..., peak_device_bytes: _Optional[int] = ..., live_tensors: _Optional[int] = ..., live_executables: _Optional[int] = ..., compiles: _Optional[int] = ..., executions: _Optional[int] = ..., device_seconds: _Optional[float] = ..., refused: _Optional[int] = ...) -> None: ...
+
+class TenantUsageRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TenantUsageResponse(_message.Message):
+    __slots__ = ("tenant", "sessions", "usage")
+    TENANT_FIELD_NUMBER: _ClassVar[int]
+    SESSIONS_FIELD_NUMBER: _ClassVar[int]
+    USAGE_FIELD_NUMBER: _ClassVar[int]
+    tenant: str
+    sessions: int
+    usage: UsageResponse
+    def __init__(self, tenant: _Optional[str] = ..., sessions: _Optional[int] = ..., usage: _Optional[_Union[UsageResponse, _Mapping]] = ...) -> None: ...

@@ -1,0 +1,396 @@
+"""Run JAX functions on the tpubox daemon's device.
+
+``tpubox.jax.jit(f)`` is used like ``jax.jit(f)``, but the program runs on the daemon: once per
+input signature (the pytree structure, each leaf's shape and dtype, the static arguments) it
+exports ``f`` with ``jax.export`` for the daemon's platform (``Session.platform.name``: cpu,
+cuda, tpu), sends the serialized StableHLO (portable VHLO bytecode) to the daemon to compile,
+and keeps the :class:`tpubox.Executable`. Each call then executes it: leaves that are
+:class:`tpubox.Tensor` s are used where they are (on the device), other leaves (NumPy arrays,
+JAX arrays, Python scalars) are put on the device for the call and freed after. Results come
+back as ``tpubox.Tensor`` s in the function's output pytree, still on the device: feed them to
+the next call, or bring them over with :func:`device_get` (or ``Tensor.numpy()``).
+
+JAX itself only traces and lowers here (on the CPU, in the client process); it never touches
+an accelerator. What cannot run this way is refused with :class:`tpubox.Unsupported`: programs
+for more than one device, effects (host callbacks, ``jax.debug.print``, ordered effects), and
+symbolic shapes. Python scalars are weakly typed, as in JAX; dtypes follow JAX's (float64
+inputs become float32 unless ``jax_enable_x64`` is on).
+
+Needs the ``jax`` extra (``pip install 'tpubox[jax]'``).
+"""
+
+from __future__ import annotations
+
+import functools
+import threading
+import weakref
+from typing import Any, Callable, Hashable, Iterable, Sequence
+
+import jax
+import numpy as np
+from jax import export as jax_export
+
+from . import session as _session
+from .errors import Internal, Unsupported
+from .session import Executable, Session, Tensor
+
+__all__ = ["jit", "JitFunction", "device_get", "device_put", "jax_platform"]
+
+# PJRT platform names (what the daemon reports) -> jax.export platform names.
+_PLATFORMS = {
+    "cpu": "cpu",
+    "host": "cpu",
+    "cuda": "cuda",
+    "gpu": "cuda",
+    "rocm": "rocm",
+    "tpu": "tpu",
+}
+
+
+def jax_platform(session: Session) -> str:
+    """The ``jax.export`` platform name for SESSION's daemon (``cpu``, ``cuda``, ``rocm``,
+    ``tpu``)."""
+    name = session.platform.name.lower()
+    return _PLATFORMS.get(name, name)
+
+
+class _Entry:
+    """One compiled signature: the Exported, its Executable, and how to call it."""
+
+    __slots__ = ("exported", "executable", "kept", "in_dtypes", "donate")
+
+    def __init__(
+        self,
+        exported: Any,
+        executable: Executable,
+        kept: tuple[int, ...],
+        in_dtypes: list[np.dtype],
+        donate: tuple[int, ...],
+    ):
+        self.exported = exported
+        self.executable = executable
+        self.kept = kept
+        self.in_dtypes = in_dtypes
+        self.donate = donate
+
+
+def _leaf_spec(x: Any) -> tuple[Any, tuple[tuple[int, ...], np.dtype, bool]]:
+    """(the leaf to send, (shape, dtype, weak_type)) of one input leaf."""
+    if isinstance(x, Tensor):
+        return x, (x.shape, x.dtype, False)
+    if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
+        # Python scalars are weakly typed in JAX: `x_f16 * 2.0` stays float16.
+        dtype = jax.dtypes.canonicalize_dtype(np.asarray(x).dtype)
+        return np.asarray(x, dtype=dtype), ((), dtype, True)
+    try:
+        a = np.asarray(x)
+    except Exception as e:
+        raise TypeError(f"tpubox.jax.jit: cannot pass a {type(x).__name__} ({e})") from None
+    dtype = jax.dtypes.canonicalize_dtype(a.dtype)
+    if a.dtype != dtype:
+        a = a.astype(dtype)
+    return a, (tuple(a.shape), dtype, False)
+
+
+class JitFunction:
+    """A function compiled for and run on the tpubox daemon (:func:`jit` makes one).
+
+    Calling it returns the function's outputs as :class:`tpubox.Tensor` s, in the function's
+    output pytree.
+
+    Attributes:
+        compiles: how many times it exported and compiled (once per new signature and
+            session).
+    """
+
+    def __init__(
+        self,
+        fun: Callable[..., Any],
+        *,
+        session: Session | None,
+        static_argnums: Sequence[int],
+        static_argnames: Sequence[str],
+        donate_argnums: Sequence[int],
+    ):
+        self._fun = fun
+        self._session = session
+        self._static_argnums = tuple(sorted(set(int(i) for i in static_argnums)))
+        self._static_argnames = frozenset(static_argnames)
+        self._donate_argnums = frozenset(int(i) for i in donate_argnums)
+        self._cache: weakref.WeakKeyDictionary[Session, dict[Hashable, _Entry]] = (
+            weakref.WeakKeyDictionary()
+        )
+        self._lock = threading.Lock()
+        self.compiles = 0
+        functools.update_wrapper(self, fun)
+
+    # -- signatures -------------------------------------------------------------------------
+
+    def _split(self, args: tuple, kwargs: dict) -> tuple[tuple, dict, tuple, tuple, dict]:
+        n = len(args)
+        static_pos = tuple(sorted({i + n if i < 0 else i for i in self._static_argnums}))
+        for i in static_pos:
+            if not 0 <= i < n:
+                raise TypeError(f"static_argnums names argument {i}, but {n} were given")
+        statics = tuple((i, args[i]) for i in static_pos)
+        dyn_positions = tuple(i for i in range(n) if i not in static_pos)
+        dyn_args = tuple(args[i] for i in dyn_positions)
+        static_kw = {k: v for k, v in kwargs.items() if k in self._static_argnames}
+        dyn_kw = {k: v for k, v in kwargs.items() if k not in self._static_argnames}
+        for v in (*(v for _, v in statics), *static_kw.values()):
+            try:
+                hash(v)
+            except TypeError:
+                raise TypeError(f"tpubox.jax.jit: static argument {v!r} is not hashable") from None
+        return dyn_args, dyn_kw, statics, dyn_positions, static_kw
+
+    def _entry(self, session: Session, args: tuple, kwargs: dict) -> tuple[_Entry, list[Any]]:
+        dyn_args, dyn_kw, statics, dyn_positions, static_kw = self._split(args, kwargs)
+        leaves, treedef = jax.tree_util.tree_flatten((dyn_args, dyn_kw))
+        sent = []
+        specs = []
+        for leaf in leaves:
+            s, spec = _leaf_spec(leaf)
+            sent.append(s)
+            specs.append(spec)
+        key = (
+            treedef,
+            tuple((shape, str(dtype), weak) for shape, dtype, weak in specs),
+            statics,
+            tuple(sorted(static_kw.items())),
+            bool(jax.config.jax_enable_x64),  # type: ignore[attr-defined]
+        )
+        with self._lock:
+            # Entries of closed sessions are dead (their executables went with them).
+            for old in [s for s in self._cache if s.closed]:
+                del self._cache[old]
+            per_session = self._cache.setdefault(session, {})
+            entry = per_session.get(key)
+        if entry is None:
+            entry = self._compile(session, treedef, specs, statics, static_kw, dyn_positions)
+            with self._lock:
+                per_session[key] = entry
+        return entry, sent
+
+    def _compile(
+        self,
+        session: Session,
+        treedef: Any,
+        specs: list[tuple[tuple[int, ...], np.dtype, bool]],
+        statics: tuple,
+        static_kw: dict,
+        dyn_positions: tuple[int, ...],
+    ) -> _Entry:
+        fun = self._fun
+        n_args = len(dyn_positions) + len(statics)
+
+        def bound(dyn_args: tuple, dyn_kw: dict) -> Any:
+            full: list[Any] = [None] * n_args
+            for i, v in statics:
+                full[i] = v
+            for i, v in zip(dyn_positions, dyn_args):
+                full[i] = v
+            return fun(*full, **dyn_kw, **static_kw)
+
+        sds = [jax.ShapeDtypeStruct(shape, dtype, weak_type=weak) for shape, dtype, weak in specs]
+        dyn_args_sds, dyn_kw_sds = jax.tree_util.tree_unflatten(treedef, sds)
+        platform = jax_platform(session)
+        name = getattr(fun, "__name__", "function")
+        try:
+            exp = jax_export.export(jax.jit(bound), platforms=[platform])(dyn_args_sds, dyn_kw_sds)
+        except NotImplementedError as e:
+            raise Unsupported(
+                "unsupported", f"tpubox.jax.jit({name}): jax.export cannot export it: {e}"
+            ) from e
+        self._check(exp, name, len(sds))
+        in_dtypes = []
+        for i, (aval, (shape, dtype, _)) in enumerate(zip(exp.in_avals, specs)):
+            if tuple(aval.shape) != tuple(shape) or np.dtype(aval.dtype) != np.dtype(dtype):
+                raise TypeError(
+                    f"tpubox.jax.jit({name}): input leaf {i} is {np.dtype(dtype)}{list(shape)} "
+                    f"but JAX traces it as {aval.str_short()} (a float64/int64/complex128 "
+                    "tensor needs jax_enable_x64; or put it with the dtype JAX uses)"
+                )
+            in_dtypes.append(np.dtype(aval.dtype))
+        exe = session.compile(exp.mlir_module_serialized, format="bytecode")
+        kept = tuple(int(i) for i in exp.module_kept_var_idx)
+        if len(exe.parameters) != len(kept) or len(exe.results) != len(exp.out_avals):
+            exe.free()
+            raise Internal(
+                "internal",
+                f"tpubox.jax.jit({name}): the daemon compiled {len(exe.parameters)} parameters "
+                f"and {len(exe.results)} results; jax.export made {len(kept)} and "
+                f"{len(exp.out_avals)}",
+            )
+        # Donated positional arguments -> positions among the kept leaves.
+        donate: list[int] = []
+        if self._donate_argnums:
+            leaf_arg = _leaf_positions(treedef, dyn_positions)
+            for j, leaf in enumerate(kept):
+                if leaf_arg[leaf] in self._donate_argnums:
+                    donate.append(j)
+        self.compiles += 1
+        return _Entry(exp, exe, kept, in_dtypes, tuple(donate))
+
+    @staticmethod
+    def _check(exp: Any, name: str, n_leaves: int) -> None:
+        if exp.nr_devices != 1:
+            raise Unsupported(
+                "unsupported",
+                f"tpubox.jax.jit({name}): exported for {exp.nr_devices} devices; a session runs "
+                "single-device programs",
+            )
+        effects = tuple(exp.ordered_effects) + tuple(exp.unordered_effects)
+        if effects:
+            raise Unsupported(
+                "unsupported",
+                f"tpubox.jax.jit({name}): the function has effects {effects} (host callbacks, "
+                "debug printing, ordered effects), which need the JAX runtime beside the device",
+            )
+        uses_constants = getattr(exp, "uses_global_constants", False)
+        if callable(uses_constants):
+            uses_constants = uses_constants()
+        if uses_constants or any(
+            not isinstance(d, (int, np.integer)) for a in exp.in_avals for d in a.shape
+        ):
+            raise Unsupported(
+                "unsupported",
+                f"tpubox.jax.jit({name}): the export has symbolic shapes or dimension arguments; "
+                "call it with concrete shapes",
+            )
+        if len(exp.in_avals) != n_leaves:
+            raise Internal(
+                "internal",
+                f"tpubox.jax.jit({name}): {n_leaves} input leaves but the export has "
+                f"{len(exp.in_avals)}",
+            )
+
+    # -- calls ------------------------------------------------------------------------------
+
+    def _session_for(self, session: Session | None) -> Session:
+        return session or self._session or _session.default_session()
+
+    def export(self, *args: Any, **kwargs: Any) -> Any:
+        """The ``jax.export.Exported`` this function runs for ARGS (compiling it if this
+        signature is new): for looking at ``mlir_module()``, ``in_avals``, ``out_avals``."""
+        entry, _ = self._entry(self._session_for(None), args, kwargs)
+        return entry.exported
+
+    def executable(self, *args: Any, **kwargs: Any) -> Executable:
+        """The :class:`tpubox.Executable` this function runs for ARGS (compiling it if new)."""
+        entry, _ = self._entry(self._session_for(None), args, kwargs)
+        return entry.executable
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        """Runs the function on the daemon's device; returns its outputs as Tensors in its
+        output pytree.
+
+        Raises:
+            tpubox.Unsupported: what cannot be exported for one device (see the module doc);
+            TypeError: an input leaf that is not an array, or a dtype JAX changes;
+            any error of :meth:`tpubox.Session.compile` or :class:`tpubox.Executable`.
+        """
+        session = self._session_for(None)
+        entry, sent = self._entry(session, args, kwargs)
+        call_args: list[Any] = []
+        for i in entry.kept:
+            leaf = sent[i]
+            if isinstance(leaf, Tensor):
+                if leaf.session is not session and leaf.session.session_id != session.session_id:
+                    raise ValueError(
+                        f"tpubox.jax.jit: {leaf!r} belongs to session "
+                        f"{leaf.session.session_id}, not {session.session_id}"
+                    )
+                call_args.append(leaf)
+            else:
+                call_args.append(np.asarray(leaf, dtype=entry.in_dtypes[i]))
+        outs = entry.executable(*call_args, donate=entry.donate)
+        return jax.tree_util.tree_unflatten(entry.exported.out_tree, outs)
+
+    def clear_cache(self) -> None:
+        """Frees every executable compiled so far; the next call compiles again."""
+        with self._lock:
+            entries = [e for d in self._cache.values() for e in d.values()]
+            self._cache.clear()
+        for e in entries:
+            try:
+                e.executable.free()
+            except Exception:
+                pass
+
+    def __repr__(self) -> str:
+        return f"tpubox.jax.jit({getattr(self._fun, '__name__', self._fun)!r})"
+
+
+def _leaf_positions(treedef: Any, dyn_positions: tuple[int, ...]) -> list[int]:
+    """For each flat leaf of (dyn_args, dyn_kw): the positional argument it came from (-1 for
+    keyword arguments)."""
+    (args_def, kw_def) = treedef.children()
+    out: list[int] = []
+    for pos, child in zip(dyn_positions, args_def.children()):
+        out.extend([pos] * child.num_leaves)
+    out.extend([-1] * kw_def.num_leaves)
+    return out
+
+
+def jit(
+    fun: Callable[..., Any] | None = None,
+    *,
+    session: Session | None = None,
+    static_argnums: int | Iterable[int] = (),
+    static_argnames: str | Iterable[str] = (),
+    donate_argnums: int | Iterable[int] = (),
+) -> Any:
+    """Compiles FUN for the tpubox daemon's device, like ``jax.jit``.
+
+    Usable as ``tpubox.jax.jit(f)``, ``@tpubox.jax.jit`` or ``@tpubox.jax.jit(session=s)``.
+
+    Args:
+        fun: the function: JAX-traceable, taking and returning pytrees of arrays.
+        session: the session to run in (default: :func:`tpubox.default_session` at each call,
+            i.e. the last one connected, or the kernel's).
+        static_argnums, static_argnames: arguments that are Python values, part of the
+            signature (hashable), as in ``jax.jit``.
+        donate_argnums: positional arguments whose tensors are donated to the execution (their
+            device memory may be reused; the Tensors cannot be used again).
+
+    Returns:
+        A :class:`JitFunction`: calling it returns the outputs as :class:`tpubox.Tensor` s.
+    """
+    as_tuple = lambda v: (v,) if isinstance(v, (int, str)) else tuple(v)  # noqa: E731
+    if fun is None:
+        return functools.partial(
+            jit,
+            session=session,
+            static_argnums=static_argnums,
+            static_argnames=static_argnames,
+            donate_argnums=donate_argnums,
+        )
+    return JitFunction(
+        fun,
+        session=session,
+        static_argnums=as_tuple(static_argnums),
+        static_argnames=as_tuple(static_argnames),
+        donate_argnums=as_tuple(donate_argnums),
+    )
+
+
+def device_get(tree: Any) -> Any:
+    """TREE with every :class:`tpubox.Tensor` leaf replaced by its NumPy array (other leaves
+    as they are)."""
+    return jax.tree_util.tree_map(lambda x: x.numpy() if isinstance(x, Tensor) else x, tree)
+
+
+def device_put(tree: Any, session: Session | None = None) -> Any:
+    """TREE with every array leaf put on the daemon's device as a :class:`tpubox.Tensor`
+    (Tensors stay as they are), in SESSION (default :func:`tpubox.default_session`). Leaves
+    take the dtypes JAX would give them (float64 becomes float32 unless ``jax_enable_x64``)."""
+    s = session or _session.default_session()
+
+    def put(x: Any) -> Any:
+        if isinstance(x, Tensor):
+            return x
+        a, _ = _leaf_spec(x)
+        return s.tensor(a)
+
+    return jax.tree_util.tree_map(put, tree)

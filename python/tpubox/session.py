@@ -1,0 +1,1510 @@
+"""Sessions on the tpubox daemon: tensors that stay on the device, compiled programs,
+shared weight sets and sandboxed guest runs, over the daemon's gRPC session API
+(``tpubox.v1.Session``, host/proto/tpubox/v1/session.proto).
+
+Everything here is a thin, typed layer over the protocol: a :class:`Tensor` is a handle number
+plus its shape and dtype, an :class:`Executable` a handle plus its parameter and result specs.
+Every limit is the daemon's; every error is a :class:`tpubox.TpuboxError`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import codecs
+import collections
+import io
+import os
+import sys
+import threading
+import time
+import weakref
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import IO, Any, Iterable, Iterator, Mapping, Sequence, Union
+
+import grpc
+import numpy as np
+
+from . import _dtypes, _local, _wire
+from ._proto import session_pb2 as pb
+from ._proto import session_pb2_grpc as pb_grpc
+from .errors import (
+    Internal,
+    SessionEnded,
+    TpuboxError,
+    Unavailable,
+    Unsupported,
+    from_rpc_error,
+)
+
+__all__ = [
+    "connect",
+    "default_session",
+    "tenant_usage",
+    "Session",
+    "Tensor",
+    "Executable",
+    "TensorSpec",
+    "Limits",
+    "Usage",
+    "TenantUsage",
+    "Platform",
+    "Device",
+    "SessionInfo",
+    "RunResult",
+    "ENV_ADDRESS",
+    "ENV_SESSION_TOKEN",
+    "ENV_SESSION_ID",
+    "wait_for_daemon",
+]
+
+#: Environment variables a kernel provisioner sets for the kernel it starts.
+ENV_ADDRESS = "TPUBOX_ADDRESS"
+ENV_SESSION_TOKEN = "TPUBOX_SESSION_TOKEN"
+ENV_SESSION_ID = "TPUBOX_SESSION_ID"
+
+#: Deadline of control calls (Open, Info, Free, Usage, Close, ...), in seconds.
+DEFAULT_TIMEOUT = 30.0
+#: Data bytes per PutTensor message and per GetTensor chunk asked for.
+CHUNK_BYTES = 4 << 20
+_MAX_MESSAGE = 1 << 30
+
+_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
+    ("grpc.max_send_message_length", _MAX_MESSAGE),
+    ("grpc.max_receive_message_length", _MAX_MESSAGE),
+    # A daemon that is not there fails a call at once (no wait_for_ready anywhere); reconnect
+    # attempts after a lost connection start soon and back off to 5 s at most.
+    ("grpc.initial_reconnect_backoff_ms", 200),
+    ("grpc.max_reconnect_backoff_ms", 5000),
+    ("grpc.enable_retries", 0),
+]
+
+_FORMATS = {
+    "auto": pb.CompileRequest.FORMAT_AUTO,
+    "text": pb.CompileRequest.MLIR_TEXT,
+    "mlir": pb.CompileRequest.MLIR_TEXT,
+    "bytecode": pb.CompileRequest.MLIR_BYTECODE,
+    "mlirbc": pb.CompileRequest.MLIR_BYTECODE,
+}
+
+ArrayLike = Any
+Handle = Union["Tensor", "Executable", int]
+
+
+# ---------------------------------------------------------------------------------------------
+# Plain values
+
+
+@dataclass(frozen=True)
+class TensorSpec:
+    """The element type and shape of a tensor (an executable's parameter or result).
+
+    Attributes:
+        shape: dims, outermost first (``()`` for a scalar).
+        dtype: the NumPy dtype (``ml_dtypes.bfloat16`` for BF16).
+    """
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+
+    @staticmethod
+    def _from_pb(s: pb.TensorSpec) -> TensorSpec:
+        return TensorSpec(tuple(int(d) for d in s.dims), _dtypes.from_wire(s.dtype))
+
+    def __repr__(self) -> str:
+        return f"TensorSpec(shape={self.shape}, dtype={self.dtype})"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """Limits of a session. In :func:`connect`, a field left 0 takes the tenant's value and a
+    value above the tenant's is refused (:class:`tpubox.InvalidArgument`); from the daemon,
+    the limits in force.
+
+    Attributes:
+        max_device_bytes: device bytes the session may hold (limit ``max-device-bytes``).
+        max_live_tensors: tensor handles it may hold at once (``max-live-tensors``).
+        max_live_executables: executable handles (``max-live-executables``).
+        max_program_bytes: size of one program given to compile (``max-program-bytes``).
+        max_compiles_per_minute: compiles per 60 s window (``max-compiles-per-minute``).
+        max_call_seconds: wall-clock limit of one guest run (:meth:`Session.run`).
+        max_guest_memory_bytes: linear memory of one guest run.
+        idle_timeout_seconds: the session ends after this long without a call while nothing
+            is attached.
+    """
+
+    max_device_bytes: int = 0
+    max_live_tensors: int = 0
+    max_live_executables: int = 0
+    max_program_bytes: int = 0
+    max_compiles_per_minute: int = 0
+    max_call_seconds: float = 0.0
+    max_guest_memory_bytes: int = 0
+    idle_timeout_seconds: float = 0.0
+
+    @staticmethod
+    def coerce(value: Limits | Mapping[str, Any] | None) -> Limits:
+        """VALUE as Limits: a Limits, a dict of its fields (unknown keys: ValueError), or None
+        (all 0: the tenant's)."""
+        if value is None:
+            return Limits()
+        if isinstance(value, Limits):
+            return value
+        names = {f.name for f in fields(Limits)}
+        unknown = sorted(set(value) - names)
+        if unknown:
+            raise ValueError(f"unknown limits {unknown}; known: {sorted(names)}")
+        kw: dict[str, Any] = {}
+        for f in fields(Limits):
+            if f.name in value:
+                v = value[f.name]
+                kw[f.name] = float(v) if f.type in ("float", float) else int(v)
+        return Limits(**kw)
+
+    def _to_pb(self) -> pb.Limits:
+        return pb.Limits(**{f.name: getattr(self, f.name) for f in fields(Limits)})
+
+    @staticmethod
+    def _from_pb(m: pb.Limits) -> Limits:
+        return Limits(**{f.name: getattr(m, f.name) for f in fields(Limits)})
+
+
+@dataclass(frozen=True)
+class Usage:
+    """What a session holds and has done (or, in :class:`TenantUsage`, all live sessions of a
+    tenant summed).
+
+    Attributes:
+        device_bytes: device bytes held now (dtype size × dims, counted by tpubox).
+        peak_device_bytes: the most held at once.
+        live_tensors: tensor handles held now (shared weights count).
+        live_executables: executable handles held now.
+        compiles: compile calls.
+        executions: executions.
+        device_seconds: device time used by executions.
+        refused: requests refused over a limit.
+    """
+
+    device_bytes: int = 0
+    peak_device_bytes: int = 0
+    live_tensors: int = 0
+    live_executables: int = 0
+    compiles: int = 0
+    executions: int = 0
+    device_seconds: float = 0.0
+    refused: int = 0
+
+    @staticmethod
+    def _from_pb(m: pb.UsageResponse) -> Usage:
+        return Usage(**{f.name: getattr(m, f.name) for f in fields(Usage)})
+
+
+@dataclass(frozen=True)
+class TenantUsage:
+    """A tenant's live sessions, summed (:func:`tenant_usage`).
+
+    Attributes:
+        tenant: the tenant's name.
+        sessions: how many sessions it has open.
+        usage: their :class:`Usage`, summed.
+    """
+
+    tenant: str
+    sessions: int
+    usage: Usage
+
+
+@dataclass(frozen=True)
+class Device:
+    """One device of the daemon's platform: its index (the ``device`` of tensors and
+    compiles), kind and description."""
+
+    index: int
+    kind: str
+    description: str
+
+
+@dataclass(frozen=True)
+class Platform:
+    """The daemon's PJRT platform.
+
+    Attributes:
+        name: ``"cpu"``, ``"cuda"``, ``"tpu"`` (what :func:`tpubox.jax.jit` exports for).
+        version: the platform version the plugin reports.
+        plugin: the plugin the daemon loaded.
+        devices: its devices.
+    """
+
+    name: str
+    version: str
+    plugin: str
+    devices: tuple[Device, ...]
+
+    @staticmethod
+    def _from_pb(m: pb.Platform) -> Platform:
+        return Platform(
+            m.name,
+            m.version,
+            m.plugin,
+            tuple(Device(d.index, d.kind, d.description) for d in m.devices),
+        )
+
+
+@dataclass(frozen=True)
+class SessionInfo:
+    """What :meth:`Session.info` returns: the session's id, tenant, limits in force, platform,
+    usage, the weight sets it may open (:meth:`Session.weights`) and the components the daemon
+    offers by name (:meth:`Session.run`)."""
+
+    session_id: str
+    tenant: str
+    limits: Limits
+    platform: Platform
+    usage: Usage
+    weight_sets: tuple[str, ...]
+    components: tuple[str, ...]
+
+
+@dataclass(frozen=True)
+class RunResult:
+    """The end of a guest run (:meth:`Session.run`).
+
+    Attributes:
+        exit_code: the guest's exit status (0: success).
+        error: why the guest was stopped (a trap, its deadline); empty when it exited.
+        elapsed: seconds the run took, as the daemon measured it.
+        stdout: everything the guest wrote to stdout.
+        stderr: everything it wrote to stderr.
+    """
+
+    exit_code: int
+    error: str
+    elapsed: float
+    stdout: bytes = field(repr=False)
+    stderr: bytes = field(repr=False)
+
+    @property
+    def ok(self) -> bool:
+        """Whether the guest exited with status 0 and was not stopped."""
+        return self.exit_code == 0 and not self.error
+
+
+# ---------------------------------------------------------------------------------------------
+# Addresses, channels, calls
+
+
+def _target(address: str | os.PathLike[str]) -> str:
+    """The gRPC target of ADDRESS: ``unix:PATH`` (also a bare path), or ``HOST:PORT``."""
+    a = os.fspath(address).strip()
+    if not a:
+        raise ValueError("empty tpubox daemon address")
+    if a.startswith(("unix:", "unix-abstract:")):
+        return a
+    if a.startswith(("/", "./", "../", "~")):
+        return "unix:" + os.path.abspath(os.path.expanduser(a))
+    for scheme in ("grpc://", "http://", "tcp://", "dns:///"):
+        if a.startswith(scheme):
+            return a[len(scheme) :]
+    return a
+
+
+def _channel(target: str) -> grpc.Channel:
+    options = list(_CHANNEL_OPTIONS)
+    if target.startswith(("unix:", "unix-abstract:")):
+        # gRPC C-core's default :authority for a Unix socket is the percent-encoded socket
+        # path, which the daemon's HTTP/2 server refuses (RST_STREAM PROTOCOL_ERROR).
+        options.append(("grpc.default_authority", "localhost"))
+    return grpc.insecure_channel(target, options=options)
+
+
+def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
+    return (("authorization", f"Bearer {token}"),) if token else ()
+
+
+# ---------------------------------------------------------------------------------------------
+# Handles
+
+
+class Tensor:
+    """A tensor on the daemon's device, held by a session.
+
+    Its data stays on the device until :meth:`numpy`; pass it to an :class:`Executable` (or a
+    :func:`tpubox.jax.jit` function) to use it without copying. Free it with :meth:`free`, a
+    ``with`` block, or by dropping the last reference (the free is then sent with the session's
+    next call; nothing blocks in ``__del__``). A donated tensor stays a handle that the daemon
+    refuses to use (:class:`tpubox.FailedPrecondition`) until freed.
+
+    Attributes:
+        handle: the handle number (meaningful in its session only).
+        shape: dims (``()`` for a scalar).
+        dtype: the NumPy dtype.
+        device: the device index it lives on.
+        nbytes: dense size in bytes (dtype size × product of dims), what it is charged.
+        read_only: a shared weight (may be read and passed, never donated).
+    """
+
+    __slots__ = (
+        "_session",
+        "handle",
+        "shape",
+        "dtype",
+        "device",
+        "nbytes",
+        "read_only",
+        "_freed",
+        "_donated",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        session: Session,
+        handle: int,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        device: int = 0,
+        nbytes: int = 0,
+        read_only: bool = False,
+    ):
+        self._session = session
+        self.handle: int = handle
+        self.shape: tuple[int, ...] = shape
+        self.dtype: np.dtype = dtype
+        self.device: int = device
+        self.nbytes: int = nbytes
+        self.read_only: bool = read_only
+        self._freed = False
+        self._donated = False
+
+    @classmethod
+    def _from_pb(cls, session: Session, info: pb.TensorInfo) -> Tensor:
+        return cls(
+            session,
+            info.handle,
+            tuple(int(d) for d in info.spec.dims),
+            _dtypes.from_wire(info.spec.dtype),
+            info.device,
+            info.byte_size,
+            info.read_only,
+        )
+
+    @classmethod
+    def _from_json(cls, session: Session, info: Mapping[str, Any]) -> Tensor:
+        """From the local socket's TENSOR_INFO (dtype by its wire name)."""
+        return cls(
+            session,
+            int(info["handle"]),
+            tuple(int(d) for d in info["dims"]),
+            _dtypes.from_wire(pb.DType.Value(str(info["dtype"]).upper())),
+            int(info.get("device", 0)),
+            int(info.get("byte_size", 0)),
+            bool(info.get("read_only", False)),
+        )
+
+    @property
+    def session(self) -> Session:
+        """The session that holds it."""
+        return self._session
+
+    @property
+    def ndim(self) -> int:
+        """Number of dims."""
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def spec(self) -> TensorSpec:
+        """Its :class:`TensorSpec` (shape and dtype)."""
+        return TensorSpec(self.shape, self.dtype)
+
+    @property
+    def freed(self) -> bool:
+        """Whether :meth:`free` was called (or its session was closed)."""
+        return self._freed or self._session.closed
+
+    @property
+    def donated(self) -> bool:
+        """Whether it was donated to an execution (its device memory is gone)."""
+        return self._donated
+
+    def numpy(self, *, timeout: float | None = None) -> np.ndarray:
+        """Copies the tensor to a new, writable NumPy array of its shape and dtype.
+
+        Raises:
+            tpubox.NotFound: it was freed; tpubox.FailedPrecondition: it was donated;
+            tpubox.Unavailable: the daemon is gone.
+        """
+        return self._session.get(self, timeout=timeout)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def free(self) -> None:
+        """Frees the handle now (one Free call); freeing twice is a no-op."""
+        if self._freed:
+            return
+        self._freed = True
+        if not self._session.closed:
+            self._session._free_handles([self.handle], [])
+
+    def __enter__(self) -> Tensor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __del__(self) -> None:
+        try:
+            if not self._freed and not self._session._closed:
+                self._freed = True
+                self._session._pending_tensors.append(self.handle)
+        except Exception:  # interpreter shutdown: attributes may be gone
+            pass
+
+    def __repr__(self) -> str:
+        state = ""
+        if self._freed:
+            state = ", freed"
+        elif self._donated:
+            state = ", donated"
+        elif self._session.closed:
+            state = ", session closed"
+        ro = ", read_only" if self.read_only else ""
+        return (
+            f"tpubox.Tensor(handle={self.handle}, shape={self.shape}, dtype={self.dtype}, "
+            f"device={self.device}{ro}{state})"
+        )
+
+
+class Executable:
+    """A compiled program held by a session (:meth:`Session.compile`).
+
+    Call it with one argument per parameter: :class:`Tensor` s (used where they are) or
+    anything NumPy can turn into an array (put on the device for this call and freed after;
+    Python scalars and lists take the parameter's dtype). It returns one new :class:`Tensor`
+    per result.
+
+    Attributes:
+        handle: the executable's handle number.
+        parameters: the parameters' :class:`TensorSpec` s, in order.
+        results: the results' specs.
+        result_bytes: device bytes of the results of one execution.
+        temp_bytes: device bytes of the temporaries one execution holds.
+        fingerprint: the program's compile-cache key (hex).
+    """
+
+    __slots__ = (
+        "_session",
+        "handle",
+        "parameters",
+        "results",
+        "result_bytes",
+        "temp_bytes",
+        "fingerprint",
+        "_freed",
+        "__weakref__",
+    )
+
+    def __init__(self, session: Session, resp: pb.CompileResponse):
+        self._session = session
+        self.handle: int = resp.executable
+        self.parameters: tuple[TensorSpec, ...] = tuple(
+            TensorSpec._from_pb(s) for s in resp.parameters
+        )
+        self.results: tuple[TensorSpec, ...] = tuple(TensorSpec._from_pb(s) for s in resp.results)
+        self.result_bytes: int = resp.result_bytes
+        self.temp_bytes: int = resp.temp_bytes
+        self.fingerprint: str = resp.fingerprint
+        self._freed = False
+
+    @property
+    def session(self) -> Session:
+        """The session that holds it."""
+        return self._session
+
+    def __call__(
+        self, *args: Tensor | ArrayLike, donate: Iterable[int] = (), timeout: float | None = None
+    ) -> list[Tensor]:
+        """Executes the program on ARGS; returns one new Tensor per result.
+
+        Args:
+            args: one per parameter, in order: Tensors of this session, or arrays.
+            donate: positions in ARGS whose tensors are donated: on success their device memory
+                is gone (the Tensor objects stay handles, refused by the daemon, until freed).
+            timeout: deadline of the call in seconds (default none).
+
+        Raises:
+            tpubox.InvalidArgument: wrong argument count, dtypes or shapes;
+            tpubox.NotFound: a tensor this session does not have (freed, another session's);
+            tpubox.FailedPrecondition: a donated tensor;
+            tpubox.ResourceExhausted: the results would exceed ``max-device-bytes`` or
+            ``max-live-tensors``; tpubox.ExecutionFailed.
+        """
+        s = self._session
+        donate = tuple(int(i) for i in donate)
+        handles: list[int] = []
+        temps: list[Tensor] = []
+        try:
+            for i, a in enumerate(args):
+                if isinstance(a, Tensor):
+                    handles.append(a.handle)
+                    continue
+                dtype = None
+                if not isinstance(a, np.ndarray) and not hasattr(a, "__array__"):
+                    if i < len(self.parameters):
+                        dtype = self.parameters[i].dtype
+                t = s.tensor(a, dtype=dtype)
+                temps.append(t)
+                handles.append(t.handle)
+            outs = s._execute(self.handle, handles, donate, timeout)
+            for i in donate:
+                if 0 <= i < len(args) and isinstance(args[i], Tensor):
+                    args[i]._donated = True
+            return outs
+        finally:
+            if temps:
+                s.free(*temps)
+
+    def free(self) -> None:
+        """Frees the executable's handle now; freeing twice is a no-op."""
+        if self._freed:
+            return
+        self._freed = True
+        if not self._session.closed:
+            self._session._free_handles([], [self.handle])
+
+    def __enter__(self) -> Executable:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __del__(self) -> None:
+        try:
+            if not self._freed and not self._session._closed:
+                self._freed = True
+                self._session._pending_executables.append(self.handle)
+        except Exception:
+            pass
+
+    def __repr__(self) -> str:
+        def specs(ss: Sequence[TensorSpec]) -> str:
+            return ", ".join(f"{s.dtype}{list(s.shape)}" for s in ss)
+
+        freed = ", freed" if self._freed else ""
+        return (
+            f"tpubox.Executable(handle={self.handle}, ({specs(self.parameters)}) -> "
+            f"({specs(self.results)}){freed})"
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# Attach: holds a session while this process lives
+
+
+class _Attachment:
+    """An Attach stream read by a daemon thread. The session ends (on the daemon) when this
+    process goes away, or when :meth:`cancel` is called and nothing else is attached."""
+
+    def __init__(self, stub: pb_grpc.SessionStub, metadata: tuple, session_id: str):
+        self.attached = threading.Event()
+        self.done = threading.Event()
+        self.ended_reason: str | None = None
+        self.error: grpc.RpcError | None = None
+        self._cancelled = False
+        self._call = stub.Attach(pb.AttachRequest(), metadata=metadata)
+        self._thread = threading.Thread(
+            target=self._run, name=f"tpubox-attach-{session_id}", daemon=True
+        )
+        self._thread.start()
+
+    def _run(self) -> None:
+        try:
+            for ev in self._call:
+                if ev.kind == pb.AttachEvent.ATTACHED:
+                    self.attached.set()
+                elif ev.kind == pb.AttachEvent.ENDED:
+                    self.ended_reason = ev.reason or "ended"
+        except grpc.RpcError as e:
+            if not self._cancelled:
+                self.error = e
+        except Exception:  # interpreter shutdown
+            pass
+        finally:
+            self.done.set()
+            self.attached.set()
+
+    def cancel(self) -> None:
+        self._cancelled = True
+        try:
+            self._call.cancel()
+        except Exception:
+            pass
+
+
+# Sessions this process opened (and so ends at exit, when they were not closed before).
+_OWNED: weakref.WeakSet[Session] = weakref.WeakSet()
+_LAST: weakref.ref[Session] | None = None
+_LAST_LOCK = threading.Lock()
+
+
+def _close_owned_at_exit() -> None:
+    for s in list(_OWNED):
+        try:
+            s.close(timeout=2.0)
+        except Exception:
+            pass
+
+
+atexit.register(_close_owned_at_exit)
+
+
+# ---------------------------------------------------------------------------------------------
+# The session
+
+
+class Session:
+    """A session on the tpubox daemon (:func:`connect` makes one).
+
+    A session is the daemon's unit of ownership and accounting: every tensor and executable
+    it makes is charged to it, within its :attr:`limits`, and everything it holds is freed when
+    it ends. Use it as a context manager (``with tpubox.connect(...) as s:``) to close it at the
+    end of the block.
+
+    Methods are safe to call from several threads.
+
+    Attributes:
+        session_id: the daemon's id of the session.
+        tenant: the tenant it is charged to.
+        address: the daemon's address as given.
+        limits: the :class:`Limits` in force.
+        platform: the daemon's :class:`Platform` (``platform.name``: cpu, cuda, tpu).
+        owned: True when this process opened the session (it is closed by :meth:`close`, at
+            exit, and by the daemon when this process goes away); False when it joined one a
+            provisioner opened (:meth:`close` then only disconnects).
+    """
+
+    def __init__(
+        self,
+        *,
+        address: str,
+        token: str,
+        session_id: str,
+        tenant: str,
+        limits: Limits,
+        platform: Platform,
+        owned: bool,
+        channel: grpc.Channel,
+        timeout: float | None,
+        local: _local.LocalChannel | None = None,
+    ):
+        self.address = address
+        self.session_id = session_id
+        self.tenant = tenant
+        self.limits = limits
+        self.platform = platform
+        self.owned = owned
+        self.timeout = timeout
+        self._token = token
+        self._md = _metadata(token)
+        self._channel = channel
+        self._stub = pb_grpc.SessionStub(channel)
+        self._put = channel.stream_unary(
+            "/tpubox.v1.Session/PutTensor",
+            request_serializer=_wire.identity,
+            response_deserializer=pb.TensorInfo.FromString,
+        )
+        self._get = channel.unary_stream(
+            "/tpubox.v1.Session/GetTensor",
+            request_serializer=pb.GetTensorRequest.SerializeToString,
+            response_deserializer=_wire.parse_tensor_chunk,
+        )
+        self._closed = False
+        self._close_lock = threading.Lock()
+        self._pending_tensors: collections.deque[int] = collections.deque()
+        self._pending_executables: collections.deque[int] = collections.deque()
+        self._attachment: _Attachment | None = None
+        self._local = local
+
+    # -- properties -------------------------------------------------------------------------
+
+    @property
+    def token(self) -> str:
+        """The session token: the session's capability (whoever holds it uses the session).
+        Keep it secret; it is what a provisioner hands a kernel."""
+        return self._token
+
+    @property
+    def transport(self) -> str:
+        """``"local"`` when tensor data, executions and frees go through the daemon's local
+        socket (shared memory; a Unix-socket session on the daemon's machine), else
+        ``"grpc"``."""
+        return "local" if self._local is not None else "grpc"
+
+    @property
+    def closed(self) -> bool:
+        """Whether :meth:`close` was called or the daemon said the session ended."""
+        return self._closed
+
+    def __repr__(self) -> str:
+        state = "closed" if self._closed else ("owned" if self.owned else "joined")
+        return (
+            f"tpubox.Session(id={self.session_id!r}, tenant={self.tenant!r}, "
+            f"address={self.address!r}, platform={self.platform.name!r}, {state})"
+        )
+
+    def __enter__(self) -> Session:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def __del__(self) -> None:
+        # No RPC here: cancelling the Attach stream is enough for the daemon to end an owned
+        # session that nobody else is attached to.
+        try:
+            if self._attachment is not None and not self._closed:
+                self._attachment.cancel()
+        except Exception:
+            pass
+
+    # -- plumbing ---------------------------------------------------------------------------
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise SessionEnded("session-ended", f"session {self.session_id} was closed")
+        a = self._attachment
+        if a is not None and a.ended_reason is not None:
+            self._closed = True
+            raise SessionEnded(
+                "session-ended", f"session {self.session_id} has ended: {a.ended_reason}"
+            )
+
+    def _error(self, e: grpc.RpcError, call: str) -> TpuboxError:
+        err = from_rpc_error(e, self.address, call)
+        if err.kind == "session-ended":
+            self._closed = True
+        return err
+
+    def _deadline(self, timeout: float | None | object) -> float | None:
+        return self.timeout if timeout is _DEFAULT else timeout  # type: ignore[return-value]
+
+    def _flush_frees(self) -> None:
+        """Sends the frees queued by ``__del__`` of dropped Tensors and Executables."""
+        if not self._pending_tensors and not self._pending_executables:
+            return
+        tensors = _drain(self._pending_tensors)
+        executables = _drain(self._pending_executables)
+        if not tensors and not executables:
+            return
+        try:
+            if self._local is not None:
+                self._local.request(
+                    "free", {"tensors": tensors, "executables": executables}, None, self.timeout
+                )
+            else:
+                self._stub.Free(
+                    pb.FreeRequest(tensors=tensors, executables=executables),
+                    metadata=self._md,
+                    timeout=self.timeout,
+                )
+        except (grpc.RpcError, TpuboxError):
+            pass  # the session ended or the daemon is gone: nothing is held any more
+
+    def _unary(self, name: str, request: Any, timeout: Any = None, *, flush: bool = True) -> Any:
+        self._check_open()
+        if flush:
+            self._flush_frees()
+        try:
+            return getattr(self._stub, name)(
+                request, metadata=self._md, timeout=self._deadline(timeout)
+            )
+        except grpc.RpcError as e:
+            raise self._error(e, name) from None
+
+    def _local_request(
+        self, op: str, fields: dict[str, Any], fd: int | None = None, timeout: Any = None
+    ) -> tuple[Any, int | None]:
+        assert self._local is not None
+        self._check_open()
+        self._flush_frees()
+        try:
+            return self._local.request(op, fields, fd, self._deadline(timeout))
+        except TpuboxError as e:
+            if e.kind == "session-ended":
+                self._closed = True
+            raise
+
+    def _free_handles(self, tensors: list[int], executables: list[int]) -> int:
+        if self._local is not None:
+            r, _ = self._local_request(
+                "free", {"tensors": tensors, "executables": executables}, None, _DEFAULT
+            )
+            return int(r["freed"])
+        resp = self._unary(
+            "Free", pb.FreeRequest(tensors=tensors, executables=executables), _DEFAULT
+        )
+        return int(resp.freed)
+
+    def _execute(
+        self, executable: int, arguments: list[int], donate: tuple[int, ...], timeout: float | None
+    ) -> list[Tensor]:
+        if self._local is not None:
+            r, _ = self._local_request(
+                "execute",
+                {"executable": executable, "arguments": arguments, "donate": list(donate)},
+                None,
+                timeout,
+            )
+            return [Tensor._from_json(self, t) for t in r["results"]]
+        resp = self._unary(
+            "Execute",
+            pb.ExecuteRequest(executable=executable, arguments=arguments, donate=donate),
+            timeout,
+        )
+        return [Tensor._from_pb(self, r) for r in resp.results]
+
+    # -- session ----------------------------------------------------------------------------
+
+    def info(self) -> SessionInfo:
+        """The session's id, tenant, limits, platform, usage, weight sets and components.
+
+        Raises:
+            tpubox.SessionEnded, tpubox.Unavailable.
+        """
+        r = self._unary("Info", pb.InfoRequest(), _DEFAULT)
+        return SessionInfo(
+            session_id=r.session_id,
+            tenant=r.tenant,
+            limits=Limits._from_pb(r.limits),
+            platform=Platform._from_pb(r.platform),
+            usage=Usage._from_pb(r.usage),
+            weight_sets=tuple(r.weight_sets),
+            components=tuple(r.components),
+        )
+
+    def usage(self) -> Usage:
+        """What the session holds now and has done (:class:`Usage`).
+
+        Raises:
+            tpubox.SessionEnded, tpubox.Unavailable.
+        """
+        return Usage._from_pb(self._unary("Usage", pb.UsageRequest(), _DEFAULT))
+
+    def close(self, *, end: bool | None = None, timeout: float | None = None) -> bool:
+        """Closes the session; closing again is a no-op.
+
+        An owned session (opened by this process) is ended on the daemon, which frees
+        everything it holds. A joined session (a kernel's, opened by its provisioner) is only
+        disconnected from here unless ``end=True``: its owner ends it.
+
+        Args:
+            end: end the session on the daemon (default: whether it is owned).
+            timeout: deadline of the Close call (default the session's control timeout).
+
+        Returns:
+            Whether this call ended the session on the daemon.
+
+        Never raises for a daemon that is gone or a session that already ended.
+        """
+        with self._close_lock:
+            if self._closed:
+                return False
+            self._closed = True
+        end = self.owned if end is None else end
+        ended = False
+        try:
+            if end:
+                try:
+                    r = self._stub.Close(
+                        pb.CloseRequest(),
+                        metadata=self._md,
+                        timeout=self.timeout if timeout is None else timeout,
+                    )
+                    ended = r.closed
+                except grpc.RpcError as e:
+                    err = from_rpc_error(e, self.address, "Close")
+                    if err.kind not in ("unavailable", "session-ended", "deadline-exceeded"):
+                        raise err from None
+        finally:
+            if self._attachment is not None:
+                self._attachment.cancel()
+            try:
+                self._channel.close()
+            except Exception:
+                pass
+            if self._local is not None:
+                self._local.close()
+            _OWNED.discard(self)
+        return ended
+
+    # -- tensors ----------------------------------------------------------------------------
+
+    def tensor(
+        self,
+        value: ArrayLike,
+        dtype: Any = None,
+        *,
+        device: int | None = None,
+        timeout: float | None = None,
+    ) -> Tensor:
+        """Puts VALUE on the device as a new tensor of its shape and dtype.
+
+        Args:
+            value: an array or anything ``numpy.asarray`` takes (a scalar makes a 0-d tensor).
+                Supported dtypes: bool, int8-int64, uint8-uint64, float16,
+                ``ml_dtypes.bfloat16``, float32, float64, complex64, complex128. Non-contiguous
+                and big-endian arrays are converted (copied) first; others are sent from their
+                own memory in 4 MiB chunks.
+            dtype: convert to this dtype first (``numpy.asarray(value, dtype)``).
+            device: the device index (default 0).
+            timeout: deadline of the upload in seconds (default none).
+
+        Raises:
+            TypeError: a dtype tpubox tensors cannot hold (strings, objects, datetimes, ...).
+            tpubox.ResourceExhausted: over ``max-device-bytes`` or ``max-live-tensors``
+            (nothing allocated); tpubox.InvalidArgument: a device that does not exist.
+        """
+        a = _dtypes.as_device_array(value, dtype)
+        header = pb.PutTensorChunk(spec=pb.TensorSpec(dtype=_dtypes.to_wire(a.dtype), dims=a.shape))
+        if device is not None:
+            header.device = device
+        raw = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")  # type: ignore[arg-type]
+        if self._local is not None:
+            self._check_open()
+            self._flush_frees()
+            try:
+                info = self._local.put(
+                    raw, _dtypes.dtype_name(header.spec.dtype), list(a.shape), device
+                )
+            except TpuboxError as e:
+                if e.kind == "session-ended":
+                    self._closed = True
+                raise
+            return Tensor._from_json(self, info)
+        self._check_open()
+        self._flush_frees()
+
+        def messages() -> Iterator[bytes]:
+            yield _wire.put_chunk(header, raw[:CHUNK_BYTES])
+            for off in range(CHUNK_BYTES, len(raw), CHUNK_BYTES):
+                yield _wire.put_chunk(None, raw[off : off + CHUNK_BYTES])
+
+        try:
+            info = self._put(messages(), metadata=self._md, timeout=timeout)
+        except grpc.RpcError as e:
+            raise self._error(e, "PutTensor") from None
+        return Tensor._from_pb(self, info)
+
+    def get(self, tensor: Tensor | int, *, timeout: float | None = None) -> np.ndarray:
+        """Copies a tensor (a Tensor or a handle number of this session) into a new, writable
+        NumPy array of its shape and dtype.
+
+        Raises:
+            tpubox.NotFound: a handle this session does not have (freed, never made, another
+            session's); tpubox.FailedPrecondition: a donated tensor.
+        """
+        handle = tensor.handle if isinstance(tensor, Tensor) else int(tensor)
+        self._check_open()
+        self._flush_frees()
+        if self._local is not None:
+            try:
+                jinfo, out = self._local.get(handle)
+            except TpuboxError as e:
+                if e.kind == "session-ended":
+                    self._closed = True
+                raise
+            dt = _dtypes.from_wire(pb.DType.Value(str(jinfo["dtype"]).upper()))
+            return out.view(dt.newbyteorder("<")).reshape(tuple(int(d) for d in jinfo["dims"]))
+        call = self._get(
+            pb.GetTensorRequest(handle=handle, chunk_bytes=CHUNK_BYTES),
+            metadata=self._md,
+            timeout=timeout,
+        )
+        try:
+            info, data = next(call)  # type: ignore[call-overload]
+            if info is None:
+                raise Internal("internal", "GetTensor: the first chunk carries no header")
+            size = int(info.byte_size)
+            out = np.empty(size, np.uint8)
+            off = 0
+            n = len(data)
+            if n:
+                out[off : off + n] = np.frombuffer(data, np.uint8)
+                off += n
+            for _, data in call:
+                n = len(data)
+                if off + n > size:
+                    raise Internal("internal", f"GetTensor: more than the {size} bytes announced")
+                out[off : off + n] = np.frombuffer(data, np.uint8)
+                off += n
+        except grpc.RpcError as e:
+            raise self._error(e, "GetTensor") from None
+        except StopIteration:
+            raise Internal("internal", "GetTensor: the daemon sent no chunk") from None
+        if off != size:
+            raise Internal("internal", f"GetTensor: {off} bytes received, {size} announced")
+        dt = _dtypes.from_wire(info.spec.dtype).newbyteorder("<")
+        return out.view(dt).reshape(tuple(int(d) for d in info.spec.dims))
+
+    def free(self, *handles: Handle) -> int:
+        """Frees tensors and executables (Tensor and Executable objects, or tensor handle
+        numbers) in one call. Returns how many the daemon freed; unknown handles (already freed,
+        another session's) are not an error."""
+        tensors: list[int] = []
+        executables: list[int] = []
+        for h in handles:
+            if isinstance(h, Tensor):
+                if h._freed:
+                    continue
+                h._freed = True
+                tensors.append(h.handle)
+            elif isinstance(h, Executable):
+                if h._freed:
+                    continue
+                h._freed = True
+                executables.append(h.handle)
+            else:
+                tensors.append(int(h))
+        if not tensors and not executables:
+            return 0
+        return self._free_handles(tensors, executables)
+
+    def weights(self, name: str) -> dict[str, Tensor]:
+        """Opens the daemon's weight set NAME (``tpubox serve --weights NAME=FILE``): one
+        read-only Tensor per tensor of the file, by name. They are charged to nobody but count
+        as live tensors.
+
+        Raises:
+            tpubox.NotFound: no such weight set (``info().weight_sets`` lists them).
+        """
+        r = self._unary("OpenWeights", pb.OpenWeightsRequest(name=name), _DEFAULT)
+        return {e.name: Tensor._from_pb(self, e.tensor) for e in r.tensors}
+
+    # -- programs ---------------------------------------------------------------------------
+
+    def compile(
+        self,
+        program: str | bytes | os.PathLike[str],
+        format: str = "auto",
+        *,
+        device: int | None = None,
+        timeout: float | None = None,
+    ) -> Executable:
+        """Compiles a StableHLO program whose entry function is ``main``.
+
+        Args:
+            program: MLIR text (str), MLIR text or bytecode (bytes; e.g.
+                ``jax.export``'s ``mlir_module_serialized``), or a path to a file of either.
+            format: ``"auto"`` (bytecode when it starts with ``ML\\xefR``), ``"text"``,
+                ``"bytecode"``.
+            device: the device index (default 0).
+            timeout: deadline in seconds (default none; the daemon bounds a compile with its
+                ``--max-compile-seconds``).
+
+        Raises:
+            tpubox.CompileFailed: it did not parse or compile; tpubox.PermissionDenied: the
+            program policy refused it (rule named); tpubox.ResourceExhausted:
+            ``max-program-bytes``, ``max-compiles-per-minute``, ``max-live-executables``, or
+            results and temporaries that cannot fit ``max-device-bytes``.
+        """
+        if isinstance(program, os.PathLike):
+            data = Path(program).read_bytes()
+        elif isinstance(program, str):
+            data = program.encode()
+        else:
+            data = bytes(program)
+        try:
+            fmt = _FORMATS[format]
+        except KeyError:
+            raise ValueError(f"format must be one of {sorted(_FORMATS)}, not {format!r}") from None
+        req = pb.CompileRequest(program=data, format=fmt)
+        if device is not None:
+            req.device = device
+        return Executable(self, self._unary("Compile", req, timeout))
+
+    def run(
+        self,
+        component: bytes | str | os.PathLike[str],
+        args: Sequence[str] = (),
+        stdin: bytes | str = b"",
+        timeout: float | None = None,
+        stdout: IO[Any] | None | bool = None,
+        stderr: IO[Any] | None | bool = None,
+    ) -> RunResult:
+        """Runs a guest component (a WASI command) in the daemon's sandbox, charged to this
+        session, streaming its output as it comes.
+
+        Args:
+            component: the component's bytes, a path to a ``.wasm`` file (Path, or a str naming
+                an existing file), or the name of a component the daemon offers
+                (``info().components``; ``tpubox serve --components DIR``).
+            args: arguments after the program name.
+            stdin: the guest's standard input.
+            timeout: wall-clock limit in seconds (default and at most the session's
+                ``max_call_seconds``).
+            stdout, stderr: file objects (text or binary) that get the guest's output as it
+                arrives; default ``sys.stdout``/``sys.stderr`` at call time (so a notebook
+                shows it live); False: only capture.
+
+        Returns:
+            A :class:`RunResult`: exit code, why it was stopped (if it was), elapsed seconds,
+            and all of stdout and stderr.
+
+        Raises:
+            tpubox.NotFound: an unknown component name; tpubox.InvalidArgument: bytes that are
+            not a component. A guest that fails or traps is not an error: see ``exit_code`` and
+            ``error``. Ctrl-C (KeyboardInterrupt) cancels the run.
+        """
+        req = pb.RunComponentRequest(
+            args=[str(a) for a in args],
+            stdin=stdin.encode() if isinstance(stdin, str) else bytes(stdin),
+            timeout_seconds=float(timeout or 0.0),
+        )
+        if isinstance(component, (bytes, bytearray, memoryview)):
+            req.wasm = bytes(component)
+        elif isinstance(component, os.PathLike) or (
+            isinstance(component, str) and os.path.isfile(component)
+        ):
+            req.wasm = Path(component).read_bytes()
+        elif isinstance(component, str):
+            req.name = component
+        else:
+            raise TypeError(f"component must be bytes, a path or a name, not {type(component)}")
+        out = _Sink(sys.stdout if stdout is None else stdout)
+        err = _Sink(sys.stderr if stderr is None else stderr)
+        self._check_open()
+        self._flush_frees()
+        # The daemon stops the guest at its deadline; ours only catches a daemon that hangs.
+        deadline = None if timeout is None else timeout + 60.0
+        call = self._stub.RunComponent(req, metadata=self._md, timeout=deadline)
+        got_out: list[bytes] = []
+        got_err: list[bytes] = []
+        exit_ev = None
+        try:
+            for ev in call:
+                which = ev.WhichOneof("event")
+                if which == "stdout":
+                    got_out.append(ev.stdout)
+                    out.write(ev.stdout)
+                elif which == "stderr":
+                    got_err.append(ev.stderr)
+                    err.write(ev.stderr)
+                elif which == "exit":
+                    exit_ev = ev.exit
+        except KeyboardInterrupt:
+            call.cancel()
+            raise
+        except grpc.RpcError as e:
+            raise self._error(e, "RunComponent") from None
+        finally:
+            out.finish()
+            err.finish()
+        if exit_ev is None:
+            raise Internal("internal", "RunComponent: the stream ended without the guest's exit")
+        return RunResult(
+            exit_code=exit_ev.code,
+            error=exit_ev.error,
+            elapsed=exit_ev.elapsed_seconds,
+            stdout=b"".join(got_out),
+            stderr=b"".join(got_err),
+        )
+
+
+class _DefaultType:
+    def __repr__(self) -> str:
+        return "<default>"
+
+
+_DEFAULT: Any = _DefaultType()
+
+
+def _drain(dq: collections.deque[int]) -> list[int]:
+    out = []
+    while True:
+        try:
+            out.append(dq.popleft())
+        except IndexError:
+            return out
+
+
+class _Sink:
+    """Writes a guest's output bytes to a text or binary file object as they arrive (text:
+    decoded as UTF-8 across chunk boundaries, bad bytes replaced), flushing each time."""
+
+    def __init__(self, f: Any):
+        self.f = f if f is not False else None
+        self.binary = False
+        if self.f is not None and not isinstance(self.f, io.TextIOBase):
+            mode = getattr(self.f, "mode", "")
+            self.binary = isinstance(self.f, (io.RawIOBase, io.BufferedIOBase)) or (
+                isinstance(mode, str) and "b" in mode
+            )
+        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
+
+    def write(self, data: bytes) -> None:
+        if self.f is None:
+            return
+        if self.binary:
+            self.f.write(data)
+        else:
+            text = self.decoder.decode(data)
+            if text:
+                self.f.write(text)
+        try:
+            self.f.flush()
+        except Exception:
+            pass
+
+    def finish(self) -> None:
+        if self.f is None or self.binary:
+            return
+        text = self.decoder.decode(b"", final=True)
+        if text:
+            self.f.write(text)
+
+
+# ---------------------------------------------------------------------------------------------
+# Entry points
+
+
+def connect(
+    address: str | os.PathLike[str] | None = None,
+    token: str | None = None,
+    *,
+    limits: Limits | Mapping[str, Any] | None = None,
+    label: str = "",
+    timeout: float | None = DEFAULT_TIMEOUT,
+    local: bool | None = None,
+) -> Session:
+    """Opens (or joins) a session on the tpubox daemon.
+
+    - ``connect(address, token)``: opens a new session for the tenant of TOKEN (a tenant token
+      of the daemon's tokens file; None when the daemon runs without ``--tokens``). The session
+      ends when it is closed, when this process exits, or when this process goes away any other
+      way: it is opened with ``end_on_disconnect`` and held by an Attach stream read by a
+      daemon thread.
+    - ``connect()``: joins the session named by the environment, ``TPUBOX_ADDRESS`` and
+      ``TPUBOX_SESSION_TOKEN``, which the tpubox kernel provisioner sets for a Jupyter kernel.
+      The provisioner owns that session: it is not ended when this process closes it or exits.
+
+    Args:
+        address: ``unix:/path/to/socket`` (or just the path), or ``HOST:PORT``.
+        token: the tenant token.
+        limits: tighter limits than the tenant's (:class:`Limits` or a dict of its fields, e.g.
+            ``{"max_device_bytes": 1 << 30}``).
+        label: free text the daemon logs with the session (e.g. a kernel id).
+        timeout: deadline of control calls (Open, Info, Free, Usage, Close), in seconds.
+        local: move tensor data, executions and frees through the daemon's local socket
+            (shared memory, no HTTP/2; several times faster) instead of gRPC. Default: when
+            the address is a Unix socket and the daemon offers a local socket this process can
+            open. True: also for a TCP address (the daemon must be on this machine); False:
+            gRPC only. :attr:`Session.transport` says which.
+
+    Raises:
+        ValueError: no address and no TPUBOX_ADDRESS/TPUBOX_SESSION_TOKEN in the environment.
+        tpubox.Unavailable: the daemon is not reachable at the address (at once, no waiting);
+        tpubox.Unauthenticated: an unknown token; tpubox.PermissionDenied: a tenant that may
+        not open sessions; tpubox.ResourceExhausted: ``max-sessions``;
+        tpubox.InvalidArgument: a limit above the tenant's.
+    """
+    if address is None and token is None:
+        env_address = os.environ.get(ENV_ADDRESS)
+        env_token = os.environ.get(ENV_SESSION_TOKEN)
+        if not env_address or not env_token:
+            raise ValueError(
+                "tpubox.connect(): give the daemon's address and a tenant token "
+                "(tpubox.connect('unix:/run/tpubox.sock', token)), or run where a tpubox "
+                f"provisioner set {ENV_ADDRESS} and {ENV_SESSION_TOKEN} (a tpubox Jupyter "
+                "kernel); neither is the case here"
+            )
+        if limits is not None:
+            raise ValueError("limits apply to a new session, not to the kernel's (joined) one")
+        return _join(env_address, env_token, timeout, local)
+    if address is None:
+        address = os.environ.get(ENV_ADDRESS)
+        if not address:
+            raise ValueError(f"tpubox.connect(): no address given and {ENV_ADDRESS} is not set")
+    return _open(os.fspath(address), token, Limits.coerce(limits), label, timeout, local)
+
+
+def _remember(s: Session) -> Session:
+    global _LAST
+    with _LAST_LOCK:
+        _LAST = weakref.ref(s)
+    return s
+
+
+def _local_channel(
+    address: str, local_socket: str, token: str, local: bool | None
+) -> _local.LocalChannel | None:
+    """The local-socket channel a session uses (see :func:`connect`'s ``local``), or None."""
+    if local is False:
+        return None
+    if not local_socket or not _local.available():
+        if local:
+            raise Unsupported(
+                "unsupported",
+                f"the tpubox daemon at {address} offers no local socket (or this platform "
+                "lacks memfds and SCM_RIGHTS)",
+            )
+        return None
+    # A local socket is only trusted by default when the session itself is on a Unix socket
+    # (so on this machine): a TCP session's daemon may be elsewhere, and the session token
+    # must not go to whatever listens at that path here.
+    if local is None and not _target(address).startswith("unix:"):
+        return None
+    ch = _local.LocalChannel(local_socket, token, address)
+    try:
+        ch.connect()
+    except OSError as e:
+        if local:
+            raise Unavailable(
+                "unavailable",
+                f"the tpubox daemon at {address}: its local socket {local_socket}: {e}",
+            ) from None
+        return None
+    return ch
+
+
+def _open(
+    address: str,
+    token: str | None,
+    limits: Limits,
+    label: str,
+    timeout: float | None,
+    local: bool | None = None,
+) -> Session:
+    channel = _channel(_target(address))
+    stub = pb_grpc.SessionStub(channel)
+    try:
+        r = stub.Open(
+            pb.OpenRequest(limits=limits._to_pb(), end_on_disconnect=True, label=label),
+            metadata=_metadata(token),
+            timeout=timeout,
+        )
+    except grpc.RpcError as e:
+        channel.close()
+        raise from_rpc_error(e, address, "Open") from None
+    s = Session(
+        address=address,
+        token=r.session_token,
+        session_id=r.session_id,
+        tenant=r.tenant,
+        limits=Limits._from_pb(r.limits),
+        platform=Platform._from_pb(r.platform),
+        owned=True,
+        channel=channel,
+        timeout=timeout,
+    )
+    try:
+        s._local = _local_channel(address, r.local_socket, r.session_token, local)
+    except TpuboxError:
+        s.close(timeout=2.0)
+        raise
+    att = _Attachment(s._stub, s._md, s.session_id)
+    s._attachment = att
+    if not att.attached.wait(timeout) or att.error is not None or att.done.is_set():
+        err = att.error
+        s.close(timeout=2.0)
+        if err is not None:
+            raise from_rpc_error(err, address, "Attach") from None
+        raise Unavailable(
+            "unavailable", f"the tpubox daemon at {address} did not confirm the Attach stream"
+        )
+    _OWNED.add(s)
+    return _remember(s)
+
+
+def _join(address: str, token: str, timeout: float | None, local: bool | None = None) -> Session:
+    channel = _channel(_target(address))
+    stub = pb_grpc.SessionStub(channel)
+    try:
+        r = stub.Info(pb.InfoRequest(), metadata=_metadata(token), timeout=timeout)
+    except grpc.RpcError as e:
+        channel.close()
+        raise from_rpc_error(e, address, "Info") from None
+    s = Session(
+        address=address,
+        token=token,
+        session_id=r.session_id,
+        tenant=r.tenant,
+        limits=Limits._from_pb(r.limits),
+        platform=Platform._from_pb(r.platform),
+        owned=False,
+        channel=channel,
+        timeout=timeout,
+    )
+    s._local = _local_channel(address, r.local_socket, token, local)
+    return _remember(s)
+
+
+def default_session() -> Session:
+    """The session :func:`tpubox.jax.jit` and friends use when given none: the last one
+    :func:`connect` returned that is still open, else ``connect()`` (the kernel's session from
+    the environment).
+
+    Raises:
+        ValueError: no open session and no TPUBOX_ADDRESS/TPUBOX_SESSION_TOKEN.
+    """
+    with _LAST_LOCK:
+        s = _LAST() if _LAST is not None else None
+    if s is not None and not s.closed:
+        return s
+    return connect()
+
+
+def tenant_usage(
+    address: str | os.PathLike[str], token: str | None, *, timeout: float | None = DEFAULT_TIMEOUT
+) -> TenantUsage:
+    """What all live sessions of TOKEN's tenant hold, summed (for operators and provisioners:
+    after a kernel's session ends, its tenant's device bytes are back to zero).
+
+    Args:
+        address: the daemon's address, as for :func:`connect`.
+        token: a tenant token (not a session token).
+
+    Raises:
+        tpubox.Unauthenticated, tpubox.PermissionDenied, tpubox.Unavailable.
+    """
+    address = os.fspath(address)
+    channel = _channel(_target(address))
+    try:
+        r = pb_grpc.SessionStub(channel).TenantUsage(
+            pb.TenantUsageRequest(), metadata=_metadata(token), timeout=timeout
+        )
+    except grpc.RpcError as e:
+        raise from_rpc_error(e, address, "TenantUsage") from None
+    finally:
+        channel.close()
+    return TenantUsage(tenant=r.tenant, sessions=r.sessions, usage=Usage._from_pb(r.usage))
+
+
+def wait_for_daemon(
+    address: str | os.PathLike[str], timeout: float = 30.0, token: str | None = None
+) -> None:
+    """Waits until the daemon at ADDRESS answers (a TenantUsage call with TOKEN; any answer but
+    Unavailable counts), for up to TIMEOUT seconds.
+
+    Raises:
+        tpubox.Unavailable: not answering after TIMEOUT seconds.
+    """
+    deadline = time.monotonic() + timeout
+    last: TpuboxError | None = None
+    while time.monotonic() < deadline:
+        try:
+            tenant_usage(address, token, timeout=2.0)
+            return
+        except Unavailable as e:
+            last = e
+        except TpuboxError:
+            return
+        time.sleep(0.1)
+    raise Unavailable(
+        "unavailable", f"the tpubox daemon at {address} did not answer in {timeout} s: {last}"
+    )
