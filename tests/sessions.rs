@@ -1175,3 +1175,70 @@ async fn local_socket_moves_tensors_through_sealed_memfds_only() {
         .into_inner();
     assert_eq!((u.live_tensors, u.device_bytes), (1, 24));
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn donated_handles_count_against_max_live_tensors() {
+    let d = daemon().await;
+    let mut c = client(&d).await;
+    let s = open(
+        &mut c,
+        "bob-token",
+        OpenRequest {
+            limits: Some(Limits {
+                max_live_tensors: 4,
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    )
+    .await;
+    let t = &s.session_token;
+    let exe = c
+        .compile(authed(
+            CompileRequest {
+                program: ADD.as_bytes().to_vec().into(),
+                ..Default::default()
+            },
+            t,
+        ))
+        .await
+        .unwrap()
+        .into_inner()
+        .executable;
+    let four = f32_bytes(&[1., 2., 3., 4.]);
+    let mut x = put(&mut c, t, vec![first(spec(DType::F32, &[4]), &four)])
+        .await
+        .unwrap()
+        .handle;
+    let b = put(&mut c, t, vec![first(spec(DType::F32, &[4]), &four)])
+        .await
+        .unwrap()
+        .handle;
+    let step = |x: u64| ExecuteRequest {
+        executable: exe,
+        arguments: vec![x, b],
+        donate: vec![0],
+    };
+    // a, b; then each step donates x and adds its result: 3, then 4 handles in the table.
+    for _ in 0..2 {
+        x = c
+            .execute(authed(step(x), t))
+            .await
+            .unwrap()
+            .into_inner()
+            .results[0]
+            .handle;
+    }
+    let e = c.execute(authed(step(x), t)).await.unwrap_err();
+    assert_eq!(kind(&e).1, "resource-exhausted", "{e:?}");
+    assert!(
+        e.message().contains("max-live-tensors") && e.message().contains("donated"),
+        "{}",
+        e.message()
+    );
+    // The refused execution donated nothing: x is still usable.
+    assert_eq!(
+        get(&mut c, t, x).await.unwrap(),
+        f32_bytes(&[3., 6., 9., 12.])
+    );
+}

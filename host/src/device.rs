@@ -200,9 +200,9 @@ impl DeviceService {
             DeviceError::new(
                 ErrorKind::NotFound,
                 format!(
-                    "device {index} does not exist (this host has {} device(s), indices 0..{})",
+                    "device {index} does not exist (this host has {} device(s), indices 0 to {})",
                     self.devices.len(),
-                    self.devices.len()
+                    self.devices.len().saturating_sub(1)
                 ),
             )
         })

@@ -3,7 +3,8 @@
 //! Computes `tanh(x · w + b)` for x: `f32[2,3]`, w: `f32[3,4]`, b: `f32[4]` on the host's device with
 //! a StableHLO program, recomputes it in plain Rust inside the guest, and checks that both
 //! agree (max abs diff <= 1e-5). It exits with status 1 and a message on stderr if they do not,
-//! and with status 2 on bad arguments.
+//! or on bad arguments (WASI preview 2 carries only success or failure out of `main`, so the
+//! `ExitCode` 2 it returns for bad arguments arrives as 1).
 //!
 //! Usage: `hello-matmul [--scale S]`; `--scale S` multiplies every element of `x` by `S` (in
 //! f32) before upload, so that tests can vary the inputs.

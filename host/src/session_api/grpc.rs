@@ -602,6 +602,8 @@ impl SessionRpc for Service {
             .map(|&h| s.tensor(h))
             .collect::<Result<Vec<_>, _>>()
             .map_err(access_status)?;
+        s.admit_handles(exe.executable().outputs().len())
+            .map_err(access_status)?;
         let refs: Vec<&TensorHandle> = args.iter().map(|a| a.as_ref()).collect();
         let outputs = s
             .session()

@@ -342,6 +342,7 @@ async fn handle(
                 .iter()
                 .map(|&h| s.tensor(h))
                 .collect::<Result<Vec<_>, _>>()?;
+            s.admit_handles(exe.executable().outputs().len())?;
             let refs: Vec<&TensorHandle> = args.iter().map(|a| a.as_ref()).collect();
             let outputs = s.session().execute(&exe, &refs, &donate).await?;
             let mut results = Vec::with_capacity(outputs.len());

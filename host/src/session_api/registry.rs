@@ -183,6 +183,27 @@ impl LiveSession {
             })
     }
 
+    /// Checks that `n` more tensor handles fit in the table before an execution adds them.
+    /// Live tensors are bounded by the session layer's charges; this bounds the handles of
+    /// donated tensors, which hold no charge but stay in the table (so that using one says
+    /// "donated") until the client frees them.
+    ///
+    /// Errors: `resource-exhausted` naming `max-live-tensors`.
+    pub fn admit_handles(&self, n: usize) -> AccessResult<()> {
+        let max = self.limits.tenant.max_live_tensors;
+        let held = self.with_tables(|t| t.tensors.len())?;
+        if (held + n) as u64 > max {
+            return Err(DeviceError::new(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "this session holds {held} tensor handles, donated ones included, and may hold at most {max} (limit max-live-tensors); free the handles it no longer needs"
+                ),
+            )
+            .into());
+        }
+        Ok(())
+    }
+
     /// Frees handles; returns how many were freed and the numbers it did not have.
     pub fn free(&self, tensors: &[u64], executables: &[u64]) -> AccessResult<(u32, Vec<u64>)> {
         // The handles are dropped outside the lock (dropping returns charges).

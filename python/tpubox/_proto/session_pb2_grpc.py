@@ -142,7 +142,8 @@ class SessionServicer(object):
         (dense, row-major, little-endian; bool as one byte 0/1; bf16 as its 2 bytes; complex as
         (real, imaginary) pairs) follows in the `data` of that and later messages, in order.
         Errors: INVALID_ARGUMENT (no header, a second header, bytes that are not element size ×
-        product of dims), RESOURCE_EXHAUSTED (`max-device-bytes`, `max-live-tensors`).
+        product of dims), NOT_FOUND (a device index the daemon does not have), RESOURCE_EXHAUSTED
+        (`max-device-bytes`, `max-live-tensors`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
