@@ -276,6 +276,13 @@ impl Drop for Attachment {
     }
 }
 
+/// Ended sessions' token hashes with the reason, and their order (oldest first, for
+/// forgetting past [`ENDED_REMEMBERED`]).
+type EndedTokens = (
+    HashMap<[u8; 32], String>,
+    std::collections::VecDeque<[u8; 32]>,
+);
+
 /// What a tenant is allowed, as the registry needs it.
 #[derive(Debug, Clone)]
 pub struct OpenGrant {
@@ -291,10 +298,7 @@ pub struct Registry {
     device: Arc<DeviceService>,
     weights: Arc<WeightRegistry>,
     sessions: Mutex<HashMap<[u8; 32], Arc<LiveSession>>>,
-    ended: Mutex<(
-        HashMap<[u8; 32], String>,
-        std::collections::VecDeque<[u8; 32]>,
-    )>,
+    ended: Mutex<EndedTokens>,
     tenants_seen: Mutex<BTreeSet<String>>,
     stopping: Mutex<Option<String>>,
 }
