@@ -5,6 +5,8 @@
 Starts a `tpubox serve` session daemon (python/tests/tpubox_daemon.Daemon: Unix socket and
 TCP, the CPU plugin, no tokens) and measures, in one run:
 
+- a tiny execute from a guest running in the daemon (tests/guests/probe `exec-loop`, through
+  RunComponent), for the floor;
 - a tiny execute (a 2-element f32 add, both arguments already on the device, the results
   freed in batches outside the timed calls) per call: through the daemon's local socket (what
   a Unix-socket session on the daemon's machine uses), through gRPC over the Unix socket, and
@@ -118,6 +120,31 @@ def transfers(s: tpubox.Session) -> dict[str, float]:
     return {"put_gib_s": put_rate, "get_gib_s": get_rate, "memcpy_gib_s": copy_rate}
 
 
+def probe_wasm() -> Path:
+    """tests/guests/probe, built by `bash scripts/dev.sh setup` (honours CARGO_TARGET_DIR)."""
+    import os
+
+    target = Path(os.environ.get("CARGO_TARGET_DIR") or HERE.parent.parent / "target")
+    return target / "wasm32-wasip2" / "release" / "tpubox-probe.wasm"
+
+
+def guest_execute(s: tpubox.Session, calls: int) -> dict[str, float]:
+    """µs per tiny execute from a guest in the daemon (probe `exec-loop N`: a scalar f32 add,
+    inputs on the device), from the run times of N = CALLS and N = 0 (guests have no clock):
+    median of 5 pairs."""
+    wasm = probe_wasm().read_bytes()
+    per = []
+    for _ in range(5):
+        t = {}
+        for n in (0, calls):
+            r = s.run(wasm, ["exec-loop", str(n)], stdout=False, stderr=False)
+            assert r.ok, r
+            assert r.stdout.strip().endswith(b" 3.75"), r.stdout
+            t[n] = r.elapsed
+        per.append((t[calls] - t[0]) * 1e6 / calls)
+    return {"median_us": statistics.median(per), "p90_us": max(per)}
+
+
 def main() -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--calls", type=int, default=2000)
@@ -131,6 +158,7 @@ def main() -> int:
         res: dict[str, dict[str, float]] = {}
         with tpubox.connect(d.unix, local=True) as s:
             res["execute_local"] = tiny_execute(s, args.calls, args.warmup)
+            res["execute_guest"] = guest_execute(s, 10 * args.calls)
             res["transfer_local"] = transfers(s)
         with tpubox.connect(d.unix, local=False) as s:
             res["execute_unix"] = tiny_execute(s, args.calls, args.warmup)
@@ -157,7 +185,9 @@ def main() -> int:
     def rate(r, key):
         return f"{r[key]:.2f} GiB/s", "best of 5", ratio(r[key], mem, "memcpy")
 
+    eg = res["execute_guest"]
     rows = [
+        ("execute f32 add, guest in the daemon", *us(eg), vs_local(eg)),
         ("execute 2xf32 add, local socket", *us(el), "1.00"),
         ("execute 2xf32 add, gRPC, Unix socket", *us(eu), vs_local(eu)),
         ("execute 2xf32 add, gRPC, TCP", *us(et), vs_local(et)),
