@@ -86,6 +86,12 @@ enum Cmd {
     /// max_requests_per_second, repository_control). SIGTERM makes readiness false and new
     /// inference requests 503, waits up to --drain-seconds for those in flight, fails those
     /// still queued, and exits 0; a second signal exits at once. See docs/SERVING.md.
+    ///
+    /// With --session-socket (and/or --session-port) the same daemon serves the session API
+    /// (gRPC tpubox.v1.Session) to notebook kernels and the `tpubox` Python package: tensors
+    /// that stay on the device, compiles, executions, shared weights (--weights) and guest
+    /// components (--components), per tenant with the [tenant.session] limits of the tokens
+    /// file. --model-repository is then optional. See docs/NOTEBOOKS.md.
     Serve(ServeArgs),
     /// Internal: compile one program read from stdin and write the executable to stdout (the
     /// host starts this to contain the compiler; see `tpubox::compiler`).
@@ -102,7 +108,9 @@ struct ServeArgs {
     #[arg(long, value_name = "DIR")]
     model_repository: Option<PathBuf>,
     /// Tokens file (TOML `[[tenant]]` entries: name, tokens, models, max_in_flight,
-    /// max_requests_per_second). Without it every request is tenant `anonymous`.
+    /// max_requests_per_second, repository_control, and a [tenant.session] table of session
+    /// limits for tenants that may open sessions). Without it every request is tenant
+    /// `anonymous`.
     #[arg(long, value_name = "FILE")]
     tokens: Option<PathBuf>,
     /// Address to listen on.
@@ -114,7 +122,7 @@ struct ServeArgs {
     /// gRPC port (inference.GRPCInferenceService).
     #[arg(long, default_value_t = 8001)]
     grpc_port: u16,
-    /// Prometheus metrics port (GET /metrics).
+    /// Prometheus metrics port (GET /metrics); 0 picks a free one (logged).
     #[arg(long, default_value_t = 8002)]
     metrics_port: u16,
     /// Longest SIGTERM waits for requests in flight, in seconds.
@@ -140,10 +148,11 @@ struct ServeArgs {
     /// may without --tokens). See docs/NOTEBOOKS.md.
     #[arg(long, value_name = "PATH")]
     session_socket: Option<PathBuf>,
-    /// Serve the session API on this TCP port too (on --host).
+    /// Serve the session API on this TCP port (on --host), with or without --session-socket;
+    /// 0 picks a free one (logged).
     #[arg(long, value_name = "PORT")]
     session_port: Option<u16>,
-    /// Components (WASI commands) sessions may run by name: DIR/NAME.wasm.
+    /// Components (WASI commands) that sessions may run by name (RunComponent): DIR/NAME.wasm.
     #[arg(long, value_name = "DIR")]
     components: Option<PathBuf>,
     /// Load a safetensors file as the shared weight set NAME, which sessions open read-only

@@ -349,7 +349,7 @@ impl Tenant {
             DeviceError::new(
                 ErrorKind::PermissionDenied,
                 format!(
-                    "tenant `{}`: {message} (policy rule {rule}; an operator can mark the tenant trusted: `tpubox run --trusted`, `ProgramPolicy::trusted`)",
+                    "tenant `{}`: {message} (policy rule {rule}; an operator can mark the tenant trusted: `tpubox run --trusted`, `trusted = true` in the tokens file's [tenant.session] for sessions, `ProgramPolicy::trusted`)",
                     self.name
                 ),
             )

@@ -187,7 +187,7 @@ impl WeightRegistry {
             DeviceError::new(
                 ErrorKind::NotFound,
                 if offered.is_empty() {
-                    format!("no weight set named `{name}`: the host was started without weights (tpubox run --weights {name}=FILE.safetensors)")
+                    format!("no weight set named `{name}`: the host was started without weights (`--weights {name}=FILE.safetensors` on `tpubox run` or `tpubox serve`)")
                 } else {
                     format!("no weight set named `{name}`; the host offers: {}", offered.join(", "))
                 },

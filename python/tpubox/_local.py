@@ -81,8 +81,11 @@ class LocalChannel:
         """Sends request ``op`` with ``fields`` (and descriptor ``fd``); returns the reply's
         ``ok`` value and the descriptor it carried, if any (the caller closes it).
 
+        A request that could not be sent (the connection was dropped, the daemon restarted) is
+        sent once more on a new connection.
+
         Raises: the TpuboxError of the reply's kind; ``Unavailable`` when the daemon is gone;
-        ``DeadlineExceeded``-like ``Unavailable`` after ``timeout`` seconds.
+        ``DeadlineExceeded`` after ``timeout`` seconds.
         """
         req = dict(fields)
         req["op"] = op
@@ -90,16 +93,27 @@ class LocalChannel:
         body = json.dumps(req, separators=(",", ":")).encode()
         msg = struct.pack("<I", len(body)) + body
         with self._lock:
-            s = self._sock
-            if s is None:
-                raise self._gone("not connected")
             got: list[int] = []
+            if self._sock is None:
+                try:
+                    self.connect()
+                except OSError as e:
+                    raise self._gone(e) from None
+            s = self._sock
+            assert s is not None
             try:
-                s.settimeout(timeout)
-                if fd is not None:
-                    socket.send_fds(s, [msg], [fd])
-                else:
-                    s.sendall(msg)
+                try:
+                    s.settimeout(timeout)
+                    self._send(s, msg, fd)
+                except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
+                    # The request never reached the daemon (it restarted, or the connection
+                    # was dropped): reconnect once and send it again.
+                    self.close()
+                    self.connect()
+                    s = self._sock
+                    assert s is not None
+                    s.settimeout(timeout)
+                    self._send(s, msg, fd)
                 data, got, _, _ = socket.recv_fds(s, _MAX_REPLY, 1)
                 while data and (len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]):
                     more = s.recv(_MAX_REPLY)
@@ -133,6 +147,13 @@ class LocalChannel:
                 os.close(f)
             raise error(str(reply["error"]["kind"]), str(reply["error"]["message"]))
         return reply["ok"], (got[0] if got else None)
+
+    @staticmethod
+    def _send(s: socket.socket, msg: bytes, fd: int | None) -> None:
+        if fd is not None:
+            socket.send_fds(s, [msg], [fd])
+        else:
+            s.sendall(msg)
 
     def put(
         self, raw: memoryview, dtype: str, dims: list[int], device: int | None

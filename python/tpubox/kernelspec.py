@@ -160,7 +160,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     )
     prefix = args.prefix or (sys.prefix if args.sys_prefix else None)
     user = not (prefix or args.system)
-    dest = install(args.name, spec, user=user, prefix=prefix)
+    try:
+        dest = install(args.name, spec, user=user, prefix=prefix)
+    except ValueError as e:  # jupyter_client refuses names that are not a directory name
+        p.error(f"--name {args.name!r}: {e}")
     print(f"Installed kernelspec {args.name} in {dest}")
     return 0
 

@@ -165,6 +165,14 @@ class TpuboxProvisioner(LocalProvisioner):  # type: ignore[misc]
         )
         return kwargs
 
+    async def poll(self) -> int | None:
+        """LocalProvisioner's poll; once the kernel process has exited (killed, crashed), its
+        session is closed at once instead of at the next shutdown or restart."""
+        ret = await super().poll()
+        if ret is not None and self._tpubox_session is not None:
+            await asyncio.get_running_loop().run_in_executor(None, self._close)
+        return ret
+
     async def kill(self, restart: bool = False) -> None:
         """Kills the kernel, then closes its session."""
         await super().kill(restart=restart)

@@ -754,7 +754,7 @@ class Session:
     def __repr__(self) -> str:
         state = "closed" if self._closed else ("owned" if self.owned else "joined")
         return (
-            f"tpubox.Session(id={self.session_id!r}, tenant={self.tenant!r}, "
+            f"tpubox.Session(session_id={self.session_id!r}, tenant={self.tenant!r}, "
             f"address={self.address!r}, platform={self.platform.name!r}, {state})"
         )
 

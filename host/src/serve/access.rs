@@ -315,9 +315,13 @@ impl Access {
 impl SessionAccess for Access {
     fn grant(&self, token: Option<&str>) -> AccessResult<OpenGrant> {
         let value = token.map(|t| format!("Bearer {t}"));
-        let tenant = self
-            .identify(value.as_deref())
-            .map_err(|e| AccessError::Unauthenticated(e.message))?;
+        let tenant = self.identify(value.as_deref()).map_err(|e| {
+            AccessError::Unauthenticated(if token.is_none() {
+                "opening a session needs a tenant token from the daemon's tokens file (Python: tpubox.connect(address, token); gRPC: `authorization: Bearer TOKEN` metadata)".into()
+            } else {
+                format!("{} (a tenant token from the daemon's tokens file is needed here, not a session token)", e.message)
+            })
+        })?;
         match &tenant.entry.session {
             Some(p) => Ok(OpenGrant {
                 tenant: tenant.entry.name.clone(),

@@ -548,6 +548,15 @@ pub async fn run(
             metrics.local_addr()?
         );
     }
+    if session_listeners
+        .as_ref()
+        .is_some_and(|l| l.tcp_addr().is_some())
+        && config.tokens.is_none()
+    {
+        tracing::warn!(
+            "the session API listens on TCP without --tokens: every process that can reach the port may use the device, as tenant `anonymous`"
+        );
+    }
     if let Some(l) = &session_listeners {
         let socket = l.socket_path().map(|p| format!("unix:{}", p.display()));
         let tcp = l.tcp_addr().map(|a| a.to_string());
@@ -631,10 +640,14 @@ pub async fn run(
         })
     };
     shutdown_signal().await;
-    tracing::info!(
-        "shutting down: new inference requests get 503; draining those in flight (up to {:?}; a second signal exits at once)",
-        config.drain
-    );
+    if inference {
+        tracing::info!(
+            "shutting down: new inference requests get 503; draining those in flight (up to {:?}; a second signal exits at once); sessions end",
+            config.drain
+        );
+    } else {
+        tracing::info!("shutting down: sessions end (calls in flight fail with UNAVAILABLE)");
+    }
     tokio::spawn(async {
         shutdown_signal().await;
         eprintln!("tpubox serve: second signal; exiting without waiting");

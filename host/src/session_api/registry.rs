@@ -419,6 +419,13 @@ impl Registry {
         if let Some(reason) = lock(&self.ended).0.get(&key) {
             return Err(ended_error(reason));
         }
+        // A token of the form Open returns that nobody here issued: most likely a session of
+        // an earlier run of the daemon (sessions do not survive a restart).
+        if token.len() == 64 && token.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(ended_error(
+                "no session has this token: it ended long ago, or the daemon restarted since it was opened (sessions do not survive a restart); open a new session (in a notebook: restart the kernel)",
+            ));
+        }
         Err(AccessError::Unauthenticated(
             "unknown session token (Open returns one; a tenant token does not work here)".into(),
         ))
