@@ -468,13 +468,10 @@ impl SessionRpc for Service {
                     spec.dims
                 )));
             }
-            let t = s
-                .session()
-                .tensor_from_bytes(ty, &spec.dims, &first.data, device)
-                .map_err(device_status)?;
-            let info = tensor_info(0, &t);
-            let h = s.insert_tensor(t).map_err(access_status)?;
-            return Ok(Response::new(TensorInfo { handle: h, ..info }));
+            let (h, t) = s
+                .put(ty, &spec.dims, &first.data, device)
+                .map_err(access_status)?;
+            return Ok(Response::new(tensor_info(h, &t)));
         }
         let mut data: Vec<u8> = Vec::new();
         let mut push = |chunk: &Bytes| -> Result<(), Status> {
@@ -499,15 +496,10 @@ impl SessionRpc for Service {
             }
             push(&m.data)?;
         }
-        let t = s
-            .session()
-            .tensor_from_bytes(ty, &spec.dims, &data, device)
-            .map_err(device_status)?;
-        drop(data);
-        // The reply is built before the handle moves into the table.
-        let info = tensor_info(0, &t);
-        let h = s.insert_tensor(t).map_err(access_status)?;
-        Ok(Response::new(TensorInfo { handle: h, ..info }))
+        let (h, t) = s
+            .put(ty, &spec.dims, &data, device)
+            .map_err(access_status)?;
+        Ok(Response::new(tensor_info(h, &t)))
     }
 
     type GetTensorStream = EventStream<TensorChunk>;
@@ -595,27 +587,13 @@ impl SessionRpc for Service {
     ) -> Result<Response<ExecuteResponse>, Status> {
         let (s, _active) = self.session(req.metadata())?;
         let r = req.into_inner();
-        let exe = s.executable(r.executable).map_err(access_status)?;
-        let args = r
-            .arguments
-            .iter()
-            .map(|&h| s.tensor(h))
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(access_status)?;
-        s.admit_handles(exe.executable().outputs().len())
-            .map_err(access_status)?;
-        let refs: Vec<&TensorHandle> = args.iter().map(|a| a.as_ref()).collect();
-        let outputs = s
-            .session()
-            .execute(&exe, &refs, &r.donate)
+        let results = s
+            .execute(r.executable, &r.arguments, &r.donate)
             .await
-            .map_err(device_status)?;
-        let mut results = Vec::with_capacity(outputs.len());
-        for o in outputs {
-            let info = tensor_info(0, &o);
-            let h = s.insert_tensor(o).map_err(access_status)?;
-            results.push(TensorInfo { handle: h, ..info });
-        }
+            .map_err(access_status)?
+            .iter()
+            .map(|(h, t)| tensor_info(*h, t))
+            .collect();
         Ok(Response::new(ExecuteResponse { results }))
     }
 
@@ -629,11 +607,10 @@ impl SessionRpc for Service {
         let mut tensors = Vec::with_capacity(set.len());
         for tname in set.names() {
             let t = s.session().weight(&set, tname).map_err(device_status)?;
-            let info = tensor_info(0, &t);
-            let h = s.insert_tensor(t).map_err(access_status)?;
+            let (h, t) = s.insert_tensor(t).map_err(access_status)?;
             tensors.push(open_weights_response::Entry {
                 name: tname.to_string(),
-                tensor: Some(TensorInfo { handle: h, ..info }),
+                tensor: Some(tensor_info(h, &t)),
             });
         }
         Ok(Response::new(OpenWeightsResponse { tensors }))

@@ -320,14 +320,9 @@ async fn handle(
                     data.len()
                 )));
             }
-            let data = &data[..expected];
-            let t = s.session().tensor_from_bytes(ty, &dims, data, device)?;
+            let (h, t) = s.put(ty, &dims, &data[..expected], device)?;
             drop(map);
-            let v = info(0, &t);
-            let h = s.insert_tensor(t)?;
-            let mut v = v;
-            v["handle"] = json!(h);
-            Ok((v, None))
+            Ok((info(h, &t), None))
         }
         LocalRequest::Execute {
             token,
@@ -337,20 +332,12 @@ async fn handle(
         } => {
             no_fds(&fds)?;
             let (s, _active) = registry.get(&token)?;
-            let exe = s.executable(executable)?;
-            let args = arguments
+            let results: Vec<Value> = s
+                .execute(executable, &arguments, &donate)
+                .await?
                 .iter()
-                .map(|&h| s.tensor(h))
-                .collect::<Result<Vec<_>, _>>()?;
-            s.admit_handles(exe.executable().outputs().len())?;
-            let refs: Vec<&TensorHandle> = args.iter().map(|a| a.as_ref()).collect();
-            let outputs = s.session().execute(&exe, &refs, &donate).await?;
-            let mut results = Vec::with_capacity(outputs.len());
-            for o in outputs {
-                let mut v = info(0, &o);
-                v["handle"] = json!(s.insert_tensor(o)?);
-                results.push(v);
-            }
+                .map(|(h, t)| info(*h, t))
+                .collect();
             Ok((json!({ "results": results }), None))
         }
         LocalRequest::Free {

@@ -133,15 +133,51 @@ impl LiveSession {
         }
     }
 
-    /// Adds a tensor; returns its handle number. After the session ended the tensor is
-    /// dropped (its charge returned) and the call fails with [`AccessError::Ended`].
-    pub fn insert_tensor(&self, t: TensorHandle) -> AccessResult<u64> {
+    /// Adds a tensor; returns its handle number and the handle. After the session ended the
+    /// tensor is dropped (its charge returned) and the call fails with [`AccessError::Ended`].
+    pub fn insert_tensor(&self, t: TensorHandle) -> AccessResult<(u64, Arc<TensorHandle>)> {
         let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
         let t = Arc::new(t);
-        self.with_tables(move |tables| {
-            tables.tensors.insert(id, t);
-            id
-        })
+        self.with_tables(|tables| {
+            tables.tensors.insert(id, Arc::clone(&t));
+        })?;
+        Ok((id, t))
+    }
+
+    /// Creates a tensor from dense little-endian bytes and adds it (both front doors' put).
+    ///
+    /// Errors: as [`Session::tensor_from_bytes`]; [`AccessError::Ended`].
+    pub fn put(
+        &self,
+        ty: pjrt::PrimitiveType,
+        dims: &[u64],
+        data: &[u8],
+        device: Option<u32>,
+    ) -> AccessResult<(u64, Arc<TensorHandle>)> {
+        let t = self.session.tensor_from_bytes(ty, dims, data, device)?;
+        self.insert_tensor(t)
+    }
+
+    /// Runs executable `executable` on the tensors of `arguments`, donating the positions in
+    /// `donate`, and adds the results (both front doors' execute).
+    ///
+    /// Errors: `not-found` for a handle this session does not have; as
+    /// [`admit_handles`](Self::admit_handles) and [`Session::execute`].
+    pub async fn execute(
+        &self,
+        executable: u64,
+        arguments: &[u64],
+        donate: &[u32],
+    ) -> AccessResult<Vec<(u64, Arc<TensorHandle>)>> {
+        let exe = self.executable(executable)?;
+        let args = arguments
+            .iter()
+            .map(|&h| self.tensor(h))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.admit_handles(exe.executable().outputs().len())?;
+        let refs: Vec<&TensorHandle> = args.iter().map(|a| a.as_ref()).collect();
+        let outputs = self.session.execute(&exe, &refs, donate).await?;
+        outputs.into_iter().map(|o| self.insert_tensor(o)).collect()
     }
 
     /// Adds an executable; as [`insert_tensor`](Self::insert_tensor).
