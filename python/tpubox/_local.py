@@ -187,6 +187,7 @@ class LocalChannel:
             size = int(info["byte_size"])
             if size == 0:
                 return dict(info), np.empty(0, np.uint8)
+            # (No MAP_POPULATE: on a private writable map it would copy every page up front.)
             m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
         finally:
             os.close(fd)

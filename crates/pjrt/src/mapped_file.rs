@@ -69,8 +69,9 @@ impl MappedFile {
         // page of the map can fault with SIGBUS; F_SEAL_WRITE means no process can change its
         // contents (no write(2), and no writable shared mapping: the seal could not have been
         // added while one existed), so the `&[u8]` handed out below is immutable memory. The
-        // bytes are borrowed from `self` and cannot outlive the map.
-        let map = unsafe { memmap2::Mmap::map(&file) }.map_err(|e| {
+        // bytes are borrowed from `self` and cannot outlive the map. The map is populated at
+        // once (MAP_POPULATE): one call instead of a page fault per 4 KiB page.
+        let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(|e| {
             Error::new(
                 ErrorCode::InvalidArgument,
                 format!("mapping the memfd: {e}"),
