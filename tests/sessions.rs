@@ -194,6 +194,20 @@ async fn get(
     Ok(out)
 }
 
+/// Compiles [`ADD`] in the session of `token`.
+async fn compile_add(c: &mut SessionClient<Channel>, token: &str) -> CompileResponse {
+    c.compile(authed(
+        CompileRequest {
+            program: ADD.as_bytes().to_vec().into(),
+            ..Default::default()
+        },
+        token,
+    ))
+    .await
+    .unwrap()
+    .into_inner()
+}
+
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -259,17 +273,7 @@ async fn tensors_compile_execute_donate_and_free() {
         2.5f64.to_le_bytes()
     );
 
-    let exe = c
-        .compile(authed(
-            CompileRequest {
-                program: ADD.as_bytes().to_vec().into(),
-                ..Default::default()
-            },
-            t,
-        ))
-        .await
-        .unwrap()
-        .into_inner();
+    let exe = compile_add(&mut c, t).await;
     assert_eq!(exe.parameters.len(), 2);
     assert_eq!(exe.results, vec![spec(DType::F32, &[4])]);
     let a = put(
@@ -1021,18 +1025,7 @@ async fn local_socket_moves_tensors_through_sealed_memfds_only() {
     let path = std::path::PathBuf::from(&info.local_socket);
     assert!(path.ends_with("tpubox.sock.local"), "{path:?}");
     let token = s.session_token.clone();
-    let exe = c
-        .compile(authed(
-            CompileRequest {
-                program: ADD.as_bytes().to_vec().into(),
-                ..Default::default()
-            },
-            &token,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .executable;
+    let exe = compile_add(&mut c, &token).await.executable;
     let sealed = SealFlags::WRITE | SealFlags::SHRINK | SealFlags::GROW;
     tokio::task::spawn_blocking(move || {
         let kind = |v: &serde_json::Value| v["error"]["kind"].as_str().unwrap_or("").to_string();
@@ -1193,18 +1186,7 @@ async fn donated_handles_count_against_max_live_tensors() {
     )
     .await;
     let t = &s.session_token;
-    let exe = c
-        .compile(authed(
-            CompileRequest {
-                program: ADD.as_bytes().to_vec().into(),
-                ..Default::default()
-            },
-            t,
-        ))
-        .await
-        .unwrap()
-        .into_inner()
-        .executable;
+    let exe = compile_add(&mut c, t).await.executable;
     let four = f32_bytes(&[1., 2., 3., 4.]);
     let mut x = put(&mut c, t, vec![first(spec(DType::F32, &[4]), &four)])
         .await

@@ -259,6 +259,33 @@ impl Session {
         Ok(self.owned_tensor(t, charge))
     }
 
+    /// Checks a tensor a client is about to send, before its data is read: returns its dense
+    /// size in bytes (element size × product of dims).
+    ///
+    /// Errors: `invalid-argument` for a rank over [`crate::types::MAX_RANK`], a dim over
+    /// `i64::MAX` or a size this host cannot address; `resource-exhausted` naming
+    /// `max-device-bytes` when the tensor alone is larger than the tenant may hold (nothing
+    /// held yet is counted: the charge at [`tensor_from_bytes`](Self::tensor_from_bytes)
+    /// does that).
+    pub fn admit_tensor(&self, ty: PrimitiveType, dims: &[u64]) -> DeviceResult<usize> {
+        let idims = dims_from_u64(dims)?;
+        let bytes = crate::types::checked_byte_size(ty, &idims).ok_or_else(|| {
+            DeviceError::invalid(format!(
+                "a {ty} tensor of dims {dims:?} has more bytes than this host can address"
+            ))
+        })?;
+        let limit = self.tenant.limits().max_device_bytes;
+        if bytes as u64 > limit {
+            return Err(DeviceError::new(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "a tensor of {bytes} bytes is larger than this session may hold, {limit} bytes (limit max-device-bytes)"
+                ),
+            ));
+        }
+        Ok(bytes)
+    }
+
     fn charge_one(&self, bytes: u64) -> DeviceResult<Charge> {
         let mut c = self.tenant.charge_tensors(&[bytes], 0)?;
         Ok(c.remove(0))

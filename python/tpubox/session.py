@@ -12,6 +12,7 @@ from __future__ import annotations
 import atexit
 import codecs
 import collections
+import contextlib
 import io
 import os
 import sys
@@ -325,7 +326,43 @@ def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 # Handles
 
 
-class Tensor:
+class _Handle:
+    """What a :class:`Tensor` and an :class:`Executable` share: a handle of a session, freed
+    once, now (:meth:`free`, a ``with`` block) or with the session's next call after the last
+    reference is dropped (``__del__`` only queues it: it never blocks on an RPC)."""
+
+    __slots__ = ()
+    _session: Session
+    _freed: bool
+    handle: int
+
+    def _free_now(self) -> None:
+        raise NotImplementedError
+
+    def _queue_free(self) -> None:
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Frees the handle now (one Free call); freeing twice is a no-op."""
+        if self._freed:
+            return
+        self._freed = True
+        if not self._session.closed:
+            self._free_now()
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __del__(self) -> None:
+        try:
+            if not self._freed and not self._session._closed:
+                self._freed = True
+                self._queue_free()
+        except Exception:  # interpreter shutdown: attributes may be gone
+            pass
+
+
+class Tensor(_Handle):
     """A tensor on the daemon's device, held by a session.
 
     Its data stays on the device until :meth:`numpy`; pass it to an :class:`Executable` (or a
@@ -444,27 +481,14 @@ class Tensor:
         a = self.numpy()
         return a if dtype is None else a.astype(dtype, copy=False)
 
-    def free(self) -> None:
-        """Frees the handle now (one Free call); freeing twice is a no-op."""
-        if self._freed:
-            return
-        self._freed = True
-        if not self._session.closed:
-            self._session._free_handles([self.handle], [])
+    def _free_now(self) -> None:
+        self._session._free_handles([self.handle], [])
+
+    def _queue_free(self) -> None:
+        self._session._pending_tensors.append(self.handle)
 
     def __enter__(self) -> Tensor:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.free()
-
-    def __del__(self) -> None:
-        try:
-            if not self._freed and not self._session._closed:
-                self._freed = True
-                self._session._pending_tensors.append(self.handle)
-        except Exception:  # interpreter shutdown: attributes may be gone
-            pass
 
     def __repr__(self) -> str:
         state = ""
@@ -481,7 +505,7 @@ class Tensor:
         )
 
 
-class Executable:
+class Executable(_Handle):
     """A compiled program held by a session (:meth:`Session.compile`).
 
     Call it with one argument per parameter: :class:`Tensor` s (used where they are) or
@@ -570,27 +594,14 @@ class Executable:
             if temps:
                 s.free(*temps)
 
-    def free(self) -> None:
-        """Frees the executable's handle now; freeing twice is a no-op."""
-        if self._freed:
-            return
-        self._freed = True
-        if not self._session.closed:
-            self._session._free_handles([], [self.handle])
+    def _free_now(self) -> None:
+        self._session._free_handles([], [self.handle])
+
+    def _queue_free(self) -> None:
+        self._session._pending_executables.append(self.handle)
 
     def __enter__(self) -> Executable:
         return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.free()
-
-    def __del__(self) -> None:
-        try:
-            if not self._freed and not self._session._closed:
-                self._freed = True
-                self._session._pending_executables.append(self.handle)
-        except Exception:
-            pass
 
     def __repr__(self) -> str:
         def specs(ss: Sequence[TensorSpec]) -> str:
@@ -827,18 +838,25 @@ class Session:
         except grpc.RpcError as e:
             raise self._error(e, name) from None
 
-    def _local_request(
-        self, op: str, fields: dict[str, Any], fd: int | None = None, timeout: Any = None
-    ) -> tuple[Any, int | None]:
+    @contextlib.contextmanager
+    def _local_call(self) -> Iterator[_local.LocalChannel]:
+        """The local channel for one call; marks the session closed when the daemon says it
+        has ended."""
         assert self._local is not None
-        self._check_open()
-        self._flush_frees()
         try:
-            return self._local.request(op, fields, fd, self._deadline(timeout))
+            yield self._local
         except TpuboxError as e:
             if e.kind == "session-ended":
                 self._closed = True
             raise
+
+    def _local_request(
+        self, op: str, fields: dict[str, Any], fd: int | None = None, timeout: Any = None
+    ) -> tuple[Any, int | None]:
+        self._check_open()
+        self._flush_frees()
+        with self._local_call() as local:
+            return local.request(op, fields, fd, self._deadline(timeout))
 
     def _free_handles(self, tensors: list[int], executables: list[int]) -> int:
         if self._local is not None:
@@ -978,14 +996,8 @@ class Session:
         if self._local is not None:
             self._check_open()
             self._flush_frees()
-            try:
-                info = self._local.put(
-                    raw, _dtypes.dtype_name(header.spec.dtype), list(a.shape), device
-                )
-            except TpuboxError as e:
-                if e.kind == "session-ended":
-                    self._closed = True
-                raise
+            with self._local_call() as local:
+                info = local.put(raw, _dtypes.dtype_name(header.spec.dtype), list(a.shape), device)
             return Tensor._from_json(self, info)
         self._check_open()
         self._flush_frees()
@@ -1013,12 +1025,8 @@ class Session:
         self._check_open()
         self._flush_frees()
         if self._local is not None:
-            try:
-                jinfo, out = self._local.get(handle)
-            except TpuboxError as e:
-                if e.kind == "session-ended":
-                    self._closed = True
-                raise
+            with self._local_call() as local:
+                jinfo, out = local.get(handle)
             dt = _dtypes.from_wire(pb.DType.Value(str(jinfo["dtype"]).upper()))
             return out.view(dt.newbyteorder("<")).reshape(tuple(int(d) for d in jinfo["dims"]))
         call = self._get(

@@ -437,67 +437,60 @@ impl SessionRpc for Service {
             .spec
             .ok_or_else(|| invalid("the first PutTensor message must carry the tensor spec"))?;
         let ty = primitive(spec.dtype)?;
-        let dims = crate::types::dims_from_u64(&spec.dims).map_err(device_status)?;
-        let expected = crate::types::checked_byte_size(ty, &dims).ok_or_else(|| {
+        // Refuse what can never fit before reading (and buffering) the data.
+        let expected = s
+            .session()
+            .admit_tensor(ty, &spec.dims)
+            .map_err(device_status)?;
+        let too_much = || {
             invalid(format!(
-                "a {ty} tensor of dims {:?} has more bytes than this host can address",
+                "PutTensor sent more than the {expected} bytes a {ty} tensor of dims {:?} holds",
                 spec.dims
             ))
-        })?;
-        // Refuse what can never fit before reading (and buffering) the data.
-        let limit = s.tenant().limits().max_device_bytes;
-        if expected as u64 > limit {
-            return Err(device_status(DeviceError::new(
-                ErrorKind::ResourceExhausted,
-                format!(
-                    "a tensor of {expected} bytes is larger than this session may hold, {limit} bytes (limit max-device-bytes)"
-                ),
-            )));
-        }
-        let device = first.device;
-        // One message with all the data (the common case below the message limit) is used
-        // as it arrived, without another copy.
-        if first.data.len() == expected {
-            let more = stream.message().await?;
-            if more
-                .as_ref()
-                .is_some_and(|m| !m.data.is_empty() || m.spec.is_some())
-            {
-                return Err(invalid(format!(
-                    "PutTensor sent more than the {expected} bytes a {ty} tensor of dims {:?} holds",
-                    spec.dims
-                )));
-            }
-            let (h, t) = s
-                .put(ty, &spec.dims, &first.data, device)
-                .map_err(access_status)?;
-            return Ok(Response::new(tensor_info(h, &t)));
-        }
-        let mut data: Vec<u8> = Vec::new();
-        let mut push = |chunk: &Bytes| -> Result<(), Status> {
-            if data.len() + chunk.len() > expected {
-                return Err(invalid(format!(
-                    "PutTensor sent more than the {expected} bytes a {ty} tensor of dims {:?} holds",
-                    spec.dims
-                )));
-            }
-            if data.is_empty() && !chunk.is_empty() {
-                data.reserve_exact(expected);
-            }
-            data.extend_from_slice(chunk);
-            Ok(())
         };
-        push(&first.data)?;
+        // One message with all the data (the common case below the message limit) is used as
+        // it arrived, without another copy; later chunks are appended to a buffer.
+        enum Received {
+            One(Bytes),
+            Many(Vec<u8>),
+        }
+        if first.data.len() > expected {
+            return Err(too_much());
+        }
+        let mut received = first.data.len();
+        let mut data = Received::One(first.data);
         while let Some(m) = stream.message().await? {
             if m.spec.is_some() || m.device.is_some() {
                 return Err(invalid(
                     "only the first PutTensor message may carry the spec and device",
                 ));
             }
-            push(&m.data)?;
+            if m.data.is_empty() {
+                continue;
+            }
+            received += m.data.len();
+            if received > expected {
+                return Err(too_much());
+            }
+            data = match data {
+                Received::One(b) => {
+                    let mut v = Vec::with_capacity(expected);
+                    v.extend_from_slice(&b);
+                    v.extend_from_slice(&m.data);
+                    Received::Many(v)
+                }
+                Received::Many(mut v) => {
+                    v.extend_from_slice(&m.data);
+                    Received::Many(v)
+                }
+            };
         }
+        let bytes: &[u8] = match &data {
+            Received::One(b) => b,
+            Received::Many(v) => v,
+        };
         let (h, t) = s
-            .put(ty, &spec.dims, &data, device)
+            .put(ty, &spec.dims, bytes, first.device)
             .map_err(access_status)?;
         Ok(Response::new(tensor_info(h, &t)))
     }

@@ -295,21 +295,8 @@ async fn handle(
             let fd = fds.remove(0);
             let ty = PrimitiveType::from_name(&dtype.to_ascii_uppercase())
                 .ok_or_else(|| invalid(format!("`{dtype}` is not a dtype tpubox supports")))?;
-            let idims = crate::types::dims_from_u64(&dims)?;
-            let expected = crate::types::checked_byte_size(ty, &idims).ok_or_else(|| {
-                invalid(format!(
-                    "a {ty} tensor of dims {dims:?} has more bytes than this host can address"
-                ))
-            })?;
-            let limit = s.tenant().limits().max_device_bytes;
-            if expected as u64 > limit {
-                return Err(Failure(
-                    ErrorKind::ResourceExhausted.as_str(),
-                    format!(
-                        "a tensor of {expected} bytes is larger than this session may hold, {limit} bytes (limit max-device-bytes)"
-                    ),
-                ));
-            }
+            // Refuse what can never fit before the descriptor is looked at.
+            let expected = s.session().admit_tensor(ty, &dims)?;
             // Only a sealed memfd: reading it never waits on anything but memory, and its
             // writer can no longer shrink or change it (pjrt::MappedFile::sealed_memfd).
             let map = pjrt::MappedFile::sealed_memfd(fd).map_err(|e| invalid(e.to_string()))?;
