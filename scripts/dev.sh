@@ -21,6 +21,14 @@ HEADER_PKG="xla-cpu-pjrt"
 HEADER_VER="0.0.1"
 HEADER_SHA="55837b6b7b47daa717f2d9a5a03563ea0ceaa338d06a81a1e2d3f060d960decc"
 HEADER_DIR="$CACHE/plugins/$HEADER_PKG-$HEADER_VER"
+# The XLA FFI C API header (custom-call handlers: the LAPACK handlers of crates/pjrt-lapack)
+# ships in the jaxlib wheel's include/. The wheel is fetched for one fixed Python tag and
+# platform, so that its SHA-256 is the same on every machine; only the header is kept.
+FFI_HEADER_PKG="jaxlib"
+FFI_HEADER_VER="0.10.2"
+FFI_HEADER_WHEEL_TAG=(--python-version 3.11 --platform manylinux_2_27_x86_64)
+FFI_HEADER_SHA="1faca3c5d4662cb4a6130a68105d68bb520764817e165d6eebfd6786c0d1f30f"
+FFI_HEADER_DIR="$CACHE/headers/$FFI_HEADER_PKG-$FFI_HEADER_VER"
 # Model guests of `tpubox serve` (tests/serve). They are cdylibs: cargo names their component
 # with underscores, $TARGET/wasm32-wasip2/release/serve_dtypes.wasm (see guest_wasm); command
 # guests keep the package name.
@@ -42,10 +50,12 @@ log() { printf '\033[1m[dev.sh]\033[0m %s\n' "$*" >&2; }
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
 # What every command needs: libclang for bindgen, python3 with pip (plugin and model wheels),
+# OpenBLAS (the LAPACK behind the CPU plugin's linear-algebra custom calls, loaded at run time),
 # and the Rust target guests are built for.
 setup_core() {
   local missing=()
   [ -e /usr/lib/llvm-14/lib/libclang.so ] || ls /usr/lib/llvm-*/lib/libclang*.so >/dev/null 2>&1 || missing+=(libclang-dev)
+  ldconfig -p 2>/dev/null | grep -q 'libopenblas\.so\.0 ' || missing+=(libopenblas0)
   command -v python3 >/dev/null || missing+=(python3 python3-pip)
   install_debian "${missing[@]}"
   if ! rustup target list --installed | grep -qx wasm32-wasip2; then
@@ -115,6 +125,7 @@ install_debian() {
 }
 
 setup_header() {
+  setup_ffi_header
   if [ -f "$HEADER_DIR/.tpubox-installed" ]; then return; fi
   log "fetching the PJRT C API header ($HEADER_PKG==$HEADER_VER)"
   local tmp; tmp="$(mktemp -d)"
@@ -125,6 +136,30 @@ setup_header() {
   python3 -m zipfile -e "$whl" "$HEADER_DIR.tmp"
   echo "$HEADER_SHA" > "$HEADER_DIR.tmp/.tpubox-installed"
   rm -rf "$HEADER_DIR" && mv "$HEADER_DIR.tmp" "$HEADER_DIR"
+  rm -rf "$tmp"
+}
+
+setup_ffi_header() {
+  if [ -f "$FFI_HEADER_DIR/.tpubox-installed" ]; then return; fi
+  log "fetching the XLA FFI C API header ($FFI_HEADER_PKG==$FFI_HEADER_VER, include/ only)"
+  local tmp; tmp="$(mktemp -d)"
+  python3 -m pip download --no-deps --disable-pip-version-check -q --only-binary :all: \
+    "${FFI_HEADER_WHEEL_TAG[@]}" "$FFI_HEADER_PKG==$FFI_HEADER_VER" -d "$tmp"
+  local whl; whl="$(ls "$tmp"/*.whl)"
+  echo "$FFI_HEADER_SHA  $whl" | sha256sum -c --quiet
+  rm -rf "$FFI_HEADER_DIR.tmp" && mkdir -p "$FFI_HEADER_DIR.tmp"
+  python3 - "$whl" "$FFI_HEADER_DIR.tmp" <<'PY'
+import sys, zipfile, pathlib
+whl, out = sys.argv[1], pathlib.Path(sys.argv[2])
+with zipfile.ZipFile(whl) as z:
+    for name in z.namelist():
+        if name.startswith("jaxlib/include/xla/ffi/api/") and name.endswith(".h"):
+            dest = out / name[len("jaxlib/"):]
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            dest.write_bytes(z.read(name))
+PY
+  echo "$FFI_HEADER_SHA" > "$FFI_HEADER_DIR.tmp/.tpubox-installed"
+  rm -rf "$FFI_HEADER_DIR" && mv "$FFI_HEADER_DIR.tmp" "$FFI_HEADER_DIR"
   rm -rf "$tmp"
 }
 

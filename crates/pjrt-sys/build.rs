@@ -5,7 +5,13 @@
 //! 2. the first `include/pjrt_c_api.h` found (sorted walk) under `$TPUBOX_CACHE_DIR/plugins`
 //!    if that variable is set, else under `$HOME/.cache/tpubox/plugins`.
 //!
-//! Nothing is downloaded here: `bash scripts/dev.sh setup` installs the header. The generated
+//! It also generates bindings for the XLA FFI C API (`xla/ffi/api/c_api.h`, the interface of
+//! custom-call handlers), which ships in the `jaxlib` wheel's `include/` directory. Lookup order:
+//! 1. `XLA_FFI_C_API_HEADER` (path to the header file);
+//! 2. the first `include/xla/ffi/api/c_api.h` found (sorted walk) under
+//!    `$TPUBOX_CACHE_DIR/headers`, else `$HOME/.cache/tpubox/headers`.
+//!
+//! Nothing is downloaded here: `bash scripts/dev.sh setup` installs both headers. The generated
 //! code goes to `OUT_DIR` only.
 
 use std::env;
@@ -77,6 +83,78 @@ fn main() {
     if let Err(e) = fs::write(&out, format!("{code}\n{args_impls}")) {
         fail(&format!("cannot write {}: {e}", out.display()));
     }
+    generate_xla_ffi(&out_dir);
+}
+
+/// Oldest XLA FFI C API minor version the handlers accept (major must be 0).
+const MIN_FFI_API_MINOR: u32 = 1;
+
+/// Bindings for the XLA FFI C API into `OUT_DIR/xla_ffi.rs`.
+fn generate_xla_ffi(out_dir: &Path) {
+    println!("cargo:rerun-if-env-changed=XLA_FFI_C_API_HEADER");
+    let header = match find_ffi_header() {
+        Some(h) => h,
+        None => fail(
+            "xla/ffi/api/c_api.h not found (set XLA_FFI_C_API_HEADER or run `bash scripts/dev.sh setup`)",
+        ),
+    };
+    println!("cargo:rerun-if-changed={}", header.display());
+    let text = match fs::read_to_string(&header) {
+        Ok(t) => t,
+        Err(e) => fail(&format!("cannot read {}: {e}", header.display())),
+    };
+    match (
+        define_value(&text, "XLA_FFI_API_MAJOR"),
+        define_value(&text, "XLA_FFI_API_MINOR"),
+    ) {
+        (Some(0), Some(minor)) if minor >= MIN_FFI_API_MINOR => {}
+        _ => fail(&format!(
+            "{} is not an XLA FFI C API header of version 0.{MIN_FFI_API_MINOR} or newer",
+            header.display()
+        )),
+    }
+    println!(
+        "cargo:rustc-env=XLA_FFI_SYS_HEADER_PATH={}",
+        header.display()
+    );
+    let bindings = bindgen::Builder::default()
+        .header(header.to_string_lossy())
+        .allowlist_item("XLA_FFI_.*")
+        .default_enum_style(bindgen::EnumVariation::Consts)
+        .prepend_enum_name(false)
+        .derive_default(true)
+        .derive_debug(true)
+        .layout_tests(false)
+        .generate_comments(true)
+        .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
+        .generate();
+    let bindings = match bindings {
+        Ok(b) => b,
+        Err(e) => fail(&format!("bindgen failed on {}: {e}", header.display())),
+    };
+    let out = out_dir.join("xla_ffi.rs");
+    if let Err(e) = fs::write(&out, bindings.to_string()) {
+        fail(&format!("cannot write {}: {e}", out.display()));
+    }
+}
+
+fn find_ffi_header() -> Option<PathBuf> {
+    if let Some(p) = env::var_os("XLA_FFI_C_API_HEADER") {
+        let p = PathBuf::from(p);
+        if p.is_file() {
+            return Some(p);
+        }
+        fail(&format!(
+            "XLA_FFI_C_API_HEADER={} is not a file",
+            p.display()
+        ));
+    }
+    let root = match env::var_os("TPUBOX_CACHE_DIR") {
+        Some(d) => PathBuf::from(d).join("headers"),
+        None => PathBuf::from(env::var_os("HOME")?).join(".cache/tpubox/headers"),
+    };
+    println!("cargo:rerun-if-changed={}", root.display());
+    walk_for(&root, Path::new("include/xla/ffi/api/c_api.h"), 0)
 }
 
 /// Emits `impl Args for S` for every struct `S` that has both a `S_STRUCT_SIZE` constant and a
@@ -144,10 +222,15 @@ fn find_header() -> Option<PathBuf> {
 
 /// Depth-first, name-sorted search for `include/pjrt_c_api.h` under `dir`.
 fn walk(dir: &Path, depth: usize) -> Option<PathBuf> {
+    walk_for(dir, Path::new("include/pjrt_c_api.h"), depth)
+}
+
+/// Depth-first, name-sorted search for `dir/**/relative`.
+fn walk_for(dir: &Path, relative: &Path, depth: usize) -> Option<PathBuf> {
     if depth > 8 {
         return None;
     }
-    let candidate = dir.join("include").join("pjrt_c_api.h");
+    let candidate = dir.join(relative);
     if candidate.is_file() {
         return Some(candidate);
     }
@@ -158,5 +241,7 @@ fn walk(dir: &Path, depth: usize) -> Option<PathBuf> {
         .filter(|p| p.is_dir())
         .collect();
     entries.sort();
-    entries.into_iter().find_map(|p| walk(&p, depth + 1))
+    entries
+        .into_iter()
+        .find_map(|p| walk_for(&p, relative, depth + 1))
 }

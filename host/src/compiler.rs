@@ -503,6 +503,7 @@ fn compile_for_worker(req: Request, code: Vec<u8>) -> DeviceResult<Entry> {
         .map(|(k, v)| (k.as_str(), v.clone()))
         .collect();
     let client = Client::new(&plugin, &options).map_err(internal)?;
+    crate::host::register_custom_calls(&plugin, &client);
     let compile_options = CompileOptions::new().device_ordinal(req.device_ordinal);
     let c = compile_program(
         &client,

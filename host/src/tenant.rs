@@ -63,9 +63,10 @@ pub struct ProgramPolicy {
     /// (default 1 048 576). A loop XLA cannot bound (`known_trip_count` missing) is refused
     /// (rule `unbounded-loop`), one above this is refused (rule `max-loop-trips`).
     pub max_loop_trips: u64,
-    /// Custom-call targets allowed (default [`XLA_CUSTOM_CALLS`], which XLA implements itself;
-    /// rule `custom-call`). Other custom calls run code outside XLA that nothing here can
-    /// inspect.
+    /// Custom-call targets allowed (default [`default_custom_calls`]: [`XLA_CUSTOM_CALLS`],
+    /// which XLA implements itself, and the LAPACK targets whose handlers the host registers
+    /// on CPU plugins, which check their operands; rule `custom-call`). Other custom calls run
+    /// code outside XLA that nothing here can inspect.
     pub allowed_custom_calls: Vec<String>,
 }
 
@@ -73,12 +74,24 @@ pub struct ProgramPolicy {
 /// default: `TopK` (what `jax.lax.top_k` lowers to; XLA expands it into a sort).
 pub const XLA_CUSTOM_CALLS: [&str; 1] = ["TopK"];
 
+/// Custom-call targets allowed by default: [`XLA_CUSTOM_CALLS`] and every LAPACK target of
+/// [`pjrt_lapack::targets`] (`lapack_sgetrf_ffi`, ...; 52). On a plugin where the host has not
+/// registered those handlers (not a CPU plugin) such a program fails to compile instead.
+pub fn default_custom_calls() -> Vec<String> {
+    XLA_CUSTOM_CALLS
+        .iter()
+        .copied()
+        .chain(pjrt_lapack::targets())
+        .map(String::from)
+        .collect()
+}
+
 impl Default for ProgramPolicy {
     fn default() -> Self {
         ProgramPolicy {
             trusted: false,
             max_loop_trips: 1 << 20,
-            allowed_custom_calls: XLA_CUSTOM_CALLS.iter().map(|s| s.to_string()).collect(),
+            allowed_custom_calls: default_custom_calls(),
         }
     }
 }

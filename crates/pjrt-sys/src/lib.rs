@@ -45,3 +45,54 @@ pub trait Args: Sized {
     /// [`Args::STRUCT_SIZE`] and `extension_start` null.
     fn new() -> Self;
 }
+
+/// Raw bindings to the XLA FFI C API (`xla/ffi/api/c_api.h`): the call frame, buffers,
+/// attributes, errors and metadata a custom-call handler sees.
+///
+/// Generated at build time by `bindgen` from the header in the `jaxlib` wheel's `include/`
+/// directory (see `build.rs`). Only `XLA_FFI_*` items are generated, enums as integer aliases
+/// plus one `const` per enumerator, as for the PJRT bindings.
+pub mod xla_ffi {
+    include!(concat!(env!("OUT_DIR"), "/xla_ffi.rs"));
+
+    /// Path of the `c_api.h` these bindings were generated from (at build time).
+    pub const HEADER_PATH: &str = env!("XLA_FFI_SYS_HEADER_PATH");
+}
+
+/// `PJRT_FFI_Register_Handler_Args`, of the PJRT FFI extension.
+///
+/// The extension's header (`xla/pjrt/c/pjrt_c_api_ffi_extension.h`, extension version 2) ships
+/// in no wheel, so its two structs are written here, field for field as that header declares
+/// them. `handler` is an `XLA_FFI_Handler*` (a typed FFI handler); `traits` is a bit set
+/// (`1` = command-buffer compatible).
+#[repr(C)]
+#[derive(Debug)]
+pub struct PJRT_FFI_Register_Handler_Args {
+    pub struct_size: usize,
+    pub target_name: *const std::ffi::c_char,
+    pub target_name_size: usize,
+    pub handler: *mut std::ffi::c_void,
+    pub platform_name: *const std::ffi::c_char,
+    pub platform_name_size: usize,
+    pub traits: u32,
+}
+
+/// `PJRT_FFI_Register_Handler_Args`'s `PJRT_STRUCT_SIZE` (offset of `traits` plus its size).
+pub const PJRT_FFI_Register_Handler_Args_STRUCT_SIZE: usize =
+    std::mem::offset_of!(PJRT_FFI_Register_Handler_Args, traits) + std::mem::size_of::<u32>();
+
+/// `PJRT_FFI_Register_Handler`: registers a typed FFI handler for a custom-call target name on
+/// a platform (`"cpu"`, `"cuda"`, ...), process-wide.
+pub type PJRT_FFI_Register_Handler =
+    unsafe extern "C" fn(args: *mut PJRT_FFI_Register_Handler_Args) -> *mut PJRT_Error;
+
+/// `PJRT_FFI_Extension` (`PJRT_Extension_Type_FFI` in the extension chain). Extension version 1
+/// ends after `user_data_add` (`struct_size` 40); version 2 adds `register_handler` (48).
+#[repr(C)]
+#[derive(Debug)]
+pub struct PJRT_FFI_Extension {
+    pub base: PJRT_Extension_Base,
+    pub type_id_register: *mut std::ffi::c_void,
+    pub user_data_add: *mut std::ffi::c_void,
+    pub register_handler: Option<PJRT_FFI_Register_Handler>,
+}

@@ -37,6 +37,7 @@ mod device;
 mod error;
 mod event;
 mod executable;
+pub mod ffi;
 mod hlo;
 mod host_bytes;
 mod mapped_file;
