@@ -604,4 +604,34 @@ mod tests {
         );
         assert_eq!(t.usage().compiles, 2);
     }
+
+    #[test]
+    fn custom_call_rule_allows_the_lapack_targets_by_default_and_only_what_is_listed() {
+        let facts = |targets: &[&str]| pjrt::ProgramFacts {
+            custom_call_targets: targets.iter().map(|t| t.to_string()).collect(),
+            ..Default::default()
+        };
+        let t = Tenant::new("a", small());
+        t.admit_program(&facts(&["TopK", "lapack_sgetrf_ffi", "lapack_zheevd_ffi"]))
+            .unwrap();
+        let e = t.admit_program(&facts(&["my_kernel"])).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::PermissionDenied);
+        assert!(e.message.contains("`my_kernel`") && e.message.contains("custom-call"));
+        // An operator who narrows the list refuses LAPACK like any other target.
+        let narrow = Tenant::new(
+            "b",
+            TenantLimits {
+                program_policy: ProgramPolicy {
+                    allowed_custom_calls: vec!["TopK".into()],
+                    ..ProgramPolicy::default()
+                },
+                ..small()
+            },
+        );
+        let e = narrow
+            .admit_program(&facts(&["lapack_sgetrf_ffi"]))
+            .unwrap_err();
+        assert!(e.message.contains("lapack_sgetrf_ffi"), "{}", e.message);
+        assert_eq!(default_custom_calls().len(), 53);
+    }
 }

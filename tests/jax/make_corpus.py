@@ -72,23 +72,96 @@ CASES = {
     "bf16": (bf16, [f32(4, 3).astype(ml_dtypes.bfloat16), f32(4, 3).astype(ml_dtypes.bfloat16)], 0, 0, None),
     "matmul_softmax": (lambda x, w: jax.nn.softmax(x @ w, axis=-1), [f32(3, 5), f32(5, 4)], 1e-6, 1e-6, None),
     "conv": (lambda x, k: lax.conv(x, k, (1, 1), "SAME"), [f32(1, 2, 6, 6), f32(3, 2, 3, 3)], 1e-5, 1e-5, None),
-    "linalg_solve": (jnp.linalg.solve, [spd(4), f32(4, 2)], 1e-5, 1e-5, "lapack"),
-    "linalg_cholesky": (jnp.linalg.cholesky, [spd(4)], 1e-5, 1e-5, "lapack"),
-    "linalg_qr": (jnp.linalg.qr, [f32(5, 3)], 1e-5, 1e-5, "lapack"),
-    "linalg_eigvalsh": (jnp.linalg.eigvalsh, [spd(4)], 1e-5, 1e-5, "lapack"),
-    "linalg_svd": (lambda a: jnp.linalg.svd(a, compute_uv=False), [f32(4, 3)], 1e-5, 1e-5, "lapack"),
 }
+
+
+def f64(*shape):
+    return rng.standard_normal(shape)
+
+
+def c64(*shape):
+    return (f32(*shape) + 1j * f32(*shape)).astype(np.complex64)
+
+
+def hpd(n):
+    a = c64(n, n)
+    return (a @ a.conj().T + n * np.eye(n)).astype(np.complex64)
+
+
+def tridiag_solve(dl, d, du, b):
+    return lax.linalg.tridiagonal_solve(dl, d, du, b)
+
+
+def lead_zero(v):
+    v = v.copy()
+    v[..., 0] = 0
+    return v
+
+
+def trail_zero(v):
+    v = v.copy()
+    v[..., -1] = 0
+    return v
+
+
+# Linear algebra: JAX lowers these to LAPACK custom calls (lapack_*_ffi), which tpubox's own
+# handlers (crates/pjrt-lapack) run. Tolerances as JAX's linalg tests use for f32 (looser than
+# the elementwise cases: another LAPACK build may round differently); f64 cases are exported
+# with x64 enabled.
+LINALG = {
+    "linalg_solve": (jnp.linalg.solve, [spd(4), f32(4, 2)]),
+    "linalg_solve_batched": (jnp.linalg.solve, [np.stack([spd(4) for _ in range(3)]), f32(3, 4, 2)]),
+    "linalg_solve_f64": (jnp.linalg.solve, [spd(5).astype(np.float64), f64(5, 3)]),
+    "linalg_inv": (jnp.linalg.inv, [spd(5)]),
+    "linalg_det_slogdet": (lambda a: (jnp.linalg.det(a), *jnp.linalg.slogdet(a)), [f32(4, 4)]),
+    "linalg_lu": (jax.scipy.linalg.lu, [f32(5, 5)]),
+    "linalg_lu_factor": (jax.scipy.linalg.lu_factor, [f32(4, 4)]),
+    "linalg_cholesky": (jnp.linalg.cholesky, [spd(4)]),
+    "linalg_cholesky_batched_f64": (jnp.linalg.cholesky, [np.stack([spd(3) for _ in range(2)]).astype(np.float64)]),
+    "linalg_cholesky_c64": (jnp.linalg.cholesky, [hpd(4)]),
+    "linalg_cho_solve": (lambda a, b: jax.scipy.linalg.cho_solve(jax.scipy.linalg.cho_factor(a), b), [spd(4), f32(4, 2)]),
+    "linalg_solve_triangular": (lambda a, b: jax.scipy.linalg.solve_triangular(jnp.tril(a), b, lower=True), [spd(4), f32(4, 3)]),
+    "linalg_qr": (jnp.linalg.qr, [f32(5, 3)]),
+    "linalg_qr_complete": (lambda a: jnp.linalg.qr(a, mode="complete"), [f32(5, 3)]),
+    "linalg_qr_wide_c64": (jnp.linalg.qr, [c64(3, 5)]),
+    "linalg_eigh": (jnp.linalg.eigh, [spd(4)]),
+    "linalg_eigh_c64": (jnp.linalg.eigh, [hpd(4)]),
+    "linalg_eigvalsh": (jnp.linalg.eigvalsh, [spd(4)]),
+    "linalg_eigvalsh_f64_batched": (jnp.linalg.eigvalsh, [np.stack([spd(6) for _ in range(2)]).astype(np.float64)]),
+    "linalg_svd": (jnp.linalg.svd, [f32(5, 3)]),
+    "linalg_svd_thin": (lambda a: jnp.linalg.svd(a, full_matrices=False), [f32(3, 5)]),
+    "linalg_svdvals": (lambda a: jnp.linalg.svd(a, compute_uv=False), [f32(4, 3)]),
+    "linalg_svd_c64": (jnp.linalg.svd, [c64(4, 3)]),
+    "linalg_svd_qr_algorithm": (lambda a: lax.linalg.svd(a, algorithm=lax.linalg.SvdAlgorithm.QR), [f32(4, 4)]),
+    "linalg_pinv_lstsq": (lambda a, b: (jnp.linalg.pinv(a), jnp.linalg.lstsq(a, b)[0]), [f32(5, 3), f32(5, 2)]),
+    "linalg_rank_cond_norm": (lambda a: (jnp.linalg.matrix_rank(a), jnp.linalg.cond(a), jnp.linalg.norm(a, 2)), [f32(4, 4)]),
+    "linalg_eig": (jnp.linalg.eig, [f32(4, 4)]),
+    "linalg_eigvals_c64": (jnp.linalg.eigvals, [c64(4, 4)]),
+    "linalg_schur": (jax.scipy.linalg.schur, [f32(4, 4)]),
+    "linalg_schur_c64": (jax.scipy.linalg.schur, [c64(4, 4)]),
+    "linalg_hessenberg": (lambda a: jax.scipy.linalg.hessenberg(a, calc_q=True), [f32(5, 5)]),
+    "linalg_tridiagonal": (lax.linalg.tridiagonal, [spd(4)]),
+    "linalg_tridiagonal_solve": (tridiag_solve, [lead_zero(f32(6)), f32(6) + 4, trail_zero(f32(6)), f32(6, 2)]),
+    "linalg_expm": (jax.scipy.linalg.expm, [f32(3, 3) * 0.5]),
+}
+# Targets jax.export refuses to serialize unless told (no compatibility guarantee yet), per case.
+UNGUARANTEED = {"linalg_svd_qr_algorithm": ["lapack_sgesvd_ffi"]}
+for _name, (_fn, _args) in LINALG.items():
+    CASES[_name] = (_fn, _args, 2e-4, 2e-5, None)
 
 
 def main(out: Path):
     out.mkdir(parents=True, exist_ok=True)
     listing = []
     for name, (fn, args, rtol, atol, expect) in CASES.items():
-        exp = export.export(jax.jit(fn))(*args)
+        x64 = any(np.asarray(a).dtype in (np.float64, np.complex128) for a in args)
+        with jax.enable_x64(x64):
+            checks = [export.DisabledSafetyCheck.custom_call(t) for t in UNGUARANTEED.get(name, [])]
+            exp = export.export(jax.jit(fn), disabled_checks=checks)(*args)
+            results = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
         (out / f"{name}.mlirbc").write_bytes(exp.mlir_module_serialized)
         for i, a in enumerate(args):
             np.save(out / f"{name}.in{i}.npy", np.asarray(a))
-        results = jax.tree_util.tree_leaves(jax.jit(fn)(*args))
         for i, r in enumerate(results):
             np.save(out / f"{name}.out{i}.npy", np.asarray(r))
         listing.append({"name": name, "inputs": len(args), "outputs": len(results),

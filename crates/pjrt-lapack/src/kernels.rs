@@ -61,8 +61,8 @@ fn matrices<T: Elem>(b: &FfiBuffer<'_>, what: &str) -> R<Mats> {
     if b.dtype != T::DTYPE {
         return Err(FfiError::invalid(format!(
             "{what}: element type {} where {} was expected",
-            b.dtype,
-            T::DTYPE
+            type_name(b.dtype),
+            type_name(T::DTYPE)
         )));
     }
     if b.dims.len() < 2 {
@@ -99,14 +99,31 @@ fn expect(
     want.extend(tail.iter().map(|&t| t as i64));
     if b.dtype != dtype || b.dims != want.as_slice() {
         return Err(FfiError::invalid(format!(
-            "{what}: expected element type {dtype} with dimensions {want:?}, got {} with {:?}",
-            b.dtype, b.dims
+            "{what}: expected {}{want:?}, got {}{:?}",
+            type_name(dtype),
+            type_name(b.dtype),
+            b.dims
         )));
     }
     Ok(())
 }
 
 const S32: xf::XLA_FFI_DataType = xf::XLA_FFI_DataType_S32;
+
+/// XLA's name of an element type, for messages.
+fn type_name(t: xf::XLA_FFI_DataType) -> String {
+    match t {
+        xf::XLA_FFI_DataType_F32 => "f32".into(),
+        xf::XLA_FFI_DataType_F64 => "f64".into(),
+        xf::XLA_FFI_DataType_C64 => "c64".into(),
+        xf::XLA_FFI_DataType_C128 => "c128".into(),
+        xf::XLA_FFI_DataType_S32 => "s32".into(),
+        xf::XLA_FFI_DataType_S64 => "s64".into(),
+        xf::XLA_FFI_DataType_F16 => "f16".into(),
+        xf::XLA_FFI_DataType_BF16 => "bf16".into(),
+        other => format!("type {other}"),
+    }
+}
 
 /// A size as LAPACK's 32-bit integer. Errors: above `i32::MAX`.
 fn int(v: usize) -> R<i32> {
