@@ -490,6 +490,27 @@ fn set_limits(req: &Request) -> Result<(), String> {
     set(Resource::As, req.max_memory_bytes)
 }
 
+/// Registers the host's custom-call handlers with `plugin`: on a CPU plugin, the LAPACK
+/// handlers of JAX's linear algebra ([`pjrt_lapack::register`]; once per process). Every
+/// process that compiles or loads executables calls it (the daemon and each compile worker).
+///
+/// Never fails: without a LAPACK library, or on a plugin that refuses handlers, it logs a
+/// warning and programs with those custom calls fail to compile ("No FFI handler
+/// registered"), as they did before.
+pub(crate) fn register_custom_calls(plugin: &Plugin, client: &Client) {
+    if client.platform_name().ok().as_deref() != Some("cpu") {
+        return;
+    }
+    match pjrt_lapack::register(plugin) {
+        Ok(r) => tracing::debug!(
+            handlers = r.targets.len(),
+            library = %r.library,
+            "registered the LAPACK custom-call handlers"
+        ),
+        Err(e) => tracing::warn!("linear algebra custom calls are unavailable: {e}"),
+    }
+}
+
 fn compile_for_worker(req: Request, code: Vec<u8>) -> DeviceResult<Entry> {
     let internal = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Internal);
     let plugin = Plugin::load(&req.plugin).map_err(internal)?;
@@ -503,7 +524,7 @@ fn compile_for_worker(req: Request, code: Vec<u8>) -> DeviceResult<Entry> {
         .map(|(k, v)| (k.as_str(), v.clone()))
         .collect();
     let client = Client::new(&plugin, &options).map_err(internal)?;
-    crate::host::register_custom_calls(&plugin, &client);
+    register_custom_calls(&plugin, &client);
     let compile_options = CompileOptions::new().device_ordinal(req.device_ordinal);
     let c = compile_program(
         &client,

@@ -87,7 +87,7 @@ pub fn open_device(config: &HostConfig) -> Result<Arc<DeviceService>> {
         .map(|(k, v)| (k.as_str(), v.clone()))
         .collect();
     let client = Client::new(&plugin, &opts).context("creating the PJRT client")?;
-    register_custom_calls(&plugin, &client);
+    crate::compiler::register_custom_calls(&plugin, &client);
     let mut service = DeviceService::new(client, config.max_program_bytes)?
         .with_execution_slots(config.execution_slots)
         .with_compile_isolation(
@@ -99,27 +99,6 @@ pub fn open_device(config: &HostConfig) -> Result<Arc<DeviceService>> {
         service = service.with_cache(Arc::new(cache));
     }
     Ok(Arc::new(service))
-}
-
-/// Registers the host's custom-call handlers with `plugin`: on a CPU plugin, the LAPACK
-/// handlers of JAX's linear algebra ([`pjrt_lapack::register`]; once per process). Every
-/// process that compiles or loads executables calls it (the daemon and each compile worker).
-///
-/// Never fails: without a LAPACK library, or on a plugin that refuses handlers, it logs a
-/// warning and programs with those custom calls fail to compile ("No FFI handler
-/// registered"), as they did before.
-pub(crate) fn register_custom_calls(plugin: &Plugin, client: &Client) {
-    if client.platform_name().ok().as_deref() != Some("cpu") {
-        return;
-    }
-    match pjrt_lapack::register(plugin) {
-        Ok(r) => tracing::debug!(
-            handlers = r.targets.len(),
-            library = %r.library,
-            "registered the LAPACK custom-call handlers"
-        ),
-        Err(e) => tracing::warn!("linear algebra custom calls are unavailable: {e}"),
-    }
 }
 
 impl Host {
