@@ -187,6 +187,28 @@ def test_donate_argnums(alice):
     assert r.shape == (8,)
 
 
+def test_linear_algebra_runs_on_the_daemon(alice):
+    # JAX lowers these to LAPACK custom calls; the daemon's CPU plugin has tpubox's handlers.
+    a = f32(5, 5)
+    spd = a @ a.T + 5 * np.eye(5, dtype=np.float32)
+    b = f32(5, 2)
+
+    def linalg(spd, a, b):
+        w, v = jnp.linalg.eigh(spd)
+        q, r = jnp.linalg.qr(a)
+        return {
+            "solve": jnp.linalg.solve(spd, b),
+            "cholesky": jnp.linalg.cholesky(spd),
+            "eigh": (w, v),
+            "qr": (q, r),
+            "svdvals": jnp.linalg.svd(a, compute_uv=False),
+            "det": jnp.linalg.det(a),
+        }
+
+    got = tj.jit(linalg, session=alice)(spd, a, b)
+    close(got, reference(linalg, spd, a, b), rtol=2e-4, atol=2e-5)
+
+
 def test_float64_follows_jax(alice):
     fn = tj.jit(lambda x: x * 2, session=alice)
     r = fn(np.arange(3, dtype=np.float64))  # float32 unless jax_enable_x64

@@ -12,6 +12,9 @@
 //! read-only operands out, copy aliased operands into their results with raw copies, and only
 //! then take mutable views of the results (which XLA gives as distinct buffers; checked).
 
+// Batches are walked by matrix index: every buffer advances by its own stride per matrix.
+#![allow(clippy::needless_range_loop)]
+
 use std::ffi::c_void;
 use std::ptr;
 
@@ -180,7 +183,7 @@ fn distinct(rets: &[(&FfiBuffer<'_>, usize)]) -> R<()> {
 }
 
 fn check_ptr<T>(b: &FfiBuffer<'_>, len: usize) -> R<()> {
-    if len > 0 && (b.data.is_null() || (b.data as usize) % std::mem::align_of::<T>() != 0) {
+    if len > 0 && (b.data.is_null() || !(b.data as usize).is_multiple_of(std::mem::align_of::<T>())) {
         return Err(FfiError::invalid("buffer is null or misaligned"));
     }
     Ok(())
