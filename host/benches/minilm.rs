@@ -1,8 +1,9 @@
 //! MiniLM benchmark: sentence embeddings from the guest vs the host running the same executables
 //! natively (no Wasm), measured side by side in one run.
 //!
-//! Both sides tokenize with the model's `tokenizer.json`, split the fixed 256-sentence set with
-//! the same bucket plan (batch 32, sequence buckets 16…256), build the same MLIR with
+//! Both sides tokenize with the model's `tokenizer.json`, split 1,024 sentences of realistic
+//! lengths (`minilm_embed::corpus`) with the same bucket plan (`minilm_embed::plan`), build the
+//! same MLIR with
 //! `minilm_embed::build_encoder_mlir`, and use the same device-resident weights. The two sides
 //! alternate, round by round, so both see the same machine: each round times one native pass
 //! and one guest pass (the guest's second pass over the set; its first compiles every bucket).
@@ -22,51 +23,81 @@ use minilm_embed::{
 use tpubox::device::{Arg, DeviceExecutable, DeviceTensor};
 use tpubox::{Host, HostConfig, PrimitiveType, RunOptions, SandboxConfig};
 
-const SENTENCES: usize = 256;
+const SENTENCES: usize = 1024;
 const ROUNDS: usize = 5;
 
-/// 256 sentences of mixed lengths, built deterministically from a few templates.
+/// 1,024 sentences with realistic lengths (`minilm_embed::corpus`: log-normal word counts,
+/// median 13 words).
 fn sentence_set() -> Vec<String> {
-    let subjects = [
-        "The host",
-        "A guest",
-        "Every tenant",
-        "The compiler",
-        "This TPU chip",
-        "A notebook user",
-        "The sampler",
-        "One trainer",
-    ];
-    let verbs = [
-        "compiles",
-        "executes",
-        "shares",
-        "caches",
-        "streams",
-        "validates",
-        "schedules",
-        "embeds",
-    ];
-    let objects = [
-        "a program",
-        "the weights of a small sentence encoder",
-        "one device among many sandboxed WebAssembly guests without copying tensors through guest memory",
-        "StableHLO modules",
-        "every batch of sentences padded to fixed sequence-length buckets so that each bucket compiles once and padding never leaks into the pooled embedding of any sentence in the batch",
-        "results",
-        "tokens",
-        "a cache entry keyed by the program, the options and the plugin",
-    ];
-    (0..SENTENCES)
-        .map(|i| {
-            format!(
-                "{} {} {}.",
-                subjects[i % 8],
-                verbs[(i / 8) % 8],
-                objects[(i / 64 + i) % 8]
-            )
+    minilm_embed::realistic_sentences(SENTENCES, 1)
+}
+
+/// Matmul floating-point operations of the encoder for one row of `seq` tokens: per layer and
+/// token, Q/K/V and output projections (4 × 2·384·384), the feed-forward pair (2 × 2·384·1536)
+/// and attention scores and values (2 × 2·seq·384); 6 layers.
+fn flop_per_row(seq: usize) -> f64 {
+    let per_token =
+        4.0 * 2.0 * 384.0 * 384.0 + 2.0 * 2.0 * 384.0 * 1536.0 + 4.0 * seq as f64 * 384.0;
+    6.0 * per_token * seq as f64
+}
+
+/// What a plan's calls `(batch, seq)` cost: padded tokens, distinct (batch, seq) programs, executed
+/// matmul FLOPs.
+fn plan_cost(chunks: &[(usize, usize)]) -> (usize, usize, f64) {
+    let programs: std::collections::BTreeSet<(usize, usize)> = chunks.iter().copied().collect();
+    let padded = chunks.iter().map(|(b, s)| b * s).sum();
+    let flop = chunks
+        .iter()
+        .map(|&(b, s)| b as f64 * flop_per_row(s))
+        .sum();
+    (padded, programs.len(), flop)
+}
+
+/// The plan before finer buckets (sequence buckets 16, 32, 64, 128, 256; batch 32), for the
+/// table's comparison row.
+fn power_of_two_plan(lengths: &[usize]) -> Vec<(usize, usize)> {
+    let mut sorted = lengths.to_vec();
+    sorted.sort();
+    sorted
+        .chunks(32)
+        .map(|c| {
+            let longest = *c.iter().max().unwrap();
+            let seq = [16, 32, 64, 128, 256]
+                .into_iter()
+                .find(|&b| b >= longest)
+                .unwrap();
+            let batch = [1, 8, 32].into_iter().find(|&b| b >= c.len()).unwrap();
+            (batch, seq)
         })
         .collect()
+}
+
+/// The machine's f32 peak: cores × clock (`cpu MHz` of /proc/cpuinfo) × FLOP per cycle: 64 with
+/// AVX-512 (two 16-lane fused multiply-adds per cycle, as Xeon Gold and later have; one unit
+/// would give 32, and this machine's measured rate exceeds that bound), 32 with AVX2.
+fn peak_gflops() -> (f64, String) {
+    let cores = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let mhz = std::fs::read_to_string("/proc/cpuinfo")
+        .ok()
+        .and_then(|t| {
+            t.lines()
+                .find(|l| l.starts_with("cpu MHz"))
+                .and_then(|l| l.split(':').nth(1))
+                .and_then(|v| v.trim().parse::<f64>().ok())
+        })
+        .unwrap_or(2000.0);
+    let avx512 = std::fs::read_to_string("/proc/cpuinfo").is_ok_and(|t| t.contains(" avx512f"));
+    let per_cycle = if avx512 { 64.0 } else { 32.0 };
+    let peak = cores as f64 * mhz / 1e3 * per_cycle;
+    (
+        peak,
+        format!(
+            "{cores} cores × {:.2} GHz × {per_cycle} FLOP/cycle",
+            mhz / 1e3
+        ),
+    )
 }
 
 fn model_dir() -> PathBuf {
@@ -164,6 +195,15 @@ fn main() {
 
         // Native throughput.
         let ids: Vec<Vec<i32>> = sentences.iter().map(|s| tok.encode(s).unwrap()).collect();
+        let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
+        let useful_tokens: usize = lengths.iter().sum();
+        let useful_flop: f64 = lengths.iter().map(|&l| flop_per_row(l)).sum();
+        let chunks: Vec<(usize, usize)> = plan(&lengths).unwrap().iter().map(|c| (c.batch, c.seq)).collect();
+        let (padded, programs, flop) = plan_cost(&chunks);
+        let (old_padded, old_programs, old_flop) = plan_cost(&power_of_two_plan(&lengths));
+        let mut by_len = lengths.clone();
+        by_len.sort();
+        let exact: usize = by_len.chunks(32).map(|c| c.len() * c.iter().max().unwrap()).sum();
         let mut native = Native { weights, compiled: HashMap::new() };
         let native_ref = native.embed(&host, &ids).await; // warm-up: compiles every bucket
         // Guest.
@@ -175,6 +215,8 @@ fn main() {
                 dirs: vec![(dir.clone(), "/model".into())],
                 stdin: Some(stdin),
                 capture_output: true,
+                // The guest times its own passes (`--repeat`): it needs the clock.
+                allow_clock: true,
                 ..RunOptions::default()
             };
             let host = &host;
@@ -192,6 +234,7 @@ fn main() {
         let mut native_s = Vec::new();
         let mut guest_s = Vec::new();
         let mut guest_out: Vec<serde_json::Value> = Vec::new();
+        let mut guest_cold_ms: Option<f64> = None;
         for _ in 0..ROUNDS {
             let t = Instant::now();
             let _ = native.embed(&host, &ids).await;
@@ -204,6 +247,10 @@ fn main() {
                 .find_map(|l| l.strip_prefix("pass 1: "))
                 .expect("the guest reports its second pass");
             guest_s.push(pass1.split(' ').next().unwrap().parse::<f64>().unwrap() / 1e3);
+            if guest_cold_ms.is_none() {
+                let pass0 = err.lines().find_map(|l| l.strip_prefix("pass 0: ")).unwrap();
+                guest_cold_ms = Some(pass0.split(' ').next().unwrap().parse::<f64>().unwrap());
+            }
             guest_out = serde_json::from_slice(&o.stdout).unwrap();
         }
         let median = |mut v: Vec<f64>| {
@@ -222,14 +269,170 @@ fn main() {
 
         let native_rate = SENTENCES as f64 / native_med;
         let guest_rate = SENTENCES as f64 / guest_med;
+        let (peak, peak_how) = peak_gflops();
         let p = host.device().platform();
         println!("tpubox MiniLM benchmark — {} {} (PJRT C API {}.{})", p.name, p.version, p.pjrt_api_version.0, p.pjrt_api_version.1);
-        println!("{SENTENCES} sentences, batch 32, seq buckets 16..256; median of {ROUNDS} alternating rounds");
-        println!("guest vs native agreement: min cosine {min_cos:.7} (256 sentences), {same_first:.7} (first sentence)");
+        println!(
+            "{SENTENCES} realistic sentences (minilm_embed::corpus, seed 1): {useful_tokens} tokens, {:.1} per sentence; median of {ROUNDS} alternating rounds",
+            useful_tokens as f64 / SENTENCES as f64
+        );
+        println!("guest vs native agreement: min cosine {min_cos:.7} ({SENTENCES} sentences), {same_first:.7} (first sentence)");
+        println!("peak {peak:.0} GFLOP/s ({peak_how})");
+        println!();
+        println!("| plan | padded tokens | / useful | / per-call exact | programs | executed GFLOP |");
+        println!("|---|---|---|---|---|---|");
+        for (name, t, n, f) in [
+            ("power-of-two buckets (before)", old_padded, old_programs, old_flop),
+            ("finer buckets (now)", padded, programs, flop),
+        ] {
+            println!(
+                "| {name} | {t} | {:.3} | {:.3} | {n} | {:.1} |",
+                t as f64 / useful_tokens as f64,
+                t as f64 / exact as f64,
+                f / 1e9
+            );
+        }
+        println!("(per-call exact: each call of 32 sorted sentences padded to its own longest: {exact} tokens)");
         println!();
         println!("| measure | native host | guest | guest / native |");
         println!("|---|---|---|---|");
         println!("| embeddings per second | {native_rate:.1} | {guest_rate:.1} | {:.3} |", guest_rate / native_rate);
+        println!(
+            "| useful tokens per second | {:.0} | {:.0} | {:.3} |",
+            useful_tokens as f64 / native_med,
+            useful_tokens as f64 / guest_med,
+            native_med / guest_med
+        );
+        println!(
+            "| useful GFLOP/s (fraction of peak) | {:.1} ({:.2}) | {:.1} ({:.2}) | |",
+            useful_flop / native_med / 1e9,
+            useful_flop / native_med / 1e9 / peak,
+            useful_flop / guest_med / 1e9,
+            useful_flop / guest_med / 1e9 / peak
+        );
+        println!(
+            "| executed GFLOP/s (fraction of peak) | {:.1} ({:.2}) | {:.1} ({:.2}) | |",
+            flop / native_med / 1e9,
+            flop / native_med / 1e9 / peak,
+            flop / guest_med / 1e9,
+            flop / guest_med / 1e9 / peak
+        );
         println!("| time to first embedding | {native_first_ms:.0} ms | {guest_first_ms:.0} ms | {:.2} |", guest_first_ms / native_first_ms);
+        println!(
+            "| guest's first pass over the set (compiles {programs} programs) | | {:.0} ms | |",
+            guest_cold_ms.unwrap_or(f64::NAN)
+        );
+        anchors(&dir, &sentences, &guest_out, guest_med, native_med, useful_tokens);
     });
+}
+
+/// Runs host/benches/minilm_anchors.py (sentence-transformers on PyTorch, ONNX Runtime) on the
+/// same sentences with the benchmark venv, and prints the joint table. Skipped, saying so,
+/// when the venv is missing (`bash scripts/dev.sh bench` installs it).
+fn anchors(
+    dir: &std::path::Path,
+    sentences: &[String],
+    guest_out: &[serde_json::Value],
+    guest_s: f64,
+    native_s: f64,
+    tokens: usize,
+) {
+    let cache = std::env::var_os("TPUBOX_CACHE_DIR")
+        .map(PathBuf::from)
+        .unwrap_or_else(|| dirs::home_dir().unwrap().join(".cache/tpubox"));
+    let python = cache.join("venv-bench/bin/python");
+    println!();
+    if !python.exists() {
+        println!(
+            "anchors skipped: {} is missing (`bash scripts/dev.sh bench` installs it)",
+            python.display()
+        );
+        return;
+    }
+    let work = tempfile::tempdir().unwrap();
+    let text = work.path().join("sentences.txt");
+    std::fs::write(&text, sentences.join("\n")).unwrap();
+    let emb = work.path().join("guest.f32");
+    let bytes: Vec<u8> = guest_out
+        .iter()
+        .flat_map(|g| {
+            g["embedding"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .flat_map(|v| (v.as_f64().unwrap() as f32).to_le_bytes())
+                .collect::<Vec<u8>>()
+        })
+        .collect();
+    std::fs::write(&emb, bytes).unwrap();
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/minilm_anchors.py");
+    let threads = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
+    let out = std::process::Command::new(&python)
+        .arg(&script)
+        .arg(dir)
+        .arg(&text)
+        .arg(&emb)
+        .args([
+            "--threads",
+            &threads.to_string(),
+            "--rounds",
+            &ROUNDS.to_string(),
+        ])
+        .arg("--cache")
+        .arg(cache.join("bench"))
+        .output()
+        .unwrap();
+    if !out.status.success() {
+        println!("anchors failed: {}", String::from_utf8_lossy(&out.stderr));
+        return;
+    }
+    let line = String::from_utf8_lossy(&out.stdout);
+    let r: serde_json::Value = serde_json::from_str(line.lines().last().unwrap_or("{}")).unwrap();
+    let (pt, ort) = (
+        r["pytorch_s"].as_f64().unwrap(),
+        r["onnxruntime_s"].as_f64().unwrap(),
+    );
+    println!(
+        "Anchors in the same run: sentence-transformers on PyTorch {}, ONNX Runtime {}, {threads} threads each, same weights and sentences",
+        r["torch"], r["onnxruntime"]
+    );
+    println!(
+        "(tokens counted by the model's tokenizer: {} here, {} by the anchors)",
+        tokens, r["tokens"]
+    );
+    println!();
+    println!(
+        "| system | sentences/s | useful tokens/s | vs PyTorch | vs ONNX Runtime | min cosine vs PyTorch |"
+    );
+    println!("|---|---|---|---|---|---|");
+    let n = sentences.len() as f64;
+    let guest_cos = r["guest_min_cosine"].as_f64().unwrap();
+    for (name, secs, cos) in [
+        ("tpubox guest", guest_s, format!("{guest_cos:.6}")),
+        (
+            "tpubox native host (same executables)",
+            native_s,
+            "(= guest)".to_string(),
+        ),
+        (
+            "sentence-transformers, PyTorch",
+            pt,
+            "reference".to_string(),
+        ),
+        (
+            "ONNX Runtime",
+            ort,
+            format!("{:.6}", r["onnxruntime_min_cosine"].as_f64().unwrap()),
+        ),
+    ] {
+        println!(
+            "| {name} | {:.1} | {:.0} | {:.2}× | {:.2}× | {cos} |",
+            n / secs,
+            tokens as f64 / secs,
+            pt / secs,
+            ort / secs
+        );
+    }
 }

@@ -183,7 +183,8 @@ fn distinct(rets: &[(&FfiBuffer<'_>, usize)]) -> R<()> {
 }
 
 fn check_ptr<T>(b: &FfiBuffer<'_>, len: usize) -> R<()> {
-    if len > 0 && (b.data.is_null() || !(b.data as usize).is_multiple_of(std::mem::align_of::<T>())) {
+    if len > 0 && (b.data.is_null() || !(b.data as usize).is_multiple_of(std::mem::align_of::<T>()))
+    {
         return Err(FfiError::invalid("buffer is null or misaligned"));
     }
     Ok(())

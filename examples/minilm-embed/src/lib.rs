@@ -5,6 +5,7 @@
 //!   and parameter order it expects ([`encoder_inputs`]).
 //! * [`tokenize`]: the model's WordPiece tokenizer, truncating at 256 tokens.
 //! * [`batching`]: the (batch, seq) bucket policy and padding.
+//! * [`corpus`]: a fixed generator of sentences with realistic lengths, for benchmarks.
 //! * [`output`]: the similarity table, JSON records, cosine similarity.
 //! * [`device`]: the weights from the host's weight set ([`load_weights`]) and the bucketed
 //!   encoder calls ([`embed`]); these call the host, so they run only in a guest.
@@ -16,12 +17,14 @@
 //! [`SentenceTokenizer`].
 
 pub mod batching;
+pub mod corpus;
 pub mod device;
 pub mod model;
 pub mod output;
 pub mod tokenize;
 
 pub use batching::{BATCH_BUCKETS, Chunk, SEQ_BUCKETS, batch_bucket, pack, plan, seq_bucket};
+pub use corpus::realistic_sentences;
 pub use device::{Compiled, embed, load_weights};
 pub use model::{
     EncoderInput, HIDDEN, WeightSpec, build_encoder, build_encoder_mlir, encoder_inputs,

@@ -10,7 +10,9 @@
 //! 4. the plugin's identity ([`PluginIdentity`]): SHA-256 of the plugin file, platform name and
 //!    version, PJRT C API version;
 //! 5. the device kind and the number of addressable devices;
-//! 6. on CPU platforms, the host CPU's model and feature flags.
+//! 6. on CPU platforms, the host CPU's model and feature flags;
+//! 7. the compiler's environment variables ([`COMPILER_ENV`]: `XLA_FLAGS` changes what XLA
+//!    generates, e.g. `--xla_cpu_use_onednn`; `LIBTPU_INIT_ARGS` does on TPUs).
 //!
 //! Lessons this follows: JAX once returned wrong cache hits because the TPU runtime version was
 //! missing from its key (JAX `compilation_cache` / `cache_key.py` now hashes the backend
@@ -24,7 +26,10 @@ use std::path::Path;
 use sha2::{Digest, Sha256};
 
 /// Version of the cache entry format and key recipe. Entries of other versions are never read.
-pub const CACHE_FORMAT_VERSION: u32 = 1;
+pub const CACHE_FORMAT_VERSION: u32 = 2;
+
+/// Environment variables the plugin's compiler reads; their values are part of the key.
+pub const COMPILER_ENV: [&str; 2] = ["XLA_FLAGS", "LIBTPU_INIT_ARGS"];
 
 /// A 32-byte cache key.
 #[derive(Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
@@ -72,6 +77,9 @@ pub struct PluginIdentity {
     pub device_count: usize,
     /// CPU model and sorted feature flags on CPU platforms; empty otherwise.
     pub host_cpu: String,
+    /// `NAME=value` of each [`COMPILER_ENV`] variable, one per line (empty value when unset),
+    /// read when the identity is built.
+    pub compiler_env: String,
 }
 
 impl PluginIdentity {
@@ -101,8 +109,18 @@ impl PluginIdentity {
             device_kind: device_kind.to_string(),
             device_count,
             host_cpu,
+            compiler_env: compiler_env(),
         })
     }
+}
+
+/// `NAME=value` lines of the [`COMPILER_ENV`] variables in this process.
+pub fn compiler_env() -> String {
+    COMPILER_ENV
+        .iter()
+        .map(|k| format!("{k}={}", std::env::var(k).unwrap_or_default()))
+        .collect::<Vec<_>>()
+        .join("\n")
 }
 
 /// SHA-256 of a file, hex, remembered across processes in
@@ -202,6 +220,7 @@ pub fn cache_key(
     put(&mut h, identity.device_kind.as_bytes());
     h.update((identity.device_count as u64).to_le_bytes());
     put(&mut h, identity.host_cpu.as_bytes());
+    put(&mut h, identity.compiler_env.as_bytes());
     CacheKey(h.finalize().into())
 }
 
@@ -218,6 +237,7 @@ mod tests {
             device_kind: "cpu".into(),
             device_count: 4,
             host_cpu: "x|avx2 sse4".into(),
+            compiler_env: "XLA_FLAGS=\nLIBTPU_INIT_ARGS=".into(),
         }
     }
 
@@ -242,6 +262,9 @@ mod tests {
             Box::new(|i| i.device_kind = "gpu".into()),
             Box::new(|i| i.device_count = 8),
             Box::new(|i| i.host_cpu = "x|sse4".into()),
+            Box::new(|i| {
+                i.compiler_env = "XLA_FLAGS=--xla_cpu_use_onednn=true\nLIBTPU_INIT_ARGS=".into()
+            }),
         ];
         for change in changes {
             let mut i = ident();
