@@ -232,7 +232,7 @@ fn template_round_trip(lang: &str, source: &str) -> (tempfile::TempDir, PathBuf)
         "{lang}: a guest error is status 1:\n{err}"
     );
     assert!(
-        err.contains("error: compile-failed: ") && err.contains("exponentail"),
+        err.to_lowercase().contains("error: compile-failed: ") && err.contains("exponentail"),
         "{lang}: stderr does not name the kind and the compiler's message:\n{err}"
     );
     assert!(!text(&o.stdout).contains("softmax:"), "{lang}");
