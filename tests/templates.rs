@@ -157,6 +157,15 @@ fn run(wasm: &Path, args: &[&str]) -> Output {
         .expect("tpubox runs")
 }
 
+/// Runs `wasm` with `args`, which must fail with exit status `status`; returns its stderr.
+fn run_failing(wasm: &Path, args: &[&str], status: i32) -> String {
+    let o = run(wasm, args);
+    let err = text(&o.stderr);
+    assert_eq!(o.status.code(), Some(status), "{}: {err}", wasm.display());
+    assert!(!text(&o.stdout).contains("softmax:"), "{}", wasm.display());
+    err
+}
+
 /// The JSON list of the output line `KEY: [...]`.
 fn list(out: &str, key: &str) -> Vec<f64> {
     let line = out
@@ -180,6 +189,19 @@ fn assert_close(what: &str, got: &[f64], want: &[f64]) {
     for (g, w) in got.iter().zip(want) {
         assert!((g - w).abs() <= 1e-6, "{what}: got {got:?}, want {want:?}");
     }
+}
+
+/// Replaces the one occurrence of `from` in the file `path` by `to`; returns the old text.
+fn edit(path: &Path, from: &str, to: &str) -> String {
+    let code = std::fs::read_to_string(path).unwrap();
+    assert_eq!(
+        code.matches(from).count(),
+        1,
+        "{}: {from:?}",
+        path.display()
+    );
+    std::fs::write(path, code.replace(from, to)).unwrap();
+    code
 }
 
 /// Creates, builds and runs the `lang` template, checks its numbers, then breaks its program
@@ -216,26 +238,13 @@ fn template_round_trip(lang: &str, source: &str) -> (tempfile::TempDir, PathBuf)
 
     // A typo in the program: the compile error nobody catches names its kind and the op.
     let path = dir.join(source);
-    let code = std::fs::read_to_string(&path).unwrap();
-    assert_eq!(code.matches("stablehlo.exponential").count(), 1, "{lang}");
-    std::fs::write(
-        &path,
-        code.replace("stablehlo.exponential", "stablehlo.exponentail"),
-    )
-    .unwrap();
-    let broken = build(lang, &dir, &name);
-    let o = run(&broken.wasm, &[]);
-    let err = text(&o.stderr);
-    assert_eq!(
-        o.status.code(),
-        Some(1),
-        "{lang}: a guest error is status 1:\n{err}"
-    );
+    let code = edit(&path, "stablehlo.exponential", "stablehlo.exponentail");
+    // A guest's error is exit status 1 (a trap or a host failure would be 2).
+    let err = run_failing(&build(lang, &dir, &name).wasm, &[], 1);
     assert!(
         err.to_lowercase().contains("error: compile-failed: ") && err.contains("exponentail"),
         "{lang}: stderr does not name the kind and the compiler's message:\n{err}"
     );
-    assert!(!text(&o.stdout).contains("softmax:"), "{lang}");
     std::fs::write(&path, code).unwrap();
     (tmp, dir)
 }
@@ -245,29 +254,20 @@ fn rust_template_builds_runs_and_reports_errors() {
     let (_tmp, dir) = template_round_trip("rust", "src/main.rs");
     // What `fn main() -> Result<(), Error>` prints: the Display form, not the struct.
     let name = "softmax-rust";
-    let o = run(&build_rust(&dir, name).wasm, &["1", "x"]);
-    assert_eq!(o.status.code(), Some(1));
+    let err = run_failing(&build_rust(&dir, name).wasm, &["1", "x"], 1);
     assert_eq!(
-        text(&o.stderr).trim_end(),
+        err.trim_end(),
         "Error: invalid-argument: not a number: \"x\""
     );
 
     // A panic: the SDK's hook prints where, the host the backtrace with source lines.
-    let main = dir.join("src/main.rs");
-    let code = std::fs::read_to_string(&main).unwrap();
     let anchor = "    let exe = compile_mlir(";
-    assert!(code.contains(anchor));
-    std::fs::write(
-        &main,
-        code.replace(
-            anchor,
-            &format!("    assert!(x.len() < 3, \"too many numbers\");\n{anchor}"),
-        ),
-    )
-    .unwrap();
-    let o = run(&build_rust(&dir, name).wasm, &["1", "2", "3"]);
-    let err = text(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    edit(
+        &dir.join("src/main.rs"),
+        anchor,
+        &format!("    assert!(x.len() < 3, \"too many numbers\");\n{anchor}"),
+    );
+    let err = run_failing(&build_rust(&dir, name).wasm, &["1", "2", "3"], 2);
     assert!(
         err.contains("panicked at src/main.rs:") && err.contains(": too many numbers"),
         "{err}"
@@ -286,21 +286,13 @@ fn rust_template_builds_runs_and_reports_errors() {
 fn c_template_builds_runs_and_reports_errors() {
     let (_tmp, dir) = template_round_trip("c", "main.c");
     // A handle used after it was dropped: the host says so, with the C source line.
-    let main = dir.join("main.c");
-    let code = std::fs::read_to_string(&main).unwrap();
     let anchor = "    guest_list_u8_t bytes;\n";
-    assert!(code.contains(anchor));
-    std::fs::write(
-        &main,
-        code.replace(
-            anchor,
-            &format!("{anchor}    tpubox_device_types_tensor_drop_own(outputs.ptr[0]);\n"),
-        ),
-    )
-    .unwrap();
-    let o = run(&build_script(&dir, "softmax-c", "c").wasm, &[]);
-    let err = text(&o.stderr);
-    assert_eq!(o.status.code(), Some(2), "{err}");
+    edit(
+        &dir.join("main.c"),
+        anchor,
+        &format!("{anchor}    tpubox_device_types_tensor_drop_own(outputs.ptr[0]);\n"),
+    );
+    let err = run_failing(&build_script(&dir, "softmax-c", "c").wasm, &[], 2);
     assert!(
         err.contains("guest used a tensor handle it had already dropped"),
         "{err}"
@@ -312,9 +304,7 @@ fn c_template_builds_runs_and_reports_errors() {
 fn python_template_builds_runs_and_reports_errors() {
     let (_tmp, dir) = template_round_trip("python", "app.py");
     // A plain Python exception: a traceback, status 1.
-    let o = run(&dir.join("build/softmax-python.wasm"), &["1", "x"]);
-    let err = text(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    let err = run_failing(&dir.join("build/softmax-python.wasm"), &["1", "x"], 1);
     assert!(
         err.contains("Traceback")
             && err.contains("ValueError: could not convert string to float: 'x'"),
@@ -325,9 +315,7 @@ fn python_template_builds_runs_and_reports_errors() {
 #[test]
 fn js_template_builds_runs_and_reports_errors() {
     let (_tmp, dir) = template_round_trip("js", "app.js");
-    let o = run(&dir.join("build/softmax-js.wasm"), &["1", "x"]);
-    let err = text(&o.stderr);
-    assert_eq!(o.status.code(), Some(1), "{err}");
+    let err = run_failing(&dir.join("build/softmax-js.wasm"), &["1", "x"], 1);
     assert!(err.contains("not a number: 'x'"), "{err}");
 }
 
