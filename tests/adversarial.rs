@@ -622,8 +622,11 @@ async fn guest_ending_cases(e: &mut Env) {
 
 async fn guest_handle_cases(e: &mut Env) {
     for (name, has) in [
-        ("forge-handle", "unknown handle index 12345"),
-        ("forge-dropped", "unknown handle index"),
+        ("forge-handle", "never had (unknown handle index 12345)"),
+        (
+            "forge-dropped",
+            "handle it had already dropped, or never had",
+        ),
         ("forge-type", "handle index"),
     ] {
         let case = format!("guest:{name}");

@@ -11,7 +11,11 @@ use crate::bindings::tpubox::device::types as raw_types;
 /// detected guest-side before a host call (a slice whose length does not match its dims, a
 /// dtype mismatch in [`Tensor::to_vec`](crate::Tensor::to_vec), ...) use the same kinds the host would have used,
 /// normally [`ErrorKind::InvalidArgument`].
-#[derive(Clone, Debug, PartialEq, Eq)]
+///
+/// `Display` and `Debug` both print `KIND: MESSAGE` (`compile-failed: ...`), so that
+/// `fn main() -> Result<(), tpubox_guest::Error>` ends a guest with a readable
+/// `Error: KIND: MESSAGE` on stderr; `{:#?}` prints the struct.
+#[derive(Clone, PartialEq, Eq)]
 pub struct Error {
     kind: ErrorKind,
     message: String,
@@ -48,7 +52,47 @@ impl fmt::Display for Error {
     }
 }
 
+impl fmt::Debug for Error {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        if f.alternate() {
+            f.debug_struct("Error")
+                .field("kind", &self.kind)
+                .field("message", &self.message)
+                .finish()
+        } else {
+            fmt::Display::fmt(self, f)
+        }
+    }
+}
+
 impl std::error::Error for Error {}
+
+/// Replaces the standard panic message with one that fits a guest: `panicked at FILE:LINE:COL:
+/// MESSAGE` on stderr, without the advice to set `RUST_BACKTRACE` (the standard library has no
+/// backtraces on `wasm32-wasip2`). The panic then aborts the guest as before, and `tpubox run`
+/// prints the guest's backtrace, with source lines when the guest was built with debug line
+/// tables (`[profile.release] debug = "line-tables-only"`).
+///
+/// Call it first in `main`; it replaces any hook set before.
+pub fn install_panic_hook() {
+    std::panic::set_hook(Box::new(|info| {
+        let message = info
+            .payload()
+            .downcast_ref::<&str>()
+            .copied()
+            .or_else(|| info.payload().downcast_ref::<String>().map(String::as_str))
+            .unwrap_or("(a panic payload that is not a string)");
+        match info.location() {
+            Some(l) => eprintln!(
+                "panicked at {}:{}:{}: {message}",
+                l.file(),
+                l.line(),
+                l.column()
+            ),
+            None => eprintln!("panicked: {message}"),
+        }
+    }));
+}
 
 impl From<raw_types::Error> for Error {
     fn from(e: raw_types::Error) -> Self {
@@ -111,5 +155,12 @@ mod tests {
         assert_eq!(back, raw);
         let boxed: Box<dyn std::error::Error> = Box::new(Error::invalid_argument("x"));
         assert_eq!(boxed.to_string(), "invalid-argument: x");
+        // What `fn main() -> Result<(), Error>` prints after `Error: `.
+        assert_eq!(format!("{boxed:?}"), "invalid-argument: x");
+        let e = Error::new(ErrorKind::NotFound, "w");
+        assert_eq!(
+            format!("{e:#?}"),
+            "Error {\n    kind: ErrorKind::NotFound,\n    message: \"w\",\n}"
+        );
     }
 }

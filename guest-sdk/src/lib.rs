@@ -120,7 +120,7 @@ pub mod weights;
 pub use model::bindings::export_model;
 
 pub use element::{Element, decode, encode};
-pub use error::{Error, Result};
+pub use error::{Error, Result, install_panic_hook};
 pub use executable::{Executable, compile_mlir, compile_mlir_bytecode};
 pub use platform::{devices, platform};
 pub use tensor::{Placement, Tensor};

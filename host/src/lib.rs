@@ -19,6 +19,8 @@
 //! - [`host`]: the embedding API ([`Host`]);
 //! - [`plugin`]: finding and installing PJRT plugins and model packages;
 //! - [`npy`] and [`exec`]: `tpubox exec`, running a StableHLO program on `.npy` files;
+//! - [`scaffold`]: `tpubox new` (guest projects from templates, WIT and SDK vendored) and
+//!   `tpubox wit` (the WIT package as text and binary-encoded);
 //! - [`session_api`]: the daemon's session API (`tpubox.v1.Session`, gRPC over a Unix socket
 //!   and TCP) for notebook kernels and Python clients, over [`session`];
 //! - [`serve`]: `tpubox serve`, the daemon serving guest models over the Open Inference
@@ -38,6 +40,7 @@ pub mod npy;
 pub mod plugin;
 pub mod plugin_env;
 pub mod sandbox;
+pub mod scaffold;
 pub mod scheduler;
 pub mod serve;
 pub mod session;

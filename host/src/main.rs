@@ -93,6 +93,26 @@ enum Cmd {
     /// components (--components), per tenant with the [tenant.session] limits of the tokens
     /// file. --model-repository is then optional. See docs/NOTEBOOKS.md.
     Serve(ServeArgs),
+    /// Write a new guest project: a small softmax guest in LANG, with the tpubox:device WIT
+    /// package vendored under wit/ (and, for Rust, the guest SDK under tpubox-guest/), that
+    /// builds with one command (`cargo build --release`, or `sh build.sh`) outside this
+    /// repository.
+    New {
+        /// The guest's language: rust, c, python or js.
+        #[arg(long, value_name = "LANG")]
+        lang: tpubox::scaffold::Lang,
+        /// The project directory to create (must be missing or empty); its last component
+        /// names the project (lowercase letters, digits, '-', '_').
+        path: PathBuf,
+    },
+    /// Write the tpubox:device WIT package into DIR: its .wit files, and the same package
+    /// binary-encoded as a component (tpubox-device-0.1.0.wasm), the form wkg, cargo component
+    /// and `wasm-tools component wit` consume.
+    Wit {
+        /// Directory to write into (created if missing).
+        #[arg(long, value_name = "DIR")]
+        out: PathBuf,
+    },
     /// Internal: compile one program read from stdin and write the executable to stdout (the
     /// host starts this to contain the compiler; see `tpubox::compiler`).
     #[command(hide = true)]
@@ -564,7 +584,12 @@ async fn run(args: RunArgs) -> Result<bool> {
             // The guest was stopped, and the device may still be running its last program
             // (PJRT cannot cancel one): tearing the client down would wait for it, possibly
             // forever. Exit now; the operating system frees the device memory.
-            exit_now(&format!("tpubox: {e:#}"), 2)
+            let mut message = format!("tpubox: {e:#}");
+            let stopped = e.downcast_ref::<tpubox::sandbox::GuestStopped>();
+            if let Some(bt) = stopped.and_then(|s| s.backtrace.as_deref()) {
+                message += &format!("\nguest backtrace (innermost call first):\n{bt}");
+            }
+            exit_now(&message, 2)
         }
     }
 }
@@ -619,6 +644,31 @@ async fn main_inner(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Cmd::Run(args) => run(args).await,
+        Cmd::New { lang, path } => {
+            let p = tpubox::scaffold::new_project(lang, &path)?;
+            println!(
+                "created the {lang} guest `{}` in {} ({} files)",
+                p.name,
+                p.dir.display(),
+                p.files.len()
+            );
+            println!(
+                "build: (cd {} && {})",
+                p.dir.display(),
+                lang.build_command()
+            );
+            println!(
+                "run:   tpubox run {} -- 0.5 1 -2",
+                p.dir.join(lang.component_path(&p.name)).display()
+            );
+            Ok(true)
+        }
+        Cmd::Wit { out } => {
+            for path in tpubox::scaffold::write_wit(&out)? {
+                println!("{}", path.display());
+            }
+            Ok(true)
+        }
         Cmd::Serve(args) => serve(args).await,
         Cmd::CompileWorker => unreachable!("handled before the runtime starts"),
         Cmd::Cache { action, cache } => cache_command(action, &cache).await,

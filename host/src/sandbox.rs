@@ -5,7 +5,8 @@
 //! [`EPOCH_TICK`]; measured on wasmtime 48 it costs guests a few percent, where fuel metering
 //! costs far more), the pooling allocator, a `StoreLimits` memory cap, and wasmtime's own
 //! compilation cache, whose key covers the component's bytes, the wasmtime version and the
-//! engine's compiler settings.
+//! engine's compiler settings. Backtrace details are on: when a guest carries DWARF (line
+//! tables), a trap's backtrace names source files and lines ([`GuestStopped`]).
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -259,6 +260,8 @@ impl Sandbox {
         cfg.epoch_interruption(true);
         cfg.consume_fuel(config.consume_fuel);
         cfg.wasm_component_model(true);
+        // Source lines in trap backtraces, from the guest's DWARF when it has any.
+        cfg.wasm_backtrace_details(wasmtime::WasmBacktraceDetails::Enable);
         let mut pool = PoolingAllocationConfig::default();
         let instances = config.max_instances.max(1);
         pool.total_component_instances(instances);
@@ -510,25 +513,38 @@ impl Sandbox {
             Err(e) => match e.downcast_ref::<wasmtime_wasi::I32Exit>() {
                 Some(code) => code.0,
                 None => {
-                    // One line for people; the wasm backtrace goes to the debug log.
+                    // One line for people, with the guest's backtrace beside it.
                     tracing::debug!("guest {name} failed: {e:?}");
                     let trap = e.downcast_ref::<wasmtime::Trap>().copied();
-                    return Err(match (deadline, trap) {
-                        (Some(d), _) if Instant::now() >= d => anyhow::anyhow!(
+                    let message = match (deadline, trap) {
+                        (Some(d), _) if Instant::now() >= d => format!(
                             "guest exceeded its deadline of {:?} and was stopped (the limit is `tpubox run --timeout`, TenantLimits::max_call_time)",
                             limit.unwrap_or_default()
                         ),
-                        (_, Some(wasmtime::Trap::OutOfFuel)) => anyhow::anyhow!(
+                        (_, Some(wasmtime::Trap::OutOfFuel)) => format!(
                             "guest used up its fuel ({} units) and was stopped",
                             fuel.unwrap_or_default()
                         ),
-                        (_, Some(wasmtime::Trap::UnreachableCodeReached)) => anyhow::anyhow!(
+                        (_, Some(wasmtime::Trap::UnreachableCodeReached)) => format!(
                             "guest aborted (a panic, or an allocation over its {} MiB memory limit; its stderr says which)",
                             max_memory >> 20
                         ),
-                        (_, Some(t)) => anyhow::anyhow!("guest trapped: {t}"),
-                        _ => e.into(),
-                    });
+                        (_, Some(t)) => format!("guest trapped: {t}"),
+                        _ => match stale_handle(&e) {
+                            Some(index) => format!(
+                                "guest used a {} handle it had already dropped, or never had (unknown handle index {index})",
+                                e.downcast_ref::<wasmtime::WasmBacktrace>()
+                                    .and_then(stale_resource)
+                                    .unwrap_or("resource (tensor, executable or weight set)")
+                            ),
+                            None => return Err(e.into()),
+                        },
+                    };
+                    let backtrace = e
+                        .downcast_ref::<wasmtime::WasmBacktrace>()
+                        .map(render_backtrace)
+                        .filter(|b| !b.trim().is_empty());
+                    return Err(GuestStopped { message, backtrace }.into());
                 }
             },
         };
@@ -541,6 +557,68 @@ impl Sandbox {
             usage: tenant.usage(),
         })
     }
+}
+
+/// Why a guest run was stopped before `wasi:cli/run` returned: a trap, its deadline, its fuel,
+/// or a handle it had dropped. [`Sandbox::run`] returns it inside its `anyhow::Error`
+/// (`err.downcast_ref::<GuestStopped>()`).
+#[derive(Debug)]
+pub struct GuestStopped {
+    /// One line for people, e.g. `guest trapped: wasm trap: out of bounds memory access`.
+    pub message: String,
+    /// The guest's wasm backtrace, innermost frame first, as wasmtime renders its frames
+    /// (function names, and source files and lines where the guest carries DWARF), at most
+    /// [`BACKTRACE_LINES`] lines, when one was taken.
+    pub backtrace: Option<String>,
+}
+
+impl std::fmt::Display for GuestStopped {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for GuestStopped {}
+
+/// The most lines of a backtrace [`GuestStopped`] keeps (an interpreter's stack is deep).
+pub const BACKTRACE_LINES: usize = 60;
+
+/// wasmtime's rendering of `bt` without its heading line, cut to [`BACKTRACE_LINES`].
+fn render_backtrace(bt: &wasmtime::WasmBacktrace) -> String {
+    let text = bt.to_string();
+    let lines: Vec<&str> = text.lines().skip(1).collect();
+    let mut out = lines[..lines.len().min(BACKTRACE_LINES)].join("\n");
+    if lines.len() > BACKTRACE_LINES {
+        out += &format!("\n  ... ({} more lines)", lines.len() - BACKTRACE_LINES);
+    }
+    out
+}
+
+/// The index in wasmtime's `unknown handle index N`: the guest lowered a handle that is not in
+/// its table (dropped, or never created).
+fn stale_handle(e: &wasmtime::Error) -> Option<u32> {
+    e.chain().find_map(|c| {
+        c.to_string()
+            .strip_prefix("unknown handle index ")?
+            .parse()
+            .ok()
+    })
+}
+
+/// The kind of resource behind a stale handle, when the innermost frames name the import
+/// that was called: C and the language runtimes call imports through shims named after them
+/// (`indirect-tpubox:device/types@0.1.0-[method]tensor.read`); `execute` takes both kinds.
+fn stale_resource(bt: &wasmtime::WasmBacktrace) -> Option<&'static str> {
+    bt.frames().iter().take(2).find_map(|f| {
+        let name = f.func_name()?;
+        [
+            ("]tensor.", "tensor"),
+            ("]executable.", "executable"),
+            ("]weight-set.", "weight set"),
+        ]
+        .into_iter()
+        .find_map(|(pat, kind)| name.contains(pat).then_some(kind))
+    })
 }
 
 /// Whether `bytes` start with the component-model preamble (`\0asm`, layer 1).
