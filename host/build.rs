@@ -39,7 +39,7 @@ fn embed_files() -> Result<(), Box<dyn std::error::Error>> {
     for (name, dir, doc) in [
         (
             "TEMPLATE_FILES",
-            "templates",
+            "host/templates",
             "The guest templates of `tpubox new`, under `LANG/`.",
         ),
         (

@@ -85,6 +85,7 @@ SERVE_VENV="$CACHE/venv-serve"   # tritonclient, numpy, pytest: tests/serve (tpu
 MOTO_VENV="$CACHE/venv-moto"     # moto's S3 server: tests/cache_remote.rs (tier-3 cache)
 JAX_VENV="$CACHE/venv-jax"       # a pinned jax: tests/jax (jax.export artifacts through tpubox exec)
 PYTHON_VENV="$CACHE/venv-python" # the tpubox Python client: python/tests, tests/notebook (Jupyter)
+BENCH_VENV="$CACHE/venv-bench"   # the MiniLM benchmark's anchors (PyTorch, ONNX Runtime): bench only
 
 # setup_venv DIR REQUIREMENTS: skipped while DIR's marker names this file's hash and this
 # python3; otherwise DIR is rebuilt from scratch (a venv is not relocatable: built in place).
@@ -421,6 +422,8 @@ case "$cmd" in
     ;;
   bench)
     setup
+    # The MiniLM anchors (sentence-transformers on PyTorch, ONNX Runtime); about 6 GB, bench only.
+    setup_venv "$BENCH_VENV" scripts/venvs/bench.txt
     cargo bench -p tpubox-host --bench spine
     cargo bench -p tpubox-host --bench minilm
     cargo bench -p tpubox-host --bench cache

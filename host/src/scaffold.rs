@@ -1,7 +1,7 @@
 //! `tpubox new` and `tpubox wit`: guest projects and the WIT package for use outside this
 //! repository.
 //!
-//! The templates (`templates/LANG/` in the repository), the Rust guest SDK (`guest-sdk/`) and
+//! The templates (`host/templates/LANG/` in the repository), the Rust guest SDK (`guest-sdk/`) and
 //! the `tpubox:device` WIT package (`wit/`) are embedded in the binary by `build.rs`, so a
 //! project made with [`new_project`] builds without a checkout: its WIT is vendored under
 //! `wit/` and, for Rust, the SDK under `tpubox-guest/` (a path dependency: it builds offline,
