@@ -138,6 +138,29 @@ async fn embeddings_match_sentence_transformers() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn packed_rows_give_each_sentence_its_own_embedding() {
+    // Enough sentences that the guest packs several per row (minilm_embed::batching): the
+    // reference cases, 40 times over (the 256-token case goes through the buckets).
+    let r = reference();
+    let texts: Vec<&str> = (0..40)
+        .flat_map(|_| r.cases.iter().map(|c| c.text.as_str()))
+        .collect();
+    let got = embed_json(&texts).await;
+    assert_eq!(got.len(), texts.len());
+    for (k, g) in got.iter().enumerate() {
+        let want = &r.cases[k % r.cases.len()];
+        assert_eq!(g.text, want.text);
+        let c = cosine(&g.embedding, &want.embedding);
+        assert!(
+            c >= 0.9999,
+            "cosine {c} for {:?} (copy {})",
+            want.text,
+            k / r.cases.len()
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn padding_does_not_leak_into_a_batch() {
     let r = reference();
     let batch: Vec<&str> = r.cases.iter().map(|c| c.text.as_str()).collect();

@@ -11,6 +11,16 @@
 //!   are sorted by token count and cut into calls of at most 32, so that sentences of similar
 //!   length share a call and padding stays small.
 //!
+//! * Packing ([`pack_rows`], [`pack_packed`]): for large inputs, [`crate::embed`] first packs
+//!   sentences of up to [`PACK_LEN`] tokens into rows of [`PACK_LEN`] tokens, up to
+//!   [`PACK_SEGS`] per row (longest first, first fit), and runs [`PACK_ROWS`] rows per call
+//!   through one packed program (`crate::model::build_packed_encoder_mlir`): each sentence
+//!   attends only to itself (a block-diagonal attention bias) and is pooled on its own tokens,
+//!   with positions restarting per sentence, so its embedding is what it would be alone. A call
+//!   is packed only when that computes fewer tokens than the buckets would for its sentences;
+//!   the rest, and longer sentences, go through the buckets. On 1,024 realistic sentences this
+//!   computes about 1.09× the useful tokens, against 1.34× for the buckets alone.
+//!
 //! Padding never reaches the results: padded keys get a `finfo(f32).min` attention bias and
 //! pooling averages only real tokens; padded rows are dropped.
 
@@ -22,6 +32,12 @@ pub const SEQ_BUCKETS: [usize; 16] = [
 ];
 /// Batch-size buckets, ascending; the last is the most rows in one call.
 pub const BATCH_BUCKETS: [usize; 3] = [1, 8, 32];
+/// Rows of one packed call ([`pack_rows`], [`crate::model::build_packed_encoder_mlir`]).
+pub const PACK_ROWS: usize = 16;
+/// Tokens per packed row: sentences longer than this go through the buckets.
+pub const PACK_LEN: usize = 128;
+/// Most sentences in one packed row.
+pub const PACK_SEGS: usize = 32;
 /// Id of `[PAD]`.
 pub const PAD_ID: i32 = 0;
 
@@ -105,6 +121,76 @@ pub fn pack(chunk: &Chunk, ids: &[Vec<i32>]) -> Result<(Vec<i32>, Vec<i32>)> {
     Ok((input_ids, mask))
 }
 
+/// Packs sentences with token counts `lengths` into rows of at most `len` tokens and `segs`
+/// sentences each (first fit, longest first), for [`crate::model::build_packed_encoder_mlir`]
+/// (experimental). Returns the rows (sentence indices, in row order) and the sentences longer
+/// than `len`, which need the bucketed path.
+pub fn pack_rows(lengths: &[usize], len: usize, segs: usize) -> (Vec<Vec<usize>>, Vec<usize>) {
+    let mut order: Vec<usize> = (0..lengths.len()).collect();
+    order.sort_by_key(|&i| std::cmp::Reverse(lengths[i]));
+    let mut rows: Vec<(usize, Vec<usize>)> = Vec::new();
+    let mut long = Vec::new();
+    for i in order {
+        let n = lengths[i];
+        if n > len {
+            long.push(i);
+            continue;
+        }
+        match rows
+            .iter_mut()
+            .find(|(used, m)| used + n <= len && m.len() < segs)
+        {
+            Some((used, m)) => {
+                *used += n;
+                m.push(i);
+            }
+            None => rows.push((n, vec![i])),
+        }
+    }
+    (rows.into_iter().map(|(_, m)| m).collect(), long)
+}
+
+/// The four non-weight inputs of the packed encoder for `rows` (each a list of sentence
+/// indices into `ids`), padded to `batch` rows: `input_ids` and `positions` (`[batch, len]`),
+/// `bias` (`[batch, len, len]`) and `pool` (`[batch, segs, len]`), row-major.
+pub fn pack_packed(
+    rows: &[Vec<usize>],
+    ids: &[Vec<i32>],
+    batch: usize,
+    len: usize,
+    segs: usize,
+) -> (Vec<i32>, Vec<i32>, Vec<f32>, Vec<f32>) {
+    let mut tok = vec![PAD_ID; batch * len];
+    let mut pos = vec![0i32; batch * len];
+    let mut bias = vec![0f32; batch * len * len];
+    let mut pool = vec![0f32; batch * segs * len];
+    for (r, members) in rows.iter().enumerate() {
+        let mut seg = vec![0usize; len]; // 0 = padding, else segment + 1
+        let mut at = 0;
+        for (s, &i) in members.iter().enumerate() {
+            let n = ids[i].len();
+            for (k, &t) in ids[i].iter().enumerate() {
+                tok[r * len + at + k] = t;
+                pos[r * len + at + k] = k as i32;
+                seg[at + k] = s + 1;
+                pool[(r * segs + s) * len + at + k] = 1.0 / n as f32;
+            }
+            at += n;
+        }
+        for q in 0..len {
+            if seg[q] == 0 {
+                continue;
+            }
+            for k in 0..len {
+                if seg[k] != seg[q] {
+                    bias[(r * len + q) * len + k] = f32::MIN;
+                }
+            }
+        }
+    }
+    (tok, pos, bias, pool)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -181,6 +267,63 @@ mod tests {
         assert_eq!(all, (0..40).collect::<Vec<_>>());
         assert!(plan(&[]).unwrap().is_empty());
         assert!(plan(&[300]).is_err());
+    }
+
+    #[test]
+    fn pack_rows_fits_and_keeps_every_sentence() {
+        let lengths: Vec<usize> = (0..300).map(|i| 3 + (i * 37) % 140).collect();
+        let (rows, long) = pack_rows(&lengths, 128, 32);
+        let mut seen: Vec<usize> = rows
+            .iter()
+            .flatten()
+            .copied()
+            .chain(long.iter().copied())
+            .collect();
+        seen.sort();
+        assert_eq!(seen, (0..300).collect::<Vec<_>>());
+        assert!(long.iter().all(|&i| lengths[i] > 128));
+        for r in &rows {
+            assert!(r.iter().map(|&i| lengths[i]).sum::<usize>() <= 128 && r.len() <= 32);
+        }
+        let used: usize = rows.iter().flatten().map(|&i| lengths[i]).sum();
+        assert!(
+            used as f64 / (rows.len() * 128) as f64 > 0.95,
+            "rows are well filled"
+        );
+    }
+
+    #[test]
+    fn packed_inputs_mask_other_sentences_and_pool_own_tokens() {
+        let ids = vec![vec![101, 7, 102], vec![101, 102]];
+        let (tok, pos, bias, pool) = pack_packed(&[vec![0, 1]], &ids, 2, 8, 4);
+        assert_eq!(&tok[..6], &[101, 7, 102, 101, 102, 0]);
+        assert_eq!(&pos[..6], &[0, 1, 2, 0, 1, 0]);
+        // Query 0 (sentence 0) sees keys 0..3 only; query 3 (sentence 1) keys 3..5 only.
+        assert_eq!(
+            &bias[..8],
+            &[
+                0.0,
+                0.0,
+                0.0,
+                f32::MIN,
+                f32::MIN,
+                f32::MIN,
+                f32::MIN,
+                f32::MIN
+            ]
+        );
+        assert_eq!(
+            &bias[3 * 8..3 * 8 + 6],
+            &[f32::MIN, f32::MIN, f32::MIN, 0.0, 0.0, f32::MIN]
+        );
+        // Padding queries attend to everything (no NaN), and are pooled by nobody.
+        assert!(bias[5 * 8..6 * 8].iter().all(|&b| b == 0.0));
+        assert_eq!(
+            &pool[..8],
+            &[1.0 / 3.0, 1.0 / 3.0, 1.0 / 3.0, 0.0, 0.0, 0.0, 0.0, 0.0]
+        );
+        assert_eq!(&pool[8..16], &[0.0, 0.0, 0.0, 0.5, 0.5, 0.0, 0.0, 0.0]);
+        assert!(tok[8..].iter().all(|&t| t == PAD_ID) && pool[16..].iter().all(|&p| p == 0.0));
     }
 
     #[test]

@@ -12,9 +12,14 @@ use anyhow::{Context, Result, bail};
 use tpubox_guest::weights::WeightSet;
 use tpubox_guest::{Executable, Tensor, TensorSpec};
 
-use crate::{Chunk, EncoderInput, HIDDEN, build_encoder, encoder_inputs, pack, plan};
+use crate::batching::{PACK_LEN, PACK_ROWS, PACK_SEGS, pack_packed, pack_rows};
+use crate::{
+    Chunk, EncoderInput, HIDDEN, build_encoder, build_packed_encoder_mlir, encoder_inputs, pack,
+    plan,
+};
 
-/// The encoder compiled for each (batch, seq) bucket used so far.
+/// The encoder compiled for each (batch, seq) bucket used so far; the key `(0, 0)` is the
+/// packed encoder (`PACK_ROWS` × `PACK_LEN`, up to `PACK_SEGS` sentences per row).
 pub type Compiled = HashMap<(usize, usize), Executable>;
 
 /// The encoder's weights, taken from the host's weight set `set_name` (device-resident
@@ -47,8 +52,9 @@ pub fn load_weights(set_name: &str) -> Result<Vec<Tensor>> {
 }
 
 /// Embeds every sentence (token ids given; each at most [`crate::MAX_SEQ_LEN`] tokens) into a
-/// normalized `HIDDEN`-wide vector, in input order, compiling each (batch, seq) bucket once
-/// into `compiled` (see [`plan`]).
+/// normalized `HIDDEN`-wide vector, in input order: packed calls where they compute less
+/// (see [`crate::batching`]), the rest in (batch, seq) buckets ([`plan`]); each program is
+/// compiled once into `compiled`.
 ///
 /// Errors: compiling or running the encoder (the host's [`tpubox_guest::Error`] stays
 /// reachable with `downcast_ref`), or a result of the wrong size.
@@ -60,7 +66,66 @@ pub fn embed(
     let hidden = HIDDEN as usize;
     let mut out = vec![Vec::new(); ids.len()];
     let lengths: Vec<usize> = ids.iter().map(Vec::len).collect();
-    for chunk in plan(&lengths)? {
+    // Packed calls where they cost less than the buckets would for the same sentences (a
+    // full call always does; a small request does not), the rest (and sentences longer than
+    // a row) through the buckets.
+    let (rows, long) = pack_rows(&lengths, PACK_LEN, PACK_SEGS);
+    let mut leftover = Vec::new();
+    for call in rows.chunks(PACK_ROWS) {
+        let members: Vec<usize> = call.iter().flatten().copied().collect();
+        let sub: Vec<usize> = members.iter().map(|&i| lengths[i]).collect();
+        let bucketed: usize = plan(&sub)?.iter().map(|c| c.batch * c.seq).sum();
+        if bucketed < PACK_ROWS * PACK_LEN {
+            leftover.extend(members);
+            continue;
+        }
+        let exe = match compiled.entry((0, 0)) {
+            Entry::Occupied(e) => e.into_mut(),
+            Entry::Vacant(e) => {
+                let mlir =
+                    build_packed_encoder_mlir(PACK_ROWS as u64, PACK_LEN as u64, PACK_SEGS as u64)?;
+                e.insert(
+                    tpubox_guest::compile_mlir(&mlir)
+                        .context("cannot compile the packed encoder")?,
+                )
+            }
+        };
+        let (tok, pos, bias, pool) = pack_packed(call, ids, PACK_ROWS, PACK_LEN, PACK_SEGS);
+        let (r, l, sg) = (PACK_ROWS as u64, PACK_LEN as u64, PACK_SEGS as u64);
+        let t = [
+            Tensor::from_slice(&tok, &[r, l])?,
+            Tensor::from_slice(&pos, &[r, l])?,
+            Tensor::from_slice(&bias, &[r, l, l])?,
+            Tensor::from_slice(&pool, &[r, sg, l])?,
+        ];
+        let mut args: Vec<&Tensor> = weights.iter().collect();
+        args.extend(t.iter());
+        let result = exe.call(&args)?;
+        let emb: Vec<f32> = result
+            .first()
+            .context("the packed encoder returned nothing")?
+            .to_vec()?;
+        if emb.len() != PACK_ROWS * PACK_SEGS * hidden {
+            bail!("the packed encoder returned {} values", emb.len());
+        }
+        for (row, m) in call.iter().enumerate() {
+            for (seg, &i) in m.iter().enumerate() {
+                let at = (row * PACK_SEGS + seg) * hidden;
+                out[i] = emb[at..at + hidden].to_vec();
+            }
+        }
+    }
+    // Leftovers and long sentences are bucketed apart: mixed, one long sentence would pad a
+    // whole chunk of short ones to its length.
+    let mut chunks = Vec::new();
+    for group in [leftover, long] {
+        let group_lengths: Vec<usize> = group.iter().map(|&i| lengths[i]).collect();
+        for mut chunk in plan(&group_lengths)? {
+            chunk.indices = chunk.indices.iter().map(|&k| group[k]).collect();
+            chunks.push(chunk);
+        }
+    }
+    for chunk in chunks {
         let Chunk { batch, seq, .. } = chunk;
         let exe = match compiled.entry((batch, seq)) {
             Entry::Occupied(e) => e.into_mut(),

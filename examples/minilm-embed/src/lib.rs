@@ -23,12 +23,14 @@ pub mod model;
 pub mod output;
 pub mod tokenize;
 
-pub use batching::{BATCH_BUCKETS, Chunk, SEQ_BUCKETS, batch_bucket, pack, plan, seq_bucket};
+pub use batching::{
+    BATCH_BUCKETS, Chunk, SEQ_BUCKETS, batch_bucket, pack, pack_packed, pack_rows, plan, seq_bucket,
+};
 pub use corpus::realistic_sentences;
 pub use device::{Compiled, embed, load_weights};
 pub use model::{
-    EncoderInput, HIDDEN, WeightSpec, build_encoder, build_encoder_mlir, encoder_inputs,
-    weight_specs,
+    EncoderInput, HIDDEN, WeightSpec, build_encoder, build_encoder_mlir, build_packed_encoder_mlir,
+    encoder_inputs, weight_specs,
 };
 pub use output::{cosine, similarity_table, to_json};
 pub use tokenize::{MAX_SEQ_LEN, MAX_TEXT_BYTES, SentenceTokenizer};

@@ -150,6 +150,33 @@ pub fn build_encoder_mlir(batch: u64, seq: u64) -> Result<String> {
     Ok(e.graph.to_mlir(&[e.output])?)
 }
 
+/// The packed encoder (experimental): `rows` rows of `len` tokens, each row holding up to
+/// `segs` sentences one after another, so that almost no padding is computed. Its parameters
+/// are every weight of [`weight_specs`], then `input_ids` (s32 `[rows, len]`), `positions`
+/// (s32 `[rows, len]`: each token's position inside its own sentence), `bias` (f32
+/// `[rows, len, len]`: 0 where query and key are in the same sentence, `f32::MIN` elsewhere)
+/// and `pool` (f32 `[rows, segs, len]`: `1/n` on the `n` tokens of segment `s`, 0 elsewhere).
+/// Its result is the normalized embeddings per segment, f32 `[rows, segs, 384]`.
+pub fn build_packed_encoder_mlir(rows: u64, len: u64, segs: u64) -> Result<String> {
+    ensure!(
+        rows >= 1 && segs >= 1,
+        "rows and segments must be at least 1"
+    );
+    ensure!(
+        (1..=MAX_POSITIONS).contains(&len),
+        "row length {len} is outside 1..={MAX_POSITIONS}"
+    );
+    let b = Builder {
+        g: Graph::new(),
+        batch: rows,
+        seq: len,
+    };
+    let output = b
+        .packed(segs)
+        .context("building the packed MiniLM encoder graph")?;
+    Ok(b.g.to_mlir(&[output])?)
+}
+
 struct Builder {
     g: Graph,
     batch: u64,
@@ -169,6 +196,61 @@ struct Layer {
 }
 
 impl Builder {
+    /// The weights as parameters, in [`weight_specs`] order.
+    fn weights(&self) -> (Value, Value, Value, (Value, Value), Vec<Layer>) {
+        let mut params = weight_specs()
+            .into_iter()
+            .map(|w| self.g.parameter(Dtype::F32, &w.dims));
+        let mut next = move || params.next().expect("weight_specs lists every weight");
+        let word = next();
+        let pos = next();
+        let typ = next();
+        let emb_ln = (next(), next());
+        let layers: Vec<Layer> = (0..LAYERS)
+            .map(|_| Layer {
+                q: (next(), next()),
+                k: (next(), next()),
+                v: (next(), next()),
+                attn_out: (next(), next()),
+                attn_ln: (next(), next()),
+                inter: (next(), next()),
+                out: (next(), next()),
+                out_ln: (next(), next()),
+            })
+            .collect();
+        (word, pos, typ, emb_ln, layers)
+    }
+
+    fn packed(&self, segs: u64) -> Result<Value> {
+        let (r, l) = (self.batch, self.seq);
+        let (word, pos, typ, emb_ln, layers) = self.weights();
+        let ids = self.g.parameter(Dtype::S32, &[r, l]);
+        let positions = self.g.parameter(Dtype::S32, &[r, l]);
+        let bias = self.g.parameter(Dtype::F32, &[r, l, l]);
+        let pool = self.g.parameter(Dtype::F32, &[r, segs, l]);
+        let g = &self.g;
+        let x = g.take(word, ids)?; // [R,L,H]
+        let typ0 = g.slice(typ, &[0, 0], &[1, HIDDEN], &[1, 1])?;
+        let typ0 = g.reshape(typ0, &[HIDDEN])?;
+        let x = g.add(x, typ0)?;
+        let p = g.take(pos, positions)?; // [R,L,H]
+        let x = g.add(x, p)?;
+        let mut x = self.layer_norm(x, emb_ln)?;
+        let bias = g.broadcast_in_dim(bias, &[r, HEADS, l, l], &[0, 2, 3])?;
+        for layer in &layers {
+            x = self.layer(x, layer, bias)?;
+        }
+        // mean[r,s,:] = Σ_t pool[r,s,t] x[r,t,:]
+        let mean = g.dot_general(pool, x, ((&[2], &[1]), (&[0], &[0])), Precision::Highest)?;
+        let sq = g.mul(mean, mean)?;
+        let norm = g.reduce_sum(sq, &[2])?;
+        let norm = g.sqrt(norm)?;
+        let eps = g.scalar(NORMALIZE_EPS);
+        let norm = g.maximum(norm, eps)?;
+        let norm = g.broadcast_in_dim(norm, &[r, segs, HIDDEN], &[0, 1])?;
+        Ok(g.div(mean, norm)?)
+    }
+
     fn encoder(&self) -> Result<Value> {
         let (bsz, s) = (self.batch, self.seq);
         // Parameters, in the order of `encoder_inputs` (weight_specs order).
