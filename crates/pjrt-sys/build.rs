@@ -61,21 +61,7 @@ fn main() {
     }
     println!("cargo:rustc-env=PJRT_SYS_HEADER_PATH={}", header.display());
 
-    let bindings = bindgen::Builder::default()
-        .header(header.to_string_lossy())
-        .allowlist_item("PJRT_.*")
-        .default_enum_style(bindgen::EnumVariation::Consts)
-        .prepend_enum_name(false)
-        .derive_default(true)
-        .derive_debug(true)
-        .layout_tests(false)
-        .generate_comments(true)
-        .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
-        .generate();
-    let bindings = match bindings {
-        Ok(b) => b,
-        Err(e) => fail(&format!("bindgen failed on {}: {e}", header.display())),
-    };
+    let bindings = bindings(&header, "PJRT_.*");
     let out_dir = PathBuf::from(env::var_os("OUT_DIR").unwrap_or_default());
     let code = bindings.to_string();
     let args_impls = args_impls(&code);
@@ -84,6 +70,27 @@ fn main() {
         fail(&format!("cannot write {}: {e}", out.display()));
     }
     generate_xla_ffi(&out_dir);
+}
+
+/// Runs bindgen on `header`, keeping the items matching `allowlist`: enums as integer aliases
+/// plus one const per enumerator, `Default` and `Debug` derived, doc comments kept. Exits with
+/// the error if bindgen fails.
+fn bindings(header: &Path, allowlist: &str) -> bindgen::Bindings {
+    let bindings = bindgen::Builder::default()
+        .header(header.to_string_lossy())
+        .allowlist_item(allowlist)
+        .default_enum_style(bindgen::EnumVariation::Consts)
+        .prepend_enum_name(false)
+        .derive_default(true)
+        .derive_debug(true)
+        .layout_tests(false)
+        .generate_comments(true)
+        .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
+        .generate();
+    match bindings {
+        Ok(b) => b,
+        Err(e) => fail(&format!("bindgen failed on {}: {e}", header.display())),
+    }
 }
 
 /// Oldest XLA FFI C API minor version the handlers accept (major must be 0).
@@ -117,21 +124,7 @@ fn generate_xla_ffi(out_dir: &Path) {
         "cargo:rustc-env=XLA_FFI_SYS_HEADER_PATH={}",
         header.display()
     );
-    let bindings = bindgen::Builder::default()
-        .header(header.to_string_lossy())
-        .allowlist_item("XLA_FFI_.*")
-        .default_enum_style(bindgen::EnumVariation::Consts)
-        .prepend_enum_name(false)
-        .derive_default(true)
-        .derive_debug(true)
-        .layout_tests(false)
-        .generate_comments(true)
-        .parse_callbacks(Box::new(bindgen::CargoCallbacks::new()))
-        .generate();
-    let bindings = match bindings {
-        Ok(b) => b,
-        Err(e) => fail(&format!("bindgen failed on {}: {e}", header.display())),
-    };
+    let bindings = bindings(&header, "XLA_FFI_.*");
     let out = out_dir.join("xla_ffi.rs");
     if let Err(e) = fs::write(&out, bindings.to_string()) {
         fail(&format!("cannot write {}: {e}", out.display()));

@@ -667,6 +667,15 @@ fn nan_fill<T: Elem>(s: &mut [T]) {
     s.iter_mut().for_each(|v| *v = T::nan());
 }
 
+/// The SVD routine a call uses: divide and conquer or QR iteration, real or complex.
+#[derive(Clone, Copy)]
+enum Svd<T, Rl> {
+    DivideR(GesddR<T, Rl>),
+    DivideC(GesddC<T, Rl>),
+    QrR(GesvdR<T, Rl>),
+    QrC(GesvdC<T, Rl>),
+}
+
 /// Singular value decomposition: `lapack_?gesdd_ffi` (divide and conquer) and
 /// `lapack_?gesvd_ffi` (QR iteration, `qr` true). Operand `a [.., m, n]`; results `a`
 /// (aliases; overwritten), `s: real [.., min(m, n)]` (descending), `u [.., m, m or k]`,
@@ -753,6 +762,25 @@ pub(crate) fn gesdd<T: Elem>(f: &CallFrame<'_>, qr: bool) -> R<()> {
     let mut iwork = vec![0i32; (8 * mn).max(1)];
     let (mut q, mut qi) = (T::default(), 0);
     let (uo, vo) = (m * ucols, vrows * n);
+    // The routine, looked up once for the whole batch.
+    let svd = match (qr, T::COMPLEX) {
+        (false, false) => {
+            // SAFETY: `?gesdd`'s real signature; sizes checked; workspaces sized by query.
+            Svd::DivideR(unsafe { routine::<T, GesddR<T, T::Real>>(lib, "gesdd") }?)
+        }
+        (false, true) => {
+            // SAFETY: `?gesdd`'s complex signature.
+            Svd::DivideC(unsafe { routine::<T, GesddC<T, T::Real>>(lib, "gesdd") }?)
+        }
+        (true, false) => {
+            // SAFETY: `?gesvd`'s real signature.
+            Svd::QrR(unsafe { routine::<T, GesvdR<T, T::Real>>(lib, "gesvd") }?)
+        }
+        (true, true) => {
+            // SAFETY: `?gesvd`'s complex signature.
+            Svd::QrC(unsafe { routine::<T, GesvdC<T, T::Real>>(lib, "gesvd") }?)
+        }
+    };
     let call = |i: usize,
                 a: &mut [T],
                 sv: &mut [T::Real],
@@ -765,10 +793,8 @@ pub(crate) fn gesdd<T: Elem>(f: &CallFrame<'_>, qr: bool) -> R<()> {
                 info: &mut i32|
      -> R<()> {
         let (ap, sp, up, vp) = (at(a, i, m * n), at(sv, i, k), at(u, i, uo), at(vt, i, vo));
-        match (qr, T::COMPLEX) {
-            (false, false) => {
-                // SAFETY: `?gesdd`'s real signature; sizes checked; workspaces sized by query.
-                let func: GesddR<T, T::Real> = unsafe { routine::<T, _>(lib, "gesdd") }?;
+        match svd {
+            Svd::DivideR(func) => {
                 // SAFETY: as above.
                 unsafe {
                     func(
@@ -777,9 +803,7 @@ pub(crate) fn gesdd<T: Elem>(f: &CallFrame<'_>, qr: bool) -> R<()> {
                     )
                 };
             }
-            (false, true) => {
-                // SAFETY: `?gesdd`'s complex signature.
-                let func: GesddC<T, T::Real> = unsafe { routine::<T, _>(lib, "gesdd") }?;
+            Svd::DivideC(func) => {
                 // SAFETY: as above; `rwork` sized by the documented minimum.
                 unsafe {
                     func(
@@ -788,9 +812,7 @@ pub(crate) fn gesdd<T: Elem>(f: &CallFrame<'_>, qr: bool) -> R<()> {
                     )
                 };
             }
-            (true, false) => {
-                // SAFETY: `?gesvd`'s real signature.
-                let func: GesvdR<T, T::Real> = unsafe { routine::<T, _>(lib, "gesvd") }?;
+            Svd::QrR(func) => {
                 // SAFETY: as above.
                 unsafe {
                     func(
@@ -799,9 +821,7 @@ pub(crate) fn gesdd<T: Elem>(f: &CallFrame<'_>, qr: bool) -> R<()> {
                     )
                 };
             }
-            (true, true) => {
-                // SAFETY: `?gesvd`'s complex signature.
-                let func: GesvdC<T, T::Real> = unsafe { routine::<T, _>(lib, "gesvd") }?;
+            Svd::QrC(func) => {
                 // SAFETY: as above.
                 unsafe {
                     func(

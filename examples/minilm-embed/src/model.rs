@@ -254,26 +254,7 @@ impl Builder {
     fn encoder(&self) -> Result<Value> {
         let (bsz, s) = (self.batch, self.seq);
         // Parameters, in the order of `encoder_inputs` (weight_specs order).
-        let mut params = weight_specs()
-            .into_iter()
-            .map(|w| self.g.parameter(Dtype::F32, &w.dims));
-        let mut next = move || params.next().expect("weight_specs lists every weight");
-        let word = next();
-        let pos = next();
-        let typ = next();
-        let emb_ln = (next(), next());
-        let layers: Vec<Layer> = (0..LAYERS)
-            .map(|_| Layer {
-                q: (next(), next()),
-                k: (next(), next()),
-                v: (next(), next()),
-                attn_out: (next(), next()),
-                attn_ln: (next(), next()),
-                inter: (next(), next()),
-                out: (next(), next()),
-                out_ln: (next(), next()),
-            })
-            .collect();
+        let (word, pos, typ, emb_ln, layers) = self.weights();
         let ids = self.g.parameter(Dtype::S32, &[bsz, s]);
         let mask = self.g.parameter(Dtype::S32, &[bsz, s]);
         let g = &self.g;
