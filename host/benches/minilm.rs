@@ -7,7 +7,10 @@
 //! `minilm_embed::build_encoder_mlir`, and use the same device-resident weights. The two sides
 //! alternate, round by round, so both see the same machine: each round times one native pass
 //! and one guest pass (the guest's second pass over the set; its first compiles every bucket).
-//! The table gives medians over the rounds. Time to first embedding is a fresh run on one
+//! When the benchmark venv is there, each round also runs one pass of each anchor
+//! (sentence-transformers on PyTorch, ONNX Runtime: `minilm_anchors.py --interleave`, a child
+//! process kept warm between rounds), so all five systems see the same machine round by round;
+//! the per-round ratios show how much it moved. The table gives medians over the rounds. Time to first embedding is a fresh run on one
 //! sentence (tokenizer load, compile, execute).
 //!
 //! Run with `cargo bench -p tpubox-host --bench minilm` after `bash scripts/dev.sh setup`.
@@ -365,7 +368,11 @@ fn main() {
         let mut guest_s = Vec::new();
         let mut guest_out: Vec<serde_json::Value> = Vec::new();
         let mut guest_cold_ms: Option<f64> = None;
+        let mut anchor = Anchors::start(&dir, &sentences);
         for _ in 0..ROUNDS {
+            if let Some(a) = anchor.as_mut() {
+                a.round();
+            }
             let t = Instant::now();
             let _ = native.embed(&host, &ids).await;
             native_s.push(t.elapsed().as_secs_f64());
@@ -390,7 +397,7 @@ fn main() {
             v.sort_by(|a, b| a.partial_cmp(b).unwrap());
             v[v.len() / 2]
         };
-        let (native_med, guest_med) = (median(native_s), median(guest_s));
+        let (native_med, guest_med) = (median(native_s), median(guest_s.clone()));
         let packed_med = median(packed_s);
         println!(
             "native host with the guest's plan (packed: {} calls of {}x{}, up to {} sentences per row; the rest bucketed; {} tokens computed, {:.3} of useful): {:.1} sentences/s, min cosine vs buckets only {:.7}",
@@ -467,15 +474,116 @@ fn main() {
             packed.programs,
             guest_cold_ms.unwrap_or(f64::NAN)
         );
-        anchors(&dir, &sentences, &guest_out, guest_med, packed_med, native_med, useful_tokens);
+        if let Some(a) = anchor {
+            // Paired per round (each round runs every system once, back to back): the spread
+            // of the guest-to-anchor ratio says how much the machine moved during the run.
+            let vs_pt: Vec<f64> = a.rounds.iter().zip(&guest_s).map(|((pt, _), g)| pt / g).collect();
+            let vs_ort: Vec<f64> = a.rounds.iter().zip(&guest_s).map(|((_, ort), g)| ort / g).collect();
+            println!(
+                "guest vs PyTorch per round, in round order: {}; vs ONNX Runtime: {}",
+                vs_pt.iter().map(|r| format!("{r:.2}×")).collect::<Vec<_>>().join(" "),
+                vs_ort.iter().map(|r| format!("{r:.2}×")).collect::<Vec<_>>().join(" ")
+            );
+            anchors(a, &sentences, &guest_out, guest_med, packed_med, native_med, useful_tokens);
+        }
     });
 }
 
-/// Runs host/benches/minilm_anchors.py (sentence-transformers on PyTorch, ONNX Runtime) on the
-/// same sentences with the benchmark venv, and prints the joint table. Skipped, saying so,
-/// when the venv is missing (`bash scripts/dev.sh bench` installs it).
+/// The anchors (host/benches/minilm_anchors.py: sentence-transformers on PyTorch, ONNX
+/// Runtime) on the same sentences, from the benchmark venv, in a child process driven round by
+/// round (`--interleave`) so that their passes alternate with tpubox's on the same machine.
+struct Anchors {
+    child: std::process::Child,
+    stdin: std::process::ChildStdin,
+    stdout: std::io::BufReader<std::process::ChildStdout>,
+    _work: tempfile::TempDir,
+    emb: PathBuf,
+    threads: usize,
+    /// Seconds of each round's PyTorch and ONNX Runtime passes.
+    rounds: Vec<(f64, f64)>,
+}
+
+impl Anchors {
+    /// Starts the anchors and waits until they are warm; `None`, saying so, when the venv is
+    /// missing (`bash scripts/dev.sh bench` installs it) or they fail to start.
+    fn start(dir: &std::path::Path, sentences: &[String]) -> Option<Anchors> {
+        use std::io::BufRead;
+        let cache = std::env::var_os("TPUBOX_CACHE_DIR")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| dirs::home_dir().unwrap().join(".cache/tpubox"));
+        let python = cache.join("venv-bench/bin/python");
+        if !python.exists() {
+            println!(
+                "anchors skipped: {} is missing (`bash scripts/dev.sh bench` installs it)",
+                python.display()
+            );
+            return None;
+        }
+        let work = tempfile::tempdir().unwrap();
+        let text = work.path().join("sentences.txt");
+        std::fs::write(&text, sentences.join("\n")).unwrap();
+        let emb = work.path().join("guest.f32");
+        let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/minilm_anchors.py");
+        let threads = std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(1);
+        let mut child = std::process::Command::new(&python)
+            .arg(&script)
+            .arg(dir)
+            .arg(&text)
+            .arg(&emb)
+            .args(["--threads", &threads.to_string(), "--interleave"])
+            .arg("--cache")
+            .arg(cache.join("bench"))
+            .stdin(std::process::Stdio::piped())
+            .stdout(std::process::Stdio::piped())
+            .spawn()
+            .unwrap();
+        let stdin = child.stdin.take().unwrap();
+        let mut stdout = std::io::BufReader::new(child.stdout.take().unwrap());
+        let mut line = String::new();
+        if stdout.read_line(&mut line).unwrap_or(0) == 0 || !line.contains("ready") {
+            println!(
+                "anchors failed to start: {}",
+                child
+                    .wait_with_output()
+                    .map(|o| o.status.to_string())
+                    .unwrap_or_default()
+            );
+            return None;
+        }
+        Some(Anchors {
+            child,
+            stdin,
+            stdout,
+            _work: work,
+            emb,
+            threads,
+            rounds: Vec::new(),
+        })
+    }
+
+    /// Runs one pass of each anchor; returns (PyTorch, ONNX Runtime) seconds.
+    fn round(&mut self) -> (f64, f64) {
+        use std::io::{BufRead, Write};
+        writeln!(self.stdin, "round").unwrap();
+        self.stdin.flush().unwrap();
+        let mut line = String::new();
+        self.stdout.read_line(&mut line).unwrap();
+        let r: serde_json::Value = serde_json::from_str(&line).expect("an anchors round");
+        let t = (
+            r["pytorch_s"].as_f64().unwrap(),
+            r["onnxruntime_s"].as_f64().unwrap(),
+        );
+        self.rounds.push(t);
+        t
+    }
+}
+
+/// Ends the anchors (handing them the guest's embeddings to compare) and prints the joint
+/// table.
 fn anchors(
-    dir: &std::path::Path,
+    mut anchors: Anchors,
     sentences: &[String],
     guest_out: &[serde_json::Value],
     guest_s: f64,
@@ -483,22 +591,8 @@ fn anchors(
     buckets_s: f64,
     tokens: usize,
 ) {
-    let cache = std::env::var_os("TPUBOX_CACHE_DIR")
-        .map(PathBuf::from)
-        .unwrap_or_else(|| dirs::home_dir().unwrap().join(".cache/tpubox"));
-    let python = cache.join("venv-bench/bin/python");
+    use std::io::{Read, Write};
     println!();
-    if !python.exists() {
-        println!(
-            "anchors skipped: {} is missing (`bash scripts/dev.sh bench` installs it)",
-            python.display()
-        );
-        return;
-    }
-    let work = tempfile::tempdir().unwrap();
-    let text = work.path().join("sentences.txt");
-    std::fs::write(&text, sentences.join("\n")).unwrap();
-    let emb = work.path().join("guest.f32");
     let bytes: Vec<u8> = guest_out
         .iter()
         .flat_map(|g| {
@@ -510,31 +604,17 @@ fn anchors(
                 .collect::<Vec<u8>>()
         })
         .collect();
-    std::fs::write(&emb, bytes).unwrap();
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("benches/minilm_anchors.py");
-    let threads = std::thread::available_parallelism()
-        .map(|n| n.get())
-        .unwrap_or(1);
-    let out = std::process::Command::new(&python)
-        .arg(&script)
-        .arg(dir)
-        .arg(&text)
-        .arg(&emb)
-        .args([
-            "--threads",
-            &threads.to_string(),
-            "--rounds",
-            &ROUNDS.to_string(),
-        ])
-        .arg("--cache")
-        .arg(cache.join("bench"))
-        .output()
-        .unwrap();
-    if !out.status.success() {
-        println!("anchors failed: {}", String::from_utf8_lossy(&out.stderr));
+    std::fs::write(&anchors.emb, bytes).unwrap();
+    writeln!(anchors.stdin, "done").unwrap();
+    anchors.stdin.flush().unwrap();
+    let mut line = String::new();
+    anchors.stdout.read_to_string(&mut line).unwrap();
+    let status = anchors.child.wait().unwrap();
+    if !status.success() {
+        println!("anchors failed: {status}");
         return;
     }
-    let line = String::from_utf8_lossy(&out.stdout);
+    let threads = anchors.threads;
     let r: serde_json::Value = serde_json::from_str(line.lines().last().unwrap_or("{}")).unwrap();
     let (pt, ort) = (
         r["pytorch_s"].as_f64().unwrap(),

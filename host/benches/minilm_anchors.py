@@ -6,6 +6,11 @@ Run by the Rust benchmark with the benchmark venv's python (scripts/venvs/bench.
 by `bash scripts/dev.sh bench`, never by CI):
 
     python minilm_anchors.py MODEL_DIR SENTENCES.txt GUEST_EMB.f32 --threads 2 --rounds 5
+    python minilm_anchors.py MODEL_DIR SENTENCES.txt GUEST_EMB.f32 --threads 2 --interleave
+
+With --interleave it prints {"ready": true} once warm, then runs one pass of each system per
+stdin line "round" (printing that round's seconds as JSON), until a line "done"; the benchmark
+writes GUEST_EMB.f32 before "done". Its rounds then alternate with tpubox's on the same machine.
 
 SENTENCES.txt holds one sentence per line; GUEST_EMB.f32 the guest's embeddings (little-endian
 f32, one 384-wide row per sentence), compared with the PyTorch ones. Prints one JSON object:
@@ -37,6 +42,7 @@ def main():
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--batch", type=int, default=32)
+    ap.add_argument("--interleave", action="store_true", help="run a round per stdin line (see below)")
     ap.add_argument("--cache", default=os.path.expanduser("~/.cache/tpubox/bench"))
     a = ap.parse_args()
 
@@ -107,13 +113,28 @@ def main():
 
     ort_out = ort_pass()  # warm-up
     ort_times = []
-    for _ in range(a.rounds):
+
+    def one_round():
+        nonlocal ort_out
         t = time.perf_counter()
         st_pass()
         st_times.append(time.perf_counter() - t)
         t = time.perf_counter()
         ort_out = ort_pass()
         ort_times.append(time.perf_counter() - t)
+
+    if a.interleave:
+        # Driven round by round by the Rust benchmark, between its own passes, so that both
+        # sides see the same machine: a line "round" runs one pass of each, "done" ends.
+        print(json.dumps({"ready": True}), flush=True)
+        for line in sys.stdin:
+            if line.strip() == "done":
+                break
+            one_round()
+            print(json.dumps({"pytorch_s": st_times[-1], "onnxruntime_s": ort_times[-1]}), flush=True)
+    else:
+        for _ in range(a.rounds):
+            one_round()
 
     def min_cos(x):
         x = x / np.linalg.norm(x, axis=1, keepdims=True)
