@@ -10,8 +10,8 @@
 //! When the benchmark venv is there, each round also runs one pass of each anchor
 //! (sentence-transformers on PyTorch, ONNX Runtime: `minilm_anchors.py --interleave`, a child
 //! process kept warm between rounds), so all five systems see the same machine round by round;
-//! the per-round ratios show how much it moved. The table gives medians over the rounds. Time to first embedding is a fresh run on one
-//! sentence (tokenizer load, compile, execute).
+//! the per-round ratios show how much it moved. The table gives medians over the rounds. Time
+//! to first embedding is a fresh run on one sentence (tokenizer load, compile, execute).
 //!
 //! Run with `cargo bench -p tpubox-host --bench minilm` after `bash scripts/dev.sh setup`.
 
@@ -563,8 +563,8 @@ impl Anchors {
         })
     }
 
-    /// Runs one pass of each anchor; returns (PyTorch, ONNX Runtime) seconds.
-    fn round(&mut self) -> (f64, f64) {
+    /// Runs one pass of each anchor and records its (PyTorch, ONNX Runtime) seconds.
+    fn round(&mut self) {
         use std::io::{BufRead, Write};
         writeln!(self.stdin, "round").unwrap();
         self.stdin.flush().unwrap();
@@ -576,7 +576,6 @@ impl Anchors {
             r["onnxruntime_s"].as_f64().unwrap(),
         );
         self.rounds.push(t);
-        t
     }
 }
 
