@@ -104,6 +104,16 @@ def trail_zero(v):
     return v
 
 
+def schur_invariants(a):
+    """What a Schur decomposition A = Q T Q^H fixes, whichever LAPACK build computes it: Q is
+    unique only up to a diagonal unitary D (Q D gives D^H T D, so T's off-diagonal entries
+    change phase, or sign for real input; two OpenBLAS builds on two CPUs were seen to differ
+    so). Compared: |T|, T's diagonal, Q T Q^H (= A) and Q^H Q (= I)."""
+    t, q = jax.scipy.linalg.schur(a)
+    qh = q.conj().T
+    return jnp.abs(t), jnp.diagonal(t), q @ t @ qh, qh @ q
+
+
 # Linear algebra: JAX lowers these to LAPACK custom calls (lapack_*_ffi), which tpubox's own
 # handlers (crates/pjrt-lapack) run. Tolerances as JAX's linalg tests use for f32 (looser than
 # the elementwise cases: another LAPACK build may round differently); f64 cases are exported
@@ -137,8 +147,8 @@ LINALG = {
     "linalg_rank_cond_norm": (lambda a: (jnp.linalg.matrix_rank(a), jnp.linalg.cond(a), jnp.linalg.norm(a, 2)), [f32(4, 4)]),
     "linalg_eig": (jnp.linalg.eig, [f32(4, 4)]),
     "linalg_eigvals_c64": (jnp.linalg.eigvals, [c64(4, 4)]),
-    "linalg_schur": (jax.scipy.linalg.schur, [f32(4, 4)]),
-    "linalg_schur_c64": (jax.scipy.linalg.schur, [c64(4, 4)]),
+    "linalg_schur": (schur_invariants, [f32(4, 4)]),
+    "linalg_schur_c64": (schur_invariants, [c64(4, 4)]),
     "linalg_hessenberg": (lambda a: jax.scipy.linalg.hessenberg(a, calc_q=True), [f32(5, 5)]),
     "linalg_tridiagonal": (lax.linalg.tridiagonal, [spd(4)]),
     "linalg_tridiagonal_solve": (tridiag_solve, [lead_zero(f32(6)), f32(6) + 4, trail_zero(f32(6)), f32(6, 2)]),
