@@ -10,7 +10,8 @@
 //! When the benchmark venv is there, each round also runs one pass of each anchor
 //! (sentence-transformers on PyTorch, ONNX Runtime: `minilm_anchors.py --interleave`, a child
 //! process kept warm between rounds), so all five systems see the same machine round by round;
-//! the per-round ratios show how much it moved. The table gives medians over the rounds. Time
+//! the per-round ratios show how much it moved, and their median is printed with them. The table
+//! gives medians over the rounds. Time
 //! to first embedding is a fresh run on one sentence (tokenizer load, compile, execute).
 //!
 //! Run with `cargo bench -p tpubox-host --bench minilm` after `bash scripts/dev.sh setup`.
@@ -27,7 +28,9 @@ use tpubox::device::{Arg, DeviceExecutable, DeviceTensor};
 use tpubox::{Host, HostConfig, PrimitiveType, RunOptions, SandboxConfig};
 
 const SENTENCES: usize = 1024;
-const ROUNDS: usize = 5;
+/// Rounds of the side-by-side comparison. On a shared 2-core VM the load moves by more than the
+/// differences measured here within one round, so the table's medians need more than a handful.
+const ROUNDS: usize = 9;
 
 /// 1,024 sentences with realistic lengths (`minilm_embed::corpus`: log-normal word counts,
 /// median 13 words).
@@ -483,6 +486,13 @@ fn main() {
                 "guest vs PyTorch per round, in round order: {}; vs ONNX Runtime: {}",
                 vs_pt.iter().map(|r| format!("{r:.2}×")).collect::<Vec<_>>().join(" "),
                 vs_ort.iter().map(|r| format!("{r:.2}×")).collect::<Vec<_>>().join(" ")
+            );
+            // The median of the paired ratios: each ratio compares passes run back to back, so
+            // it moves less with the machine than the ratio of the separate medians.
+            println!(
+                "median of the per-round ratios: guest vs PyTorch {:.2}×, vs ONNX Runtime {:.2}×",
+                median(vs_pt),
+                median(vs_ort)
             );
             anchors(a, &sentences, &guest_out, guest_med, packed_med, native_med, useful_tokens);
         }

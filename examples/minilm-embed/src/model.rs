@@ -303,17 +303,20 @@ impl Builder {
     fn layer(&self, x: Value, w: &Layer, bias: Value) -> Result<Value> {
         let (bsz, s) = (self.batch, self.seq);
         let heads = [bsz, s, HEADS, HEAD_DIM];
+        let g = &self.g;
+        // The 1/sqrt(d) of the scores is applied to q ([B,S,384]) rather than to the scores
+        // ([B,h,S,S], 16 times larger for 128-token rows): XLA materializes the scale as a
+        // full-size constant for the fused attention, read again in every layer.
         let q = self.linear(x, w.q)?;
+        let scale = g.scalar(1.0 / (HEAD_DIM as f32).sqrt());
+        let q = g.mul(q, scale)?;
         let k = self.linear(x, w.k)?;
         let v = self.linear(x, w.v)?;
-        let g = &self.g;
         let q = g.reshape(q, &heads)?; // [B,S,h,d]
         let k = g.reshape(k, &heads)?;
         let v = g.reshape(v, &heads)?;
-        // scores[b,h,i,j] = q[b,i,h,:]·k[b,j,h,:] / sqrt(d)
+        // scores[b,h,i,j] = (q[b,i,h,:] / sqrt(d))·k[b,j,h,:]
         let scores = g.dot_general(q, k, ((&[3], &[3]), (&[0, 2], &[0, 2])), Precision::Highest)?;
-        let scale = g.scalar((HEAD_DIM as f32).sqrt());
-        let scores = g.div(scores, scale)?;
         let scores = g.add(scores, bias)?;
         let probs = self.softmax_last(scores)?; // [B,h,S,S]
         // ctx[b,h,i,:] = Σ_j probs[b,h,i,j] v[b,j,h,:]
