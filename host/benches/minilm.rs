@@ -11,8 +11,8 @@
 //! (sentence-transformers on PyTorch, ONNX Runtime: `minilm_anchors.py --interleave`, a child
 //! process kept warm between rounds), so all five systems see the same machine round by round;
 //! the per-round ratios show how much it moved, and their median is printed with them. The table
-//! gives medians over the rounds. Time
-//! to first embedding is a fresh run on one sentence (tokenizer load, compile, execute).
+//! gives medians over the rounds. Time to first embedding is a fresh run on one sentence
+//! (tokenizer load, compile, execute).
 //!
 //! Run with `cargo bench -p tpubox-host --bench minilm` after `bash scripts/dev.sh setup`.
 

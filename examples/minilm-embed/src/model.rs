@@ -305,7 +305,7 @@ impl Builder {
         let heads = [bsz, s, HEADS, HEAD_DIM];
         let g = &self.g;
         // The 1/sqrt(d) of the scores is applied to q ([B,S,384]) rather than to the scores
-        // ([B,h,S,S], 16 times larger for 128-token rows): XLA materializes the scale as a
+        // ([B,h,S,S], 4 times larger for 128-token rows): XLA materializes the scale as a
         // full-size constant for the fused attention, read again in every layer.
         let q = self.linear(x, w.q)?;
         let scale = g.scalar(1.0 / (HEAD_DIM as f32).sqrt());
