@@ -494,7 +494,7 @@ fn main() {
                 median(vs_pt),
                 median(vs_ort)
             );
-            anchors(a, &sentences, &guest_out, guest_med, packed_med, native_med, useful_tokens);
+            a.finish(&sentences, &guest_out, guest_med, packed_med, native_med, useful_tokens);
         }
     });
 }
@@ -587,92 +587,93 @@ impl Anchors {
         );
         self.rounds.push(t);
     }
-}
 
-/// Ends the anchors (handing them the guest's embeddings to compare) and prints the joint
-/// table.
-fn anchors(
-    mut anchors: Anchors,
-    sentences: &[String],
-    guest_out: &[serde_json::Value],
-    guest_s: f64,
-    native_s: f64,
-    buckets_s: f64,
-    tokens: usize,
-) {
-    use std::io::{Read, Write};
-    println!();
-    let bytes: Vec<u8> = guest_out
-        .iter()
-        .flat_map(|g| {
-            g["embedding"]
-                .as_array()
-                .unwrap()
-                .iter()
-                .flat_map(|v| (v.as_f64().unwrap() as f32).to_le_bytes())
-                .collect::<Vec<u8>>()
-        })
-        .collect();
-    std::fs::write(&anchors.emb, bytes).unwrap();
-    writeln!(anchors.stdin, "done").unwrap();
-    anchors.stdin.flush().unwrap();
-    let mut line = String::new();
-    anchors.stdout.read_to_string(&mut line).unwrap();
-    let status = anchors.child.wait().unwrap();
-    if !status.success() {
-        println!("anchors failed: {status}");
-        return;
-    }
-    let threads = anchors.threads;
-    let r: serde_json::Value = serde_json::from_str(line.lines().last().unwrap_or("{}")).unwrap();
-    let (pt, ort) = (
-        r["pytorch_s"].as_f64().unwrap(),
-        r["onnxruntime_s"].as_f64().unwrap(),
-    );
-    println!(
-        "Anchors in the same run: sentence-transformers on PyTorch {}, ONNX Runtime {}, {threads} threads each, same weights and sentences",
-        r["torch"], r["onnxruntime"]
-    );
-    println!(
-        "(tokens counted by the model's tokenizer: {} here, {} by the anchors)",
-        tokens, r["tokens"]
-    );
-    println!();
-    println!(
-        "| system | sentences/s | useful tokens/s | vs PyTorch | vs ONNX Runtime | min cosine vs PyTorch |"
-    );
-    println!("|---|---|---|---|---|---|");
-    let n = sentences.len() as f64;
-    let guest_cos = r["guest_min_cosine"].as_f64().unwrap();
-    for (name, secs, cos) in [
-        ("tpubox guest", guest_s, format!("{guest_cos:.6}")),
-        (
-            "tpubox native host (same plan and executables)",
-            native_s,
-            "(= guest)".to_string(),
-        ),
-        (
-            "tpubox native host, buckets only",
-            buckets_s,
-            "(= guest)".to_string(),
-        ),
-        (
-            "sentence-transformers, PyTorch",
-            pt,
-            "reference".to_string(),
-        ),
-        (
-            "ONNX Runtime",
-            ort,
-            format!("{:.6}", r["onnxruntime_min_cosine"].as_f64().unwrap()),
-        ),
-    ] {
-        println!(
-            "| {name} | {:.1} | {:.0} | {:.2}× | {:.2}× | {cos} |",
-            n / secs,
-            tokens as f64 / secs,
-            pt / secs,
-            ort / secs
+    /// Ends the anchors (handing them the guest's embeddings to compare) and prints the joint
+    /// table.
+    fn finish(
+        mut self,
+        sentences: &[String],
+        guest_out: &[serde_json::Value],
+        guest_s: f64,
+        native_s: f64,
+        buckets_s: f64,
+        tokens: usize,
+    ) {
+        use std::io::{Read, Write};
+        println!();
+        let bytes: Vec<u8> = guest_out
+            .iter()
+            .flat_map(|g| {
+                g["embedding"]
+                    .as_array()
+                    .unwrap()
+                    .iter()
+                    .flat_map(|v| (v.as_f64().unwrap() as f32).to_le_bytes())
+                    .collect::<Vec<u8>>()
+            })
+            .collect();
+        std::fs::write(&self.emb, bytes).unwrap();
+        writeln!(self.stdin, "done").unwrap();
+        self.stdin.flush().unwrap();
+        let mut line = String::new();
+        self.stdout.read_to_string(&mut line).unwrap();
+        let status = self.child.wait().unwrap();
+        if !status.success() {
+            println!("anchors failed: {status}");
+            return;
+        }
+        let threads = self.threads;
+        let r: serde_json::Value =
+            serde_json::from_str(line.lines().last().unwrap_or("{}")).unwrap();
+        let (pt, ort) = (
+            r["pytorch_s"].as_f64().unwrap(),
+            r["onnxruntime_s"].as_f64().unwrap(),
         );
+        println!(
+            "Anchors in the same run: sentence-transformers on PyTorch {}, ONNX Runtime {}, {threads} threads each, same weights and sentences",
+            r["torch"], r["onnxruntime"]
+        );
+        println!(
+            "(tokens counted by the model's tokenizer: {} here, {} by the anchors)",
+            tokens, r["tokens"]
+        );
+        println!();
+        println!(
+            "| system | sentences/s | useful tokens/s | vs PyTorch | vs ONNX Runtime | min cosine vs PyTorch |"
+        );
+        println!("|---|---|---|---|---|---|");
+        let n = sentences.len() as f64;
+        let guest_cos = r["guest_min_cosine"].as_f64().unwrap();
+        for (name, secs, cos) in [
+            ("tpubox guest", guest_s, format!("{guest_cos:.6}")),
+            (
+                "tpubox native host (same plan and executables)",
+                native_s,
+                "(= guest)".to_string(),
+            ),
+            (
+                "tpubox native host, buckets only",
+                buckets_s,
+                "(= guest)".to_string(),
+            ),
+            (
+                "sentence-transformers, PyTorch",
+                pt,
+                "reference".to_string(),
+            ),
+            (
+                "ONNX Runtime",
+                ort,
+                format!("{:.6}", r["onnxruntime_min_cosine"].as_f64().unwrap()),
+            ),
+        ] {
+            println!(
+                "| {name} | {:.1} | {:.0} | {:.2}× | {:.2}× | {cos} |",
+                n / secs,
+                tokens as f64 / secs,
+                pt / secs,
+                ort / secs
+            );
+        }
     }
 }
