@@ -245,6 +245,24 @@ async fn deadline_stops_an_infinite_loop_and_host_keeps_serving() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_deadline_shorter_than_an_epoch_tick_stops_every_run_and_says_so() {
+    // 1 µs is over before instantiation ends: every run must stop with the deadline message,
+    // whether instantiation or `run` was executing (a trap in instantiation once escaped as a
+    // bare "wasm trap: interrupt", and some runs finished inside the first tick).
+    for i in 0..20 {
+        let err = run("hello-matmul", &[], |opt| {
+            opt.deadline = Some(Duration::from_micros(1))
+        })
+        .await
+        .expect_err("a 1 µs deadline stops the run");
+        assert!(
+            format!("{err:#}").contains("exceeded its deadline"),
+            "run {i}: {err:#}"
+        );
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn memory_cap_stops_a_memory_bomb_and_host_keeps_serving() {
     let o = run("tpubox-probe", &["alloc", "8"], |_| {}).await.unwrap();
     assert_eq!(line(&stdout(&o), "alloc"), "ok 1");

@@ -493,8 +493,17 @@ impl Sandbox {
         let limit = opts.deadline.or(tenant.limits().max_call_time);
         let deadline = limit.map(|d| start + d);
         store.data_mut().set_deadline(deadline);
-        let command = Command::instantiate_async(&mut store, component, &self.linker).await?;
-        let run = command.wasi_cli_run().call_run(&mut store);
+        if deadline.is_some() {
+            // The first epoch check of the run calls the deadline callback at once rather than a
+            // tick later, so a deadline shorter than a tick still stops the guest.
+            store.set_epoch_deadline(0);
+        }
+        // Instantiation runs guest code too (start functions, constructors), so the deadline can
+        // interrupt it: its errors take the same path as the run's below.
+        let run = async {
+            let command = Command::instantiate_async(&mut store, component, &self.linker).await?;
+            command.wasi_cli_run().call_run(&mut store).await
+        };
         // Epoch interruption only stops wasm code; a guest blocked in a host call (a sleep, a
         // long execution) is stopped here, by dropping its call at the deadline.
         let result = match deadline {

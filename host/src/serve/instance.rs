@@ -151,6 +151,10 @@ impl Instance {
     fn arm(&mut self) -> Option<Instant> {
         let deadline = self.max_call_time.map(|d| Instant::now() + d);
         self.store.data_mut().set_deadline(deadline);
+        if deadline.is_some() {
+            // The call's first epoch check looks at the deadline (see `Sandbox::run`).
+            self.store.set_epoch_deadline(0);
+        }
         deadline
     }
 
