@@ -386,6 +386,7 @@ async fn adversarial_cases_each_leave_the_host_serving() {
     guest_handle_cases(&mut e).await;
     guest_sandbox_cases(&mut e).await;
     hostile_program_cases(&mut e).await;
+    segment_attention_cases(&mut e).await;
     direct_service_cases(&mut e).await;
     direct_tenant_cases(&mut e).await;
     direct_wit_cases(&mut e).await;
@@ -815,6 +816,89 @@ const CUSTOM_CALL: &str = r#"func.func public @main(%a: tensor<4xf32>) -> tensor
   return %r : tensor<4xf32>
 }
 "#;
+
+/// A `tpubox_segment_attention` custom call of q, k: `[1, n, 1, d]`, v: `[1, n, 1, dv]`,
+/// positions from an iota (one segment of `n` tokens), result `[1, n, 1, d]`; `operands`
+/// limits how many of (q, k, v, positions) it passes. q, k and v are splat constants.
+fn segment_attention_call(n: u64, d: u64, dv: u64, operands: usize) -> String {
+    let qt = format!("tensor<1x{n}x1x{d}xf32>");
+    let vt = format!("tensor<1x{n}x1x{dv}xf32>");
+    let pt = format!("tensor<1x{n}xi32>");
+    let names = ["%q", "%q", "%v", "%p"];
+    let types = [qt.as_str(), qt.as_str(), vt.as_str(), pt.as_str()];
+    format!(
+        r#"func.func public @main() -> {qt} {{
+  %q = stablehlo.constant dense<0.5> : {qt}
+  %v = stablehlo.constant dense<0.25> : {vt}
+  %p = stablehlo.iota dim = 1 : {pt}
+  %r = stablehlo.custom_call @tpubox_segment_attention({}) {{api_version = 4 : i32}} : ({}) -> {qt}
+  return %r : {qt}
+}}
+"#,
+        names[..operands].join(", "),
+        types[..operands].join(", ")
+    )
+}
+
+/// The host's own custom call, allowed by default, called by a hostile program: it checks
+/// what XLA cannot (the call is opaque to XLA's shape checks) and bounds its work before it
+/// runs, since XLA cannot interrupt it.
+async fn segment_attention_cases(e: &mut Env) {
+    let cases: Vec<Hostile> = vec![
+        (
+            "segment-attention-ok",
+            segment_attention_call(4, 8, 8, 4),
+            "execute",
+            "ok",
+            "",
+        ),
+        (
+            "segment-attention-v-of-another-shape",
+            segment_attention_call(4, 8, 4, 4),
+            "execute",
+            "invalid-argument",
+            "v must be f32 [1, 4, 1, 8]",
+        ),
+        (
+            "segment-attention-three-operands",
+            segment_attention_call(4, 8, 8, 3),
+            "execute",
+            "invalid-argument",
+            "takes 4 operands",
+        ),
+        // One segment of 2^19 tokens: about 2.2e12 operations from 2 MiB operands.
+        (
+            "segment-attention-over-the-work-limit",
+            segment_attention_call(1 << 19, 1, 1, 4),
+            "execute",
+            "resource-exhausted",
+            "TPUBOX_KERNEL_MAX_FLOP",
+        ),
+    ];
+    for (name, program, key, kind, has) in cases {
+        let case = format!("hostile:{name}");
+        let (t, r) = e
+            .probe(
+                &case,
+                &["abuse", "run-stdin"],
+                |l| {
+                    l.max_program_bytes = HOST_MAX_PROGRAM;
+                    l.max_device_bytes = 64 << 20;
+                },
+                |o| o.stdin = Some(program.into_bytes()),
+            )
+            .await;
+        let out = ok_stdout(&case, &r);
+        assert_eq!(line(&out, "compile"), "ok", "{case}: {out}");
+        let s = if kind == "ok" {
+            assert_eq!(line(&out, key), "ok", "{case}");
+            "compiles and runs".to_string()
+        } else {
+            assert_kind(&case, &out, key, kind, has)
+        };
+        e.done(&case, &t, s).await;
+    }
+}
 
 /// One hostile program: (case, program, the probe line it decides, kind, message fragment).
 type Hostile = (

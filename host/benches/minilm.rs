@@ -192,8 +192,14 @@ impl Packed {
         let (rb, len, segs) = PACK;
         let dev = host.device();
         if self.exe.is_none() {
-            let mlir = minilm_embed::build_packed_encoder_mlir(rb as u64, len as u64, segs as u64)
-                .unwrap();
+            // The CPU plugin: segment attention, as the guest picks there.
+            let mlir = minilm_embed::build_packed_encoder_mlir(
+                rb as u64,
+                len as u64,
+                segs as u64,
+                minilm_embed::PackedAttention::Segments,
+            )
+            .unwrap();
             self.exe = Some(dev.compile(mlir.into_bytes(), true, 0).await.unwrap());
         }
         let exe = self.exe.clone().unwrap();
@@ -212,7 +218,7 @@ impl Packed {
                 continue;
             }
             self.calls += 1;
-            let (tok, pos, bias, pool) = minilm_embed::pack_packed(call, ids, rb, len, segs);
+            let (tok, pos, _bias, pool) = minilm_embed::pack_packed(call, ids, rb, len, segs);
             let i32s = |v: &[i32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
             let f32s = |v: &[f32]| v.iter().flat_map(|x| x.to_le_bytes()).collect::<Vec<u8>>();
             let d2 = [rb as i64, len as i64];
@@ -221,13 +227,6 @@ impl Packed {
                     .unwrap(),
                 dev.tensor_from_bytes(PrimitiveType::S32, &d2, &i32s(&pos), 0)
                     .unwrap(),
-                dev.tensor_from_bytes(
-                    PrimitiveType::F32,
-                    &[rb as i64, len as i64, len as i64],
-                    &f32s(&bias),
-                    0,
-                )
-                .unwrap(),
                 dev.tensor_from_bytes(
                     PrimitiveType::F32,
                     &[rb as i64, segs as i64, len as i64],

@@ -491,7 +491,8 @@ fn set_limits(req: &Request) -> Result<(), String> {
 }
 
 /// Registers the host's custom-call handlers with `plugin`: on a CPU plugin, the LAPACK
-/// handlers of JAX's linear algebra ([`pjrt_lapack::register`]; once per process). Every
+/// handlers of JAX's linear algebra ([`pjrt_lapack::register`]) and tpubox's own
+/// ([`pjrt_kernels::register`]: segment attention); once per process. Every
 /// process that compiles or loads executables calls it (the daemon and each compile worker).
 ///
 /// Never fails: without a LAPACK library, or on a plugin that refuses handlers, it logs a
@@ -508,6 +509,9 @@ pub(crate) fn register_custom_calls(plugin: &Plugin, client: &Client) {
             "registered the LAPACK custom-call handlers"
         ),
         Err(e) => tracing::warn!("linear algebra custom calls are unavailable: {e}"),
+    }
+    if let Err(e) = pjrt_kernels::register(plugin) {
+        tracing::warn!("tpubox's own custom calls (segment attention) are unavailable: {e}");
     }
 }
 

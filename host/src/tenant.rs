@@ -64,8 +64,8 @@ pub struct ProgramPolicy {
     /// (rule `unbounded-loop`), one above this is refused (rule `max-loop-trips`).
     pub max_loop_trips: u64,
     /// Custom-call targets allowed (default [`default_custom_calls`]: [`XLA_CUSTOM_CALLS`],
-    /// which XLA implements itself, and the LAPACK targets whose handlers the host registers
-    /// on CPU plugins, which check their operands; rule `custom-call`). Other custom calls run
+    /// which XLA implements itself, and the LAPACK and tpubox targets whose handlers the host
+    /// registers on CPU plugins, which check their operands; rule `custom-call`). Other custom calls run
     /// code outside XLA that nothing here can inspect.
     pub allowed_custom_calls: Vec<String>,
 }
@@ -74,14 +74,16 @@ pub struct ProgramPolicy {
 /// default: `TopK` (what `jax.lax.top_k` lowers to; XLA expands it into a sort).
 pub const XLA_CUSTOM_CALLS: [&str; 1] = ["TopK"];
 
-/// Custom-call targets allowed by default: [`XLA_CUSTOM_CALLS`] and every LAPACK target of
-/// [`pjrt_lapack::targets`] (`lapack_sgetrf_ffi`, ...; 52). On a plugin where the host has not
+/// Custom-call targets allowed by default: [`XLA_CUSTOM_CALLS`], every LAPACK target of
+/// [`pjrt_lapack::targets`] (`lapack_sgetrf_ffi`, ...; 52) and tpubox's own of
+/// [`pjrt_kernels::targets`] (`tpubox_segment_attention`). On a plugin where the host has not
 /// registered those handlers (not a CPU plugin) such a program fails to compile instead.
 pub fn default_custom_calls() -> Vec<String> {
     XLA_CUSTOM_CALLS
         .iter()
         .copied()
         .chain(pjrt_lapack::targets())
+        .chain(pjrt_kernels::targets())
         .map(String::from)
         .collect()
 }
@@ -632,6 +634,6 @@ mod tests {
             .admit_program(&facts(&["lapack_sgetrf_ffi"]))
             .unwrap_err();
         assert!(e.message.contains("lapack_sgetrf_ffi"), "{}", e.message);
-        assert_eq!(default_custom_calls().len(), 53);
+        assert_eq!(default_custom_calls().len(), 54);
     }
 }

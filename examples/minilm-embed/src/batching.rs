@@ -150,9 +150,11 @@ pub fn pack_rows(lengths: &[usize], len: usize, segs: usize) -> (Vec<Vec<usize>>
     (rows.into_iter().map(|(_, m)| m).collect(), long)
 }
 
-/// The four non-weight inputs of the packed encoder for `rows` (each a list of sentence
-/// indices into `ids`), padded to `batch` rows: `input_ids` and `positions` (`[batch, len]`),
-/// `bias` (`[batch, len, len]`) and `pool` (`[batch, segs, len]`), row-major.
+/// The non-weight inputs of the packed encoder for `rows` (each a list of sentence indices
+/// into `ids`), padded to `batch` rows: `input_ids` and `positions` (`[batch, len]`; padding
+/// tokens have position 0), `bias` (`[batch, len, len]`; an input of the
+/// [`PackedAttention::Dense`](crate::PackedAttention::Dense) program only) and `pool`
+/// (`[batch, segs, len]`), row-major.
 pub fn pack_packed(
     rows: &[Vec<usize>],
     ids: &[Vec<i32>],

@@ -14,13 +14,59 @@ use tpubox_guest::{Executable, Tensor, TensorSpec};
 
 use crate::batching::{PACK_LEN, PACK_ROWS, PACK_SEGS, pack_packed, pack_rows};
 use crate::{
-    Chunk, EncoderInput, HIDDEN, build_encoder, build_packed_encoder_mlir, encoder_inputs, pack,
-    plan,
+    Chunk, EncoderInput, HIDDEN, PackedAttention, build_encoder, build_packed_encoder_mlir,
+    encoder_inputs, pack, plan,
 };
 
-/// The encoder compiled for each (batch, seq) bucket used so far; the key `(0, 0)` is the
-/// packed encoder (`PACK_ROWS` × `PACK_LEN`, up to `PACK_SEGS` sentences per row).
+/// The encoder compiled for each (batch, seq) bucket used so far; the keys [`PACKED_SEGMENTS`]
+/// and [`PACKED_DENSE`] are the packed encoder (`PACK_ROWS` × `PACK_LEN`, up to `PACK_SEGS`
+/// sentences per row) with each [`PackedAttention`].
 pub type Compiled = HashMap<(usize, usize), Executable>;
+
+/// [`Compiled`]'s key of the packed encoder with [`PackedAttention::Segments`].
+pub const PACKED_SEGMENTS: (usize, usize) = (0, 0);
+/// [`Compiled`]'s key of the packed encoder with [`PackedAttention::Dense`].
+pub const PACKED_DENSE: (usize, usize) = (0, 1);
+
+/// The packed encoder, compiled on first use: segment attention on the CPU platform, unless
+/// the host cannot compile it (a CPU plugin without tpubox's handler: `not-found`), then
+/// dense attention.
+fn packed_encoder(compiled: &mut Compiled) -> Result<(&Executable, PackedAttention)> {
+    let build = |attention| -> Result<Executable> {
+        let mlir = build_packed_encoder_mlir(
+            PACK_ROWS as u64,
+            PACK_LEN as u64,
+            PACK_SEGS as u64,
+            attention,
+        )?;
+        tpubox_guest::compile_mlir(&mlir)
+            .map_err(anyhow::Error::from)
+            .context("cannot compile the packed encoder")
+    };
+    if !compiled.contains_key(&PACKED_SEGMENTS) && !compiled.contains_key(&PACKED_DENSE) {
+        let segments = (PackedAttention::for_platform(&tpubox_guest::platform().name)
+            == PackedAttention::Segments)
+            .then(|| build(PackedAttention::Segments));
+        match segments {
+            Some(Ok(exe)) => {
+                compiled.insert(PACKED_SEGMENTS, exe);
+            }
+            Some(Err(e))
+                if e.downcast_ref::<tpubox_guest::Error>().map(|e| e.kind())
+                    != Some(tpubox_guest::ErrorKind::NotFound) =>
+            {
+                return Err(e);
+            }
+            _ => {
+                compiled.insert(PACKED_DENSE, build(PackedAttention::Dense)?);
+            }
+        }
+    }
+    Ok(match compiled.get(&PACKED_SEGMENTS) {
+        Some(exe) => (exe, PackedAttention::Segments),
+        None => (&compiled[&PACKED_DENSE], PackedAttention::Dense),
+    })
+}
 
 /// The encoder's weights, taken from the host's weight set `set_name` (device-resident
 /// handles), in the order of [`encoder_inputs`].
@@ -79,25 +125,17 @@ pub fn embed(
             leftover.extend(members);
             continue;
         }
-        let exe = match compiled.entry((0, 0)) {
-            Entry::Occupied(e) => e.into_mut(),
-            Entry::Vacant(e) => {
-                let mlir =
-                    build_packed_encoder_mlir(PACK_ROWS as u64, PACK_LEN as u64, PACK_SEGS as u64)?;
-                e.insert(
-                    tpubox_guest::compile_mlir(&mlir)
-                        .context("cannot compile the packed encoder")?,
-                )
-            }
-        };
+        let (exe, attention) = packed_encoder(compiled)?;
         let (tok, pos, bias, pool) = pack_packed(call, ids, PACK_ROWS, PACK_LEN, PACK_SEGS);
         let (r, l, sg) = (PACK_ROWS as u64, PACK_LEN as u64, PACK_SEGS as u64);
-        let t = [
+        let mut t = vec![
             Tensor::from_slice(&tok, &[r, l])?,
             Tensor::from_slice(&pos, &[r, l])?,
-            Tensor::from_slice(&bias, &[r, l, l])?,
-            Tensor::from_slice(&pool, &[r, sg, l])?,
         ];
+        if attention == PackedAttention::Dense {
+            t.push(Tensor::from_slice(&bias, &[r, l, l])?);
+        }
+        t.push(Tensor::from_slice(&pool, &[r, sg, l])?);
         let mut args: Vec<&Tensor> = weights.iter().collect();
         args.extend(t.iter());
         let result = exe.call(&args)?;

@@ -29,8 +29,8 @@ pub use batching::{
 pub use corpus::realistic_sentences;
 pub use device::{Compiled, embed, load_weights};
 pub use model::{
-    EncoderInput, HIDDEN, WeightSpec, build_encoder, build_encoder_mlir, build_packed_encoder_mlir,
-    encoder_inputs, weight_specs,
+    EncoderInput, HIDDEN, PackedAttention, WeightSpec, build_encoder, build_encoder_mlir,
+    build_packed_encoder_mlir, encoder_inputs, weight_specs,
 };
 pub use output::{cosine, similarity_table, to_json};
 pub use tokenize::{MAX_SEQ_LEN, MAX_TEXT_BYTES, SentenceTokenizer};

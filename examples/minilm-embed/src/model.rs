@@ -150,14 +150,47 @@ pub fn build_encoder_mlir(batch: u64, seq: u64) -> Result<String> {
     Ok(e.graph.to_mlir(&[e.output])?)
 }
 
-/// The packed encoder (experimental): `rows` rows of `len` tokens, each row holding up to
-/// `segs` sentences one after another, so that almost no padding is computed. Its parameters
-/// are every weight of [`weight_specs`], then `input_ids` (s32 `[rows, len]`), `positions`
-/// (s32 `[rows, len]`: each token's position inside its own sentence), `bias` (f32
-/// `[rows, len, len]`: 0 where query and key are in the same sentence, `f32::MIN` elsewhere)
-/// and `pool` (f32 `[rows, segs, len]`: `1/n` on the `n` tokens of segment `s`, 0 elsewhere).
-/// Its result is the normalized embeddings per segment, f32 `[rows, segs, 384]`.
-pub fn build_packed_encoder_mlir(rows: u64, len: u64, segs: u64) -> Result<String> {
+/// How the packed encoder keeps the sentences of a row apart in attention.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum PackedAttention {
+    /// `Graph::segment_attention`: the host's `tpubox_segment_attention` custom call, which
+    /// computes only the token pairs inside one sentence (the sum of the squared sentence
+    /// lengths, not `len²` per row). Only CPU plugins have its handler.
+    Segments,
+    /// Dense attention over the whole row with an additive bias input that masks the pairs
+    /// across sentences. Any plugin.
+    Dense,
+}
+
+impl PackedAttention {
+    /// [`PackedAttention::Segments`] on the `"cpu"` platform, [`PackedAttention::Dense`]
+    /// elsewhere.
+    pub fn for_platform(name: &str) -> PackedAttention {
+        if name == "cpu" {
+            PackedAttention::Segments
+        } else {
+            PackedAttention::Dense
+        }
+    }
+}
+
+/// The packed encoder: `rows` rows of `len` tokens, each row holding up to `segs` sentences
+/// one after another, so that almost no padding is computed. Its parameters are every weight
+/// of [`weight_specs`], then `input_ids` (s32 `[rows, len]`), `positions` (s32 `[rows, len]`:
+/// each token's position inside its own sentence, 0 on padding; a sentence starts at each
+/// position 0), with [`PackedAttention::Dense`] only `bias` (f32 `[rows, len, len]`: 0 where
+/// query and key are in the same sentence, `f32::MIN` elsewhere), and `pool` (f32
+/// `[rows, segs, len]`: `1/n` on the `n` tokens of segment `s`, 0 elsewhere). Its result is
+/// the normalized embeddings per segment, f32 `[rows, segs, 384]`. [`crate::pack_packed`]
+/// makes these inputs.
+///
+/// Errors: `rows` or `segs` is 0, or `len` is outside `1..=512`.
+pub fn build_packed_encoder_mlir(
+    rows: u64,
+    len: u64,
+    segs: u64,
+    attention: PackedAttention,
+) -> Result<String> {
     ensure!(
         rows >= 1 && segs >= 1,
         "rows and segments must be at least 1"
@@ -172,9 +205,19 @@ pub fn build_packed_encoder_mlir(rows: u64, len: u64, segs: u64) -> Result<Strin
         seq: len,
     };
     let output = b
-        .packed(segs)
+        .packed(segs, attention)
         .context("building the packed MiniLM encoder graph")?;
     Ok(b.g.to_mlir(&[output])?)
+}
+
+/// How a layer's queries see the keys.
+#[derive(Clone, Copy)]
+enum Attention {
+    /// Dense attention with an additive bias over keys, f32 broadcastable to `[B, h, S, S]`.
+    Dense(Value),
+    /// Attention inside the segments of packed rows (`Graph::segment_attention`), from the
+    /// positions s32 `[B, S]`.
+    Segments(Value),
 }
 
 struct Builder {
@@ -221,12 +264,15 @@ impl Builder {
         (word, pos, typ, emb_ln, layers)
     }
 
-    fn packed(&self, segs: u64) -> Result<Value> {
+    fn packed(&self, segs: u64, attention: PackedAttention) -> Result<Value> {
         let (r, l) = (self.batch, self.seq);
         let (word, pos, typ, emb_ln, layers) = self.weights();
         let ids = self.g.parameter(Dtype::S32, &[r, l]);
         let positions = self.g.parameter(Dtype::S32, &[r, l]);
-        let bias = self.g.parameter(Dtype::F32, &[r, l, l]);
+        let bias = match attention {
+            PackedAttention::Dense => Some(self.g.parameter(Dtype::F32, &[r, l, l])),
+            PackedAttention::Segments => None,
+        };
         let pool = self.g.parameter(Dtype::F32, &[r, segs, l]);
         let g = &self.g;
         let x = g.take(word, ids)?; // [R,L,H]
@@ -236,9 +282,14 @@ impl Builder {
         let p = g.take(pos, positions)?; // [R,L,H]
         let x = g.add(x, p)?;
         let mut x = self.layer_norm(x, emb_ln)?;
-        let bias = g.broadcast_in_dim(bias, &[r, HEADS, l, l], &[0, 2, 3])?;
+        let attention = match bias {
+            Some(bias) => {
+                Attention::Dense(g.broadcast_in_dim(bias, &[r, HEADS, l, l], &[0, 2, 3])?)
+            }
+            None => Attention::Segments(positions),
+        };
         for layer in &layers {
-            x = self.layer(x, layer, bias)?;
+            x = self.layer(x, layer, attention)?;
         }
         // mean[r,s,:] = Σ_t pool[r,s,t] x[r,t,:]
         let mean = g.dot_general(pool, x, ((&[2], &[1]), (&[0], &[0])), Precision::Highest)?;
@@ -278,7 +329,7 @@ impl Builder {
         let bias = g.broadcast_in_dim(bias, &[bsz, HEADS, s, s], &[0, 3])?;
 
         for layer in &layers {
-            x = self.layer(x, layer, bias)?;
+            x = self.layer(x, layer, Attention::Dense(bias))?;
         }
 
         // Mean pooling over real tokens, then L2 normalization.
@@ -300,7 +351,7 @@ impl Builder {
     }
 
     /// One BERT layer (post-LayerNorm): self-attention, residual + LN, GELU MLP, residual + LN.
-    fn layer(&self, x: Value, w: &Layer, bias: Value) -> Result<Value> {
+    fn layer(&self, x: Value, w: &Layer, attention: Attention) -> Result<Value> {
         let (bsz, s) = (self.batch, self.seq);
         let heads = [bsz, s, HEADS, HEAD_DIM];
         let g = &self.g;
@@ -315,18 +366,24 @@ impl Builder {
         let q = g.reshape(q, &heads)?; // [B,S,h,d]
         let k = g.reshape(k, &heads)?;
         let v = g.reshape(v, &heads)?;
-        // scores[b,h,i,j] = (q[b,i,h,:] / sqrt(d))·k[b,j,h,:]
-        let scores = g.dot_general(q, k, ((&[3], &[3]), (&[0, 2], &[0, 2])), Precision::Highest)?;
-        let scores = g.add(scores, bias)?;
-        let probs = self.softmax_last(scores)?; // [B,h,S,S]
-        // ctx[b,h,i,:] = Σ_j probs[b,h,i,j] v[b,j,h,:]
-        let ctx = g.dot_general(
-            probs,
-            v,
-            ((&[3], &[1]), (&[0, 1], &[0, 2])),
-            Precision::Highest,
-        )?;
-        let ctx = g.transpose(ctx, &[0, 2, 1, 3])?; // [B,S,h,d]
+        let ctx = match attention {
+            Attention::Dense(bias) => {
+                // scores[b,h,i,j] = (q[b,i,h,:] / sqrt(d))·k[b,j,h,:]
+                let scores =
+                    g.dot_general(q, k, ((&[3], &[3]), (&[0, 2], &[0, 2])), Precision::Highest)?;
+                let scores = g.add(scores, bias)?;
+                let probs = self.softmax_last(scores)?; // [B,h,S,S]
+                // ctx[b,h,i,:] = Σ_j probs[b,h,i,j] v[b,j,h,:]
+                let ctx = g.dot_general(
+                    probs,
+                    v,
+                    ((&[3], &[1]), (&[0, 1], &[0, 2])),
+                    Precision::Highest,
+                )?;
+                g.transpose(ctx, &[0, 2, 1, 3])? // [B,S,h,d]
+            }
+            Attention::Segments(positions) => g.segment_attention(q, k, v, positions)?,
+        };
         let ctx = g.reshape(ctx, &[bsz, s, HIDDEN])?;
         let a = self.linear(ctx, w.attn_out)?;
         let a = g.add(a, x)?;

@@ -270,6 +270,11 @@ fn op_line(nodes: &[Node], index: u32, node: &Node) -> Option<String> {
         Op::Concatenate(axis) => {
             format!("{r} = stablehlo.concatenate {args}, dim = {axis} : {sig}")
         }
+        Op::CustomCall(target) => {
+            format!(
+                "{r} = stablehlo.custom_call @{target}({args}) {{api_version = 4 : i32}} : {sig}"
+            )
+        }
     };
     Some(line)
 }

@@ -69,6 +69,7 @@ mod shape;
 mod tests;
 
 pub use mlir::{mlir_element_type, mlir_type};
+pub use nn::SEGMENT_ATTENTION;
 
 static NEXT_GRAPH_ID: AtomicU32 = AtomicU32::new(1);
 
@@ -309,6 +310,9 @@ enum Op {
     },
     /// The concatenation axis.
     Concatenate(u64),
+    /// `stablehlo.custom_call` of this target through the typed XLA FFI (`api_version = 4`),
+    /// one result.
+    CustomCall(&'static str),
 }
 
 /// One value of the graph: its spec, the op that defines it and the op's operands (indices of

@@ -1,6 +1,6 @@
 //! Neural-network helpers built from the ops: softmax, layer normalisation, GELU.
 
-use super::{Graph, Value, shape};
+use super::{Graph, Op, Value, shape};
 use crate::{Result, TensorSpec};
 
 #[cfg(doc)]
@@ -75,4 +75,42 @@ impl Graph {
         let e = self.add(self.erf(self.mul(a, r)?)?, one)?;
         self.mul(self.mul(a, half)?, e)
     }
+
+    /// Softmax attention inside the segments of packed rows, computed by the host's
+    /// `tpubox_segment_attention` custom call (CPU plugins; the host registers its handler and
+    /// allows the target by default).
+    ///
+    /// `q`, `k`, `v`: f32 `[R, S, H, D]` (rows, tokens, heads, head size; `q` already scaled by
+    /// `1/√D`); `positions`: s32 `[R, S]`. A segment starts at token 0 of each row and at every
+    /// token whose position is 0, and runs to the next start; query token `i` of head `h`
+    /// attends to the keys of its own segment only:
+    /// `out[r,i,h,:] = Σ_j softmax_j(q[r,i,h,:]·k[r,j,h,:]) v[r,j,h,:]`, j over the segment.
+    /// The result is f32 `[R, S, H, D]`. Work is proportional to the sum of squared segment
+    /// lengths, not to `S²`.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] if the specs differ from the above. At execution,
+    /// a plugin without the handler fails the compile ("no FFI handler registered").
+    pub fn segment_attention(
+        &self,
+        q: Value,
+        k: Value,
+        v: Value,
+        positions: Value,
+    ) -> Result<Value> {
+        const OP: &str = "segment_attention";
+        let specs = [q, k, v, positions]
+            .iter()
+            .map(|&x| self.operand(OP, x))
+            .collect::<Result<Vec<_>>>()?;
+        let out = shape::segment_attention(&specs[0], &specs[1], &specs[2], &specs[3])?;
+        Ok(self.push(
+            out,
+            Op::CustomCall(SEGMENT_ATTENTION),
+            &[q, k, v, positions],
+        ))
+    }
 }
+
+/// Custom-call target of [`Graph::segment_attention`] (the host's handler is registered under
+/// this name).
+pub const SEGMENT_ATTENTION: &str = "tpubox_segment_attention";

@@ -436,3 +436,30 @@ pub(super) fn last_dim_vector(
     }
     Ok(())
 }
+
+/// Checks the operands of `segment_attention`: `q`, `k` and `v` one f32 spec `[R, S, H, D]`,
+/// `positions` s32 `[R, S]`; the result has `q`'s spec.
+pub(super) fn segment_attention(
+    q: &TensorSpec,
+    k: &TensorSpec,
+    v: &TensorSpec,
+    positions: &TensorSpec,
+) -> Result<TensorSpec> {
+    const OP: &str = "segment_attention";
+    if q.dtype != Dtype::F32 || q.rank() != 4 {
+        return Err(invalid(OP, format!("q must be f32 [R, S, H, D], got {q}")));
+    }
+    for (what, s) in [("k", k), ("v", v)] {
+        if s != q {
+            return Err(invalid(OP, format!("{what} must be {q} like q, got {s}")));
+        }
+    }
+    let want = TensorSpec::new(Dtype::S32, &q.dims[..2]);
+    if *positions != want {
+        return Err(invalid(
+            OP,
+            format!("positions must be {want} for q {q}, got {positions}"),
+        ));
+    }
+    Ok(q.clone())
+}

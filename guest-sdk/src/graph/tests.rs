@@ -593,3 +593,32 @@ fn expressions_nest() -> Result<()> {
     assert_eq!(g.to_mlir(&[y])?, before);
     Ok(())
 }
+
+#[test]
+fn segment_attention_emits_the_host_custom_call_and_checks_its_operands() {
+    let g = Graph::new();
+    let q = g.parameter(Dtype::F32, &[2, 8, 3, 4]);
+    let p = g.parameter(Dtype::S32, &[2, 8]);
+    let r = g.segment_attention(q, q, q, p).unwrap();
+    assert_eq!(g.spec(r), TensorSpec::new(Dtype::F32, &[2, 8, 3, 4]));
+    let m = g.to_mlir(&[r]).unwrap();
+    assert!(
+        m.contains("stablehlo.custom_call @tpubox_segment_attention(%v0, %v0, %v0, %v1) {api_version = 4 : i32} : (tensor<2x8x3x4xf32>, tensor<2x8x3x4xf32>, tensor<2x8x3x4xf32>, tensor<2x8xi32>) -> tensor<2x8x3x4xf32>"),
+        "{m}"
+    );
+    let v = g.parameter(Dtype::F32, &[2, 8, 3, 5]);
+    assert_msg(
+        g.segment_attention(q, q, v, p),
+        &["segment_attention", "v must be"],
+    );
+    let p3 = g.parameter(Dtype::S32, &[2, 7]);
+    assert_msg(
+        g.segment_attention(q, q, q, p3),
+        &["segment_attention", "positions must be"],
+    );
+    let q3 = g.parameter(Dtype::F32, &[2, 8, 12]);
+    assert_msg(
+        g.segment_attention(q3, q3, q3, p),
+        &["segment_attention", "q must be f32 [R, S, H, D]"],
+    );
+}
