@@ -3,7 +3,7 @@
 //!
 //! | target | what it computes |
 //! |---|---|
-//! | [`SEGMENT_ATTENTION`] | softmax attention inside the segments of packed rows ([`segment_attention`]) |
+//! | [`SEGMENT_ATTENTION`] | softmax attention inside the segments of packed rows ([`segment_attention`](mod@segment_attention)) |
 //!
 //! Hostile inputs: a handler checks every buffer's element type and dimensions, that its result
 //! shares no memory with its operands, and bounds the work one call may do
@@ -24,7 +24,7 @@ use pjrt_sys::xla_ffi::{XLA_FFI_CallFrame, XLA_FFI_Error};
 
 pub use segment_attention::segment_attention;
 
-/// Custom-call target of [`segment_attention`].
+/// Custom-call target of [`segment_attention()`].
 pub const SEGMENT_ATTENTION: &str = "tpubox_segment_attention";
 
 /// Every custom-call target this crate handles.
