@@ -88,8 +88,9 @@ impl Graph {
     /// The result is f32 `[R, S, H, D]`. Work is proportional to the sum of squared segment
     /// lengths, not to `S²`.
     ///
-    /// Errors: [`ErrorKind::InvalidArgument`] if the specs differ from the above. At execution,
-    /// a plugin without the handler fails the compile ("no FFI handler registered").
+    /// Errors: [`ErrorKind::InvalidArgument`] if the specs differ from the above. On a plugin
+    /// without the handler (not a CPU plugin) the program fails to compile instead
+    /// ([`ErrorKind::NotFound`]: no FFI handler registered for the target).
     pub fn segment_attention(
         &self,
         q: Value,
