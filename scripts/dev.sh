@@ -164,9 +164,11 @@ PY
   rm -rf "$tmp"
 }
 
+# build_host [CARGO FLAGS]: the `tpubox` binary in release. The demo passes
+# --no-default-features (no `tpubox serve`, no remote cache tier: it uses neither).
 build_host() {
-  log "building the host (release)"
-  cargo build --release -p tpubox-host
+  log "building the host (release${1:+, $*})"
+  cargo build --release -p tpubox "$@"
 }
 
 is_model_guest() {
@@ -377,7 +379,7 @@ case "$cmd" in
   polyglot) setup_system; setup_polyglot_tools; build_polyglot ;;
   demo)
     # Only what the demo uses: no guest toolchains for other languages, no test servers.
-    setup_core; setup_header; build_host
+    setup_core; setup_header; build_host --no-default-features
     "$TARGET/release/tpubox" setup cpu >/dev/null
     model="$("$TARGET/release/tpubox" setup minilm | sed -n 's/^minilm: //p')"
     build_guests minilm-embed
@@ -424,17 +426,14 @@ case "$cmd" in
     setup
     # The MiniLM anchors (sentence-transformers on PyTorch, ONNX Runtime); about 6 GB, bench only.
     setup_venv "$BENCH_VENV" scripts/venvs/bench.txt
-    cargo bench -p tpubox-host --bench spine
-    cargo bench -p tpubox-host --bench minilm
-    cargo bench -p tpubox-host --bench cache
-    cargo bench -p tpubox-host --bench tenants
+    cargo bench -p tpubox --bench all -- spine minilm cache tenants
     # The session API from the Python client: tiny-execute latency, 64 MiB transfers.
     install_python_client
     "$PYTHON_VENV/bin/python" python/bench/bench_session.py
     ;;
   fuzz)
     setup_system
-    if [ ! -x "$TARGET/release/tpubox" ]; then cargo build --release -p tpubox-host; fi
+    if [ ! -x "$TARGET/release/tpubox" ]; then cargo build --release -p tpubox; fi
     fuzz "${2:-600}" "${3:-wit_calls}"
     ;;
   *)

@@ -30,7 +30,7 @@
 use std::fmt::Write;
 
 use arbitrary::{Result, Unstructured};
-use tpubox::PrimitiveType as P;
+use tpubox_core::PrimitiveType as P;
 
 /// What the generator may produce.
 #[derive(Debug, Clone, Copy)]

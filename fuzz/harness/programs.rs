@@ -30,12 +30,13 @@
 use std::sync::{Arc, OnceLock};
 
 use arbitrary::Unstructured;
-use tpubox::cache::CacheConfig;
-use tpubox::compiler::CompileIsolation;
-use tpubox::device::DeviceService;
-use tpubox::session::ProgramFormat;
-use tpubox::weights::WeightRegistry;
-use tpubox::{ErrorKind, HostConfig, Session, Tenant, TenantLimits};
+use tpubox_core::cache::CacheConfig;
+use tpubox_core::compiler::CompileIsolation;
+use tpubox_core::device::DeviceService;
+use tpubox_core::session::ProgramFormat;
+use tpubox_core::weights::WeightRegistry;
+use tpubox_core::{ErrorKind, Session, Tenant, TenantLimits};
+use tpubox_core::DeviceConfig;
 
 #[path = "program_gen.rs"]
 pub mod program_gen;
@@ -63,7 +64,7 @@ fn shared() -> &'static Shared {
             .build()
             .expect("tokio runtime");
         let worker = std::env::var_os("TPUBOX_COMPILE_WORKER").map(std::path::PathBuf::from);
-        let config = |worker| HostConfig {
+        let config = |worker| DeviceConfig {
             cache: CacheConfig {
                 disk_dir: None,
                 remote_url: None,
@@ -76,11 +77,11 @@ fn shared() -> &'static Shared {
                 stack_bytes: 64 << 20,
                 ..CompileIsolation::default()
             },
-            ..HostConfig::default()
+            ..DeviceConfig::default()
         };
-        let device = tpubox::open_device(&config(None)).expect("open the PJRT CPU device");
+        let device = tpubox_core::open_device(&config(None)).expect("open the PJRT CPU device");
         let isolated = worker.map(|w| {
-            tpubox::open_device(&config(Some(w))).expect("open the isolated PJRT CPU device")
+            tpubox_core::open_device(&config(Some(w))).expect("open the isolated PJRT CPU device")
         });
         Shared {
             rt,
@@ -307,7 +308,7 @@ fn shown(text: &str) -> &str {
     }
 }
 
-fn check_results(outs: &[tpubox::session::TensorHandle], want: &[Ty], text: &str) {
+fn check_results(outs: &[tpubox_core::session::TensorHandle], want: &[Ty], text: &str) {
     // `shown` only on failure: it writes the dump file and cuts the text.
     assert_eq!(outs.len(), want.len(), "result count\n{}", shown(text));
     for (i, (o, w)) in outs.iter().zip(want).enumerate() {

@@ -26,15 +26,16 @@
 use std::sync::{Arc, OnceLock};
 
 use arbitrary::Arbitrary;
-use tpubox::cache::CacheConfig;
-use tpubox::device::DeviceService;
-use tpubox::session::TensorHandle;
-use tpubox::weights::WeightRegistry;
-use tpubox::wit::generated::tpubox::device::client::{self, CompileOptions, ProgramFormat};
-use tpubox::wit::generated::tpubox::device::types::{self, Dtype};
-use tpubox::wit::generated::tpubox::device::weights;
-use tpubox::wit::{DeviceState, GuestWeightSet, HostError};
-use tpubox::{DeviceError, ErrorKind, HostConfig, NamedValue, Session, Tenant, TenantLimits};
+use tpubox_core::cache::CacheConfig;
+use tpubox_core::device::DeviceService;
+use tpubox_core::session::TensorHandle;
+use tpubox_core::weights::WeightRegistry;
+use tpubox_wasm::wit::generated::tpubox::device::client::{self, CompileOptions, ProgramFormat};
+use tpubox_wasm::wit::generated::tpubox::device::types::{self, Dtype};
+use tpubox_wasm::wit::generated::tpubox::device::weights;
+use tpubox_wasm::wit::{DeviceState, GuestWeightSet, HostError};
+use tpubox_core::{DeviceError, ErrorKind, NamedValue, Session, Tenant, TenantLimits};
+use tpubox_core::DeviceConfig;
 use wasmtime::component::{Resource, ResourceTable};
 
 /// Valid programs the fuzzer compiles (and mutates). Their parameters use the shapes the
@@ -125,16 +126,16 @@ fn shared() -> &'static Shared {
             .expect("tokio runtime");
         // Two CPU devices so copies and cross-device arguments are exercised; an in-memory
         // compile cache so repeated valid programs cost little.
-        let config = HostConfig {
+        let config = DeviceConfig {
             client_options: vec![("cpu_device_count".into(), NamedValue::Int64(2))],
             cache: CacheConfig {
                 disk_dir: None,
                 remote_url: None,
                 ..CacheConfig::default()
             },
-            ..HostConfig::default()
+            ..DeviceConfig::default()
         };
-        let device = tpubox::open_device(&config).expect("open the PJRT CPU device");
+        let device = tpubox_core::open_device(&config).expect("open the PJRT CPU device");
         let weights = Arc::new(WeightRegistry::new());
         let path = std::env::temp_dir().join(format!(
             "tpubox-fuzz-weights-{}.safetensors",

@@ -5,18 +5,18 @@
 //! compile races the fetch, as in production), side by side in one run.
 //!
 //! Times are the guest's run (instantiate → result printed), medians of 3 rounds, each round
-//! with a new empty cache directory. Run with `cargo bench -p tpubox-host --bench cache`.
+//! with a new empty cache directory. Run with `cargo bench -p tpubox --bench all -- cache`.
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
 
-use tpubox::cache::CacheConfig;
-use tpubox::{Host, HostConfig, RunOptions, SandboxConfig};
+use tpubox_core::cache::CacheConfig;
+use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
 
 const ROUNDS: usize = 3;
 
 fn model_dir() -> PathBuf {
-    tpubox::plugin::known("minilm")
+    tpubox_core::plugin::known("minilm")
         .and_then(|p| p.installed_library())
         .expect("run `tpubox setup minilm` first")
 }
@@ -30,6 +30,7 @@ fn host(cache_dir: &Path, remote: Option<&Path>) -> Host {
         cache: CacheConfig {
             disk_dir: Some(cache_dir.to_path_buf()),
             remote_url: remote.map(|r| format!("file://{}", r.display())),
+            remote_opener: Some(tpubox_cache_remote::open),
             ..CacheConfig::default()
         },
         ..HostConfig::default()
@@ -41,8 +42,7 @@ fn host(cache_dir: &Path, remote: Option<&Path>) -> Host {
 }
 
 async fn first_result(h: &Host) -> (Duration, u64) {
-    let wasm = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/wasm32-wasip2/release/minilm-embed.wasm");
+    let wasm = crate::guest_wasm("minilm-embed");
     let component = h.load_component(&wasm).unwrap();
     let opts = RunOptions {
         args: vec!["--json".into(), "The cat sat on the mat.".into()],
@@ -60,8 +60,7 @@ async fn first_result(h: &Host) -> (Duration, u64) {
 
 /// Runs the hello-matmul guest once (another program, another component).
 async fn warm_up(h: &Host) {
-    let wasm = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/wasm32-wasip2/release/hello-matmul.wasm");
+    let wasm = crate::guest_wasm("hello-matmul");
     let component = h.load_component(&wasm).unwrap();
     let opts = RunOptions {
         stdin: Some(Vec::new()),
@@ -77,7 +76,7 @@ fn median(mut v: Vec<f64>) -> f64 {
     v[v.len() / 2]
 }
 
-fn main() {
+pub fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

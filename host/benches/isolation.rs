@@ -5,18 +5,19 @@
 //! Compile rows: medians over alternating rounds (in process, worker, in process, …) with the
 //! compile cache off, so every round compiles. Cache-hit rows: 2 000 `compile` calls of a
 //! program already in tier 1, median per call. Run with
-//! `cargo bench -p tpubox-host --bench isolation`.
+//! `cargo bench -p tpubox --bench all -- isolation`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tpubox::cache::{CacheConfig, CacheMode};
-use tpubox::compiler::CompileIsolation;
-use tpubox::{DeviceService, HostConfig};
+use tpubox_core::cache::{CacheConfig, CacheMode};
+use tpubox_core::compiler::CompileIsolation;
+use tpubox_core::DeviceService;
+use tpubox_core::DeviceConfig;
 
 fn service(worker: bool, mode: CacheMode) -> Arc<DeviceService> {
-    tpubox::open_device(&HostConfig {
+    tpubox_core::open_device(&DeviceConfig {
         cache: CacheConfig {
             mode,
             disk_dir: None,
@@ -27,7 +28,7 @@ fn service(worker: bool, mode: CacheMode) -> Arc<DeviceService> {
             worker: worker.then(|| PathBuf::from(env!("CARGO_BIN_EXE_tpubox"))),
             ..CompileIsolation::default()
         },
-        ..HostConfig::default()
+        ..DeviceConfig::default()
     })
     .expect("the CPU plugin opens")
 }
@@ -49,7 +50,7 @@ async fn compile_time(svc: &Arc<DeviceService>, program: &str) -> Duration {
     start.elapsed()
 }
 
-fn main() {
+pub fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

@@ -14,7 +14,7 @@
 //! gives medians over the rounds. Time to first embedding is a fresh run on one sentence
 //! (tokenizer load, compile, execute).
 //!
-//! Run with `cargo bench -p tpubox-host --bench minilm` after `bash scripts/dev.sh setup`.
+//! Run with `cargo bench -p tpubox --bench all -- minilm` after `bash scripts/dev.sh setup`.
 
 use std::collections::HashMap;
 use std::path::PathBuf;
@@ -24,8 +24,9 @@ use std::time::Instant;
 use minilm_embed::{
     EncoderInput, SentenceTokenizer, build_encoder_mlir, encoder_inputs, pack, plan,
 };
-use tpubox::device::{Arg, DeviceExecutable, DeviceTensor};
-use tpubox::{Host, HostConfig, PrimitiveType, RunOptions, SandboxConfig};
+use tpubox_core::device::{Arg, DeviceExecutable, DeviceTensor};
+use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
+use tpubox_core::PrimitiveType;
 
 const SENTENCES: usize = 1024;
 /// Rounds of the side-by-side comparison. On a shared 2-core VM the load moves by more than the
@@ -107,7 +108,7 @@ fn peak_gflops() -> (f64, String) {
 }
 
 fn model_dir() -> PathBuf {
-    tpubox::plugin::known("minilm")
+    tpubox_core::plugin::known("minilm")
         .and_then(|p| p.installed_library())
         .expect("run `tpubox setup minilm` first")
 }
@@ -289,7 +290,7 @@ impl Packed {
     }
 }
 
-fn main() {
+pub fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -334,7 +335,7 @@ fn main() {
         let mut native = Native { weights, compiled: HashMap::new() };
         let native_ref = native.embed(&host, &ids).await; // warm-up: compiles every bucket
         // Guest.
-        let wasm = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target/wasm32-wasip2/release/minilm-embed.wasm");
+        let wasm = crate::guest_wasm("minilm-embed");
         let component = host.load_component(&wasm).unwrap();
         let run = |args: Vec<String>, stdin: Vec<u8>| {
             let opts = RunOptions {

@@ -14,17 +14,17 @@
 //! also gives each phase's mean batch and the server's infer time per batch (from the
 //! statistics extension), so a difference can be placed inside or outside the guest call.
 //!
-//! Run with `cargo bench -p tpubox-host --bench serve` after `bash scripts/dev.sh setup`.
+//! Run with `cargo bench -p tpubox --bench all -- serve` after `bash scripts/dev.sh setup`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tpubox::sandbox::{RunOptions, Sandbox};
-use tpubox::serve::instance::Instance;
-use tpubox::serve::protocol::{Datatype, Tensor, push_bytes_element};
-use tpubox::weights::WeightRegistry;
-use tpubox::{HostConfig, SandboxConfig};
+use tpubox_wasm::sandbox::{RunOptions, Sandbox};
+use tpubox_serve::instance::Instance;
+use tpubox_serve::protocol::{Datatype, Tensor, push_bytes_element};
+use tpubox_core::weights::WeightRegistry;
+use tpubox_wasm::{HostConfig, SandboxConfig};
 
 /// Requests per client in one served phase.
 const PER_CLIENT: usize = 96;
@@ -72,14 +72,13 @@ fn sentences() -> Vec<String> {
 }
 
 fn model_dir() -> PathBuf {
-    tpubox::plugin::known("minilm")
+    tpubox_core::plugin::known("minilm")
         .and_then(|p| p.installed_library())
         .expect("run `tpubox setup minilm` first")
 }
 
 fn component() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/wasm32-wasip2/release/minilm_serve.wasm");
+    let p = crate::guest_wasm("minilm_serve");
     assert!(
         p.is_file(),
         "{} is missing: run bash scripts/dev.sh setup",
@@ -275,7 +274,7 @@ async fn batches(http: &reqwest::Client, port: u16) -> (u64, u64, u64, u64) {
     )
 }
 
-fn main() {
+pub fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -283,7 +282,7 @@ fn main() {
     rt.block_on(async {
         let texts = Arc::new(sentences());
         // In process: the same component, instantiated directly.
-        let device = tpubox::open_device(&HostConfig::default()).expect("open the device");
+        let device = tpubox_core::open_device(&tpubox_core::DeviceConfig::default()).expect("open the device");
         let sandbox = Sandbox::new(SandboxConfig::default()).unwrap();
         let weights = Arc::new(WeightRegistry::new());
         weights

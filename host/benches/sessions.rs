@@ -5,7 +5,7 @@
 //! against a 64 MiB memcpy on the same machine. The Python client's numbers come from
 //! `python/bench/bench_session.py`.
 //!
-//! Run with `cargo bench -p tpubox-host --bench sessions` after `bash scripts/dev.sh setup`.
+//! Run with `cargo bench -p tpubox --bench all -- sessions` after `bash scripts/dev.sh setup`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
@@ -14,13 +14,14 @@ use std::time::Instant;
 use tonic::Request;
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Channel, Endpoint};
-use tpubox::sandbox::Sandbox;
-use tpubox::serve::access::Access;
-use tpubox::session_api::grpc::v1::session_client::SessionClient;
-use tpubox::session_api::grpc::v1::*;
-use tpubox::session_api::registry::Registry;
-use tpubox::session_api::{self, SessionAccess, SessionApiConfig};
-use tpubox::{Host, HostConfig, PrimitiveType, RunOptions, SandboxConfig, Session};
+use tpubox_wasm::sandbox::Sandbox;
+use tpubox_serve::access::Access;
+use tpubox_session_api::grpc::v1::session_client::SessionClient;
+use tpubox_session_api::grpc::v1::*;
+use tpubox_session_api::registry::Registry;
+use tpubox_session_api::{SessionAccess, SessionApiConfig};
+use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
+use tpubox_core::{PrimitiveType, Session};
 
 const SCALAR_ADD: &str = r#"
 func.func public @main(%a: tensor<f32>, %b: tensor<f32>) -> tensor<f32> {
@@ -41,8 +42,7 @@ fn median(mut v: Vec<f64>) -> f64 {
 }
 
 fn probe_wasm() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/wasm32-wasip2/release/tpubox-probe.wasm");
+    let p = crate::guest_wasm("tpubox-probe");
     assert!(
         p.is_file(),
         "{} missing: run `bash scripts/dev.sh setup` first",
@@ -63,8 +63,8 @@ fn authed<T>(msg: T, token: &str) -> Request<T> {
 async fn unix_channel(path: PathBuf) -> Channel {
     Endpoint::try_from("http://localhost")
         .unwrap()
-        .initial_stream_window_size(Some(session_api::WINDOW_BYTES))
-        .initial_connection_window_size(Some(4 * session_api::WINDOW_BYTES))
+        .initial_stream_window_size(Some(tpubox_session_api::WINDOW_BYTES))
+        .initial_connection_window_size(Some(4 * tpubox_session_api::WINDOW_BYTES))
         .connect_with_connector(tower::service_fn(move |_| {
             let path = path.clone();
             async move {
@@ -243,7 +243,7 @@ fn memcpy_gib_s() -> f64 {
     best
 }
 
-fn main() {
+pub fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -288,12 +288,12 @@ fn main() {
         let session = Session::new(
             Arc::clone(host.device()),
             Arc::clone(host.weights()),
-            tpubox::Tenant::new("direct", Default::default()),
+            tpubox_core::Tenant::new("direct", Default::default()),
         );
         let exe = session
             .compile(
                 SCALAR_ADD.as_bytes().to_vec(),
-                tpubox::session::ProgramFormat::MlirText,
+                tpubox_core::session::ProgramFormat::MlirText,
                 None,
             )
             .await
@@ -338,12 +338,12 @@ fn main() {
             components: None,
             max_message_bytes: 128 << 20,
         };
-        let listeners = session_api::Listeners::bind(&api).await.unwrap();
+        let listeners = tpubox_session_api::Listeners::bind(&api).await.unwrap();
         let tcp = format!("http://{}", listeners.tcp_addr().unwrap());
         let registry = Registry::new(Arc::clone(host.device()), Arc::clone(host.weights()));
         let access: Arc<dyn SessionAccess> = Arc::new(Access::from_file(&tokens).unwrap());
         let sandbox = Arc::new(Sandbox::new(config.sandbox.clone()).unwrap());
-        tokio::spawn(session_api::serve(
+        tokio::spawn(tpubox_session_api::serve(
             listeners,
             registry,
             access,

@@ -6,14 +6,15 @@
 //! - component load time: Cranelift compile (cold cache) vs wasmtime's on-disk cache (warm);
 //! - component instantiation plus an empty `main`.
 //!
-//! Run with `cargo bench -p tpubox-host --bench spine` after `bash scripts/dev.sh setup`.
+//! Run with `cargo bench -p tpubox --bench all -- spine` after `bash scripts/dev.sh setup`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
-use tpubox::device::Arg;
-use tpubox::{Host, HostConfig, PrimitiveType, RunOptions, SandboxConfig};
+use tpubox_core::device::Arg;
+use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
+use tpubox_core::PrimitiveType;
 
 const SCALAR_ADD: &str = r#"
 func.func public @main(%a: tensor<f32>, %b: tensor<f32>) -> tensor<f32> {
@@ -26,8 +27,7 @@ const CALLS: u32 = 20_000;
 const ROUNDS: usize = 5;
 
 fn probe_wasm() -> PathBuf {
-    let p = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/wasm32-wasip2/release/tpubox-probe.wasm");
+    let p = crate::guest_wasm("tpubox-probe");
     assert!(
         p.is_file(),
         "{} missing: run `bash scripts/dev.sh setup` first",
@@ -100,7 +100,7 @@ async fn guest_per_call_us(host: &Host, component: &wasmtime::component::Compone
     median(rounds)
 }
 
-fn main() {
+pub fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()

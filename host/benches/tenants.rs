@@ -10,21 +10,22 @@
 //! the device), and ratios against N = 1.
 //!
 //! The pooling allocator's instance slots (`SandboxConfig::max_instances`) must be at least the
-//! largest N. Run with `cargo bench -p tpubox-host --bench tenants` after
+//! largest N. Run with `cargo bench -p tpubox --bench all -- tenants` after
 //! `bash scripts/dev.sh setup`.
 
 use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tpubox::{Host, HostConfig, RunOptions, SandboxConfig, Tenant, TenantLimits};
+use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
+use tpubox_core::{Tenant, TenantLimits};
 
 const TENANT_COUNTS: [usize; 4] = [1, 4, 16, 64];
 const RUNS: usize = 8;
 const SENTENCES: usize = 4;
 
 fn model_dir() -> PathBuf {
-    tpubox::plugin::known("minilm")
+    tpubox_core::plugin::known("minilm")
         .and_then(|p| p.installed_library())
         .expect("run `tpubox setup minilm` first")
 }
@@ -74,7 +75,7 @@ async fn one_run(
     took
 }
 
-fn main() {
+pub fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()
         .enable_all()
         .build()
@@ -92,8 +93,7 @@ fn main() {
         .load_weights("minilm", &model_dir().join("model.safetensors"))
         .unwrap();
     let weight_bytes = set.device_bytes();
-    let wasm = PathBuf::from(env!("CARGO_MANIFEST_DIR"))
-        .join("../target/wasm32-wasip2/release/minilm-embed.wasm");
+    let wasm = crate::guest_wasm("minilm-embed");
     let wasm = std::env::var_os("CARGO_TARGET_DIR")
         .map(|t| PathBuf::from(t).join("wasm32-wasip2/release/minilm-embed.wasm"))
         .filter(|p| p.is_file())

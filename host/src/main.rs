@@ -7,10 +7,42 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use clap::builder::TypedValueParser;
 use clap::{Args, Parser, Subcommand};
-use tpubox::cache::{CacheConfig, CacheMode, DiskCache, RemoteCache};
-use tpubox::{
-    Host, HostConfig, NamedValue, RunOptions, SandboxConfig, Tenant, TenantLimits, plugin,
-};
+use tpubox_core::cache::{CacheConfig, CacheMode, DiskCache};
+use tpubox_core::{NamedValue, Tenant, TenantLimits, plugin};
+use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
+
+#[cfg(feature = "remote-cache")]
+use tpubox_cache_remote::RemoteCache;
+
+mod scaffold;
+
+/// Stand-in for tier 3 in a build without the `remote-cache` feature: never constructed, so
+/// `--cache-remote` fails with a message that names the feature.
+#[cfg(not(feature = "remote-cache"))]
+enum RemoteCache {}
+
+#[cfg(not(feature = "remote-cache"))]
+impl RemoteCache {
+    fn open(url: &str) -> Result<Self> {
+        bail!("--cache-remote {url}: this tpubox was built without the remote cache tier (cargo feature `remote-cache`)")
+    }
+    fn url(&self) -> &str {
+        match *self {}
+    }
+    async fn usage(&self) -> Result<RemoteUsage> {
+        match *self {}
+    }
+    async fn clear(&self) -> Result<u64> {
+        match *self {}
+    }
+}
+
+/// Entries and bytes of tier 3 (the stand-in's; never made).
+#[cfg(not(feature = "remote-cache"))]
+struct RemoteUsage {
+    entries: u64,
+    bytes: u64,
+}
 
 /// tpubox: one process owns the accelerator (through a PJRT plugin) and lends it to sandboxed
 /// WebAssembly guests.
@@ -100,7 +132,7 @@ enum Cmd {
     New {
         /// The guest's language: rust, c, python or js.
         #[arg(long, value_name = "LANG")]
-        lang: tpubox::scaffold::Lang,
+        lang: scaffold::Lang,
         /// The project directory to create (must be missing or empty); its last component
         /// names the project (lowercase letters, digits, '-', '_').
         path: PathBuf,
@@ -114,7 +146,7 @@ enum Cmd {
         out: PathBuf,
     },
     /// Internal: compile one program read from stdin and write the executable to stdout (the
-    /// host starts this to contain the compiler; see `tpubox::compiler`).
+    /// host starts this to contain the compiler; see `tpubox_core::compiler`).
     #[command(hide = true)]
     CompileWorker,
 }
@@ -216,14 +248,20 @@ fn restart_with_malloc_tunables() {
     }
 }
 
+#[cfg(not(feature = "serve"))]
+async fn serve(_args: ServeArgs) -> Result<bool> {
+    bail!("this tpubox was built without `tpubox serve` (cargo feature `serve`)")
+}
+
+#[cfg(feature = "serve")]
 async fn serve(args: ServeArgs) -> Result<bool> {
     restart_with_malloc_tunables();
     let device = args.device.open()?;
-    let sandbox = std::sync::Arc::new(tpubox::sandbox::Sandbox::new(SandboxConfig {
+    let sandbox = std::sync::Arc::new(tpubox_wasm::sandbox::Sandbox::new(SandboxConfig {
         max_instances: args.max_instances,
         ..SandboxConfig::default()
     })?);
-    let weights = std::sync::Arc::new(tpubox::weights::WeightRegistry::new());
+    let weights = std::sync::Arc::new(tpubox_core::weights::WeightRegistry::new());
     for w in &args.weights {
         let (name, path) = w
             .split_once('=')
@@ -233,7 +271,7 @@ async fn serve(args: ServeArgs) -> Result<bool> {
             .map_err(|e| anyhow::anyhow!("--weights {w}: {e}"))?;
     }
     let max_request_bytes = (args.max_request_mib << 20) as usize;
-    let config = tpubox::serve::ServeConfig {
+    let config = tpubox_serve::ServeConfig {
         repository: args.model_repository,
         tokens: args.tokens,
         host: args.host,
@@ -244,7 +282,7 @@ async fn serve(args: ServeArgs) -> Result<bool> {
         max_request_bytes,
         exit_on_error: args.exit_on_error,
         strict_readiness: args.strict_readiness,
-        sessions: tpubox::session_api::SessionApiConfig {
+        sessions: tpubox_session_api::SessionApiConfig {
             socket: args.session_socket,
             tcp: args
                 .session_port
@@ -253,7 +291,7 @@ async fn serve(args: ServeArgs) -> Result<bool> {
             max_message_bytes: max_request_bytes,
         },
     };
-    tpubox::serve::run(config, sandbox, device, weights).await?;
+    tpubox_serve::run(config, sandbox, device, weights).await?;
     Ok(true)
 }
 
@@ -410,13 +448,17 @@ impl CacheArgs {
             c.disk_dir = Some(d.clone());
         }
         c.remote_url = self.cache_remote.clone();
+        #[cfg(feature = "remote-cache")]
+        {
+            c.remote_opener = Some(tpubox_cache_remote::open);
+        }
         c
     }
 }
 
 impl DeviceArgs {
-    fn open(&self) -> Result<std::sync::Arc<tpubox::DeviceService>> {
-        tpubox::open_device(&self.config())
+    fn open(&self) -> Result<std::sync::Arc<tpubox_core::DeviceService>> {
+        tpubox_core::open_device(&self.config().device())
     }
 
     fn config(&self) -> HostConfig {
@@ -424,7 +466,7 @@ impl DeviceArgs {
         if let Some(n) = self.cpu_devices {
             client_options.push(("cpu_device_count".to_string(), NamedValue::Int64(n)));
         }
-        let mut compile_isolation = tpubox::compiler::CompileIsolation {
+        let mut compile_isolation = tpubox_core::compiler::CompileIsolation {
             max_compile_time: Duration::from_secs_f64(self.max_compile_seconds),
             ..Default::default()
         };
@@ -516,7 +558,7 @@ async fn run(args: RunArgs) -> Result<bool> {
         max_guest_memory: args.max_memory_mib << 20,
         max_call_time: Some(Duration::from_secs_f64(args.timeout)),
         fuel: args.fuel,
-        program_policy: tpubox::tenant::ProgramPolicy {
+        program_policy: tpubox_core::tenant::ProgramPolicy {
             trusted: args.trusted,
             ..Default::default()
         },
@@ -585,7 +627,7 @@ async fn run(args: RunArgs) -> Result<bool> {
             // (PJRT cannot cancel one): tearing the client down would wait for it, possibly
             // forever. Exit now; the operating system frees the device memory.
             let mut message = format!("tpubox: {e:#}");
-            let stopped = e.downcast_ref::<tpubox::sandbox::GuestStopped>();
+            let stopped = e.downcast_ref::<tpubox_wasm::sandbox::GuestStopped>();
             if let Some(bt) = stopped.and_then(|s| s.backtrace.as_deref()) {
                 message += &format!("\nguest backtrace (innermost call first):\n{bt}");
             }
@@ -614,8 +656,8 @@ async fn main_inner(cli: Cli) -> Result<bool> {
                 };
                 let lib = plugin::install(p)?;
                 println!("{}: {}", p.name, lib.display());
-                if let Some(a) = tpubox::accelerator::Accelerator::for_library(&lib)
-                    && let Err(missing) = tpubox::accelerator::detect(a, std::path::Path::new("/"))
+                if let Some(a) = tpubox_core::accelerator::Accelerator::for_library(&lib)
+                    && let Err(missing) = tpubox_core::accelerator::detect(a, std::path::Path::new("/"))
                 {
                     eprintln!("tpubox setup: note: {missing}");
                 }
@@ -645,7 +687,7 @@ async fn main_inner(cli: Cli) -> Result<bool> {
         }
         Cmd::Run(args) => run(args).await,
         Cmd::New { lang, path } => {
-            let p = tpubox::scaffold::new_project(lang, &path)?;
+            let p = scaffold::new_project(lang, &path)?;
             println!(
                 "created the {lang} guest `{}` in {} ({} files)",
                 p.name,
@@ -664,7 +706,7 @@ async fn main_inner(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Cmd::Wit { out } => {
-            for path in tpubox::scaffold::write_wit(&out)? {
+            for path in scaffold::write_wit(&out)? {
                 println!("{}", path.display());
             }
             Ok(true)
@@ -681,18 +723,18 @@ async fn main_inner(cli: Cli) -> Result<bool> {
         } => {
             let svc = device.open()?;
             let limits = TenantLimits {
-                program_policy: tpubox::tenant::ProgramPolicy {
+                program_policy: tpubox_core::tenant::ProgramPolicy {
                     trusted,
                     ..Default::default()
                 },
                 ..TenantLimits::default()
             };
-            let session = tpubox::Session::new(
+            let session = tpubox_core::Session::new(
                 std::sync::Arc::clone(&svc),
                 std::sync::Arc::default(),
                 Tenant::new("exec", limits),
             );
-            let infos = tpubox::exec::exec(&session, &program, &args, &out).await;
+            let infos = tpubox_core::exec::exec(&session, &program, &args, &out).await;
             if let Some(cache) = svc.cache() {
                 cache.flush_uploads().await;
             }
@@ -710,8 +752,8 @@ fn main() -> ExitCode {
     // First, while this is the process's only thread (the runtime below starts more): the
     // environment variables the plugins read when they load (quiet logs; no TPU metadata query
     // on a machine without a TPU). Setting them later would not be sound; see
-    // `tpubox::plugin_env`.
-    let env_set = tpubox::plugin_env::prepare();
+    // `tpubox_core::plugin_env`.
+    let env_set = tpubox_core::plugin_env::prepare();
     let default_level = if matches!(cli.command, Cmd::Serve(_)) {
         "info"
     } else {
@@ -733,7 +775,7 @@ fn main() -> ExitCode {
         Err(e) => tracing::debug!("plugin environment left as it is: {e}"),
     }
     if matches!(cli.command, Cmd::CompileWorker) {
-        std::process::exit(tpubox::compiler::worker_main());
+        std::process::exit(tpubox_core::compiler::worker_main());
     }
     let runtime = match tokio::runtime::Builder::new_multi_thread()
         .enable_all()

@@ -64,9 +64,6 @@ pub enum Lang {
 }
 
 impl Lang {
-    /// Every language, in the order of `--help`.
-    pub const ALL: [Lang; 4] = [Lang::Rust, Lang::C, Lang::Python, Lang::Js];
-
     /// The name used on the command line and as the template directory.
     pub fn as_str(self) -> &'static str {
         match self {

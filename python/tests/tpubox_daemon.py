@@ -33,7 +33,7 @@ def binary() -> Path:
     p = Path(os.environ.get("TPUBOX_BIN") or target_dir() / "release" / "tpubox")
     if not p.is_file():
         raise FileNotFoundError(
-            f"{p} is missing: cargo build --release -p tpubox-host (bash scripts/dev.sh setup does)"
+            f"{p} is missing: cargo build --release -p tpubox (bash scripts/dev.sh setup does)"
         )
     return p.resolve()
 

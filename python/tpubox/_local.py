@@ -4,7 +4,7 @@ Beside its session socket ``PATH`` the daemon listens on ``PATH.local`` (the ``l
 of ``Open`` and ``Info``). A request is one message, a 4-byte little-endian length and that
 many bytes of JSON, with file descriptors attached (``SCM_RIGHTS``); the reply has the same
 form. Tensor data moves through sealed memfds instead of protobuf messages, and execute and free
-skip HTTP/2 (the messages are documented in ``host/src/session_api/local.rs``). Linux only:
+skip HTTP/2 (the messages are documented in ``crates/session-api/src/local.rs``). Linux only:
 elsewhere, or over TCP, the session uses gRPC for everything.
 """
 

@@ -5,36 +5,54 @@ shared weight sets and sandboxed guest runs, over the daemon's gRPC session API
 Everything here is a thin, typed layer over the protocol: a :class:`Tensor` is a handle number
 plus its shape and dtype, an :class:`Executable` a handle plus its parameter and result specs.
 Every limit is the daemon's; every error is a :class:`tpubox.TpuboxError`.
+
+This module holds the entry points, :class:`Session` and :func:`connect` (with
+:func:`default_session`, :func:`tenant_usage`, :func:`wait_for_daemon`), and the sessions this
+process owns. The pieces they are made of, each with one job: ``_values`` (plain records:
+limits, usage, platform, specs), ``_handles`` (Tensor and Executable, and how they are freed),
+``_transport`` (the gRPC channel and the choice of the daemon's local socket; the local
+socket's protocol is ``_local``, the bulk messages' encoding ``_wire``), ``_output`` (where a
+guest's streamed output goes), ``_dtypes`` (NumPy dtypes and the wire's). The public types of
+``_values`` and ``_handles`` are importable from here, as from :mod:`tpubox`.
 """
 
 from __future__ import annotations
 
 import atexit
-import codecs
 import collections
 import contextlib
-import io
 import os
 import sys
 import threading
 import time
 import weakref
-from dataclasses import dataclass, field, fields
 from pathlib import Path
-from typing import IO, Any, Iterable, Iterator, Mapping, Sequence, Union
+from typing import IO, Any, Iterator, Mapping, Sequence
 
 import grpc
 import numpy as np
 
-from . import _dtypes, _local, _wire
+from . import _dtypes, _local, _output, _transport
+from ._handles import Executable, Handle, Tensor, drain
 from ._proto import session_pb2 as pb
 from ._proto import session_pb2_grpc as pb_grpc
+from ._transport import CHUNK_BYTES
+from ._values import (
+    ArrayLike,
+    Device,
+    Limits,
+    Platform,
+    RunResult,
+    SessionInfo,
+    TenantUsage,
+    TensorSpec,
+    Usage,
+)
 from .errors import (
     Internal,
     SessionEnded,
     TpuboxError,
     Unavailable,
-    Unsupported,
     from_rpc_error,
 )
 
@@ -66,19 +84,6 @@ ENV_SESSION_ID = "TPUBOX_SESSION_ID"
 
 #: Deadline of control calls (Open, Info, Free, Usage, Close, ...), in seconds.
 DEFAULT_TIMEOUT = 30.0
-#: Data bytes per PutTensor message and per GetTensor chunk asked for.
-CHUNK_BYTES = 4 << 20
-_MAX_MESSAGE = 1 << 30
-
-_CHANNEL_OPTIONS: list[tuple[str, Any]] = [
-    ("grpc.max_send_message_length", _MAX_MESSAGE),
-    ("grpc.max_receive_message_length", _MAX_MESSAGE),
-    # A daemon that is not there fails a call at once (no wait_for_ready anywhere); reconnect
-    # attempts after a lost connection start soon and back off to 5 s at most.
-    ("grpc.initial_reconnect_backoff_ms", 200),
-    ("grpc.max_reconnect_backoff_ms", 5000),
-    ("grpc.enable_retries", 0),
-]
 
 _FORMATS = {
     "auto": pb.CompileRequest.FORMAT_AUTO,
@@ -88,577 +93,17 @@ _FORMATS = {
     "mlirbc": pb.CompileRequest.MLIR_BYTECODE,
 }
 
-ArrayLike = Any
-Handle = Union["Tensor", "Executable", int]
+
+# Names the tests import from here (python/tests/test_units.py).
+_Sink = _output.Sink
+_target = _transport.grpc_target
 
 
 # ---------------------------------------------------------------------------------------------
-# Plain values
+# Sessions this process opened (and so ends at exit, when they were not closed before), and
+# the last one connect() returned (default_session)
 
 
-@dataclass(frozen=True)
-class TensorSpec:
-    """The element type and shape of a tensor (an executable's parameter or result).
-
-    Attributes:
-        shape: dims, outermost first (``()`` for a scalar).
-        dtype: the NumPy dtype (``ml_dtypes.bfloat16`` for BF16).
-    """
-
-    shape: tuple[int, ...]
-    dtype: np.dtype
-
-    @staticmethod
-    def _from_pb(s: pb.TensorSpec) -> TensorSpec:
-        return TensorSpec(tuple(int(d) for d in s.dims), _dtypes.from_wire(s.dtype))
-
-    def __repr__(self) -> str:
-        return f"TensorSpec(shape={self.shape}, dtype={self.dtype})"
-
-
-@dataclass(frozen=True)
-class Limits:
-    """Limits of a session. In :func:`connect`, a field left 0 takes the tenant's value and a
-    value above the tenant's is refused (:class:`tpubox.InvalidArgument`); from the daemon,
-    the limits in force.
-
-    Attributes:
-        max_device_bytes: device bytes the session may hold (limit ``max-device-bytes``).
-        max_live_tensors: tensor handles it may hold at once (``max-live-tensors``).
-        max_live_executables: executable handles (``max-live-executables``).
-        max_program_bytes: size of one program given to compile (``max-program-bytes``).
-        max_compiles_per_minute: compiles per 60 s window (``max-compiles-per-minute``).
-        max_call_seconds: wall-clock limit of one guest run (:meth:`Session.run`).
-        max_guest_memory_bytes: linear memory of one guest run.
-        idle_timeout_seconds: the session ends after this long without a call while nothing
-            is attached.
-    """
-
-    max_device_bytes: int = 0
-    max_live_tensors: int = 0
-    max_live_executables: int = 0
-    max_program_bytes: int = 0
-    max_compiles_per_minute: int = 0
-    max_call_seconds: float = 0.0
-    max_guest_memory_bytes: int = 0
-    idle_timeout_seconds: float = 0.0
-
-    @staticmethod
-    def coerce(value: Limits | Mapping[str, Any] | None) -> Limits:
-        """VALUE as Limits: a Limits, a dict of its fields (unknown keys: ValueError), or None
-        (all 0: the tenant's)."""
-        if value is None:
-            return Limits()
-        if isinstance(value, Limits):
-            return value
-        names = {f.name for f in fields(Limits)}
-        unknown = sorted(set(value) - names)
-        if unknown:
-            raise ValueError(f"unknown limits {unknown}; known: {sorted(names)}")
-        kw: dict[str, Any] = {}
-        for f in fields(Limits):
-            if f.name in value:
-                v = value[f.name]
-                kw[f.name] = float(v) if f.type in ("float", float) else int(v)
-        return Limits(**kw)
-
-    def _to_pb(self) -> pb.Limits:
-        return pb.Limits(**{f.name: getattr(self, f.name) for f in fields(Limits)})
-
-    @staticmethod
-    def _from_pb(m: pb.Limits) -> Limits:
-        return Limits(**{f.name: getattr(m, f.name) for f in fields(Limits)})
-
-
-@dataclass(frozen=True)
-class Usage:
-    """What a session holds and has done (or, in :class:`TenantUsage`, all live sessions of a
-    tenant summed).
-
-    Attributes:
-        device_bytes: device bytes held now (dtype size × dims, counted by tpubox).
-        peak_device_bytes: the most held at once.
-        live_tensors: tensor handles held now (shared weights count).
-        live_executables: executable handles held now.
-        compiles: compile calls.
-        executions: executions.
-        device_seconds: device time used by executions.
-        refused: requests refused over a limit.
-    """
-
-    device_bytes: int = 0
-    peak_device_bytes: int = 0
-    live_tensors: int = 0
-    live_executables: int = 0
-    compiles: int = 0
-    executions: int = 0
-    device_seconds: float = 0.0
-    refused: int = 0
-
-    @staticmethod
-    def _from_pb(m: pb.UsageResponse) -> Usage:
-        return Usage(**{f.name: getattr(m, f.name) for f in fields(Usage)})
-
-
-@dataclass(frozen=True)
-class TenantUsage:
-    """A tenant's live sessions, summed (:func:`tenant_usage`).
-
-    Attributes:
-        tenant: the tenant's name.
-        sessions: how many sessions it has open.
-        usage: their :class:`Usage`, summed.
-    """
-
-    tenant: str
-    sessions: int
-    usage: Usage
-
-
-@dataclass(frozen=True)
-class Device:
-    """One device of the daemon's platform: its index (the ``device`` of tensors and
-    compiles), kind and description."""
-
-    index: int
-    kind: str
-    description: str
-
-
-@dataclass(frozen=True)
-class Platform:
-    """The daemon's PJRT platform.
-
-    Attributes:
-        name: ``"cpu"``, ``"cuda"``, ``"tpu"`` (what :func:`tpubox.jax.jit` exports for).
-        version: the platform version the plugin reports.
-        plugin: the plugin the daemon loaded.
-        devices: its devices.
-    """
-
-    name: str
-    version: str
-    plugin: str
-    devices: tuple[Device, ...]
-
-    @staticmethod
-    def _from_pb(m: pb.Platform) -> Platform:
-        return Platform(
-            m.name,
-            m.version,
-            m.plugin,
-            tuple(Device(d.index, d.kind, d.description) for d in m.devices),
-        )
-
-
-@dataclass(frozen=True)
-class SessionInfo:
-    """What :meth:`Session.info` returns: the session's id, tenant, limits in force, platform,
-    usage, the weight sets it may open (:meth:`Session.weights`) and the components the daemon
-    offers by name (:meth:`Session.run`)."""
-
-    session_id: str
-    tenant: str
-    limits: Limits
-    platform: Platform
-    usage: Usage
-    weight_sets: tuple[str, ...]
-    components: tuple[str, ...]
-
-
-@dataclass(frozen=True)
-class RunResult:
-    """The end of a guest run (:meth:`Session.run`).
-
-    Attributes:
-        exit_code: the guest's exit status (0: success).
-        error: why the guest was stopped (a trap, its deadline); empty when it exited.
-        elapsed: seconds the run took, as the daemon measured it.
-        stdout: everything the guest wrote to stdout.
-        stderr: everything it wrote to stderr.
-    """
-
-    exit_code: int
-    error: str
-    elapsed: float
-    stdout: bytes = field(repr=False)
-    stderr: bytes = field(repr=False)
-
-    @property
-    def ok(self) -> bool:
-        """Whether the guest exited with status 0 and was not stopped."""
-        return self.exit_code == 0 and not self.error
-
-
-# ---------------------------------------------------------------------------------------------
-# Addresses, channels, calls
-
-
-def _target(address: str | os.PathLike[str]) -> str:
-    """The gRPC target of ADDRESS: ``unix:PATH`` (also a bare path), or ``HOST:PORT``."""
-    a = os.fspath(address).strip()
-    if not a:
-        raise ValueError("empty tpubox daemon address")
-    if a.startswith(("unix:", "unix-abstract:")):
-        return a
-    if a.startswith(("/", "./", "../", "~")):
-        return "unix:" + os.path.abspath(os.path.expanduser(a))
-    for scheme in ("grpc://", "http://", "tcp://", "dns:///"):
-        if a.startswith(scheme):
-            return a[len(scheme) :]
-    return a
-
-
-def _channel(target: str) -> grpc.Channel:
-    options = list(_CHANNEL_OPTIONS)
-    if target.startswith(("unix:", "unix-abstract:")):
-        # gRPC C-core's default :authority for a Unix socket is the percent-encoded socket
-        # path, which the daemon's HTTP/2 server refuses (RST_STREAM PROTOCOL_ERROR).
-        options.append(("grpc.default_authority", "localhost"))
-    return grpc.insecure_channel(target, options=options)
-
-
-def _metadata(token: str | None) -> tuple[tuple[str, str], ...]:
-    return (("authorization", f"Bearer {token}"),) if token else ()
-
-
-# ---------------------------------------------------------------------------------------------
-# Handles
-
-
-class _Handle:
-    """What a :class:`Tensor` and an :class:`Executable` share: a handle of a session, freed
-    once, now (:meth:`free`, a ``with`` block) or with the session's next call after the last
-    reference is dropped (``__del__`` only queues it: it never blocks on an RPC)."""
-
-    __slots__ = ()
-    _session: Session
-    _freed: bool
-    handle: int
-
-    def _free_now(self) -> None:
-        raise NotImplementedError
-
-    def _queue_free(self) -> None:
-        raise NotImplementedError
-
-    def free(self) -> None:
-        """Frees the handle now (one Free call); freeing twice is a no-op."""
-        if self._freed:
-            return
-        self._freed = True
-        if not self._session.closed:
-            self._free_now()
-
-    def __exit__(self, *exc: object) -> None:
-        self.free()
-
-    def __del__(self) -> None:
-        try:
-            if not self._freed and not self._session._closed:
-                self._freed = True
-                self._queue_free()
-        except Exception:  # interpreter shutdown: attributes may be gone
-            pass
-
-
-class Tensor(_Handle):
-    """A tensor on the daemon's device, held by a session.
-
-    Its data stays on the device until :meth:`numpy`; pass it to an :class:`Executable` (or a
-    :func:`tpubox.jax.jit` function) to use it without copying. Free it with :meth:`free`, a
-    ``with`` block, or by dropping the last reference (the free is then sent with the session's
-    next call; nothing blocks in ``__del__``). A donated tensor stays a handle that the daemon
-    refuses to use (:class:`tpubox.FailedPrecondition`) until freed.
-
-    Attributes:
-        handle: the handle number (meaningful in its session only).
-        shape: dims (``()`` for a scalar).
-        dtype: the NumPy dtype.
-        device: the device index it lives on.
-        nbytes: dense size in bytes (dtype size × product of dims), what it is charged.
-        read_only: a shared weight (may be read and passed, never donated).
-    """
-
-    __slots__ = (
-        "_session",
-        "handle",
-        "shape",
-        "dtype",
-        "device",
-        "nbytes",
-        "read_only",
-        "_freed",
-        "_donated",
-        "__weakref__",
-    )
-
-    def __init__(
-        self,
-        session: Session,
-        handle: int,
-        shape: tuple[int, ...],
-        dtype: np.dtype,
-        device: int = 0,
-        nbytes: int = 0,
-        read_only: bool = False,
-    ):
-        self._session = session
-        self.handle: int = handle
-        self.shape: tuple[int, ...] = shape
-        self.dtype: np.dtype = dtype
-        self.device: int = device
-        self.nbytes: int = nbytes
-        self.read_only: bool = read_only
-        self._freed = False
-        self._donated = False
-
-    @classmethod
-    def _from_pb(cls, session: Session, info: pb.TensorInfo) -> Tensor:
-        return cls(
-            session,
-            info.handle,
-            tuple(int(d) for d in info.spec.dims),
-            _dtypes.from_wire(info.spec.dtype),
-            info.device,
-            info.byte_size,
-            info.read_only,
-        )
-
-    @classmethod
-    def _from_json(cls, session: Session, info: Mapping[str, Any]) -> Tensor:
-        """From the local socket's TENSOR_INFO (dtype by its wire name)."""
-        return cls(
-            session,
-            int(info["handle"]),
-            tuple(int(d) for d in info["dims"]),
-            _dtypes.from_wire(pb.DType.Value(str(info["dtype"]).upper())),
-            int(info.get("device", 0)),
-            int(info.get("byte_size", 0)),
-            bool(info.get("read_only", False)),
-        )
-
-    @property
-    def session(self) -> Session:
-        """The session that holds it."""
-        return self._session
-
-    @property
-    def ndim(self) -> int:
-        """Number of dims."""
-        return len(self.shape)
-
-    @property
-    def size(self) -> int:
-        """Number of elements."""
-        return int(np.prod(self.shape, dtype=np.int64))
-
-    @property
-    def spec(self) -> TensorSpec:
-        """Its :class:`TensorSpec` (shape and dtype)."""
-        return TensorSpec(self.shape, self.dtype)
-
-    @property
-    def freed(self) -> bool:
-        """Whether :meth:`free` was called (or its session was closed)."""
-        return self._freed or self._session.closed
-
-    @property
-    def donated(self) -> bool:
-        """Whether it was donated to an execution (its device memory is gone)."""
-        return self._donated
-
-    def numpy(self, *, timeout: float | None = None) -> np.ndarray:
-        """Copies the tensor to a new, writable NumPy array of its shape and dtype.
-
-        Raises:
-            tpubox.NotFound: it was freed; tpubox.FailedPrecondition: it was donated;
-            tpubox.Unavailable: the daemon is gone.
-        """
-        return self._session.get(self, timeout=timeout)
-
-    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
-        a = self.numpy()
-        return a if dtype is None else a.astype(dtype, copy=False)
-
-    def _free_now(self) -> None:
-        self._session._free_handles([self.handle], [])
-
-    def _queue_free(self) -> None:
-        self._session._pending_tensors.append(self.handle)
-
-    def __enter__(self) -> Tensor:
-        return self
-
-    def __repr__(self) -> str:
-        state = ""
-        if self._freed:
-            state = ", freed"
-        elif self._donated:
-            state = ", donated"
-        elif self._session.closed:
-            state = ", session closed"
-        ro = ", read_only" if self.read_only else ""
-        return (
-            f"tpubox.Tensor(handle={self.handle}, shape={self.shape}, dtype={self.dtype}, "
-            f"device={self.device}{ro}{state})"
-        )
-
-
-class Executable(_Handle):
-    """A compiled program held by a session (:meth:`Session.compile`).
-
-    Call it with one argument per parameter: :class:`Tensor` s (used where they are) or
-    anything NumPy can turn into an array (put on the device for this call and freed after;
-    Python scalars and lists take the parameter's dtype). It returns one new :class:`Tensor`
-    per result.
-
-    Attributes:
-        handle: the executable's handle number.
-        parameters: the parameters' :class:`TensorSpec` s, in order.
-        results: the results' specs.
-        result_bytes: device bytes of the results of one execution.
-        temp_bytes: device bytes of the temporaries one execution holds.
-        fingerprint: the program's compile-cache key (hex).
-    """
-
-    __slots__ = (
-        "_session",
-        "handle",
-        "parameters",
-        "results",
-        "result_bytes",
-        "temp_bytes",
-        "fingerprint",
-        "_freed",
-        "__weakref__",
-    )
-
-    def __init__(self, session: Session, resp: pb.CompileResponse):
-        self._session = session
-        self.handle: int = resp.executable
-        self.parameters: tuple[TensorSpec, ...] = tuple(
-            TensorSpec._from_pb(s) for s in resp.parameters
-        )
-        self.results: tuple[TensorSpec, ...] = tuple(TensorSpec._from_pb(s) for s in resp.results)
-        self.result_bytes: int = resp.result_bytes
-        self.temp_bytes: int = resp.temp_bytes
-        self.fingerprint: str = resp.fingerprint
-        self._freed = False
-
-    @property
-    def session(self) -> Session:
-        """The session that holds it."""
-        return self._session
-
-    def __call__(
-        self, *args: Tensor | ArrayLike, donate: Iterable[int] = (), timeout: float | None = None
-    ) -> list[Tensor]:
-        """Executes the program on ARGS; returns one new Tensor per result.
-
-        Args:
-            args: one per parameter, in order: Tensors of this session, or arrays.
-            donate: positions in ARGS whose tensors are donated: on success their device memory
-                is gone (the Tensor objects stay handles, refused by the daemon, until freed).
-            timeout: deadline of the call in seconds (default none).
-
-        Raises:
-            tpubox.InvalidArgument: wrong argument count, dtypes or shapes;
-            tpubox.NotFound: a tensor this session does not have (freed, another session's);
-            tpubox.FailedPrecondition: a donated tensor;
-            tpubox.ResourceExhausted: the results would exceed ``max-device-bytes`` or
-            ``max-live-tensors``; tpubox.ExecutionFailed.
-        """
-        s = self._session
-        donate = tuple(int(i) for i in donate)
-        handles: list[int] = []
-        temps: list[Tensor] = []
-        try:
-            for i, a in enumerate(args):
-                if isinstance(a, Tensor):
-                    handles.append(a.handle)
-                    continue
-                dtype = None
-                if not isinstance(a, np.ndarray) and not hasattr(a, "__array__"):
-                    if i < len(self.parameters):
-                        dtype = self.parameters[i].dtype
-                t = s.tensor(a, dtype=dtype)
-                temps.append(t)
-                handles.append(t.handle)
-            outs = s._execute(self.handle, handles, donate, timeout)
-            for i in donate:
-                if 0 <= i < len(args) and isinstance(args[i], Tensor):
-                    args[i]._donated = True
-            return outs
-        finally:
-            if temps:
-                s.free(*temps)
-
-    def _free_now(self) -> None:
-        self._session._free_handles([], [self.handle])
-
-    def _queue_free(self) -> None:
-        self._session._pending_executables.append(self.handle)
-
-    def __enter__(self) -> Executable:
-        return self
-
-    def __repr__(self) -> str:
-        def specs(ss: Sequence[TensorSpec]) -> str:
-            return ", ".join(f"{s.dtype}{list(s.shape)}" for s in ss)
-
-        freed = ", freed" if self._freed else ""
-        return (
-            f"tpubox.Executable(handle={self.handle}, ({specs(self.parameters)}) -> "
-            f"({specs(self.results)}){freed})"
-        )
-
-
-# ---------------------------------------------------------------------------------------------
-# Attach: holds a session while this process lives
-
-
-class _Attachment:
-    """An Attach stream read by a daemon thread. The session ends (on the daemon) when this
-    process goes away, or when :meth:`cancel` is called and nothing else is attached."""
-
-    def __init__(self, stub: pb_grpc.SessionStub, metadata: tuple, session_id: str):
-        self.attached = threading.Event()
-        self.done = threading.Event()
-        self.ended_reason: str | None = None
-        self.error: grpc.RpcError | None = None
-        self._cancelled = False
-        self._call = stub.Attach(pb.AttachRequest(), metadata=metadata)
-        self._thread = threading.Thread(
-            target=self._run, name=f"tpubox-attach-{session_id}", daemon=True
-        )
-        self._thread.start()
-
-    def _run(self) -> None:
-        try:
-            for ev in self._call:
-                if ev.kind == pb.AttachEvent.ATTACHED:
-                    self.attached.set()
-                elif ev.kind == pb.AttachEvent.ENDED:
-                    self.ended_reason = ev.reason or "ended"
-        except grpc.RpcError as e:
-            if not self._cancelled:
-                self.error = e
-        except Exception:  # interpreter shutdown
-            pass
-        finally:
-            self.done.set()
-            self.attached.set()
-
-    def cancel(self) -> None:
-        self._cancelled = True
-        try:
-            self._call.cancel()
-        except Exception:
-            pass
-
-
-# Sessions this process opened (and so ends at exit, when they were not closed before).
 _OWNED: weakref.WeakSet[Session] = weakref.WeakSet()
 _LAST: weakref.ref[Session] | None = None
 _LAST_LOCK = threading.Lock()
@@ -722,24 +167,15 @@ class Session:
         self.owned = owned
         self.timeout = timeout
         self._token = token
-        self._md = _metadata(token)
+        self._md = _transport.auth_metadata(token)
         self._channel = channel
         self._stub = pb_grpc.SessionStub(channel)
-        self._put = channel.stream_unary(
-            "/tpubox.v1.Session/PutTensor",
-            request_serializer=_wire.identity,
-            response_deserializer=pb.TensorInfo.FromString,
-        )
-        self._get = channel.unary_stream(
-            "/tpubox.v1.Session/GetTensor",
-            request_serializer=pb.GetTensorRequest.SerializeToString,
-            response_deserializer=_wire.parse_tensor_chunk,
-        )
+        self._put, self._get = _transport.bulk_calls(channel)
         self._closed = False
         self._close_lock = threading.Lock()
         self._pending_tensors: collections.deque[int] = collections.deque()
         self._pending_executables: collections.deque[int] = collections.deque()
-        self._attachment: _Attachment | None = None
+        self._attachment: _transport.Attachment | None = None
         self._local = local
 
     # -- properties -------------------------------------------------------------------------
@@ -809,8 +245,8 @@ class Session:
         """Sends the frees queued by ``__del__`` of dropped Tensors and Executables."""
         if not self._pending_tensors and not self._pending_executables:
             return
-        tensors = _drain(self._pending_tensors)
-        executables = _drain(self._pending_executables)
+        tensors = drain(self._pending_tensors)
+        executables = drain(self._pending_executables)
         if not tensors and not executables:
             return
         try:
@@ -1001,14 +437,10 @@ class Session:
             return Tensor._from_json(self, info)
         self._check_open()
         self._flush_frees()
-
-        def messages() -> Iterator[bytes]:
-            yield _wire.put_chunk(header, raw[:CHUNK_BYTES])
-            for off in range(CHUNK_BYTES, len(raw), CHUNK_BYTES):
-                yield _wire.put_chunk(None, raw[off : off + CHUNK_BYTES])
-
         try:
-            info = self._put(messages(), metadata=self._md, timeout=timeout)
+            info = self._put(
+                _transport.put_messages(header, raw), metadata=self._md, timeout=timeout
+            )
         except grpc.RpcError as e:
             raise self._error(e, "PutTensor") from None
         return Tensor._from_pb(self, info)
@@ -1035,30 +467,9 @@ class Session:
             timeout=timeout,
         )
         try:
-            info, data = next(call)  # type: ignore[call-overload]
-            if info is None:
-                raise Internal("internal", "GetTensor: the first chunk carries no header")
-            size = int(info.byte_size)
-            out = np.empty(size, np.uint8)
-            off = 0
-            n = len(data)
-            if n:
-                out[off : off + n] = np.frombuffer(data, np.uint8)
-                off += n
-            for _, data in call:
-                n = len(data)
-                if off + n > size:
-                    raise Internal("internal", f"GetTensor: more than the {size} bytes announced")
-                out[off : off + n] = np.frombuffer(data, np.uint8)
-                off += n
+            return _transport.read_tensor(call)
         except grpc.RpcError as e:
             raise self._error(e, "GetTensor") from None
-        except StopIteration:
-            raise Internal("internal", "GetTensor: the daemon sent no chunk") from None
-        if off != size:
-            raise Internal("internal", f"GetTensor: {off} bytes received, {size} announced")
-        dt = _dtypes.from_wire(info.spec.dtype).newbyteorder("<")
-        return out.view(dt).reshape(tuple(int(d) for d in info.spec.dims))
 
     def free(self, *handles: Handle) -> int:
         """Frees tensors and executables (Tensor and Executable objects, or tensor handle
@@ -1184,8 +595,8 @@ class Session:
             req.name = component
         else:
             raise TypeError(f"component must be bytes, a path or a name, not {type(component)}")
-        out = _Sink(sys.stdout if stdout is None else stdout)
-        err = _Sink(sys.stderr if stderr is None else stderr)
+        out = _output.Sink(sys.stdout if stdout is None else stdout)
+        err = _output.Sink(sys.stderr if stderr is None else stderr)
         self._check_open()
         self._flush_frees()
         # The daemon stops the guest at its deadline; ours only catches a daemon that hangs.
@@ -1230,51 +641,6 @@ class _DefaultType:
 
 
 _DEFAULT: Any = _DefaultType()
-
-
-def _drain(dq: collections.deque[int]) -> list[int]:
-    out = []
-    while True:
-        try:
-            out.append(dq.popleft())
-        except IndexError:
-            return out
-
-
-class _Sink:
-    """Writes a guest's output bytes to a text or binary file object as they arrive (text:
-    decoded as UTF-8 across chunk boundaries, bad bytes replaced), flushing each time."""
-
-    def __init__(self, f: Any):
-        self.f = f if f is not False else None
-        self.binary = False
-        if self.f is not None and not isinstance(self.f, io.TextIOBase):
-            mode = getattr(self.f, "mode", "")
-            self.binary = isinstance(self.f, (io.RawIOBase, io.BufferedIOBase)) or (
-                isinstance(mode, str) and "b" in mode
-            )
-        self.decoder = codecs.getincrementaldecoder("utf-8")("replace")
-
-    def write(self, data: bytes) -> None:
-        if self.f is None:
-            return
-        if self.binary:
-            self.f.write(data)
-        else:
-            text = self.decoder.decode(data)
-            if text:
-                self.f.write(text)
-        try:
-            self.f.flush()
-        except Exception:
-            pass
-
-    def finish(self) -> None:
-        if self.f is None or self.binary:
-            return
-        text = self.decoder.decode(b"", final=True)
-        if text:
-            self.f.write(text)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -1348,38 +714,6 @@ def _remember(s: Session) -> Session:
     return s
 
 
-def _local_channel(
-    address: str, local_socket: str, token: str, local: bool | None
-) -> _local.LocalChannel | None:
-    """The local-socket channel a session uses (see :func:`connect`'s ``local``), or None."""
-    if local is False:
-        return None
-    if not local_socket or not _local.available():
-        if local:
-            raise Unsupported(
-                "unsupported",
-                f"the tpubox daemon at {address} offers no local socket (or this platform "
-                "lacks memfds and SCM_RIGHTS)",
-            )
-        return None
-    # A local socket is only trusted by default when the session itself is on a Unix socket
-    # (so on this machine): a TCP session's daemon may be elsewhere, and the session token
-    # must not go to whatever listens at that path here.
-    if local is None and not _target(address).startswith("unix:"):
-        return None
-    ch = _local.LocalChannel(local_socket, token, address)
-    try:
-        ch.connect()
-    except OSError as e:
-        if local:
-            raise Unavailable(
-                "unavailable",
-                f"the tpubox daemon at {address}: its local socket {local_socket}: {e}",
-            ) from None
-        return None
-    return ch
-
-
 def _open(
     address: str,
     token: str | None,
@@ -1388,12 +722,12 @@ def _open(
     timeout: float | None,
     local: bool | None = None,
 ) -> Session:
-    channel = _channel(_target(address))
+    channel = _transport.grpc_channel(_transport.grpc_target(address))
     stub = pb_grpc.SessionStub(channel)
     try:
         r = stub.Open(
             pb.OpenRequest(limits=limits._to_pb(), end_on_disconnect=True, label=label),
-            metadata=_metadata(token),
+            metadata=_transport.auth_metadata(token),
             timeout=timeout,
         )
     except grpc.RpcError as e:
@@ -1411,11 +745,11 @@ def _open(
         timeout=timeout,
     )
     try:
-        s._local = _local_channel(address, r.local_socket, r.session_token, local)
+        s._local = _transport.local_channel(address, r.local_socket, r.session_token, local)
     except TpuboxError:
         s.close(timeout=2.0)
         raise
-    att = _Attachment(s._stub, s._md, s.session_id)
+    att = _transport.Attachment(s._stub, s._md, s.session_id)
     s._attachment = att
     if not att.attached.wait(timeout) or att.error is not None or att.done.is_set():
         err = att.error
@@ -1430,10 +764,10 @@ def _open(
 
 
 def _join(address: str, token: str, timeout: float | None, local: bool | None = None) -> Session:
-    channel = _channel(_target(address))
+    channel = _transport.grpc_channel(_transport.grpc_target(address))
     stub = pb_grpc.SessionStub(channel)
     try:
-        r = stub.Info(pb.InfoRequest(), metadata=_metadata(token), timeout=timeout)
+        r = stub.Info(pb.InfoRequest(), metadata=_transport.auth_metadata(token), timeout=timeout)
     except grpc.RpcError as e:
         channel.close()
         raise from_rpc_error(e, address, "Info") from None
@@ -1448,7 +782,7 @@ def _join(address: str, token: str, timeout: float | None, local: bool | None = 
         channel=channel,
         timeout=timeout,
     )
-    s._local = _local_channel(address, r.local_socket, token, local)
+    s._local = _transport.local_channel(address, r.local_socket, token, local)
     return _remember(s)
 
 
@@ -1481,10 +815,10 @@ def tenant_usage(
         tpubox.Unauthenticated, tpubox.PermissionDenied, tpubox.Unavailable.
     """
     address = os.fspath(address)
-    channel = _channel(_target(address))
+    channel = _transport.grpc_channel(_transport.grpc_target(address))
     try:
         r = pb_grpc.SessionStub(channel).TenantUsage(
-            pb.TenantUsageRequest(), metadata=_metadata(token), timeout=timeout
+            pb.TenantUsageRequest(), metadata=_transport.auth_metadata(token), timeout=timeout
         )
     except grpc.RpcError as e:
         raise from_rpc_error(e, address, "TenantUsage") from None

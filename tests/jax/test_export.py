@@ -26,7 +26,7 @@ def _binary() -> Path:
     target = Path(os.environ.get("CARGO_TARGET_DIR") or REPO / "target")
     p = Path(env) if env else target / "release" / "tpubox"
     if not p.is_file():
-        pytest.exit(f"{p} is missing: cargo build --release -p tpubox-host", returncode=1)
+        pytest.exit(f"{p} is missing: cargo build --release -p tpubox", returncode=1)
     return p.resolve()
 
 

@@ -50,7 +50,7 @@ def _need(path: Path, hint: str) -> Path:
 def _binary() -> Path:
     return _need(
         Path(os.environ.get("TPUBOX_BIN") or _target_dir() / "release" / "tpubox"),
-        "cargo build --release -p tpubox-host (bash scripts/dev.sh setup does)",
+        "cargo build --release -p tpubox (bash scripts/dev.sh setup does)",
     ).resolve()
 
 

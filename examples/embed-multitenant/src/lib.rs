@@ -23,7 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use tpubox::{Host, HostConfig, RunOptions, SandboxConfig, Tenant, TenantLimits, TenantUsage};
+use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
+use tpubox_core::{Tenant, TenantLimits, TenantUsage};
 
 /// Which guest the tenants run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
@@ -69,7 +70,7 @@ impl Default for Config {
             runs: 3,
             guest: None,
             wasm_dir: None,
-            execution_slots: tpubox::device::DEFAULT_EXECUTION_SLOTS,
+            execution_slots: tpubox_core::device::DEFAULT_EXECUTION_SLOTS,
             limits: TenantLimits {
                 max_device_bytes: 256 << 20,
                 max_live_tensors: 1_000,
@@ -112,7 +113,7 @@ pub const SHARED_SENTENCE: &str = "Many tenants share one accelerator.";
 
 /// Directory of the MiniLM model files, when installed.
 pub fn minilm_dir() -> Option<PathBuf> {
-    tpubox::plugin::known("minilm").and_then(|p| p.installed_library())
+    tpubox_core::plugin::known("minilm").and_then(|p| p.installed_library())
 }
 
 /// Default directory of the guests' `.wasm` files.

@@ -1,0 +1,639 @@
+//! Tenants: the unit of isolation and accounting, their limits and their usage.
+//!
+//! A [`Tenant`] is one guest instance, or several that share an identity (pass the same
+//! `Arc<Tenant>` in `tpubox_wasm::RunOptions::tenant`). Everything a tenant holds
+//! on the device is charged to it *before* the plugin allocates it, through RAII guards
+//! ([`Charge`]) kept beside each guest handle: when a handle is dropped — by the guest, or
+//! because its store ended after a normal exit, a trap or a deadline — the charge is returned.
+//! Device memory is accounted by tpubox itself from dtype × dims (the CPU plugins report no
+//! memory statistics); shared weights are charged to nobody, but their handles count as live
+//! tensors.
+//!
+//! Exceeding a limit returns `resource-exhausted` with the limit's name in the message; nothing
+//! is allocated, and the tenant may free handles and continue.
+//!
+//! The order in which tenants get the device is [`crate::scheduler`]'s job.
+
+use std::collections::VecDeque;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex};
+use std::time::{Duration, Instant};
+
+use serde::Serialize;
+
+use crate::error::{DeviceError, DeviceResult, ErrorKind};
+
+/// Per-tenant limits. The defaults suit one trusted user; set them lower for untrusted guests.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct TenantLimits {
+    /// Device bytes held at once, summed over the tenant's tensors (dense dtype × dims);
+    /// default 8 GiB.
+    pub max_device_bytes: u64,
+    /// Live tensor handles at once, shared weight handles included (default 10 000). This is
+    /// what bounds a guest that only frees handles when its garbage collector runs.
+    pub max_live_tensors: u64,
+    /// Live executable handles at once (default 1 000).
+    pub max_live_executables: u64,
+    /// Largest program accepted by `compile`, in bytes (default 64 MiB).
+    pub max_program_bytes: usize,
+    /// `compile` calls in any 60-second window, cache hits included (default 600).
+    pub max_compiles_per_minute: u32,
+    /// Largest guest linear memory, in bytes (default 4 GiB; the sandbox's own cap also
+    /// applies).
+    pub max_guest_memory: usize,
+    /// Wall-clock limit of one guest run, enforced by epoch interruption (default 300 s;
+    /// `None` for no limit).
+    pub max_call_time: Option<Duration>,
+    /// Wasm fuel (about one unit per instruction) for one run; `None` (default) for no fuel
+    /// limit. Needs `tpubox_wasm::SandboxConfig::consume_fuel`.
+    pub fuel: Option<u64>,
+    /// What the tenant's programs may contain (checked on the compiled program).
+    pub program_policy: ProgramPolicy,
+}
+
+/// What an untrusted tenant's programs may contain. PJRT cannot cancel an execution, so a
+/// program that never ends holds an execution slot and device cores until the host restarts;
+/// these rules refuse, at `compile`, what could do that. Errors name the rule
+/// (`permission-denied`).
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct ProgramPolicy {
+    /// Skip every rule below (default `false`): for tenants whose programs the operator trusts.
+    pub trusted: bool,
+    /// Largest trip count of one `while` loop, as XLA proves it on the optimized program
+    /// (default 1 048 576). A loop XLA cannot bound (`known_trip_count` missing) is refused
+    /// (rule `unbounded-loop`), one above this is refused (rule `max-loop-trips`).
+    pub max_loop_trips: u64,
+    /// Custom-call targets allowed (default [`default_custom_calls`]: [`XLA_CUSTOM_CALLS`],
+    /// which XLA implements itself, and the LAPACK and tpubox targets whose handlers the host
+    /// registers on CPU plugins, which check their operands; rule `custom-call`). Other custom calls run
+    /// code outside XLA that nothing here can inspect.
+    pub allowed_custom_calls: Vec<String>,
+}
+
+/// Custom-call targets XLA implements itself (no code from outside XLA runs), allowed by
+/// default: `TopK` (what `jax.lax.top_k` lowers to; XLA expands it into a sort).
+pub const XLA_CUSTOM_CALLS: [&str; 1] = ["TopK"];
+
+/// Custom-call targets allowed by default: [`XLA_CUSTOM_CALLS`], every LAPACK target of
+/// [`pjrt_lapack::targets`] (`lapack_sgetrf_ffi`, ...; 52) and tpubox's own of
+/// [`pjrt_kernels::targets`] (`tpubox_segment_attention`). On a plugin where the host has not
+/// registered those handlers (not a CPU plugin) such a program fails to compile instead.
+pub fn default_custom_calls() -> Vec<String> {
+    XLA_CUSTOM_CALLS
+        .iter()
+        .copied()
+        .chain(pjrt_lapack::targets())
+        .chain(pjrt_kernels::targets())
+        .map(String::from)
+        .collect()
+}
+
+impl Default for ProgramPolicy {
+    fn default() -> Self {
+        ProgramPolicy {
+            trusted: false,
+            max_loop_trips: 1 << 20,
+            allowed_custom_calls: default_custom_calls(),
+        }
+    }
+}
+
+impl Default for TenantLimits {
+    fn default() -> Self {
+        TenantLimits {
+            max_device_bytes: 8 << 30,
+            max_live_tensors: 10_000,
+            max_live_executables: 1_000,
+            max_program_bytes: 64 << 20,
+            max_compiles_per_minute: 600,
+            max_guest_memory: 4 << 30,
+            max_call_time: Some(Duration::from_secs(300)),
+            fuel: None,
+            program_policy: ProgramPolicy::default(),
+        }
+    }
+}
+
+/// A snapshot of what a tenant holds and has done.
+#[derive(Debug, Clone, Default, PartialEq, Serialize)]
+pub struct TenantUsage {
+    /// Device bytes held now.
+    pub device_bytes: u64,
+    /// Most device bytes held at once.
+    pub peak_device_bytes: u64,
+    /// Live tensor handles now.
+    pub live_tensors: u64,
+    /// Most live tensor handles held at once.
+    pub peak_live_tensors: u64,
+    /// Live executable handles now.
+    pub live_executables: u64,
+    /// `compile` calls admitted.
+    pub compiles: u64,
+    /// Executions finished.
+    pub executions: u64,
+    /// Device time of those executions (submit to completion), in seconds.
+    pub device_seconds: f64,
+    /// Requests refused because a limit was reached.
+    pub refused: u64,
+    /// Executions holding an execution slot now (submitted or about to be, not yet done).
+    pub executions_running: u64,
+}
+
+#[derive(Debug, Default)]
+struct Held {
+    device_bytes: u64,
+    peak_device_bytes: u64,
+    live_tensors: u64,
+    peak_live_tensors: u64,
+    live_executables: u64,
+    compile_times: VecDeque<Instant>,
+}
+
+/// One tenant: a name, its limits and its usage. Shared through `Arc`.
+#[derive(Debug)]
+pub struct Tenant {
+    name: String,
+    limits: TenantLimits,
+    held: Mutex<Held>,
+    compiles: AtomicU64,
+    executions: AtomicU64,
+    device_ns: AtomicU64,
+    refused: AtomicU64,
+    running: AtomicU64,
+}
+
+/// What a [`Charge`] holds back.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ChargeKind {
+    /// A tensor handle of this many device bytes (0 for shared weights).
+    Tensor(u64),
+    /// An executable handle.
+    Executable,
+    /// Device bytes an execution uses for its temporaries while it runs (no handle).
+    Scratch(u64),
+}
+
+/// A charge against a tenant's limits, returned when dropped.
+#[derive(Debug)]
+pub struct Charge {
+    tenant: Arc<Tenant>,
+    kind: ChargeKind,
+}
+
+impl Drop for Charge {
+    fn drop(&mut self) {
+        let mut h = self.tenant.held.lock().expect("tenant lock");
+        match self.kind {
+            ChargeKind::Tensor(bytes) => {
+                h.device_bytes -= bytes;
+                h.live_tensors -= 1;
+            }
+            ChargeKind::Executable => h.live_executables -= 1,
+            ChargeKind::Scratch(bytes) => h.device_bytes -= bytes,
+        }
+    }
+}
+
+impl Charge {
+    /// What this charge holds.
+    pub fn kind(&self) -> ChargeKind {
+        self.kind
+    }
+}
+
+impl Tenant {
+    /// A new tenant with nothing held.
+    pub fn new(name: impl Into<String>, limits: TenantLimits) -> Arc<Self> {
+        Arc::new(Tenant {
+            name: name.into(),
+            limits,
+            held: Mutex::new(Held::default()),
+            compiles: AtomicU64::new(0),
+            executions: AtomicU64::new(0),
+            device_ns: AtomicU64::new(0),
+            refused: AtomicU64::new(0),
+            running: AtomicU64::new(0),
+        })
+    }
+
+    /// The tenant's name (used in logs and reports).
+    pub fn name(&self) -> &str {
+        &self.name
+    }
+
+    /// The tenant's limits.
+    pub fn limits(&self) -> &TenantLimits {
+        &self.limits
+    }
+
+    /// A snapshot of its usage.
+    pub fn usage(&self) -> TenantUsage {
+        let h = self.held.lock().expect("tenant lock");
+        TenantUsage {
+            device_bytes: h.device_bytes,
+            peak_device_bytes: h.peak_device_bytes,
+            live_tensors: h.live_tensors,
+            peak_live_tensors: h.peak_live_tensors,
+            live_executables: h.live_executables,
+            compiles: self.compiles.load(Ordering::Relaxed),
+            executions: self.executions.load(Ordering::Relaxed),
+            device_seconds: self.device_ns.load(Ordering::Relaxed) as f64 / 1e9,
+            refused: self.refused.load(Ordering::Relaxed),
+            executions_running: self.running.load(Ordering::Relaxed),
+        }
+    }
+
+    fn refuse(&self, limit: &str, message: String) -> DeviceError {
+        self.refused.fetch_add(1, Ordering::Relaxed);
+        DeviceError::new(
+            ErrorKind::ResourceExhausted,
+            format!("tenant `{}`: {message} (limit {limit})", self.name),
+        )
+    }
+
+    /// Charges tensors of the given device-byte sizes (one handle each) at once, after
+    /// crediting `credit_bytes` that the caller is about to give back (donated inputs).
+    ///
+    /// Errors: `resource-exhausted` naming `max-live-tensors` or `max-device-bytes`.
+    pub fn charge_tensors(
+        self: &Arc<Self>,
+        sizes: &[u64],
+        credit_bytes: u64,
+    ) -> DeviceResult<Vec<Charge>> {
+        self.charge_execution(sizes, credit_bytes, 0)
+            .map(|(c, _)| c)
+    }
+
+    /// Charges an execution: its results (`sizes`, one handle each) and `scratch_bytes` of
+    /// temporaries it uses on the device while it runs, after crediting `credit_bytes` the
+    /// caller gives back when it succeeds (donated inputs). Returns the results' charges and
+    /// the temporaries' charge, to be dropped when the device is done.
+    ///
+    /// Errors: `resource-exhausted` naming `max-live-tensors` or `max-device-bytes`.
+    pub fn charge_execution(
+        self: &Arc<Self>,
+        sizes: &[u64],
+        credit_bytes: u64,
+        scratch_bytes: u64,
+    ) -> DeviceResult<(Vec<Charge>, Charge)> {
+        let mut h = self.held.lock().expect("tenant lock");
+        let count = sizes.len() as u64;
+        if h.live_tensors.saturating_add(count) > self.limits.max_live_tensors {
+            let live = h.live_tensors;
+            drop(h);
+            return Err(self.refuse(
+                "max-live-tensors",
+                format!(
+                    "{live} live tensors plus {count} new would exceed {}; drop tensors you no longer need",
+                    self.limits.max_live_tensors
+                ),
+            ));
+        }
+        let total: u64 = sizes
+            .iter()
+            .fold(scratch_bytes, |a, &s| a.saturating_add(s));
+        let after = h
+            .device_bytes
+            .saturating_sub(credit_bytes)
+            .saturating_add(total);
+        if after > self.limits.max_device_bytes {
+            let held = h.device_bytes;
+            drop(h);
+            let temps = if scratch_bytes > 0 {
+                format!(" ({scratch_bytes} of them the program's temporaries)")
+            } else {
+                String::new()
+            };
+            return Err(self.refuse(
+                "max-device-bytes",
+                format!(
+                    "holding {held} device bytes, {total} more{temps} would exceed {}",
+                    self.limits.max_device_bytes
+                ),
+            ));
+        }
+        h.live_tensors += count;
+        h.peak_live_tensors = h.peak_live_tensors.max(h.live_tensors);
+        // Until the caller drops the donated inputs' charges both are counted; the peak records
+        // the state after that, which is what the limit was checked against.
+        h.device_bytes += total;
+        h.peak_device_bytes = h.peak_device_bytes.max(after);
+        drop(h);
+        let charge = |kind| Charge {
+            tenant: Arc::clone(self),
+            kind,
+        };
+        Ok((
+            sizes
+                .iter()
+                .map(|&s| charge(ChargeKind::Tensor(s)))
+                .collect(),
+            charge(ChargeKind::Scratch(scratch_bytes)),
+        ))
+    }
+
+    /// Refuses a program that could never run within the limits: its results and
+    /// temporaries alone need more than `max-device-bytes`.
+    ///
+    /// Errors: `resource-exhausted` naming `max-device-bytes`.
+    pub fn admit_program_memory(&self, output_bytes: u64, temp_bytes: u64) -> DeviceResult<()> {
+        let need = output_bytes.saturating_add(temp_bytes);
+        if need > self.limits.max_device_bytes {
+            return Err(self.refuse(
+                "max-device-bytes",
+                format!(
+                    "the program needs {need} device bytes to run ({output_bytes} for its results, {temp_bytes} for temporaries), more than {}",
+                    self.limits.max_device_bytes
+                ),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Refuses a program the tenant's [`ProgramPolicy`] does not allow.
+    ///
+    /// Errors: `permission-denied` naming the rule (`unbounded-loop`, `max-loop-trips`,
+    /// `host-transfer`, `custom-call`).
+    pub fn admit_program(&self, facts: &pjrt::ProgramFacts) -> DeviceResult<()> {
+        let p = &self.limits.program_policy;
+        if p.trusted {
+            return Ok(());
+        }
+        let deny = |rule: &str, message: String| {
+            self.refused.fetch_add(1, Ordering::Relaxed);
+            DeviceError::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "tenant `{}`: {message} (policy rule {rule}; an operator can mark the tenant trusted: `tpubox run --trusted`, `trusted = true` in the tokens file's [tenant.session] for sessions, `ProgramPolicy::trusted`)",
+                    self.name
+                ),
+            )
+        };
+        for w in &facts.while_loops {
+            match w.known_trip_count {
+                None => {
+                    return Err(deny(
+                        "unbounded-loop",
+                        format!(
+                            "the program has a while loop ({}) whose trip count XLA cannot bound; it could run forever, and a running program cannot be stopped",
+                            w.name
+                        ),
+                    ));
+                }
+                Some(n) if n > p.max_loop_trips => {
+                    return Err(deny(
+                        "max-loop-trips",
+                        format!(
+                            "the program has a while loop ({}) of {n} trips, more than {}",
+                            w.name, p.max_loop_trips
+                        ),
+                    ));
+                }
+                Some(_) => {}
+            }
+        }
+        if let Some(op) = facts.host_transfers.first() {
+            return Err(deny(
+                "host-transfer",
+                format!(
+                    "the program uses {op}, which waits for a transfer nobody may feed; infeed, outfeed, send and recv are not allowed"
+                ),
+            ));
+        }
+        if let Some(t) = facts
+            .custom_call_targets
+            .iter()
+            .find(|t| !p.allowed_custom_calls.contains(t))
+        {
+            return Err(deny(
+                "custom-call",
+                format!("the program calls the custom-call target `{t}`, which is not allowed"),
+            ));
+        }
+        Ok(())
+    }
+
+    /// Charges one executable handle.
+    ///
+    /// Errors: `resource-exhausted` naming `max-live-executables`.
+    pub fn charge_executable(self: &Arc<Self>) -> DeviceResult<Charge> {
+        let mut h = self.held.lock().expect("tenant lock");
+        if h.live_executables >= self.limits.max_live_executables {
+            let n = h.live_executables;
+            drop(h);
+            return Err(self.refuse(
+                "max-live-executables",
+                format!(
+                    "{n} live executables plus 1 new would exceed {}; drop executables you no longer need",
+                    self.limits.max_live_executables
+                ),
+            ));
+        }
+        h.live_executables += 1;
+        Ok(Charge {
+            tenant: Arc::clone(self),
+            kind: ChargeKind::Executable,
+        })
+    }
+
+    /// Admits one `compile` of a `program_bytes`-byte program.
+    ///
+    /// Errors: `resource-exhausted` naming `max-program-bytes` or `max-compiles-per-minute`.
+    pub fn admit_compile(&self, program_bytes: usize) -> DeviceResult<()> {
+        if program_bytes > self.limits.max_program_bytes {
+            return Err(self.refuse(
+                "max-program-bytes",
+                format!(
+                    "program is {program_bytes} bytes, more than {}",
+                    self.limits.max_program_bytes
+                ),
+            ));
+        }
+        let now = Instant::now();
+        let mut h = self.held.lock().expect("tenant lock");
+        while h
+            .compile_times
+            .front()
+            .is_some_and(|t| now.duration_since(*t) >= Duration::from_secs(60))
+        {
+            h.compile_times.pop_front();
+        }
+        if self.limits.max_compiles_per_minute == 0 {
+            drop(h);
+            return Err(self.refuse(
+                "max-compiles-per-minute",
+                "this tenant may not compile (its limit is 0)".to_string(),
+            ));
+        }
+        if h.compile_times.len() as u64 >= u64::from(self.limits.max_compiles_per_minute) {
+            // Empty when the limit is 0: then no compile is ever allowed.
+            let wait = h
+                .compile_times
+                .front()
+                .map_or(Duration::from_secs(60), |t| {
+                    Duration::from_secs(60).saturating_sub(now.duration_since(*t))
+                });
+            drop(h);
+            return Err(self.refuse(
+                "max-compiles-per-minute",
+                format!(
+                    "{} compiles in the last minute; the next is allowed in {:.1} s (keep executables instead of recompiling)",
+                    self.limits.max_compiles_per_minute,
+                    wait.as_secs_f64()
+                ),
+            ));
+        }
+        h.compile_times.push_back(now);
+        self.compiles.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    }
+
+    /// Device time of the tenant's finished executions so far, in nanoseconds.
+    pub(crate) fn device_ns(&self) -> u64 {
+        self.device_ns.load(Ordering::Relaxed)
+    }
+
+    /// Counts an execution that got a slot and has not finished.
+    pub(crate) fn execution_started(&self) {
+        self.running.fetch_add(1, Ordering::Relaxed);
+    }
+
+    /// Counts one finished execution that kept the device for `took`.
+    pub(crate) fn record_execution(&self, took: Duration) {
+        self.running.fetch_sub(1, Ordering::Relaxed);
+        self.executions.fetch_add(1, Ordering::Relaxed);
+        self.device_ns
+            .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn small() -> TenantLimits {
+        TenantLimits {
+            max_device_bytes: 1000,
+            max_live_tensors: 3,
+            max_live_executables: 1,
+            max_program_bytes: 10,
+            max_compiles_per_minute: 2,
+            ..TenantLimits::default()
+        }
+    }
+
+    #[test]
+    fn charges_are_returned_on_drop_and_limits_name_themselves() {
+        let t = Tenant::new("a", small());
+        let c = t.charge_tensors(&[400, 500], 0).unwrap();
+        assert_eq!(t.usage().device_bytes, 900);
+        let e = t.charge_tensors(&[200], 0).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::ResourceExhausted);
+        assert!(e.message.contains("max-device-bytes"), "{}", e.message);
+        // Crediting a donated input makes room.
+        let d = t.charge_tensors(&[200], 400).unwrap();
+        let e = t.charge_tensors(&[0, 0], 0).unwrap_err();
+        assert!(e.message.contains("max-live-tensors"), "{}", e.message);
+        drop(c);
+        drop(d);
+        let u = t.usage();
+        assert_eq!(
+            (u.device_bytes, u.live_tensors, u.peak_device_bytes),
+            (0, 0, 900)
+        );
+        assert_eq!(u.refused, 2);
+        let x = t.charge_executable().unwrap();
+        assert!(
+            t.charge_executable()
+                .unwrap_err()
+                .message
+                .contains("max-live-executables")
+        );
+        drop(x);
+        t.charge_executable().unwrap();
+    }
+
+    #[test]
+    fn temporaries_count_while_they_are_held_and_donations_are_credited_first() {
+        let t = Tenant::new("a", small());
+        let input = t.charge_tensors(&[400], 0).unwrap();
+        // 400 held, the donated input credited: 100 out + 500 temporaries fit in 1000.
+        let (out, temps) = t.charge_execution(&[100], 400, 500).unwrap();
+        assert_eq!(t.usage().device_bytes, 1000);
+        let e = t.charge_execution(&[0], 0, 1).unwrap_err();
+        assert!(
+            e.message.contains("max-device-bytes") && e.message.contains("temporaries"),
+            "{}",
+            e.message
+        );
+        drop(input);
+        drop(temps);
+        assert_eq!(t.usage().device_bytes, 100);
+        assert_eq!(t.usage().peak_device_bytes, 600);
+        drop(out);
+        assert_eq!(t.usage().device_bytes, 0);
+    }
+
+    #[test]
+    fn compile_admission() {
+        let t = Tenant::new("a", small());
+        assert!(
+            t.admit_compile(11)
+                .unwrap_err()
+                .message
+                .contains("max-program-bytes")
+        );
+        let none = Tenant::new(
+            "b",
+            TenantLimits {
+                max_compiles_per_minute: 0,
+                ..small()
+            },
+        );
+        assert!(
+            none.admit_compile(1)
+                .unwrap_err()
+                .message
+                .contains("max-compiles-per-minute")
+        );
+        t.admit_compile(10).unwrap();
+        t.admit_compile(1).unwrap();
+        let e = t.admit_compile(1).unwrap_err();
+        assert!(
+            e.message.contains("max-compiles-per-minute"),
+            "{}",
+            e.message
+        );
+        assert_eq!(t.usage().compiles, 2);
+    }
+
+    #[test]
+    fn custom_call_rule_allows_the_lapack_targets_by_default_and_only_what_is_listed() {
+        let facts = |targets: &[&str]| pjrt::ProgramFacts {
+            custom_call_targets: targets.iter().map(|t| t.to_string()).collect(),
+            ..Default::default()
+        };
+        let t = Tenant::new("a", small());
+        t.admit_program(&facts(&["TopK", "lapack_sgetrf_ffi", "lapack_zheevd_ffi"]))
+            .unwrap();
+        let e = t.admit_program(&facts(&["my_kernel"])).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::PermissionDenied);
+        assert!(e.message.contains("`my_kernel`") && e.message.contains("custom-call"));
+        // An operator who narrows the list refuses LAPACK like any other target.
+        let narrow = Tenant::new(
+            "b",
+            TenantLimits {
+                program_policy: ProgramPolicy {
+                    allowed_custom_calls: vec!["TopK".into()],
+                    ..ProgramPolicy::default()
+                },
+                ..small()
+            },
+        );
+        let e = narrow
+            .admit_program(&facts(&["lapack_sgetrf_ffi"]))
+            .unwrap_err();
+        assert!(e.message.contains("lapack_sgetrf_ffi"), "{}", e.message);
+        assert_eq!(default_custom_calls().len(), 54);
+    }
+}

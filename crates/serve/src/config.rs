@@ -1,0 +1,410 @@
+//! A model's configuration (`config.toml` or `config.json` in its repository directory), with
+//! Triton's field names wherever a field means the same thing, and its Triton JSON form for
+//! `GET /v2/models/{m}/config`.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::time::Duration;
+
+use anyhow::{Context, Result, bail};
+use serde::Deserialize;
+use serde_json::{Value, json};
+
+use super::protocol::Datatype;
+use tpubox_core::tenant::TenantLimits;
+
+/// One declared input or output (`[[input]]`, `[[output]]`).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct TensorConfig {
+    /// Name.
+    pub name: String,
+    /// `TYPE_FP32`, `TYPE_STRING`, … (or the protocol's `FP32`, `BYTES`).
+    pub data_type: String,
+    /// Dimensions without the batch dimension; -1 for any size.
+    pub dims: Vec<i64>,
+}
+
+/// Triton fields accepted for compatibility and ignored (what they set does not apply to a
+/// tpubox model); unknown fields are errors.
+type Ignored = Option<Value>;
+
+/// `[[instance_group]]`.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct InstanceGroup {
+    /// Instances of the component (default 1).
+    #[serde(default = "one")]
+    pub count: u32,
+    /// Triton's `kind` (`KIND_CPU`, `KIND_GPU`, …): accepted and ignored, the host's device is
+    /// the only one.
+    #[serde(default)]
+    pub kind: Option<String>,
+    #[serde(default)]
+    name: Ignored,
+    #[serde(default)]
+    gpus: Ignored,
+    #[serde(default)]
+    profile: Ignored,
+    #[serde(default)]
+    passive: Ignored,
+    #[serde(default)]
+    host_policy: Ignored,
+}
+
+fn one() -> u32 {
+    1
+}
+
+/// `[dynamic_batching.default_queue_policy]`.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct QueuePolicy {
+    /// Requests that may wait in the model's queue; 0 (default) for no limit.
+    #[serde(default)]
+    pub max_queue_size: u32,
+    #[serde(default)]
+    timeout_action: Ignored,
+    #[serde(default)]
+    default_timeout_microseconds: Ignored,
+    #[serde(default)]
+    allow_timeout_override: Ignored,
+}
+
+/// `[dynamic_batching]`.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct DynamicBatching {
+    /// Batch sizes to run as soon as they are reached.
+    #[serde(default)]
+    pub preferred_batch_size: Vec<u32>,
+    /// Longest a request waits for others to join its batch, in microseconds (default 0).
+    #[serde(default)]
+    pub max_queue_delay_microseconds: u64,
+    /// Queue limits.
+    #[serde(default)]
+    pub default_queue_policy: QueuePolicy,
+    #[serde(default)]
+    preserve_ordering: Ignored,
+    #[serde(default)]
+    priority_levels: Ignored,
+    #[serde(default)]
+    default_priority_level: Ignored,
+    #[serde(default)]
+    priority_queue_policy: Ignored,
+}
+
+/// `[tpubox.limits]`: the model's tenant, which every instance of the model charges.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ModelLimits {
+    /// Device memory the model's tensors may hold, in MiB.
+    pub max_device_mib: Option<u64>,
+    /// Live tensor handles.
+    pub max_live_tensors: Option<u64>,
+    /// Live executables.
+    pub max_live_executables: Option<u64>,
+    /// Wall-clock limit of one `infer` call, in seconds (default 60).
+    pub max_call_seconds: Option<f64>,
+    /// Guest linear memory, in MiB.
+    pub max_guest_memory_mib: Option<u64>,
+}
+
+/// `[tpubox]`: what only tpubox has.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct TpuboxSection {
+    /// The component, relative to the model directory (default `model.wasm`, then
+    /// `1/model.wasm`).
+    pub component: Option<PathBuf>,
+    /// The directory the guest reads at `/model` (read-only), relative to the model directory
+    /// (default: the model directory itself). It may be a symbolic link, e.g. to where
+    /// `tpubox setup minilm` unpacked a model: links inside the granted directory that point
+    /// out of it are not followed, a granted link itself is.
+    pub files: Option<PathBuf>,
+    /// Weight sets the guest may open: name → safetensors file relative to the model
+    /// directory. Loaded once; shared with every other model that names the same file.
+    #[serde(default)]
+    pub weights: BTreeMap<String, PathBuf>,
+    /// The model's tenant limits.
+    #[serde(default)]
+    pub limits: ModelLimits,
+}
+
+/// A model's `config.toml` / `config.json`. Unknown fields are errors (a misspelt
+/// `max_batch_size` must not pass unnoticed); Triton fields that have no meaning here
+/// (`version_policy`, `parameters`, `default_model_filename`, `optimization`, `model_warmup`,
+/// `response_cache`, `metric_tags`, `runtime`) are accepted and ignored.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ModelConfig {
+    /// The model's name; must equal its directory's name when given.
+    #[serde(default)]
+    pub name: Option<String>,
+    /// Triton's `platform`/`backend`: accepted and ignored.
+    #[serde(default)]
+    pub platform: Option<String>,
+    /// See [`ModelConfig::platform`].
+    #[serde(default)]
+    pub backend: Option<String>,
+    /// Largest batch; 0 for a model without a batch dimension. Default: the guest's.
+    #[serde(default)]
+    pub max_batch_size: Option<u32>,
+    /// Declared inputs, checked against the guest's metadata.
+    #[serde(default)]
+    pub input: Vec<TensorConfig>,
+    /// Declared outputs, checked against the guest's metadata.
+    #[serde(default)]
+    pub output: Vec<TensorConfig>,
+    /// Instances.
+    #[serde(default)]
+    pub instance_group: Vec<InstanceGroup>,
+    /// Dynamic batching; absent, each request runs alone.
+    #[serde(default)]
+    pub dynamic_batching: Option<DynamicBatching>,
+    /// tpubox's own settings.
+    #[serde(default)]
+    pub tpubox: TpuboxSection,
+    #[serde(default)]
+    version_policy: Ignored,
+    #[serde(default)]
+    parameters: Ignored,
+    #[serde(default)]
+    default_model_filename: Ignored,
+    #[serde(default)]
+    optimization: Ignored,
+    #[serde(default)]
+    model_warmup: Ignored,
+    #[serde(default)]
+    response_cache: Ignored,
+    #[serde(default)]
+    metric_tags: Ignored,
+    #[serde(default)]
+    runtime: Ignored,
+}
+
+/// The file names a model directory's configuration may have, in the order they are tried.
+pub const CONFIG_FILES: [&str; 2] = ["config.toml", "config.json"];
+
+impl ModelConfig {
+    /// Reads the configuration of the model in `dir`.
+    ///
+    /// Errors: no configuration file, one that does not parse (the message names the file and
+    /// the field), a `name` that differs from the directory's, an unknown datatype, a dimension
+    /// below -1.
+    pub fn load(dir: &Path) -> Result<Self> {
+        let dir_name = dir
+            .file_name()
+            .and_then(|n| n.to_str())
+            .context("the model directory has no UTF-8 name")?;
+        let Some(path) = CONFIG_FILES
+            .iter()
+            .map(|f| dir.join(f))
+            .find(|p| p.is_file())
+        else {
+            bail!("{} has no config.toml or config.json", dir.display());
+        };
+        let text = std::fs::read_to_string(&path)
+            .with_context(|| format!("reading {}", path.display()))?;
+        let config: ModelConfig = if path.extension().is_some_and(|e| e == "json") {
+            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+        } else {
+            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+        };
+        if let Some(name) = &config.name
+            && name != dir_name
+        {
+            bail!(
+                "{}: name `{name}` differs from the directory's name `{dir_name}`",
+                path.display()
+            );
+        }
+        for t in config.input.iter().chain(&config.output) {
+            if Datatype::from_name(&t.data_type).is_none() {
+                bail!(
+                    "{}: `{}` has unknown data_type `{}`",
+                    path.display(),
+                    t.name,
+                    t.data_type
+                );
+            }
+            if t.dims.iter().any(|&d| d < -1) {
+                bail!("{}: `{}` has a dimension below -1", path.display(), t.name);
+            }
+        }
+        Ok(config)
+    }
+
+    /// Instances to run (the sum over instance groups; 1 without any).
+    pub fn instances(&self) -> u32 {
+        let n: u32 = self.instance_group.iter().map(|g| g.count).sum();
+        n.max(1)
+    }
+
+    /// The component's path inside `dir`.
+    ///
+    /// Errors: the configured file, or `model.wasm` and `1/model.wasm`, do not exist.
+    pub fn component_path(&self, dir: &Path) -> Result<PathBuf> {
+        let candidates: Vec<PathBuf> = match &self.tpubox.component {
+            Some(p) => vec![dir.join(p)],
+            None => vec![dir.join("model.wasm"), dir.join("1").join("model.wasm")],
+        };
+        candidates
+            .iter()
+            .find(|p| p.is_file())
+            .cloned()
+            .with_context(|| {
+                format!(
+                    "no component: looked for {}",
+                    candidates
+                        .iter()
+                        .map(|p| p.display().to_string())
+                        .collect::<Vec<_>>()
+                        .join(" and ")
+                )
+            })
+    }
+
+    /// The directory granted to the guest at `/model`, resolved.
+    ///
+    /// Errors: it does not exist.
+    pub fn files_dir(&self, dir: &Path) -> Result<PathBuf> {
+        let p = match &self.tpubox.files {
+            Some(f) => dir.join(f),
+            None => dir.to_path_buf(),
+        };
+        p.canonicalize()
+            .with_context(|| format!("the model's files directory {}", p.display()))
+    }
+
+    /// The model tenant's limits: [`TenantLimits::default`] with the `[tpubox.limits]` given.
+    pub fn tenant_limits(&self) -> TenantLimits {
+        let l = &self.tpubox.limits;
+        let mut t = TenantLimits::default();
+        if let Some(m) = l.max_device_mib {
+            t.max_device_bytes = m.saturating_mul(1 << 20);
+        }
+        if let Some(n) = l.max_live_tensors {
+            t.max_live_tensors = n;
+        }
+        if let Some(n) = l.max_live_executables {
+            t.max_live_executables = n;
+        }
+        if let Some(m) = l.max_guest_memory_mib {
+            t.max_guest_memory = usize::try_from(m.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
+        }
+        t.max_call_time = Some(Duration::from_secs_f64(
+            l.max_call_seconds.unwrap_or(60.0).clamp(0.001, 86_400.0),
+        ));
+        t
+    }
+
+    /// The queue delay of dynamic batching (zero without it).
+    pub fn max_queue_delay(&self) -> Duration {
+        self.dynamic_batching.as_ref().map_or(Duration::ZERO, |b| {
+            Duration::from_micros(b.max_queue_delay_microseconds)
+        })
+    }
+}
+
+/// The Triton JSON form of a model's configuration (what `GET /v2/models/{m}/config` returns
+/// and perf_analyzer reads), completed with what the guest declared: `inputs`/`outputs` as
+/// `(name, datatype, dims without the batch dimension)`.
+pub fn triton_json(
+    name: &str,
+    config: &ModelConfig,
+    max_batch_size: u32,
+    inputs: &[(String, Datatype, Vec<i64>)],
+    outputs: &[(String, Datatype, Vec<i64>)],
+) -> Value {
+    let tensors = |ts: &[(String, Datatype, Vec<i64>)]| -> Vec<Value> {
+        ts.iter()
+            .map(|(n, d, dims)| json!({"name": n, "data_type": d.config_name(), "dims": dims}))
+            .collect()
+    };
+    let mut v = json!({
+        "name": name,
+        "platform": "tpubox",
+        "backend": "tpubox",
+        "max_batch_size": max_batch_size,
+        "input": tensors(inputs),
+        "output": tensors(outputs),
+        "instance_group": [{"name": name, "kind": "KIND_MODEL", "count": config.instances()}],
+    });
+    if let Some(b) = &config.dynamic_batching {
+        v["dynamic_batching"] = json!({
+            "preferred_batch_size": b.preferred_batch_size,
+            "max_queue_delay_microseconds": b.max_queue_delay_microseconds,
+            "default_queue_policy": {"max_queue_size": b.default_queue_policy.max_queue_size},
+        });
+    }
+    v
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn toml_with_triton_names() {
+        let dir = tempfile::tempdir().unwrap();
+        let m = dir.path().join("m");
+        std::fs::create_dir(&m).unwrap();
+        std::fs::write(
+            m.join("config.toml"),
+            r#"
+max_batch_size = 8
+[[input]]
+name = "text"
+data_type = "TYPE_STRING"
+dims = [-1]
+[[instance_group]]
+count = 2
+[dynamic_batching]
+preferred_batch_size = [4]
+max_queue_delay_microseconds = 500
+[dynamic_batching.default_queue_policy]
+max_queue_size = 3
+[tpubox.weights]
+w = "w.safetensors"
+[tpubox.limits]
+max_device_mib = 16
+"#,
+        )
+        .unwrap();
+        let c = ModelConfig::load(&m).unwrap();
+        assert_eq!(c.max_batch_size, Some(8));
+        assert_eq!(c.instances(), 2);
+        assert_eq!(c.max_queue_delay(), Duration::from_micros(500));
+        assert_eq!(c.tenant_limits().max_device_bytes, 16 << 20);
+        assert_eq!(
+            c.dynamic_batching
+                .unwrap()
+                .default_queue_policy
+                .max_queue_size,
+            3
+        );
+        std::fs::write(m.join("config.toml"), "name = \"other\"").unwrap();
+        let e = ModelConfig::load(&m).unwrap_err().to_string();
+        assert!(e.contains("differs"), "{e}");
+        std::fs::write(m.join("config.toml"), "[tpubox]\nbogus = 1").unwrap();
+        let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
+        assert!(e.contains("bogus"), "{e}");
+        for typo in [
+            "max_batch_sizes = 4",
+            "[dynamic_batching]\nmax_queue_delay_microsecond = 1",
+            "[[instance_group]]\ncont = 2",
+        ] {
+            std::fs::write(m.join("config.toml"), typo).unwrap();
+            let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
+            assert!(e.contains("unknown field"), "{typo}: {e}");
+        }
+        // Triton fields with no meaning here are accepted.
+        std::fs::write(
+            m.join("config.toml"),
+            "platform = \"x\"\n[version_policy.latest]\nnum_versions = 1\n[[instance_group]]\nkind = \"KIND_CPU\"\ngpus = [0]\n",
+        )
+        .unwrap();
+        ModelConfig::load(&m).unwrap();
+    }
+}

@@ -1,0 +1,125 @@
+//! The server's error type: one kind per way a request can fail, with the HTTP status and the
+//! gRPC code each front door sends for it.
+
+use tpubox_core::error::{DeviceError, ErrorKind};
+
+/// How a request failed.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ServeErrorKind {
+    /// Malformed request, wrong shape or datatype, unknown input: HTTP 400, gRPC
+    /// `INVALID_ARGUMENT`.
+    BadRequest,
+    /// Unknown model or version: HTTP 400 (Triton's status for it), gRPC `NOT_FOUND`.
+    NotFound,
+    /// The model exists but is not loaded: HTTP 400, gRPC `UNAVAILABLE`.
+    NotReady,
+    /// No token or an unknown one: HTTP 401, gRPC `UNAUTHENTICATED`.
+    Unauthenticated,
+    /// The tenant may not call this model: HTTP 403, gRPC `PERMISSION_DENIED`.
+    Forbidden,
+    /// A limit was reached (in-flight, rate, queue size, the model's device limits): HTTP 429,
+    /// gRPC `RESOURCE_EXHAUSTED`.
+    TooManyRequests,
+    /// The body is larger than the server accepts: HTTP 413, gRPC `RESOURCE_EXHAUSTED`.
+    PayloadTooLarge,
+    /// The server is shutting down: HTTP 503, gRPC `UNAVAILABLE`.
+    ShuttingDown,
+    /// The model failed (trapped, returned an error, broke its contract): HTTP 500, gRPC
+    /// `INTERNAL`.
+    Internal,
+}
+
+/// A failed request: its kind, a message for the client, and the limit that refused it.
+#[derive(Debug, Clone, PartialEq)]
+pub struct ServeError {
+    /// The kind.
+    pub kind: ServeErrorKind,
+    /// What happened, for the client's `{"error": ...}`.
+    pub message: String,
+    /// The limit's name when a limit refused the request (`max-in-flight`,
+    /// `max-requests-per-second`, `max-queue-size`, or a tenant limit such as
+    /// `max-device-bytes`); the `limit` label of `tpubox_refused_requests_total`.
+    pub limit: Option<&'static str>,
+}
+
+/// A result with a [`ServeError`].
+pub type ServeResult<T> = Result<T, ServeError>;
+
+impl ServeError {
+    /// An error of `kind`.
+    pub fn new(kind: ServeErrorKind, message: impl Into<String>) -> Self {
+        ServeError {
+            kind,
+            message: message.into(),
+            limit: None,
+        }
+    }
+
+    /// A bad request.
+    pub fn bad_request(message: impl Into<String>) -> Self {
+        Self::new(ServeErrorKind::BadRequest, message)
+    }
+
+    /// A request refused by the limit `limit`.
+    pub fn limited(limit: &'static str, message: impl Into<String>) -> Self {
+        ServeError {
+            kind: ServeErrorKind::TooManyRequests,
+            message: message.into(),
+            limit: Some(limit),
+        }
+    }
+
+    /// The HTTP status the REST door answers with.
+    pub fn status_code(&self) -> u16 {
+        match self.kind {
+            ServeErrorKind::BadRequest | ServeErrorKind::NotFound | ServeErrorKind::NotReady => 400,
+            ServeErrorKind::Unauthenticated => 401,
+            ServeErrorKind::Forbidden => 403,
+            ServeErrorKind::PayloadTooLarge => 413,
+            ServeErrorKind::TooManyRequests => 429,
+            ServeErrorKind::ShuttingDown => 503,
+            ServeErrorKind::Internal => 500,
+        }
+    }
+
+    /// An error from a model's `infer` (its WIT `error`): `invalid-argument` is the client's
+    /// fault, `resource-exhausted` a limit (the message names it), the rest the model's.
+    pub fn from_model(model: &str, e: &DeviceError) -> Self {
+        let message = format!("model `{model}`: {}: {}", e.kind.as_str(), e.message);
+        match e.kind {
+            ErrorKind::InvalidArgument => Self::bad_request(message),
+            ErrorKind::ResourceExhausted => ServeError {
+                kind: ServeErrorKind::TooManyRequests,
+                limit: Some(limit_named_in(&e.message)),
+                message,
+            },
+            _ => Self::new(ServeErrorKind::Internal, message),
+        }
+    }
+}
+
+/// The tenant limit a `resource-exhausted` message names, for metrics labels.
+fn limit_named_in(message: &str) -> &'static str {
+    const LIMITS: [&str; 8] = [
+        "max-device-bytes",
+        "max-live-tensors",
+        "max-live-executables",
+        "max-program-bytes",
+        "max-compiles-per-minute",
+        "max-guest-memory",
+        "max-compile-seconds",
+        "max-compile-memory",
+    ];
+    LIMITS
+        .into_iter()
+        .find(|l| message.contains(l))
+        .unwrap_or("other")
+}
+
+impl std::fmt::Display for ServeError {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(&self.message)
+    }
+}
+
+impl std::error::Error for ServeError {}

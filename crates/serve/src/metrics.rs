@@ -1,0 +1,227 @@
+//! Prometheus metrics: Triton's names and labels for per-model inference counters (so existing
+//! dashboards work), and tpubox's own for the compile cache, tenants' device bytes and refused
+//! requests. Rendered in the Prometheus text format for `GET /metrics`.
+
+use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+
+use super::model::{Model, VERSION};
+use tpubox_core::cache::CacheStats;
+use tpubox_core::tenant::TenantUsage;
+
+/// The server's metrics.
+pub struct Metrics {
+    registry: Registry,
+    success: IntCounterVec,
+    failure: IntCounterVec,
+    count: IntCounterVec,
+    exec_count: IntCounterVec,
+    request_us: IntCounterVec,
+    queue_us: IntCounterVec,
+    compute_us: IntCounterVec,
+    pending: IntGaugeVec,
+    cache_hits: IntCounterVec,
+    compiles: IntCounterVec,
+    device_bytes: IntGaugeVec,
+    refused: IntCounterVec,
+    sessions: IntGaugeVec,
+}
+
+fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
+    let c = IntCounterVec::new(Opts::new(name, help), labels).expect("a valid metric");
+    r.register(Box::new(c.clone())).expect("a unique metric");
+    c
+}
+
+fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
+    let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("a valid metric");
+    r.register(Box::new(g.clone())).expect("a unique metric");
+    g
+}
+
+/// One request's numbers, for [`Metrics::record`].
+pub struct RequestRecord<'a> {
+    /// Model name.
+    pub model: &'a str,
+    /// Whether it succeeded.
+    pub success: bool,
+    /// Batch items (its batch size).
+    pub items: u64,
+    /// End to end, in microseconds.
+    pub request_us: u64,
+    /// Waiting in the queue, in microseconds.
+    pub queue_us: u64,
+    /// The `infer` call it was part of, in microseconds.
+    pub compute_us: u64,
+}
+
+impl Metrics {
+    /// The metrics, all at zero.
+    pub fn new() -> Self {
+        let r = Registry::new();
+        let mv = &["model", "version"];
+        Metrics {
+            success: counter(
+                &r,
+                "nv_inference_request_success",
+                "Successful inference requests",
+                mv,
+            ),
+            failure: counter(
+                &r,
+                "nv_inference_request_failure",
+                "Failed inference requests",
+                mv,
+            ),
+            count: counter(
+                &r,
+                "nv_inference_count",
+                "Inferences performed (batch items)",
+                mv,
+            ),
+            exec_count: counter(
+                &r,
+                "nv_inference_exec_count",
+                "Model executions (batches)",
+                mv,
+            ),
+            request_us: counter(
+                &r,
+                "nv_inference_request_duration_us",
+                "Cumulative end-to-end request duration, microseconds",
+                mv,
+            ),
+            queue_us: counter(
+                &r,
+                "nv_inference_queue_duration_us",
+                "Cumulative time requests waited in the queue, microseconds",
+                mv,
+            ),
+            compute_us: counter(
+                &r,
+                "nv_inference_compute_infer_duration_us",
+                "Cumulative model execution time, microseconds",
+                mv,
+            ),
+            pending: gauge(
+                &r,
+                "nv_inference_pending_request_count",
+                "Requests waiting in the model's queue",
+                mv,
+            ),
+            cache_hits: counter(
+                &r,
+                "tpubox_compile_cache_hits_total",
+                "Compile-cache hits per tier (memory, disk, remote)",
+                &["tier"],
+            ),
+            compiles: counter(
+                &r,
+                "tpubox_compiles_total",
+                "Programs compiled (cache misses)",
+                &[],
+            ),
+            device_bytes: gauge(
+                &r,
+                "tpubox_tenant_device_bytes",
+                "Device bytes held by a tenant (a model's instances, or a tenant's sessions)",
+                &["tenant"],
+            ),
+            sessions: gauge(
+                &r,
+                "tpubox_sessions",
+                "Open sessions of a tenant (session API)",
+                &["tenant"],
+            ),
+            refused: counter(
+                &r,
+                "tpubox_refused_requests_total",
+                "Requests refused by a limit",
+                &["tenant", "limit"],
+            ),
+            registry: r,
+        }
+    }
+
+    /// Counts one finished request.
+    pub fn record(&self, r: &RequestRecord) {
+        let l = [r.model, VERSION];
+        if r.success {
+            self.success.with_label_values(&l).inc();
+            self.count.with_label_values(&l).inc_by(r.items);
+        } else {
+            self.failure.with_label_values(&l).inc();
+        }
+        self.request_us.with_label_values(&l).inc_by(r.request_us);
+        self.queue_us.with_label_values(&l).inc_by(r.queue_us);
+        self.compute_us.with_label_values(&l).inc_by(r.compute_us);
+    }
+
+    /// Counts one execution (batch) of `model`.
+    pub fn executed(&self, model: &str) {
+        self.exec_count.with_label_values(&[model, VERSION]).inc();
+    }
+
+    /// Counts a request refused by `limit` for `tenant`.
+    pub fn refused(&self, tenant: &str, limit: &str) {
+        self.refused.with_label_values(&[tenant, limit]).inc();
+    }
+
+    /// The text exposition, with gauges read now from `models` and `cache`.
+    pub fn render(
+        &self,
+        models: &[std::sync::Arc<Model>],
+        cache: Option<CacheStats>,
+        sessions: &[(String, u32, TenantUsage)],
+    ) -> String {
+        // A tenant's device bytes: its model's (a model tenant is named after its model) and
+        // its sessions', summed.
+        let mut bytes: std::collections::BTreeMap<&str, u64> = Default::default();
+        for (tenant, n, u) in sessions {
+            *bytes.entry(tenant).or_default() += u.device_bytes;
+            self.sessions
+                .with_label_values(&[tenant])
+                .set(i64::from(*n));
+        }
+        for m in models {
+            let l = [m.name.as_str(), VERSION];
+            // Every series of a loaded model exists from the start, at zero.
+            for c in [
+                &self.success,
+                &self.failure,
+                &self.count,
+                &self.exec_count,
+                &self.request_us,
+                &self.queue_us,
+                &self.compute_us,
+            ] {
+                c.with_label_values(&l);
+            }
+            self.pending.with_label_values(&l).set(m.pending() as i64);
+
+            *bytes.entry(m.tenant.name()).or_default() += m.tenant.usage().device_bytes;
+        }
+        for (tenant, b) in bytes {
+            self.device_bytes.with_label_values(&[tenant]).set(b as i64);
+        }
+        if let Some(c) = cache {
+            // Counters the cache keeps; copied here at each scrape.
+            for (tier, t) in [("memory", c.memory), ("disk", c.disk), ("remote", c.remote)] {
+                let m = self.cache_hits.with_label_values(&[tier]);
+                m.reset();
+                m.inc_by(t.hits);
+            }
+            let m = self.compiles.with_label_values::<&str>(&[]);
+            m.reset();
+            m.inc_by(c.compiles);
+        }
+        let mut buf = Vec::new();
+        let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);
+        String::from_utf8(buf).unwrap_or_default()
+    }
+}
+
+impl Default for Metrics {
+    fn default() -> Self {
+        Self::new()
+    }
+}

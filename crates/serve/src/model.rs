@@ -1,0 +1,654 @@
+//! A loaded model: its configuration, what its guest declared, its queue and the tasks that run
+//! its instances, and its statistics. Requests are checked against the declaration here, before
+//! they reach a guest.
+
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::time::{Duration, Instant, SystemTime};
+
+use anyhow::{Context, Result, bail};
+use tokio::sync::oneshot;
+use tokio::task::JoinHandle;
+
+use super::batcher::{BatchPolicy, Batched, Pending, Queue, merge, split};
+use super::config::{ModelConfig, triton_json};
+use super::error::{ServeError, ServeErrorKind, ServeResult};
+use super::instance::{GuestMetadata, InferFailure, Instance, TensorDecl};
+use super::protocol::{Datatype, InferRequest, Tensor};
+use tpubox_core::device::DeviceService;
+use tpubox_wasm::sandbox::{RunOptions, Sandbox};
+use tpubox_core::tenant::Tenant;
+use tpubox_core::weights::WeightRegistry;
+
+/// The only version a model has.
+pub const VERSION: &str = "1";
+
+/// Counters of one model (Triton's statistics extension and metrics). Durations are in
+/// nanoseconds, summed over requests.
+#[derive(Debug, Default)]
+pub struct ModelStats {
+    /// Requests that succeeded.
+    pub success: AtomicU64,
+    /// Their summed end-to-end duration.
+    pub success_ns: AtomicU64,
+    /// Requests that failed after they were admitted to the model.
+    pub failure: AtomicU64,
+    /// Their summed duration.
+    pub failure_ns: AtomicU64,
+    /// Summed time requests waited in the queue.
+    pub queue_ns: AtomicU64,
+    /// Summed time of the `infer` calls requests were part of.
+    pub compute_ns: AtomicU64,
+    /// Batch items inferred (sum of the requests' batch sizes).
+    pub inference_count: AtomicU64,
+    /// `infer` calls (batches).
+    pub execution_count: AtomicU64,
+    /// Unix time of the last inference, in milliseconds.
+    pub last_inference_ms: AtomicU64,
+    /// Instances replaced after a trap.
+    pub instance_restarts: AtomicU64,
+    /// Executions per batch size: (count, summed infer ns), for the statistics' `batch_stats`.
+    pub batches: std::sync::Mutex<std::collections::BTreeMap<u64, (u64, u64)>>,
+}
+
+/// A request's outputs and what it cost.
+#[derive(Debug)]
+pub struct Inferred {
+    /// Outputs, in declared order, filtered to those asked for.
+    pub outputs: Vec<Tensor>,
+    /// Batch items (the request's batch size).
+    pub items: u64,
+    /// Time in the queue.
+    pub queued: Duration,
+    /// Time of the `infer` call it was part of.
+    pub compute: Duration,
+}
+
+/// Everything a model needs from the server to load.
+#[derive(Clone)]
+pub struct LoadContext {
+    /// The sandbox instances run in.
+    pub sandbox: Arc<Sandbox>,
+    /// The device.
+    pub device: Arc<DeviceService>,
+    /// The weight registry shared by all models.
+    pub weights: Arc<WeightRegistry>,
+    /// Weight sets already loaded, by name, and the file each came from.
+    pub loaded_weights: Arc<std::sync::Mutex<std::collections::BTreeMap<String, PathBuf>>>,
+    /// The server's metrics (executions are counted there as they happen, so the counters stay
+    /// cumulative across reloads).
+    pub metrics: Arc<super::metrics::Metrics>,
+}
+
+/// A loaded model.
+pub struct Model {
+    /// Its name (its directory's).
+    pub name: String,
+    /// Its configuration.
+    pub config: ModelConfig,
+    /// What its guest declared, with the configuration's `max_batch_size` applied.
+    pub metadata: GuestMetadata,
+    /// Its counters.
+    pub stats: Arc<ModelStats>,
+    /// The tenant its instances charge.
+    pub tenant: Arc<Tenant>,
+    queue: Arc<Queue>,
+    workers: Vec<JoinHandle<()>>,
+}
+
+fn to_dims(d: &TensorDecl) -> (String, Datatype, Vec<i64>) {
+    (d.name.clone(), d.datatype, d.dims.clone())
+}
+
+impl Model {
+    /// Loads the model in `dir`: reads its configuration, loads its weight sets and component,
+    /// starts its instances and checks what the guest declares against the configuration.
+    ///
+    /// Errors: a bad configuration, a missing or invalid component, weight files that do not
+    /// load or a weight-set name another model uses for a different file, a guest whose
+    /// `metadata()` disagrees with the configuration's inputs, outputs or `max_batch_size`.
+    pub async fn load(ctx: &LoadContext, name: &str, dir: &Path) -> Result<Arc<Model>> {
+        let config = ModelConfig::load(dir)?;
+        for (set, file) in &config.tpubox.weights {
+            let path = dir.join(file);
+            let canonical = path
+                .canonicalize()
+                .with_context(|| format!("weight set `{set}`: {}", path.display()))?;
+            let mut loaded = ctx.loaded_weights.lock().unwrap();
+            match loaded.get(set) {
+                Some(p) if *p == canonical => continue,
+                Some(p) => bail!(
+                    "weight set `{set}` is already loaded from {}; this model names {}",
+                    p.display(),
+                    canonical.display()
+                ),
+                None => {
+                    ctx.weights
+                        .load_safetensors(&ctx.device, set, &canonical, 0)
+                        .map_err(|e| anyhow::anyhow!("weight set `{set}`: {e}"))?;
+                    loaded.insert(set.clone(), canonical);
+                }
+            }
+        }
+        let component_path = config.component_path(dir)?;
+        let sandbox = Arc::clone(&ctx.sandbox);
+        let component =
+            tokio::task::spawn_blocking(move || sandbox.load_component(&component_path))
+                .await
+                .context("loading the component")??;
+        let tenant = Tenant::new(format!("model:{name}"), config.tenant_limits());
+        let opts = RunOptions {
+            dirs: vec![(config.files_dir(dir)?, "/model".to_string())],
+            tenant: Some(Arc::clone(&tenant)),
+            ..RunOptions::default()
+        };
+        let mut first = Instance::new(
+            &ctx.sandbox,
+            &ctx.device,
+            &ctx.weights,
+            &component,
+            name,
+            &opts,
+        )
+        .await?;
+        let mut metadata = first.metadata().await.context("the model's metadata()")?;
+        check_declared(&config, &metadata)?;
+        if let Some(m) = config.max_batch_size {
+            if m > metadata.max_batch_size {
+                bail!(
+                    "max_batch_size {m} is larger than the {} the model accepts",
+                    metadata.max_batch_size
+                );
+            }
+            metadata.max_batch_size = m;
+        }
+        let batching = metadata.max_batch_size > 0 && config.dynamic_batching.is_some();
+        let db = config.dynamic_batching.clone().unwrap_or_default();
+        let queue = Arc::new(Queue::new(BatchPolicy {
+            batching,
+            max_batch_size: u64::from(metadata.max_batch_size.max(1)),
+            preferred: db
+                .preferred_batch_size
+                .iter()
+                .map(|&b| u64::from(b))
+                .collect(),
+            max_delay: config.max_queue_delay(),
+            max_queue_size: db.default_queue_policy.max_queue_size as usize,
+        }));
+        let stats = Arc::new(ModelStats::default());
+        let mut instances = vec![first];
+        for _ in 1..config.instances() {
+            instances.push(
+                Instance::new(
+                    &ctx.sandbox,
+                    &ctx.device,
+                    &ctx.weights,
+                    &component,
+                    name,
+                    &opts,
+                )
+                .await?,
+            );
+        }
+        let workers = instances
+            .into_iter()
+            .map(|instance| {
+                let worker = Worker {
+                    name: name.to_string(),
+                    queue: Arc::clone(&queue),
+                    stats: Arc::clone(&stats),
+                    ctx: ctx.clone(),
+                    component: component.clone(),
+                    opts: opts.clone(),
+                    outputs: metadata.outputs.clone(),
+                };
+                tokio::spawn(worker.run(instance))
+            })
+            .collect();
+        tracing::info!(
+            model = name,
+            instances = config.instances(),
+            max_batch_size = metadata.max_batch_size,
+            batching,
+            "model loaded"
+        );
+        Ok(Arc::new(Model {
+            name: name.to_string(),
+            config,
+            metadata,
+            stats,
+            tenant,
+            queue,
+            workers,
+        }))
+    }
+
+    /// Requests waiting in the queue.
+    pub fn pending(&self) -> usize {
+        self.queue.len()
+    }
+
+    /// The Triton JSON configuration.
+    pub fn config_json(&self) -> serde_json::Value {
+        let ins: Vec<_> = self.metadata.inputs.iter().map(to_dims).collect();
+        let outs: Vec<_> = self.metadata.outputs.iter().map(to_dims).collect();
+        triton_json(
+            &self.name,
+            &self.config,
+            self.metadata.max_batch_size,
+            &ins,
+            &outs,
+        )
+    }
+
+    /// Shapes as the protocol reports them: with a leading -1 when the model batches.
+    pub fn protocol_shape(&self, d: &TensorDecl) -> Vec<i64> {
+        let mut s = Vec::with_capacity(d.dims.len() + 1);
+        if self.metadata.max_batch_size > 0 {
+            s.push(-1);
+        }
+        s.extend_from_slice(&d.dims);
+        s
+    }
+
+    /// Checks `req` against the declaration and orders its inputs as declared; returns them
+    /// and the request's batch size.
+    ///
+    /// Errors: bad request for an unknown, missing or repeated input, a wrong datatype or
+    /// shape, a batch of 0 or over `max_batch_size`, data that does not match its shape, or an
+    /// unknown requested output.
+    pub fn check_request(&self, req: &mut InferRequest) -> ServeResult<(Vec<Tensor>, u64)> {
+        let m = &self.metadata;
+        let batched = m.max_batch_size > 0;
+        for t in &req.inputs {
+            if !m.inputs.iter().any(|d| d.name == t.name) {
+                return Err(ServeError::bad_request(format!(
+                    "model `{}` has no input `{}` (inputs: {})",
+                    self.name,
+                    t.name,
+                    names(&m.inputs)
+                )));
+            }
+        }
+        for o in &req.outputs {
+            if !m.outputs.iter().any(|d| d.name == o.name) {
+                return Err(ServeError::bad_request(format!(
+                    "model `{}` has no output `{}` (outputs: {})",
+                    self.name,
+                    o.name,
+                    names(&m.outputs)
+                )));
+            }
+        }
+        let mut ordered = Vec::with_capacity(m.inputs.len());
+        let mut batch = None;
+        let mut inputs = std::mem::take(&mut req.inputs);
+        for d in &m.inputs {
+            let mut found = inputs.iter().filter(|t| t.name == d.name);
+            let (Some(_), None) = (found.next(), found.next()) else {
+                let n = inputs.iter().filter(|t| t.name == d.name).count();
+                return Err(ServeError::bad_request(if n == 0 {
+                    format!("input `{}` is missing", d.name)
+                } else {
+                    format!("input `{}` is given {n} times", d.name)
+                }));
+            };
+            let i = inputs.iter().position(|t| t.name == d.name).unwrap();
+            let t = inputs.swap_remove(i);
+            if t.datatype != d.datatype {
+                return Err(ServeError::bad_request(format!(
+                    "input `{}` has datatype {}, the model takes {}",
+                    d.name,
+                    t.datatype.name(),
+                    d.datatype.name()
+                )));
+            }
+            let want = self.protocol_shape(d);
+            let ok = t.shape.len() == want.len()
+                && t.shape
+                    .iter()
+                    .zip(&want)
+                    .all(|(&s, &w)| w < 0 || s == w as u64);
+            if !ok {
+                return Err(ServeError::bad_request(format!(
+                    "input `{}` has shape {:?}, the model takes {:?}",
+                    d.name, t.shape, want
+                )));
+            }
+            if batched {
+                let b = t.shape[0];
+                if b == 0 || b > u64::from(m.max_batch_size) {
+                    return Err(ServeError::bad_request(format!(
+                        "input `{}` has a batch of {b}; the model takes 1 to {}",
+                        d.name, m.max_batch_size
+                    )));
+                }
+                if *batch.get_or_insert(b) != b {
+                    return Err(ServeError::bad_request(format!(
+                        "input `{}` has a batch of {b}, other inputs {}",
+                        d.name,
+                        batch.unwrap()
+                    )));
+                }
+            }
+            t.check()?;
+            ordered.push(t);
+        }
+        Ok((ordered, batch.unwrap_or(1)))
+    }
+
+    /// Runs `req` (already admitted for its tenant): checks it, queues it, waits for its batch
+    /// and returns its outputs, filtered to those asked for. Counts it in the statistics.
+    ///
+    /// Errors: as [`Model::check_request`]; too many requests when the queue is full; the
+    /// model's errors ([`ServeError::from_model`]); internal when an instance trapped or
+    /// broke the interface's contract.
+    pub async fn infer(&self, mut req: InferRequest) -> ServeResult<Inferred> {
+        let (inputs, batch) = self.check_request(&mut req)?;
+        let start = Instant::now();
+        let (tx, rx) = oneshot::channel();
+        self.queue.push(Pending {
+            inputs,
+            batch,
+            enqueued: start,
+            reply: tx,
+        })?;
+        let result = rx.await.unwrap_or_else(|_| {
+            Err(ServeError::new(
+                ServeErrorKind::Internal,
+                "the model's instance stopped",
+            ))
+        });
+        let ns = start.elapsed().as_nanos() as u64;
+        let s = &self.stats;
+        match result {
+            Ok(Batched {
+                outputs,
+                queued,
+                compute,
+            }) => {
+                s.success.fetch_add(1, Ordering::Relaxed);
+                s.success_ns.fetch_add(ns, Ordering::Relaxed);
+                s.queue_ns
+                    .fetch_add(queued.as_nanos() as u64, Ordering::Relaxed);
+                s.compute_ns
+                    .fetch_add(compute.as_nanos() as u64, Ordering::Relaxed);
+                s.inference_count.fetch_add(batch, Ordering::Relaxed);
+                let ms = SystemTime::now()
+                    .duration_since(SystemTime::UNIX_EPOCH)
+                    .unwrap_or_default()
+                    .as_millis() as u64;
+                s.last_inference_ms.store(ms, Ordering::Relaxed);
+                let outputs = if req.outputs.is_empty() {
+                    outputs
+                } else {
+                    outputs
+                        .into_iter()
+                        .filter(|t| req.outputs.iter().any(|o| o.name == t.name))
+                        .collect()
+                };
+                Ok(Inferred {
+                    outputs,
+                    items: batch,
+                    queued,
+                    compute,
+                })
+            }
+            Err(e) => {
+                s.failure.fetch_add(1, Ordering::Relaxed);
+                s.failure_ns.fetch_add(ns, Ordering::Relaxed);
+                Err(e)
+            }
+        }
+    }
+
+    /// Stops taking requests, lets the instances finish those queued, and waits for them.
+    pub async fn shutdown(&self) {
+        self.queue.close();
+    }
+
+    /// Stops taking requests and fails those still queued as the server shutting down.
+    pub fn abort(&self) {
+        self.queue.abort(ServeError::new(
+            ServeErrorKind::ShuttingDown,
+            "the server is shutting down (its drain time is up)",
+        ));
+    }
+
+    /// Waits for every instance task to end (after [`Model::shutdown`]).
+    pub async fn join(self: Arc<Self>) {
+        let model = match Arc::try_unwrap(self) {
+            Ok(m) => m,
+            Err(_) => return,
+        };
+        for w in model.workers {
+            let _ = w.await;
+        }
+    }
+}
+
+fn names(ds: &[TensorDecl]) -> String {
+    ds.iter()
+        .map(|d| d.name.as_str())
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+/// The configuration's `input`/`output`, where given, must be what the guest declares.
+fn check_declared(config: &ModelConfig, m: &GuestMetadata) -> Result<()> {
+    for (what, cfg, decl) in [
+        ("input", &config.input, &m.inputs),
+        ("output", &config.output, &m.outputs),
+    ] {
+        if cfg.is_empty() {
+            continue;
+        }
+        for c in cfg {
+            let Some(d) = decl.iter().find(|d| d.name == c.name) else {
+                bail!(
+                    "the config declares {what} `{}`, the model has no such {what}",
+                    c.name
+                );
+            };
+            let dt = Datatype::from_name(&c.data_type).unwrap_or(Datatype::Bytes);
+            if dt != d.datatype || c.dims != d.dims {
+                bail!(
+                    "{what} `{}`: the config says {} {:?}, the model declares {} {:?}",
+                    c.name,
+                    dt.name(),
+                    c.dims,
+                    d.datatype.name(),
+                    d.dims
+                );
+            }
+        }
+        if cfg.len() != decl.len() {
+            bail!(
+                "the config declares {} {what}s, the model {} ({})",
+                cfg.len(),
+                decl.len(),
+                names(decl)
+            );
+        }
+    }
+    Ok(())
+}
+
+/// Sends each request of `batch` its part of the outputs.
+fn reply(batch: Vec<Pending>, parts: Vec<Vec<Tensor>>, compute: Duration) {
+    let now = Instant::now();
+    for (p, outputs) in batch.into_iter().zip(parts) {
+        let queued = now
+            .saturating_duration_since(p.enqueued)
+            .saturating_sub(compute);
+        let _ = p.reply.send(Ok(Batched {
+            outputs,
+            queued,
+            compute,
+        }));
+    }
+}
+
+/// One instance's task: takes batches from the queue, runs them, replaces the instance when
+/// it breaks.
+struct Worker {
+    name: String,
+    queue: Arc<Queue>,
+    stats: Arc<ModelStats>,
+    ctx: LoadContext,
+    component: wasmtime::component::Component,
+    opts: RunOptions,
+    outputs: Vec<TensorDecl>,
+}
+
+impl Worker {
+    async fn run(self, instance: Instance) {
+        let mut instance = Some(instance);
+        while let Some(batch) = self.queue.next_batch().await {
+            let inst = match &mut instance {
+                Some(i) => i,
+                None => match Instance::new(
+                    &self.ctx.sandbox,
+                    &self.ctx.device,
+                    &self.ctx.weights,
+                    &self.component,
+                    &self.name,
+                    &self.opts,
+                )
+                .await
+                {
+                    Ok(i) => {
+                        self.stats.instance_restarts.fetch_add(1, Ordering::Relaxed);
+                        instance.insert(i)
+                    }
+                    Err(e) => {
+                        let msg = format!(
+                            "model `{}`: replacing its instance failed: {e:#}",
+                            self.name
+                        );
+                        tracing::error!("{msg}");
+                        for p in batch {
+                            let _ = p
+                                .reply
+                                .send(Err(ServeError::new(ServeErrorKind::Internal, msg.clone())));
+                        }
+                        tokio::time::sleep(Duration::from_secs(1)).await;
+                        continue;
+                    }
+                },
+            };
+            let (outcome, compute, broken) = self.execute(inst, &batch).await;
+            if broken {
+                instance = None;
+            }
+            match outcome {
+                Ok(parts) => reply(batch, parts, compute),
+                // One request the guest refused would fail every request merged with it: run
+                // them one by one, so only the bad one fails.
+                Err(e) if e.kind == ServeErrorKind::BadRequest && batch.len() > 1 => {
+                    for p in batch {
+                        let Some(inst) = instance.as_mut() else {
+                            let _ = p.reply.send(Err(e.clone()));
+                            continue;
+                        };
+                        let one = std::slice::from_ref(&p);
+                        let (outcome, compute, broken) = self.execute(inst, one).await;
+                        if broken {
+                            instance = None;
+                        }
+                        match outcome {
+                            Ok(parts) => reply(vec![p], parts, compute),
+                            Err(e) => {
+                                let _ = p.reply.send(Err(e));
+                            }
+                        }
+                    }
+                }
+                Err(e) => {
+                    for p in batch {
+                        let _ = p.reply.send(Err(e.clone()));
+                    }
+                }
+            }
+        }
+    }
+
+    /// Runs `batch` as one `infer`: its outputs split per request, how long the call took, and
+    /// whether the instance broke (and must be replaced).
+    async fn execute(
+        &self,
+        inst: &mut Instance,
+        batch: &[Pending],
+    ) -> (ServeResult<Vec<Vec<Tensor>>>, Duration, bool) {
+        let sizes: Vec<u64> = batch.iter().map(|p| p.batch).collect();
+        let started = Instant::now();
+        let inputs = merge(batch);
+        self.stats.execution_count.fetch_add(1, Ordering::Relaxed);
+        self.ctx.metrics.executed(&self.name);
+        let result = inst.infer(inputs).await;
+        let compute = started.elapsed();
+        {
+            let mut b = self.stats.batches.lock().unwrap();
+            let e = b.entry(sizes.iter().sum()).or_default();
+            e.0 += 1;
+            e.1 += compute.as_nanos() as u64;
+        }
+        match result {
+            Ok(outputs) => (
+                self.check_outputs(outputs).and_then(|o| split(o, &sizes)),
+                compute,
+                false,
+            ),
+            Err(InferFailure::Model(e)) => {
+                (Err(ServeError::from_model(&self.name, &e)), compute, false)
+            }
+            Err(InferFailure::Broken(msg)) => {
+                tracing::warn!(model = %self.name, "instance replaced: {msg}");
+                (
+                    Err(ServeError::new(
+                        ServeErrorKind::Internal,
+                        format!("model `{}`: {msg}; the instance was replaced", self.name),
+                    )),
+                    compute,
+                    true,
+                )
+            }
+        }
+    }
+
+    /// The guest's outputs must be the declared ones, each once, well-formed; returned in
+    /// declared order.
+    fn check_outputs(&self, mut outputs: Vec<Tensor>) -> ServeResult<Vec<Tensor>> {
+        let broke = |m: String| {
+            ServeError::new(
+                ServeErrorKind::Internal,
+                format!("model `{}` broke its contract: {m}", self.name),
+            )
+        };
+        let mut ordered = Vec::with_capacity(self.outputs.len());
+        for d in &self.outputs {
+            let Some(i) = outputs.iter().position(|t| t.name == d.name) else {
+                return Err(broke(format!("it returned no output `{}`", d.name)));
+            };
+            let t = outputs.swap_remove(i);
+            if t.datatype != d.datatype {
+                return Err(broke(format!(
+                    "output `{}` is {}, declared {}",
+                    d.name,
+                    t.datatype.name(),
+                    d.datatype.name()
+                )));
+            }
+            t.check().map_err(|e| broke(e.message))?;
+            ordered.push(t);
+        }
+        if let Some(t) = outputs.first() {
+            return Err(broke(format!(
+                "it returned an undeclared output `{}`",
+                t.name
+            )));
+        }
+        Ok(ordered)
+    }
+}

@@ -1,0 +1,224 @@
+//! The session API: the daemon's front door for clients that hold state on the device between
+//! calls (a notebook kernel, a Python program, a Ray actor), gRPC service `tpubox.v1.Session`
+//! (`host/proto/tpubox/v1/session.proto`) over a Unix socket and TCP.
+//!
+//! A client opens a session with a tenant token and gets a session token back; with it, it puts
+//! and gets tensors, compiles StableHLO, executes with borrowed and donated handles, opens the
+//! daemon's shared weight sets, runs guest components and reads its usage. Each session is one
+//! [`tpubox_core::session::Session`] of the session layer with its own accounting tenant, so every
+//! limit and check a Wasm guest meets applies here too; nothing about tenants is decided in
+//! this module.
+//!
+//! One job per module:
+//! - [`policy`]: the `[tenant.session]` table of the tokens file and the limits of one session;
+//! - [`registry`]: the live sessions, their handle tables, and how they end;
+//! - [`grpc`]: the gRPC service;
+//! - [`local`]: the local socket beside the Unix socket, tensor data through shared memory.
+#![forbid(unsafe_code)]
+#![warn(missing_docs)]
+
+pub mod grpc;
+pub mod local;
+pub mod policy;
+pub mod registry;
+
+use std::future::Future;
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::sync::Arc;
+use std::time::Duration;
+
+use anyhow::{Context, Result};
+
+use tpubox_wasm::sandbox::Sandbox;
+use registry::{AccessResult, OpenGrant, Registry};
+
+/// HTTP/2 stream window of the session listeners, in bytes (a connection's is 4×).
+pub const WINDOW_BYTES: u32 = 16 << 20;
+/// Largest HTTP/2 frame the session listeners accept, in bytes (the protocol's ceiling is
+/// 2^24 - 1).
+pub const FRAME_BYTES: u32 = (1 << 24) - 1;
+
+/// Who may open sessions: the daemon's tokens file answers (`tpubox_serve::access`).
+pub trait SessionAccess: Send + Sync {
+    /// The tenant of a bearer token and its session policy.
+    ///
+    /// Errors: [`registry::AccessError::Unauthenticated`] for no token or an unknown one;
+    /// [`registry::AccessError::Device`] with `permission-denied` when the tenant may not open
+    /// sessions.
+    fn grant(&self, token: Option<&str>) -> AccessResult<OpenGrant>;
+}
+
+/// Where the session API listens and what it offers.
+#[derive(Debug, Clone, Default)]
+pub struct SessionApiConfig {
+    /// A Unix socket to create (mode 0600; an existing socket file is replaced), and beside
+    /// it the local socket `PATH.local` ([`local`]).
+    pub socket: Option<PathBuf>,
+    /// A TCP address.
+    pub tcp: Option<SocketAddr>,
+    /// A directory of components `RunComponent` runs by name (`DIR/NAME.wasm`).
+    pub components: Option<PathBuf>,
+    /// Largest request message, in bytes.
+    pub max_message_bytes: usize,
+}
+
+impl SessionApiConfig {
+    /// Whether any listener is configured.
+    pub fn enabled(&self) -> bool {
+        self.socket.is_some() || self.tcp.is_some()
+    }
+}
+
+/// The bound listeners of the session API.
+pub struct Listeners {
+    unix: Option<(tokio::net::UnixListener, PathBuf)>,
+    local: Option<(tokio::net::UnixListener, PathBuf)>,
+    tcp: Option<tokio::net::TcpListener>,
+}
+
+impl Listeners {
+    /// Binds what `config` names.
+    ///
+    /// Errors: a socket path that exists and is not a socket, a directory that does not
+    /// exist, an address in use.
+    pub async fn bind(config: &SessionApiConfig) -> Result<Self> {
+        let (unix, local) = match &config.socket {
+            Some(p) => {
+                let b = local::local_path(p);
+                (Some((bind_unix(p)?, p.clone())), Some((bind_unix(&b)?, b)))
+            }
+            None => (None, None),
+        };
+        let tcp = match config.tcp {
+            Some(a) => Some(
+                tokio::net::TcpListener::bind(a)
+                    .await
+                    .with_context(|| format!("binding the session port {a}"))?,
+            ),
+            None => None,
+        };
+        Ok(Listeners { unix, local, tcp })
+    }
+
+    /// The Unix socket's path, if any.
+    pub fn socket_path(&self) -> Option<&PathBuf> {
+        self.unix.as_ref().map(|(_, p)| p)
+    }
+
+    /// The TCP address actually bound, if any.
+    pub fn tcp_addr(&self) -> Option<SocketAddr> {
+        self.tcp.as_ref().and_then(|l| l.local_addr().ok())
+    }
+}
+
+/// Binds a Unix socket at `p` with mode 0600, replacing a stale socket file.
+fn bind_unix(p: &std::path::Path) -> Result<tokio::net::UnixListener> {
+    use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    if let Ok(m) = std::fs::symlink_metadata(p) {
+        if !m.file_type().is_socket() {
+            anyhow::bail!(
+                "--session-socket {}: the path exists and is not a socket",
+                p.display()
+            );
+        }
+        std::fs::remove_file(p)
+            .with_context(|| format!("removing the old socket {}", p.display()))?;
+    }
+    let l = tokio::net::UnixListener::bind(p)
+        .with_context(|| format!("binding the session socket {}", p.display()))?;
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
+        .with_context(|| format!("setting the mode of {}", p.display()))?;
+    Ok(l)
+}
+
+/// Serves the session API on `listeners` until `stop` resolves; then ends every session.
+///
+/// Errors: a listener fails.
+pub async fn serve(
+    listeners: Listeners,
+    registry: Arc<Registry>,
+    access: Arc<dyn SessionAccess>,
+    sandbox: Arc<Sandbox>,
+    config: SessionApiConfig,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> Result<()> {
+    let reaper = registry::spawn_reaper(&registry);
+    let (stop_tx, stop_rx) = tokio::sync::watch::channel(false);
+    let stopped = |mut rx: tokio::sync::watch::Receiver<bool>| async move {
+        let _ = rx.wait_for(|s| *s).await;
+    };
+    let local_path = listeners.local.as_ref().map(|(_, p)| p.clone());
+    let make = || {
+        grpc::service(
+            grpc::Service::new(
+                Arc::clone(&registry),
+                Arc::clone(&access),
+                Arc::clone(&sandbox),
+                config.components.clone(),
+            )
+            .with_local_socket(local_path.clone()),
+            config.max_message_bytes,
+        )
+    };
+    // HTTP/2 pings find clients whose machine went away without closing the connection, so
+    // their attached sessions end.
+    // Large flow-control windows and frames: a 64 MiB tensor then moves in a few round trips
+    // instead of thousands of 16 KiB frames and window updates.
+    let builder = || {
+        tonic::transport::Server::builder()
+            .http2_keepalive_interval(Some(Duration::from_secs(10)))
+            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
+            .initial_stream_window_size(Some(WINDOW_BYTES))
+            .initial_connection_window_size(Some(4 * WINDOW_BYTES))
+            .max_frame_size(Some(FRAME_BYTES))
+            .tcp_nodelay(true)
+    };
+    let mut tasks = Vec::new();
+    let socket_path = listeners.socket_path().cloned();
+    let local_task = listeners
+        .local
+        .map(|(l, _)| tokio::spawn(local::serve(l, Arc::clone(&registry))));
+    if let Some((l, _)) = listeners.unix {
+        let svc = make();
+        let stop = stopped(stop_rx.clone());
+        let mut b = builder();
+        tasks.push(tokio::spawn(async move {
+            b.add_service(svc)
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::UnixListenerStream::new(l),
+                    stop,
+                )
+                .await
+        }));
+    }
+    if let Some(l) = listeners.tcp {
+        let svc = make();
+        let stop = stopped(stop_rx.clone());
+        let mut b = builder();
+        tasks.push(tokio::spawn(async move {
+            b.add_service(svc)
+                .serve_with_incoming_shutdown(
+                    tokio_stream::wrappers::TcpListenerStream::new(l),
+                    stop,
+                )
+                .await
+        }));
+    }
+    stop.await;
+    registry.close_all("the daemon is stopping");
+    let _ = stop_tx.send(true);
+    for t in tasks {
+        if let Ok(Ok(Err(e))) = tokio::time::timeout(Duration::from_secs(1), t).await {
+            tracing::warn!("a session listener ended with: {e:#}");
+        }
+    }
+    reaper.abort();
+    if let Some(t) = local_task {
+        t.abort();
+    }
+    for p in [socket_path, local_path].into_iter().flatten() {
+        let _ = std::fs::remove_file(p);
+    }
+    Ok(())
+}

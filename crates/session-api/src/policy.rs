@@ -1,0 +1,271 @@
+//! What a tenant's sessions may hold: the `[tenant.session]` table of the tokens file, and
+//! the limits one session gets from it and from what the client asked for.
+
+use std::time::Duration;
+
+use serde::Deserialize;
+
+use tpubox_core::error::{DeviceError, DeviceResult};
+use tpubox_core::tenant::{ProgramPolicy, TenantLimits};
+
+/// `[tenant.session]` of the tokens file: the tenant may open sessions, each with these
+/// limits. Absent: the tenant may not (a serving-only token opens nothing).
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct SessionPolicy {
+    /// Sessions of the tenant open at once (default 16).
+    #[serde(default = "default_max_sessions")]
+    pub max_sessions: u32,
+    /// Device memory one session may hold, in MiB (default 8192).
+    pub max_device_mib: Option<u64>,
+    /// Live tensor handles of one session (default 10 000).
+    pub max_live_tensors: Option<u64>,
+    /// Live executables of one session (default 1 000).
+    pub max_live_executables: Option<u64>,
+    /// Largest program, in MiB (default 64).
+    pub max_program_mib: Option<u64>,
+    /// Compiles in any 60 s, cache hits included (default 600).
+    pub max_compiles_per_minute: Option<u32>,
+    /// Wall-clock limit of one guest run (`RunComponent`), in seconds (default 300).
+    pub max_call_seconds: Option<f64>,
+    /// Guest linear memory of one run, in MiB (default 4096).
+    pub max_guest_memory_mib: Option<u64>,
+    /// A session ends after this long with no call and no attached client, in seconds
+    /// (default 3600).
+    pub idle_timeout_seconds: Option<f64>,
+    /// Skip the program policy (loops, host transfers, custom calls) for this tenant's
+    /// programs (default false).
+    #[serde(default)]
+    pub trusted: bool,
+}
+
+fn default_max_sessions() -> u32 {
+    16
+}
+
+impl Default for SessionPolicy {
+    fn default() -> Self {
+        SessionPolicy {
+            max_sessions: default_max_sessions(),
+            max_device_mib: None,
+            max_live_tensors: None,
+            max_live_executables: None,
+            max_program_mib: None,
+            max_compiles_per_minute: None,
+            max_call_seconds: None,
+            max_guest_memory_mib: None,
+            idle_timeout_seconds: None,
+            trusted: false,
+        }
+    }
+}
+
+/// Default idle timeout of a session.
+pub const DEFAULT_IDLE_TIMEOUT: Duration = Duration::from_secs(3600);
+
+/// The limits of one session: the tenant's [`TenantLimits`] and its idle timeout.
+#[derive(Debug, Clone, PartialEq)]
+pub struct SessionLimits {
+    /// What the session's accounting tenant may hold and do.
+    pub tenant: TenantLimits,
+    /// How long the session may go without a call while no client is attached.
+    pub idle_timeout: Duration,
+}
+
+/// What a client may ask for at open: `None` (or 0 on the wire) keeps the tenant's value.
+#[derive(Debug, Clone, Default, PartialEq)]
+pub struct RequestedLimits {
+    /// Device bytes.
+    pub max_device_bytes: Option<u64>,
+    /// Live tensors.
+    pub max_live_tensors: Option<u64>,
+    /// Live executables.
+    pub max_live_executables: Option<u64>,
+    /// Program bytes.
+    pub max_program_bytes: Option<u64>,
+    /// Compiles per minute.
+    pub max_compiles_per_minute: Option<u32>,
+    /// One guest run, seconds.
+    pub max_call_seconds: Option<f64>,
+    /// Guest memory bytes.
+    pub max_guest_memory_bytes: Option<u64>,
+    /// Idle timeout, seconds.
+    pub idle_timeout_seconds: Option<f64>,
+}
+
+fn mib(m: u64) -> u64 {
+    m.saturating_mul(1 << 20)
+}
+
+fn seconds(s: f64) -> Duration {
+    Duration::from_secs_f64(s.clamp(0.001, 1e9))
+}
+
+impl SessionPolicy {
+    /// The limits the tenant's sessions get: [`TenantLimits::default`] with this table's
+    /// values.
+    pub fn limits(&self) -> SessionLimits {
+        let mut t = TenantLimits::default();
+        if let Some(m) = self.max_device_mib {
+            t.max_device_bytes = mib(m);
+        }
+        if let Some(n) = self.max_live_tensors {
+            t.max_live_tensors = n;
+        }
+        if let Some(n) = self.max_live_executables {
+            t.max_live_executables = n;
+        }
+        if let Some(m) = self.max_program_mib {
+            t.max_program_bytes = usize::try_from(mib(m)).unwrap_or(usize::MAX);
+        }
+        if let Some(n) = self.max_compiles_per_minute {
+            t.max_compiles_per_minute = n;
+        }
+        if let Some(s) = self.max_call_seconds {
+            t.max_call_time = Some(seconds(s));
+        }
+        if let Some(m) = self.max_guest_memory_mib {
+            t.max_guest_memory = usize::try_from(mib(m)).unwrap_or(usize::MAX);
+        }
+        t.program_policy = ProgramPolicy {
+            trusted: self.trusted,
+            ..ProgramPolicy::default()
+        };
+        SessionLimits {
+            tenant: t,
+            idle_timeout: self
+                .idle_timeout_seconds
+                .map_or(DEFAULT_IDLE_TIMEOUT, seconds),
+        }
+    }
+
+    /// Checks the table's values (the tokens file is refused at start-up otherwise).
+    ///
+    /// Errors: a message naming the field: `max_sessions` 0, a time that is not positive and
+    /// finite.
+    pub fn check(&self) -> Result<(), String> {
+        if self.max_sessions == 0 {
+            return Err(
+                "max_sessions must be at least 1 (drop [tenant.session] to forbid sessions)".into(),
+            );
+        }
+        for (name, v) in [
+            ("max_call_seconds", self.max_call_seconds),
+            ("idle_timeout_seconds", self.idle_timeout_seconds),
+        ] {
+            if v.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
+                return Err(format!("{name} must be a positive number of seconds"));
+            }
+        }
+        Ok(())
+    }
+}
+
+impl SessionLimits {
+    /// These limits narrowed by what the client asked for.
+    ///
+    /// Errors: `invalid-argument` naming the limit when a request is above the tenant's
+    /// value, or a time is not positive and finite.
+    pub fn narrowed(&self, r: &RequestedLimits) -> DeviceResult<SessionLimits> {
+        fn narrow<T: PartialOrd + Copy + std::fmt::Display>(
+            name: &str,
+            have: T,
+            want: Option<T>,
+        ) -> DeviceResult<T> {
+            match want {
+                None => Ok(have),
+                Some(w) if w <= have => Ok(w),
+                Some(w) => Err(DeviceError::invalid(format!(
+                    "the requested {name} ({w}) is above the tenant's ({have}); a session may only narrow its tenant's limits"
+                ))),
+            }
+        }
+        fn time(name: &str, v: Option<f64>) -> DeviceResult<Option<f64>> {
+            match v {
+                Some(s) if !(s.is_finite() && s > 0.0) => Err(DeviceError::invalid(format!(
+                    "the requested {name} must be a positive number of seconds"
+                ))),
+                v => Ok(v),
+            }
+        }
+        let mut out = self.clone();
+        let t = &mut out.tenant;
+        t.max_device_bytes = narrow("max-device-bytes", t.max_device_bytes, r.max_device_bytes)?;
+        t.max_live_tensors = narrow("max-live-tensors", t.max_live_tensors, r.max_live_tensors)?;
+        t.max_live_executables = narrow(
+            "max-live-executables",
+            t.max_live_executables,
+            r.max_live_executables,
+        )?;
+        t.max_program_bytes = narrow(
+            "max-program-bytes",
+            t.max_program_bytes as u64,
+            r.max_program_bytes,
+        )? as usize;
+        t.max_compiles_per_minute = narrow(
+            "max-compiles-per-minute",
+            t.max_compiles_per_minute,
+            r.max_compiles_per_minute,
+        )?;
+        t.max_guest_memory = narrow(
+            "max-guest-memory",
+            t.max_guest_memory as u64,
+            r.max_guest_memory_bytes,
+        )? as usize;
+        if let Some(s) = time("max-call-seconds", r.max_call_seconds)? {
+            let have = t.max_call_time.map_or(f64::INFINITY, |d| d.as_secs_f64());
+            t.max_call_time = Some(seconds(narrow("max-call-seconds", have, Some(s))?));
+        }
+        if let Some(s) = time("idle-timeout-seconds", r.idle_timeout_seconds)? {
+            let have = out.idle_timeout.as_secs_f64();
+            out.idle_timeout = seconds(narrow("idle-timeout-seconds", have, Some(s))?);
+        }
+        Ok(out)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use tpubox_core::error::ErrorKind;
+
+    #[test]
+    fn table_values_and_narrowing() {
+        let p: SessionPolicy = toml::from_str(
+            "max_sessions = 2\nmax_device_mib = 64\nidle_timeout_seconds = 10\ntrusted = true",
+        )
+        .unwrap();
+        assert!(p.check().is_ok());
+        let l = p.limits();
+        assert_eq!(l.tenant.max_device_bytes, 64 << 20);
+        assert_eq!(l.idle_timeout, Duration::from_secs(10));
+        assert!(l.tenant.program_policy.trusted);
+        let n = l
+            .narrowed(&RequestedLimits {
+                max_device_bytes: Some(1 << 20),
+                idle_timeout_seconds: Some(5.0),
+                ..Default::default()
+            })
+            .unwrap();
+        assert_eq!(n.tenant.max_device_bytes, 1 << 20);
+        assert_eq!(n.idle_timeout, Duration::from_secs(5));
+        let e = l
+            .narrowed(&RequestedLimits {
+                max_device_bytes: Some(65 << 20),
+                ..Default::default()
+            })
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument);
+        assert!(e.message.contains("max-device-bytes"), "{}", e.message);
+        let e = l
+            .narrowed(&RequestedLimits {
+                max_call_seconds: Some(f64::NAN),
+                ..Default::default()
+            })
+            .unwrap_err();
+        assert_eq!(e.kind, ErrorKind::InvalidArgument);
+        assert!(toml::from_str::<SessionPolicy>("max_sesions = 1").is_err());
+        let bad: SessionPolicy = toml::from_str("max_sessions = 0").unwrap();
+        assert!(bad.check().is_err());
+    }
+}

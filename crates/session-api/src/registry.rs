@@ -1,0 +1,600 @@
+//! The daemon's live sessions: opening them for a tenant, finding one by its token, the
+//! handle tables that give a client numbers instead of objects, and every way a session ends
+//! (close, idle timeout, its last attached client going away, the daemon stopping).
+//!
+//! Ending a session drops its handle tables, which returns every charge to its accounting
+//! tenant (the session layer's RAII charges); a request still running holds what it uses
+//! until it finishes, and what it would have added to the tables is dropped instead.
+
+use std::collections::{BTreeSet, HashMap};
+use std::sync::atomic::{AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, MutexGuard};
+use std::time::{Duration, Instant};
+
+use sha2::{Digest, Sha256};
+use tokio::sync::watch;
+
+use super::policy::{RequestedLimits, SessionLimits, SessionPolicy};
+use tpubox_core::device::DeviceService;
+use tpubox_core::error::{DeviceError, DeviceResult, ErrorKind};
+use tpubox_core::session::{ExecutableHandle, Session, TensorHandle};
+use tpubox_core::tenant::{Tenant, TenantUsage};
+use tpubox_core::weights::WeightRegistry;
+
+/// Source of handle numbers, shared by every session so that no number is valid in two.
+static NEXT_HANDLE: AtomicU64 = AtomicU64::new(1);
+
+/// Tokens of ended sessions remembered (to say "ended" rather than "unknown").
+const ENDED_REMEMBERED: usize = 10_000;
+
+/// Why a session call failed before reaching the session layer.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum AccessError {
+    /// No token, a malformed one, or one nobody issued: `unauthenticated`.
+    Unauthenticated(String),
+    /// The session this token opened has ended: `session-ended`, with the reason.
+    Ended(String),
+    /// A session-layer error (a limit, a permission).
+    Device(DeviceError),
+}
+
+impl From<DeviceError> for AccessError {
+    fn from(e: DeviceError) -> Self {
+        AccessError::Device(e)
+    }
+}
+
+/// A session call's result.
+pub type AccessResult<T> = Result<T, AccessError>;
+
+#[derive(Debug, Default)]
+struct Tables {
+    tensors: HashMap<u64, Arc<TensorHandle>>,
+    executables: HashMap<u64, Arc<ExecutableHandle>>,
+}
+
+#[derive(Debug)]
+struct Liveness {
+    last_used: Instant,
+    in_flight: u32,
+    attached: u32,
+}
+
+/// One open session: its session-layer [`Session`], the handle tables, and its liveness.
+#[derive(Debug)]
+pub struct LiveSession {
+    /// Its id (`s-` and 16 hex digits), for logs and clients.
+    pub id: String,
+    /// The tenant (of the tokens file) that opened it.
+    pub tenant_name: String,
+    /// What the client called it (e.g. a kernel id).
+    pub label: String,
+    /// The limits in force.
+    pub limits: SessionLimits,
+    /// Ends when its last attached client goes away.
+    pub end_on_disconnect: bool,
+    session: Session,
+    key: [u8; 32],
+    tables: Mutex<Option<Tables>>,
+    live: Mutex<Liveness>,
+    ended: watch::Sender<Option<String>>,
+}
+
+fn lock<T>(m: &Mutex<T>) -> MutexGuard<'_, T> {
+    // Poisoning only means a panic elsewhere while it was held; the tables stay usable.
+    m.lock().unwrap_or_else(|p| p.into_inner())
+}
+
+fn ended_error(reason: &str) -> AccessError {
+    AccessError::Ended(format!("the session has ended: {reason}"))
+}
+
+/// Keeps a session from being idle while a request runs; dropped when it finishes.
+pub struct Activity {
+    session: Arc<LiveSession>,
+}
+
+impl Drop for Activity {
+    fn drop(&mut self) {
+        let mut l = lock(&self.session.live);
+        l.in_flight -= 1;
+        l.last_used = Instant::now();
+    }
+}
+
+impl LiveSession {
+    /// The session layer's session (charges, checks, execution slots).
+    pub fn session(&self) -> &Session {
+        &self.session
+    }
+
+    /// Its accounting tenant.
+    pub fn tenant(&self) -> &Arc<Tenant> {
+        self.session.tenant()
+    }
+
+    /// Why it ended; `None` while open.
+    pub fn ended_reason(&self) -> Option<String> {
+        self.ended.borrow().clone()
+    }
+
+    /// A receiver that sees the reason when the session ends.
+    pub fn watch_end(&self) -> watch::Receiver<Option<String>> {
+        self.ended.subscribe()
+    }
+
+    fn with_tables<T>(&self, f: impl FnOnce(&mut Tables) -> T) -> AccessResult<T> {
+        let mut t = lock(&self.tables);
+        match t.as_mut() {
+            Some(t) => Ok(f(t)),
+            None => Err(ended_error(
+                &self.ended_reason().unwrap_or_else(|| "closed".into()),
+            )),
+        }
+    }
+
+    /// Adds a tensor; returns its handle number and the handle. After the session ended the
+    /// tensor is dropped (its charge returned) and the call fails with [`AccessError::Ended`].
+    pub fn insert_tensor(&self, t: TensorHandle) -> AccessResult<(u64, Arc<TensorHandle>)> {
+        let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+        let t = Arc::new(t);
+        self.with_tables(|tables| {
+            tables.tensors.insert(id, Arc::clone(&t));
+        })?;
+        Ok((id, t))
+    }
+
+    /// Creates a tensor from dense little-endian bytes and adds it (both front doors' put).
+    ///
+    /// Errors: as [`Session::tensor_from_bytes`]; [`AccessError::Ended`].
+    pub fn put(
+        &self,
+        ty: pjrt::PrimitiveType,
+        dims: &[u64],
+        data: &[u8],
+        device: Option<u32>,
+    ) -> AccessResult<(u64, Arc<TensorHandle>)> {
+        let t = self.session.tensor_from_bytes(ty, dims, data, device)?;
+        self.insert_tensor(t)
+    }
+
+    /// Runs executable `executable` on the tensors of `arguments`, donating the positions in
+    /// `donate`, and adds the results (both front doors' execute).
+    ///
+    /// Errors: `not-found` for a handle this session does not have; as
+    /// [`admit_handles`](Self::admit_handles) and [`Session::execute`].
+    pub async fn execute(
+        &self,
+        executable: u64,
+        arguments: &[u64],
+        donate: &[u32],
+    ) -> AccessResult<Vec<(u64, Arc<TensorHandle>)>> {
+        let exe = self.executable(executable)?;
+        let args = arguments
+            .iter()
+            .map(|&h| self.tensor(h))
+            .collect::<Result<Vec<_>, _>>()?;
+        self.admit_handles(exe.executable().outputs().len())?;
+        let refs: Vec<&TensorHandle> = args.iter().map(|a| a.as_ref()).collect();
+        let outputs = self.session.execute(&exe, &refs, donate).await?;
+        outputs.into_iter().map(|o| self.insert_tensor(o)).collect()
+    }
+
+    /// Adds an executable; as [`insert_tensor`](Self::insert_tensor).
+    pub fn insert_executable(&self, e: ExecutableHandle) -> AccessResult<u64> {
+        let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+        let e = Arc::new(e);
+        self.with_tables(move |tables| {
+            tables.executables.insert(id, e);
+            id
+        })
+    }
+
+    /// The tensor of handle `id`.
+    ///
+    /// Errors: `not-found` for a number this session does not have (never made, freed, or
+    /// another session's: a handle means nothing outside its session).
+    pub fn tensor(&self, id: u64) -> AccessResult<Arc<TensorHandle>> {
+        self.with_tables(|t| t.tensors.get(&id).cloned())?
+            .ok_or_else(|| {
+                DeviceError::new(
+                    ErrorKind::NotFound,
+                    format!("this session has no tensor handle {id} (freed, or never made here)"),
+                )
+                .into()
+            })
+    }
+
+    /// The executable of handle `id`; errors as [`tensor`](Self::tensor).
+    pub fn executable(&self, id: u64) -> AccessResult<Arc<ExecutableHandle>> {
+        self.with_tables(|t| t.executables.get(&id).cloned())?
+            .ok_or_else(|| {
+                DeviceError::new(
+                    ErrorKind::NotFound,
+                    format!(
+                        "this session has no executable handle {id} (freed, or never made here)"
+                    ),
+                )
+                .into()
+            })
+    }
+
+    /// Checks that `n` more tensor handles fit in the table before an execution adds them.
+    /// Live tensors are bounded by the session layer's charges; this bounds the handles of
+    /// donated tensors, which hold no charge but stay in the table (so that using one says
+    /// "donated") until the client frees them.
+    ///
+    /// Errors: `resource-exhausted` naming `max-live-tensors`.
+    pub fn admit_handles(&self, n: usize) -> AccessResult<()> {
+        let max = self.limits.tenant.max_live_tensors;
+        let held = self.with_tables(|t| t.tensors.len())?;
+        if (held + n) as u64 > max {
+            return Err(DeviceError::new(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "this session holds {held} tensor handles, donated ones included, and may hold at most {max} (limit max-live-tensors); free the handles it no longer needs"
+                ),
+            )
+            .into());
+        }
+        Ok(())
+    }
+
+    /// Frees handles; returns how many were freed and the numbers it did not have.
+    pub fn free(&self, tensors: &[u64], executables: &[u64]) -> AccessResult<(u32, Vec<u64>)> {
+        // The handles are dropped outside the lock (dropping returns charges).
+        let mut dropped_t = Vec::new();
+        let mut dropped_e = Vec::new();
+        let unknown = self.with_tables(|t| {
+            let mut unknown = Vec::new();
+            for id in tensors {
+                match t.tensors.remove(id) {
+                    Some(h) => dropped_t.push(h),
+                    None => unknown.push(*id),
+                }
+            }
+            for id in executables {
+                match t.executables.remove(id) {
+                    Some(h) => dropped_e.push(h),
+                    None => unknown.push(*id),
+                }
+            }
+            unknown
+        })?;
+        let freed = (dropped_t.len() + dropped_e.len()) as u32;
+        drop(dropped_t);
+        drop(dropped_e);
+        Ok((freed, unknown))
+    }
+
+    /// Live handles: (tensors, executables).
+    pub fn handle_counts(&self) -> (usize, usize) {
+        lock(&self.tables)
+            .as_ref()
+            .map_or((0, 0), |t| (t.tensors.len(), t.executables.len()))
+    }
+
+    /// Marks a request as running (the session is not idle) until the guard drops.
+    fn activity(self: &Arc<Self>) -> Activity {
+        let mut l = lock(&self.live);
+        l.in_flight += 1;
+        l.last_used = Instant::now();
+        Activity {
+            session: Arc::clone(self),
+        }
+    }
+
+    fn idle_for(&self, now: Instant) -> Option<Duration> {
+        let l = lock(&self.live);
+        (l.in_flight == 0 && l.attached == 0).then(|| now.saturating_duration_since(l.last_used))
+    }
+}
+
+/// An attached client: while any exists the session is not idle; when the last of a session
+/// opened with `end_on_disconnect` drops, the session ends.
+pub struct Attachment {
+    session: Arc<LiveSession>,
+    registry: Arc<Registry>,
+}
+
+impl Drop for Attachment {
+    fn drop(&mut self) {
+        let last = {
+            let mut l = lock(&self.session.live);
+            l.attached -= 1;
+            l.last_used = Instant::now();
+            l.attached == 0
+        };
+        if last && self.session.end_on_disconnect {
+            self.registry
+                .close(&self.session, "its client disconnected (end_on_disconnect)");
+        }
+    }
+}
+
+/// Ended sessions' token hashes with the reason, and their order (oldest first, for
+/// forgetting past [`ENDED_REMEMBERED`]).
+type EndedTokens = (
+    HashMap<[u8; 32], String>,
+    std::collections::VecDeque<[u8; 32]>,
+);
+
+/// What a tenant is allowed, as the registry needs it.
+#[derive(Debug, Clone)]
+pub struct OpenGrant {
+    /// The tenant's name.
+    pub tenant: String,
+    /// Its `[tenant.session]` table.
+    pub policy: SessionPolicy,
+}
+
+/// The live sessions of a daemon.
+#[derive(Debug)]
+pub struct Registry {
+    device: Arc<DeviceService>,
+    weights: Arc<WeightRegistry>,
+    sessions: Mutex<HashMap<[u8; 32], Arc<LiveSession>>>,
+    ended: Mutex<EndedTokens>,
+    tenants_seen: Mutex<BTreeSet<String>>,
+    stopping: Mutex<Option<String>>,
+}
+
+fn key_of(token: &str) -> [u8; 32] {
+    Sha256::digest(token.as_bytes()).into()
+}
+
+fn random_hex(bytes: usize) -> DeviceResult<String> {
+    let mut b = vec![0u8; bytes];
+    getrandom::fill(&mut b).map_err(|e| {
+        DeviceError::new(
+            ErrorKind::Internal,
+            format!("no randomness for a session token: {e}"),
+        )
+    })?;
+    Ok(hex::encode(b))
+}
+
+impl Registry {
+    /// No sessions yet, on `device`, able to open the weight sets of `weights`.
+    pub fn new(device: Arc<DeviceService>, weights: Arc<WeightRegistry>) -> Arc<Self> {
+        Arc::new(Registry {
+            device,
+            weights,
+            sessions: Mutex::new(HashMap::new()),
+            ended: Mutex::new(Default::default()),
+            tenants_seen: Mutex::new(BTreeSet::new()),
+            stopping: Mutex::new(None),
+        })
+    }
+
+    /// The shared device.
+    pub fn device(&self) -> &Arc<DeviceService> {
+        &self.device
+    }
+
+    /// The shared weight sets.
+    pub fn weights(&self) -> &Arc<WeightRegistry> {
+        &self.weights
+    }
+
+    /// Opens a session for `grant`'s tenant; returns it and its token (64 hex digits from
+    /// the OS's random source; only its SHA-256 is kept).
+    ///
+    /// Errors: `resource-exhausted` naming `max-sessions`; `invalid-argument` for requested
+    /// limits above the tenant's; `unavailable`-like `failed-precondition` while the daemon
+    /// stops.
+    pub fn open(
+        &self,
+        grant: &OpenGrant,
+        requested: &RequestedLimits,
+        end_on_disconnect: bool,
+        label: &str,
+    ) -> DeviceResult<(Arc<LiveSession>, String)> {
+        if let Some(why) = lock(&self.stopping).clone() {
+            return Err(DeviceError::new(ErrorKind::FailedPrecondition, why));
+        }
+        let limits = grant.policy.limits().narrowed(requested)?;
+        let token = random_hex(32)?;
+        let id = format!("s-{}", random_hex(8)?);
+        let key = key_of(&token);
+        let mut sessions = lock(&self.sessions);
+        let open = sessions
+            .values()
+            .filter(|s| s.tenant_name == grant.tenant)
+            .count();
+        if open >= grant.policy.max_sessions as usize {
+            return Err(DeviceError::new(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "tenant `{}` has {open} sessions open, its limit (limit max-sessions); close one first",
+                    grant.tenant
+                ),
+            ));
+        }
+        let tenant = Tenant::new(grant.tenant.clone(), limits.tenant.clone());
+        let session = Session::new(Arc::clone(&self.device), Arc::clone(&self.weights), tenant);
+        let label: String = label.chars().take(200).collect();
+        let live = Arc::new(LiveSession {
+            id: id.clone(),
+            tenant_name: grant.tenant.clone(),
+            label,
+            limits,
+            end_on_disconnect,
+            session,
+            key,
+            tables: Mutex::new(Some(Tables::default())),
+            live: Mutex::new(Liveness {
+                last_used: Instant::now(),
+                in_flight: 0,
+                attached: 0,
+            }),
+            ended: watch::Sender::new(None),
+        });
+        sessions.insert(key, Arc::clone(&live));
+        drop(sessions);
+        lock(&self.tenants_seen).insert(grant.tenant.clone());
+        tracing::info!(
+            session = %id,
+            tenant = %grant.tenant,
+            label = %live.label,
+            "session opened"
+        );
+        Ok((live, token))
+    }
+
+    /// The session of `token`, marked active until the returned guard drops.
+    ///
+    /// Errors: [`AccessError::Ended`] for a session that has ended (while remembered),
+    /// [`AccessError::Unauthenticated`] for a token nobody issued.
+    pub fn get(&self, token: &str) -> AccessResult<(Arc<LiveSession>, Activity)> {
+        let key = key_of(token);
+        if let Some(s) = lock(&self.sessions).get(&key).cloned() {
+            let a = s.activity();
+            return Ok((s, a));
+        }
+        if let Some(reason) = lock(&self.ended).0.get(&key) {
+            return Err(ended_error(reason));
+        }
+        // A token of the form Open returns that nobody here issued: most likely a session of
+        // an earlier run of the daemon (sessions do not survive a restart).
+        if token.len() == 64 && token.bytes().all(|b| b.is_ascii_hexdigit()) {
+            return Err(ended_error(
+                "no session has this token: it ended long ago, or the daemon restarted since it was opened (sessions do not survive a restart); open a new session (in a notebook: restart the kernel)",
+            ));
+        }
+        Err(AccessError::Unauthenticated(
+            "unknown session token (Open returns one; a tenant token does not work here)".into(),
+        ))
+    }
+
+    /// Attaches a client to `session`; see [`Attachment`].
+    pub fn attach(self: &Arc<Self>, session: &Arc<LiveSession>) -> Attachment {
+        let mut l = lock(&session.live);
+        l.attached += 1;
+        l.last_used = Instant::now();
+        Attachment {
+            session: Arc::clone(session),
+            registry: Arc::clone(self),
+        }
+    }
+
+    /// Ends `session`, freeing everything it holds; returns `false` when it had already
+    /// ended.
+    pub fn close(&self, session: &Arc<LiveSession>, reason: &str) -> bool {
+        let removed = lock(&self.sessions).remove(&session.key).is_some();
+        let tables = lock(&session.tables).take();
+        if !removed && tables.is_none() {
+            return false;
+        }
+        {
+            let mut ended = lock(&self.ended);
+            if ended.0.insert(session.key, reason.to_string()).is_none() {
+                ended.1.push_back(session.key);
+            }
+            while ended.1.len() > ENDED_REMEMBERED {
+                if let Some(k) = ended.1.pop_front() {
+                    ended.0.remove(&k);
+                }
+            }
+        }
+        let (tensors, executables) = tables
+            .as_ref()
+            .map_or((0, 0), |t| (t.tensors.len(), t.executables.len()));
+        // Dropping the tables returns their charges.
+        drop(tables);
+        session.ended.send_replace(Some(reason.to_string()));
+        tracing::info!(
+            session = %session.id,
+            tenant = %session.tenant_name,
+            tensors,
+            executables,
+            "session ended: {reason}"
+        );
+        true
+    }
+
+    /// Ends every session idle past its timeout; returns how many.
+    pub fn reap(&self, now: Instant) -> usize {
+        let idle: Vec<Arc<LiveSession>> = lock(&self.sessions)
+            .values()
+            .filter(|s| s.idle_for(now).is_some_and(|d| d > s.limits.idle_timeout))
+            .cloned()
+            .collect();
+        for s in &idle {
+            self.close(
+                s,
+                &format!(
+                    "idle for longer than its idle timeout of {:?} (idle_timeout_seconds)",
+                    s.limits.idle_timeout
+                ),
+            );
+        }
+        idle.len()
+    }
+
+    /// Refuses new sessions from now on and ends every session with `reason`.
+    pub fn close_all(&self, reason: &str) {
+        *lock(&self.stopping) = Some(reason.to_string());
+        let all: Vec<Arc<LiveSession>> = lock(&self.sessions).values().cloned().collect();
+        for s in &all {
+            self.close(s, reason);
+        }
+    }
+
+    /// Live sessions, in no order.
+    pub fn sessions(&self) -> Vec<Arc<LiveSession>> {
+        lock(&self.sessions).values().cloned().collect()
+    }
+
+    /// Live sessions of `tenant` and their usage summed.
+    pub fn tenant_usage(&self, tenant: &str) -> (u32, TenantUsage) {
+        let mut n = 0;
+        let mut u = TenantUsage::default();
+        for s in self.sessions().iter().filter(|s| s.tenant_name == tenant) {
+            n += 1;
+            add_usage(&mut u, &s.tenant().usage());
+        }
+        (n, u)
+    }
+
+    /// Every tenant that opened a session since start, with its live session count and usage
+    /// (for metrics: a tenant whose sessions all ended reads zero, not absent).
+    pub fn tenants(&self) -> Vec<(String, u32, TenantUsage)> {
+        let names: Vec<String> = lock(&self.tenants_seen).iter().cloned().collect();
+        names
+            .into_iter()
+            .map(|n| {
+                let (c, u) = self.tenant_usage(&n);
+                (n, c, u)
+            })
+            .collect()
+    }
+}
+
+/// Adds `b` into `a` (current values summed; peaks summed as an upper bound).
+pub fn add_usage(a: &mut TenantUsage, b: &TenantUsage) {
+    a.device_bytes += b.device_bytes;
+    a.peak_device_bytes += b.peak_device_bytes;
+    a.live_tensors += b.live_tensors;
+    a.peak_live_tensors += b.peak_live_tensors;
+    a.live_executables += b.live_executables;
+    a.compiles += b.compiles;
+    a.executions += b.executions;
+    a.device_seconds += b.device_seconds;
+    a.refused += b.refused;
+    a.executions_running += b.executions_running;
+}
+
+/// Ends idle sessions once a second while `registry` is alive.
+pub fn spawn_reaper(registry: &Arc<Registry>) -> tokio::task::JoinHandle<()> {
+    let weak = Arc::downgrade(registry);
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(1));
+        tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            tick.tick().await;
+            let Some(r) = weak.upgrade() else { break };
+            r.reap(Instant::now());
+        }
+    })
+}

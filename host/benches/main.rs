@@ -1,0 +1,53 @@
+//! tpubox's benchmarks, one binary (linked once, like the tests): `cargo bench -p tpubox
+//! --bench all -- NAME...` runs the named ones in order; with no name it lists them. Each prints
+//! its tables (recorded in `docs/BENCHMARKS.md`).
+
+mod cache;
+mod isolation;
+mod minilm;
+mod serve;
+mod sessions;
+mod spine;
+mod tenants;
+
+/// Name, what it measures, entry point.
+const BENCHES: &[(&str, &str, fn())] = &[
+    ("spine", "the cost of the sandbox per host call", spine::main),
+    ("minilm", "MiniLM: guest, native host and the anchors", minilm::main),
+    ("cache", "compile cache: time to first result per tier", cache::main),
+    ("tenants", "N tenants sharing one device", tenants::main),
+    ("isolation", "compile isolation: worker processes vs in process", isolation::main),
+    ("serve", "serving MiniLM over the Open Inference Protocol", serve::main),
+    ("sessions", "the session API: tiny calls and large transfers", sessions::main),
+];
+
+/// The guest component `name` built for wasm32-wasip2 in release (`scripts/dev.sh setup`
+/// builds them), under `$CARGO_TARGET_DIR` or the workspace's `target/`.
+pub fn guest_wasm(name: &str) -> std::path::PathBuf {
+    std::env::var_os("CARGO_TARGET_DIR")
+        .map(std::path::PathBuf::from)
+        .unwrap_or_else(|| std::path::PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("../target"))
+        .join(format!("wasm32-wasip2/release/{name}.wasm"))
+}
+
+fn main() {
+    // cargo passes `--bench` to a harness-less bench; flags are not bench names.
+    let names: Vec<String> = std::env::args()
+        .skip(1)
+        .filter(|a| !a.starts_with('-'))
+        .collect();
+    if names.is_empty() {
+        eprintln!("usage: cargo bench -p tpubox --bench all -- NAME...\n");
+        for (name, what, _) in BENCHES {
+            eprintln!("  {name:<10} {what}");
+        }
+        return;
+    }
+    for name in &names {
+        let Some((_, _, run)) = BENCHES.iter().find(|(n, _, _)| n == name) else {
+            eprintln!("no benchmark {name:?}; run without a name for the list");
+            std::process::exit(2);
+        };
+        run();
+    }
+}

@@ -1,0 +1,320 @@
+"""Handle lifetimes: :class:`Tensor` and :class:`Executable`, the handles a session holds on
+the daemon's device. Each is freed once: now (``free()``, a ``with`` block, ``Session.free``),
+or, when its last reference is dropped, queued by ``__del__`` (which never blocks on an RPC)
+and sent in one batch with the session's next call (``Session._flush_frees`` and :func:`drain`).
+"""
+
+from __future__ import annotations
+
+import collections
+from typing import TYPE_CHECKING, Any, Iterable, Mapping, Sequence, Union
+
+import numpy as np
+
+from . import _dtypes
+from ._proto import session_pb2 as pb
+from ._values import ArrayLike, TensorSpec
+
+if TYPE_CHECKING:
+    from .session import Session
+
+#: What :meth:`Session.free` takes: Tensor and Executable objects, or tensor handle numbers.
+Handle = Union["Tensor", "Executable", int]
+
+
+class _Handle:
+    """What a :class:`Tensor` and an :class:`Executable` share: a handle of a session, freed
+    once, now (:meth:`free`, a ``with`` block) or with the session's next call after the last
+    reference is dropped (``__del__`` only queues it: it never blocks on an RPC)."""
+
+    __slots__ = ()
+    _session: Session
+    _freed: bool
+    handle: int
+
+    def _free_now(self) -> None:
+        raise NotImplementedError
+
+    def _queue_free(self) -> None:
+        raise NotImplementedError
+
+    def free(self) -> None:
+        """Frees the handle now (one Free call); freeing twice is a no-op."""
+        if self._freed:
+            return
+        self._freed = True
+        if not self._session.closed:
+            self._free_now()
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __del__(self) -> None:
+        try:
+            if not self._freed and not self._session._closed:
+                self._freed = True
+                self._queue_free()
+        except Exception:  # interpreter shutdown: attributes may be gone
+            pass
+
+
+class Tensor(_Handle):
+    """A tensor on the daemon's device, held by a session.
+
+    Its data stays on the device until :meth:`numpy`; pass it to an :class:`Executable` (or a
+    :func:`tpubox.jax.jit` function) to use it without copying. Free it with :meth:`free`, a
+    ``with`` block, or by dropping the last reference (the free is then sent with the session's
+    next call; nothing blocks in ``__del__``). A donated tensor stays a handle that the daemon
+    refuses to use (:class:`tpubox.FailedPrecondition`) until freed.
+
+    Attributes:
+        handle: the handle number (meaningful in its session only).
+        shape: dims (``()`` for a scalar).
+        dtype: the NumPy dtype.
+        device: the device index it lives on.
+        nbytes: dense size in bytes (dtype size × product of dims), what it is charged.
+        read_only: a shared weight (may be read and passed, never donated).
+    """
+
+    __slots__ = (
+        "_session",
+        "handle",
+        "shape",
+        "dtype",
+        "device",
+        "nbytes",
+        "read_only",
+        "_freed",
+        "_donated",
+        "__weakref__",
+    )
+
+    def __init__(
+        self,
+        session: Session,
+        handle: int,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        device: int = 0,
+        nbytes: int = 0,
+        read_only: bool = False,
+    ):
+        self._session = session
+        self.handle: int = handle
+        self.shape: tuple[int, ...] = shape
+        self.dtype: np.dtype = dtype
+        self.device: int = device
+        self.nbytes: int = nbytes
+        self.read_only: bool = read_only
+        self._freed = False
+        self._donated = False
+
+    @classmethod
+    def _from_pb(cls, session: Session, info: pb.TensorInfo) -> Tensor:
+        return cls(
+            session,
+            info.handle,
+            tuple(int(d) for d in info.spec.dims),
+            _dtypes.from_wire(info.spec.dtype),
+            info.device,
+            info.byte_size,
+            info.read_only,
+        )
+
+    @classmethod
+    def _from_json(cls, session: Session, info: Mapping[str, Any]) -> Tensor:
+        """From the local socket's TENSOR_INFO (dtype by its wire name)."""
+        return cls(
+            session,
+            int(info["handle"]),
+            tuple(int(d) for d in info["dims"]),
+            _dtypes.from_wire(pb.DType.Value(str(info["dtype"]).upper())),
+            int(info.get("device", 0)),
+            int(info.get("byte_size", 0)),
+            bool(info.get("read_only", False)),
+        )
+
+    @property
+    def session(self) -> Session:
+        """The session that holds it."""
+        return self._session
+
+    @property
+    def ndim(self) -> int:
+        """Number of dims."""
+        return len(self.shape)
+
+    @property
+    def size(self) -> int:
+        """Number of elements."""
+        return int(np.prod(self.shape, dtype=np.int64))
+
+    @property
+    def spec(self) -> TensorSpec:
+        """Its :class:`TensorSpec` (shape and dtype)."""
+        return TensorSpec(self.shape, self.dtype)
+
+    @property
+    def freed(self) -> bool:
+        """Whether :meth:`free` was called (or its session was closed)."""
+        return self._freed or self._session.closed
+
+    @property
+    def donated(self) -> bool:
+        """Whether it was donated to an execution (its device memory is gone)."""
+        return self._donated
+
+    def numpy(self, *, timeout: float | None = None) -> np.ndarray:
+        """Copies the tensor to a new, writable NumPy array of its shape and dtype.
+
+        Raises:
+            tpubox.NotFound: it was freed; tpubox.FailedPrecondition: it was donated;
+            tpubox.Unavailable: the daemon is gone.
+        """
+        return self._session.get(self, timeout=timeout)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def _free_now(self) -> None:
+        self._session._free_handles([self.handle], [])
+
+    def _queue_free(self) -> None:
+        self._session._pending_tensors.append(self.handle)
+
+    def __enter__(self) -> Tensor:
+        return self
+
+    def __repr__(self) -> str:
+        state = ""
+        if self._freed:
+            state = ", freed"
+        elif self._donated:
+            state = ", donated"
+        elif self._session.closed:
+            state = ", session closed"
+        ro = ", read_only" if self.read_only else ""
+        return (
+            f"tpubox.Tensor(handle={self.handle}, shape={self.shape}, dtype={self.dtype}, "
+            f"device={self.device}{ro}{state})"
+        )
+
+
+class Executable(_Handle):
+    """A compiled program held by a session (:meth:`Session.compile`).
+
+    Call it with one argument per parameter: :class:`Tensor` s (used where they are) or
+    anything NumPy can turn into an array (put on the device for this call and freed after;
+    Python scalars and lists take the parameter's dtype). It returns one new :class:`Tensor`
+    per result.
+
+    Attributes:
+        handle: the executable's handle number.
+        parameters: the parameters' :class:`TensorSpec` s, in order.
+        results: the results' specs.
+        result_bytes: device bytes of the results of one execution.
+        temp_bytes: device bytes of the temporaries one execution holds.
+        fingerprint: the program's compile-cache key (hex).
+    """
+
+    __slots__ = (
+        "_session",
+        "handle",
+        "parameters",
+        "results",
+        "result_bytes",
+        "temp_bytes",
+        "fingerprint",
+        "_freed",
+        "__weakref__",
+    )
+
+    def __init__(self, session: Session, resp: pb.CompileResponse):
+        self._session = session
+        self.handle: int = resp.executable
+        self.parameters: tuple[TensorSpec, ...] = tuple(
+            TensorSpec._from_pb(s) for s in resp.parameters
+        )
+        self.results: tuple[TensorSpec, ...] = tuple(TensorSpec._from_pb(s) for s in resp.results)
+        self.result_bytes: int = resp.result_bytes
+        self.temp_bytes: int = resp.temp_bytes
+        self.fingerprint: str = resp.fingerprint
+        self._freed = False
+
+    @property
+    def session(self) -> Session:
+        """The session that holds it."""
+        return self._session
+
+    def __call__(
+        self, *args: Tensor | ArrayLike, donate: Iterable[int] = (), timeout: float | None = None
+    ) -> list[Tensor]:
+        """Executes the program on ARGS; returns one new Tensor per result.
+
+        Args:
+            args: one per parameter, in order: Tensors of this session, or arrays.
+            donate: positions in ARGS whose tensors are donated: on success their device memory
+                is gone (the Tensor objects stay handles, refused by the daemon, until freed).
+            timeout: deadline of the call in seconds (default none).
+
+        Raises:
+            tpubox.InvalidArgument: wrong argument count, dtypes or shapes;
+            tpubox.NotFound: a tensor this session does not have (freed, another session's);
+            tpubox.FailedPrecondition: a donated tensor;
+            tpubox.ResourceExhausted: the results would exceed ``max-device-bytes`` or
+            ``max-live-tensors``; tpubox.ExecutionFailed.
+        """
+        s = self._session
+        donate = tuple(int(i) for i in donate)
+        handles: list[int] = []
+        temps: list[Tensor] = []
+        try:
+            for i, a in enumerate(args):
+                if isinstance(a, Tensor):
+                    handles.append(a.handle)
+                    continue
+                dtype = None
+                if not isinstance(a, np.ndarray) and not hasattr(a, "__array__"):
+                    if i < len(self.parameters):
+                        dtype = self.parameters[i].dtype
+                t = s.tensor(a, dtype=dtype)
+                temps.append(t)
+                handles.append(t.handle)
+            outs = s._execute(self.handle, handles, donate, timeout)
+            for i in donate:
+                if 0 <= i < len(args) and isinstance(args[i], Tensor):
+                    args[i]._donated = True
+            return outs
+        finally:
+            if temps:
+                s.free(*temps)
+
+    def _free_now(self) -> None:
+        self._session._free_handles([], [self.handle])
+
+    def _queue_free(self) -> None:
+        self._session._pending_executables.append(self.handle)
+
+    def __enter__(self) -> Executable:
+        return self
+
+    def __repr__(self) -> str:
+        def specs(ss: Sequence[TensorSpec]) -> str:
+            return ", ".join(f"{s.dtype}{list(s.shape)}" for s in ss)
+
+        freed = ", freed" if self._freed else ""
+        return (
+            f"tpubox.Executable(handle={self.handle}, ({specs(self.parameters)}) -> "
+            f"({specs(self.results)}){freed})"
+        )
+
+
+def drain(dq: collections.deque[int]) -> list[int]:
+    """Takes every handle queued in DQ (safe against ``__del__`` appending meanwhile)."""
+    out = []
+    while True:
+        try:
+            out.append(dq.popleft())
+        except IndexError:
+            return out

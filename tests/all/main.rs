@@ -1,0 +1,21 @@
+//! tpubox's integration tests: one test binary (as wasmtime's `tests/all`), so that a test run
+//! links once, not once per file. Each module is one suite; they drive the `tpubox` binary
+//! (compile workers, `tpubox exec`, `tpubox new`, `tpubox serve`) and the crates below it.
+//!
+//! Run one suite with `cargo test --release -p tpubox --test all -- MODULE::`.
+
+mod adversarial;
+mod cache;
+mod cache_remote;
+mod exec;
+mod fuzz_regressions;
+mod graph;
+mod guests;
+mod layering;
+mod lists;
+mod minilm;
+mod plugins;
+mod polyglot;
+mod sessions;
+mod support;
+mod templates;
