@@ -82,7 +82,7 @@ setup_system() {
 # Python tools of the tests, each in its own venv under $CACHE (never the system Python), built
 # from a requirements file that pins every package, transitive ones too (scripts/venvs/).
 SERVE_VENV="$CACHE/venv-serve"   # tritonclient, numpy, pytest: tests/serve (tpubox serve)
-MOTO_VENV="$CACHE/venv-moto"     # moto's S3 server: tests/cache_remote.rs (tier-3 cache)
+MOTO_VENV="$CACHE/venv-moto"     # moto's S3 server: tests/all/cache_remote.rs (tier-3 cache)
 JAX_VENV="$CACHE/venv-jax"       # a pinned jax: tests/jax (jax.export artifacts through tpubox exec)
 PYTHON_VENV="$CACHE/venv-python" # the tpubox Python client: python/tests, tests/notebook (Jupyter)
 BENCH_VENV="$CACHE/venv-bench"   # the MiniLM benchmark's anchors (PyTorch, ONNX Runtime): bench only
@@ -421,6 +421,10 @@ case "$cmd" in
     cargo clippy --workspace --all-targets -- -D warnings
     log "cargo doc (warnings are errors)"
     RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
+    # fuzz/ is its own workspace (cargo fuzz's flags); check that its targets still build, in
+    # this target dir so that the dependencies clippy just checked are reused.
+    log "cargo clippy of the fuzz targets (fuzz/, warnings are errors)"
+    CARGO_TARGET_DIR="$TARGET" cargo clippy --manifest-path fuzz/Cargo.toml --bins -- -D warnings
     ;;
   bench)
     setup

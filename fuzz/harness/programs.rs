@@ -2,7 +2,7 @@
 //! tenant of one long-lived host.
 //!
 //! Shared by the cargo-fuzz target (`fuzz/fuzz_targets/programs.rs`) and the host tests that
-//! replay `fuzz/regressions/programs/` and sweep fixed seeds (`tests/fuzz_regressions.rs`),
+//! replay `fuzz/regressions/programs/` and sweep fixed seeds (`tests/all/fuzz_regressions.rs`),
 //! through `#[path]`. The generator is `program_gen.rs`.
 //!
 //! Each input becomes one module ([`program_gen::generate`]), which a fresh untrusted tenant
@@ -30,13 +30,13 @@
 use std::sync::{Arc, OnceLock};
 
 use arbitrary::Unstructured;
+use tpubox_core::DeviceConfig;
 use tpubox_core::cache::CacheConfig;
 use tpubox_core::compiler::CompileIsolation;
 use tpubox_core::device::DeviceService;
 use tpubox_core::session::ProgramFormat;
 use tpubox_core::weights::WeightRegistry;
 use tpubox_core::{ErrorKind, Session, Tenant, TenantLimits};
-use tpubox_core::DeviceConfig;
 
 #[path = "program_gen.rs"]
 pub mod program_gen;

@@ -1,7 +1,7 @@
 //! The `wit_calls` harness: random sequences of `tpubox:device` calls against one long-lived host.
 //!
 //! Shared by the cargo-fuzz target (`fuzz/fuzz_targets/wit_calls.rs`) and the ordinary test that
-//! replays `fuzz/regressions/wit_calls/` (`tests/fuzz_regressions.rs`), through `#[path]`.
+//! replays `fuzz/regressions/wit_calls/` (`tests/all/fuzz_regressions.rs`), through `#[path]`.
 //!
 //! Each input decodes (with `arbitrary`) into tenant limits and a list of operations: create
 //! tensors with random dtype, dims, bytes and device; copy, read, inspect and drop them; compile
@@ -26,16 +26,16 @@
 use std::sync::{Arc, OnceLock};
 
 use arbitrary::Arbitrary;
+use tpubox_core::DeviceConfig;
 use tpubox_core::cache::CacheConfig;
 use tpubox_core::device::DeviceService;
 use tpubox_core::session::TensorHandle;
 use tpubox_core::weights::WeightRegistry;
+use tpubox_core::{DeviceError, ErrorKind, NamedValue, Session, Tenant, TenantLimits};
 use tpubox_wasm::wit::generated::tpubox::device::client::{self, CompileOptions, ProgramFormat};
 use tpubox_wasm::wit::generated::tpubox::device::types::{self, Dtype};
 use tpubox_wasm::wit::generated::tpubox::device::weights;
 use tpubox_wasm::wit::{DeviceState, GuestWeightSet, HostError};
-use tpubox_core::{DeviceError, ErrorKind, NamedValue, Session, Tenant, TenantLimits};
-use tpubox_core::DeviceConfig;
 use wasmtime::component::{Resource, ResourceTable};
 
 /// Valid programs the fuzzer compiles (and mutates). Their parameters use the shapes the

@@ -11,10 +11,10 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
+use tpubox_core::DeviceConfig;
+use tpubox_core::DeviceService;
 use tpubox_core::cache::{CacheConfig, CacheMode};
 use tpubox_core::compiler::CompileIsolation;
-use tpubox_core::DeviceService;
-use tpubox_core::DeviceConfig;
 
 fn service(worker: bool, mode: CacheMode) -> Arc<DeviceService> {
     tpubox_core::open_device(&DeviceConfig {

@@ -12,13 +12,37 @@ mod tenants;
 
 /// Name, what it measures, entry point.
 const BENCHES: &[(&str, &str, fn())] = &[
-    ("spine", "the cost of the sandbox per host call", spine::main),
-    ("minilm", "MiniLM: guest, native host and the anchors", minilm::main),
-    ("cache", "compile cache: time to first result per tier", cache::main),
+    (
+        "spine",
+        "the cost of the sandbox per host call",
+        spine::main,
+    ),
+    (
+        "minilm",
+        "MiniLM: guest, native host and the anchors",
+        minilm::main,
+    ),
+    (
+        "cache",
+        "compile cache: time to first result per tier",
+        cache::main,
+    ),
     ("tenants", "N tenants sharing one device", tenants::main),
-    ("isolation", "compile isolation: worker processes vs in process", isolation::main),
-    ("serve", "serving MiniLM over the Open Inference Protocol", serve::main),
-    ("sessions", "the session API: tiny calls and large transfers", sessions::main),
+    (
+        "isolation",
+        "compile isolation: worker processes vs in process",
+        isolation::main,
+    ),
+    (
+        "serve",
+        "serving MiniLM over the Open Inference Protocol",
+        serve::main,
+    ),
+    (
+        "sessions",
+        "the session API: tiny calls and large transfers",
+        sessions::main,
+    ),
 ];
 
 /// The guest component `name` built for wasm32-wasip2 in release (`scripts/dev.sh setup`

@@ -24,9 +24,9 @@ use std::time::Instant;
 use minilm_embed::{
     EncoderInput, SentenceTokenizer, build_encoder_mlir, encoder_inputs, pack, plan,
 };
+use tpubox_core::PrimitiveType;
 use tpubox_core::device::{Arg, DeviceExecutable, DeviceTensor};
 use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
-use tpubox_core::PrimitiveType;
 
 const SENTENCES: usize = 1024;
 /// Rounds of the side-by-side comparison. On a shared 2-core VM the load moves by more than the

@@ -20,11 +20,11 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tpubox_wasm::sandbox::{RunOptions, Sandbox};
+use tpubox_core::weights::WeightRegistry;
 use tpubox_serve::instance::Instance;
 use tpubox_serve::protocol::{Datatype, Tensor, push_bytes_element};
-use tpubox_core::weights::WeightRegistry;
-use tpubox_wasm::{HostConfig, SandboxConfig};
+use tpubox_wasm::SandboxConfig;
+use tpubox_wasm::sandbox::{RunOptions, Sandbox};
 
 /// Requests per client in one served phase.
 const PER_CLIENT: usize = 96;

@@ -14,14 +14,14 @@ use std::time::Instant;
 use tonic::Request;
 use tonic::metadata::MetadataValue;
 use tonic::transport::{Channel, Endpoint};
-use tpubox_wasm::sandbox::Sandbox;
+use tpubox_core::{PrimitiveType, Session};
 use tpubox_serve::access::Access;
 use tpubox_session_api::grpc::v1::session_client::SessionClient;
 use tpubox_session_api::grpc::v1::*;
 use tpubox_session_api::registry::Registry;
 use tpubox_session_api::{SessionAccess, SessionApiConfig};
+use tpubox_wasm::sandbox::Sandbox;
 use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
-use tpubox_core::{PrimitiveType, Session};
 
 const SCALAR_ADD: &str = r#"
 func.func public @main(%a: tensor<f32>, %b: tensor<f32>) -> tensor<f32> {

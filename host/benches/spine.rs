@@ -12,9 +12,9 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::Instant;
 
+use tpubox_core::PrimitiveType;
 use tpubox_core::device::Arg;
 use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
-use tpubox_core::PrimitiveType;
 
 const SCALAR_ADD: &str = r#"
 func.func public @main(%a: tensor<f32>, %b: tensor<f32>) -> tensor<f32> {

@@ -17,8 +17,8 @@ use std::path::PathBuf;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
-use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
 use tpubox_core::{Tenant, TenantLimits};
+use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
 
 const TENANT_COUNTS: [usize; 4] = [1, 4, 16, 64];
 const RUNS: usize = 8;

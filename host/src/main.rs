@@ -1,4 +1,7 @@
 //! The `tpubox` command line: set up plugins, list devices, run guests, execute programs.
+// The doc comments below are also `tpubox --help` (clap): `[tpubox]` there names a TOML
+// section for people, not an item, and must print as written.
+#![allow(rustdoc::broken_intra_doc_links)]
 
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -24,7 +27,9 @@ enum RemoteCache {}
 #[cfg(not(feature = "remote-cache"))]
 impl RemoteCache {
     fn open(url: &str) -> Result<Self> {
-        bail!("--cache-remote {url}: this tpubox was built without the remote cache tier (cargo feature `remote-cache`)")
+        bail!(
+            "--cache-remote {url}: this tpubox was built without the remote cache tier (cargo feature `remote-cache`)"
+        )
     }
     fn url(&self) -> &str {
         match *self {}
@@ -657,7 +662,8 @@ async fn main_inner(cli: Cli) -> Result<bool> {
                 let lib = plugin::install(p)?;
                 println!("{}: {}", p.name, lib.display());
                 if let Some(a) = tpubox_core::accelerator::Accelerator::for_library(&lib)
-                    && let Err(missing) = tpubox_core::accelerator::detect(a, std::path::Path::new("/"))
+                    && let Err(missing) =
+                        tpubox_core::accelerator::detect(a, std::path::Path::new("/"))
                 {
                     eprintln!("tpubox setup: note: {missing}");
                 }

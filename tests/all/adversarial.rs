@@ -17,11 +17,13 @@ use std::time::Duration;
 use tpubox_core::device::Arg;
 use tpubox_core::session::{ExecutableHandle, TensorHandle};
 use tpubox_core::weights::WeightRegistry;
-use tpubox_wasm::wit::generated::tpubox::device::client::{CompileOptions, Host as _, ProgramFormat};
+use tpubox_core::{DeviceService, ErrorKind, PrimitiveType, Session, Tenant, TenantLimits};
+use tpubox_wasm::wit::generated::tpubox::device::client::{
+    CompileOptions, Host as _, ProgramFormat,
+};
 use tpubox_wasm::wit::generated::tpubox::device::types::{Dtype, HostTensor};
 use tpubox_wasm::wit::generated::tpubox::device::weights::{Host as _, HostWeightSet as _};
 use tpubox_wasm::wit::{DeviceState, HostError, HostResult};
-use tpubox_core::{DeviceService, ErrorKind, PrimitiveType, Session, Tenant, TenantLimits};
 use tpubox_wasm::{Host, HostConfig, RunOptions, RunOutcome};
 use wasmtime::component::{Component, Resource};
 
@@ -1158,12 +1160,13 @@ async fn guest_sandbox_cases(e: &mut Env) {
 async fn direct_service_cases(e: &mut Env) {
     let dev = Arc::clone(e.host.device());
     let nobody = Tenant::new("direct-service", limits());
-    let expect = |case: &str, r: tpubox_core::error::DeviceResult<()>, kind: ErrorKind, has: &str| {
-        let err = r.expect_err(case);
-        assert_eq!(err.kind, kind, "{case}: {}", err.message);
-        assert!(err.message.contains(has), "{case}: {}", err.message);
-        format!("{} ({})", kind.as_str(), err.message)
-    };
+    let expect =
+        |case: &str, r: tpubox_core::error::DeviceResult<()>, kind: ErrorKind, has: &str| {
+            let err = r.expect_err(case);
+            assert_eq!(err.kind, kind, "{case}: {}", err.message);
+            assert!(err.message.contains(has), "{case}: {}", err.message);
+            format!("{} ({})", kind.as_str(), err.message)
+        };
 
     let r = dev
         .tensor_from_bytes(PrimitiveType::F32, &[-1, 4], &[], 0)

@@ -1,13 +1,12 @@
 //! The compile cache (tiers 1 and 2) on the CPU plugin: single-flight, multi-process safety,
 //! corruption handling, key isolation between plugins, and the read-only / cache-only modes.
 
-
 use std::path::Path;
 use std::sync::Arc;
 
+use tpubox_core::DeviceConfig;
 use tpubox_core::cache::{CacheConfig, CacheMode, DiskCache};
 use tpubox_core::{DeviceService, ErrorKind, PrimitiveType};
-use tpubox_core::DeviceConfig;
 
 const SCALE: &str = r#"
 func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {
@@ -217,9 +216,11 @@ fn two_processes_racing_on_one_key_leave_one_valid_entry() {
             .collect();
         assert!(leftovers.is_empty(), "temporary files left behind");
         for i in 0..2 {
-            let out =
-                tpubox_core::npy::read_npy(&work.path().join(format!("out-{round}-{i}/out0.npy")), None)
-                    .unwrap();
+            let out = tpubox_core::npy::read_npy(
+                &work.path().join(format!("out-{round}-{i}/out0.npy")),
+                None,
+            )
+            .unwrap();
             let got: Vec<f32> = out
                 .data
                 .chunks_exact(4)

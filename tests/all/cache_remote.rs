@@ -1,7 +1,6 @@
 //! Tier 3 of the compile cache: a `file://` store and a real S3-compatible server (moto) on
 //! loopback, the race between fetching and compiling, background uploads, and the modes.
 
-
 use std::io::{Read, Write};
 use std::net::{TcpListener, TcpStream};
 use std::path::{Path, PathBuf};
@@ -11,9 +10,9 @@ use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::{Duration, Instant};
 
 use tpubox_cache_remote::RemoteCache;
+use tpubox_core::DeviceConfig;
 use tpubox_core::cache::{CacheConfig, CacheMode, CompileCache, Compiled, DiskCache};
 use tpubox_core::{DeviceService, ErrorKind};
-use tpubox_core::DeviceConfig;
 
 const SCALE: &str = r#"
 func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {

@@ -966,12 +966,7 @@ const DTYPES: &[DtypeRow] = &[
     DtypeRow { wit: "f64", bytes: 8, xla: "F64", xla_number: 12, mlir: "f64", npy: "<f8", numpy: "float64", safetensors: Some("F64"), oip: Some("FP64") },
     // `oip: None`: the Open Inference Protocol has no complex datatypes (KServe v2 "Tensor Data
     // Types").
-    // TODO(drift, for the crate split's owner to decide): safetensors (0.8, the version in
-    // Cargo.lock) has `C64`, but `xla_type` in crates/core/src/weights.rs does not map it, so a
-    // weight set holding a complex64 tensor is refused as `unsupported`. Either add
-    // `Dtype::C64 => PrimitiveType::C64` there and `safetensors: Some("C64")` here, or keep
-    // refusing it and replace this TODO with the reason.
-    DtypeRow { wit: "c64", bytes: 8, xla: "C64", xla_number: 15, mlir: "complex<f32>", npy: "<c8", numpy: "complex64", safetensors: None, oip: None },
+    DtypeRow { wit: "c64", bytes: 8, xla: "C64", xla_number: 15, mlir: "complex<f32>", npy: "<c8", numpy: "complex64", safetensors: Some("C64"), oip: None },
     // `safetensors: None`: safetensors has no complex128. `oip: None`: as for c64.
     DtypeRow { wit: "c128", bytes: 16, xla: "C128", xla_number: 18, mlir: "complex<f64>", npy: "<c16", numpy: "complex128", safetensors: None, oip: None },
 ];
@@ -1694,9 +1689,10 @@ const LIMITS: &[LimitRow] = &[
         refused: true,
         wire: Some("max_program_bytes"),
         policy: Some("max_program_mib"),
-        // TODO(decide): `[tpubox.limits]` (crates/serve/src/config.rs `ModelLimits`) has no
-        // `max_program_mib` although `[tenant.session]` has one, so a model's tenant always
-        // gets the default. Add the key, or replace this TODO with the reason.
+        // `[tpubox.limits]` (crates/serve/src/config.rs `ModelLimits`) has no
+        // `max_program_mib` although `[tenant.session]` has one: a model's tenant gets the
+        // default. Known gap, left for an issue of its own (a new config key is a behaviour
+        // change, which the structure issue excluded); this row makes adding it one edit here.
         model: None,
         // `tpubox run` takes the host's program limit (`HostConfig::max_program_bytes`); the
         // README's table says it has no flag.
@@ -1710,8 +1706,8 @@ const LIMITS: &[LimitRow] = &[
         refused: true,
         wire: Some("max_compiles_per_minute"),
         policy: Some("max_compiles_per_minute"),
-        // TODO(decide): as for `max_program_bytes`: `[tpubox.limits]` has no
-        // `max_compiles_per_minute`, `[tenant.session]` has.
+        // As for `max_program_bytes`: `[tpubox.limits]` has no `max_compiles_per_minute`,
+        // `[tenant.session]` has (known gap, left for its own issue).
         model: None,
         cli: Some("--max-compiles-per-minute"),
     },
@@ -1764,8 +1760,8 @@ const LIMITS: &[LimitRow] = &[
         // Trust is the operator's to give (the tokens file); a client may only narrow limits.
         wire: None,
         policy: Some("trusted"),
-        // TODO(decide): `[tpubox.limits]` has no `trusted`, so model programs always run under
-        // the program policy. Add the key, or replace this TODO with the reason.
+        // `[tpubox.limits]` has no `trusted`: model programs always run under the program
+        // policy (known gap, left for its own issue).
         model: None,
         cli: Some("--trusted"),
     },

@@ -3,20 +3,19 @@
 //! checked for its exact gRPC code and tpubox error kind (the `tpubox-error-kind` trailer).
 //! The Python package's tests (python/tests) drive the same API from a user's side.
 
-
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use tonic::Request;
 use tonic::metadata::MetadataValue;
 use tonic::transport::Channel;
-use tpubox_wasm::Host;
-use tpubox_wasm::sandbox::Sandbox;
 use tpubox_serve::access::Access;
 use tpubox_session_api::grpc::v1::session_client::SessionClient;
 use tpubox_session_api::grpc::v1::*;
 use tpubox_session_api::registry::Registry;
 use tpubox_session_api::{SessionAccess, SessionApiConfig};
+use tpubox_wasm::Host;
+use tpubox_wasm::sandbox::Sandbox;
 
 const TOKENS: &str = r#"
 [[tenant]]

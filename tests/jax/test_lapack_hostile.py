@@ -134,7 +134,7 @@ def test_nan_input_not_iterated(tmp_path, target, results, config):
 def test_unknown_custom_call_still_refused(tmp_path):
     """A look-alike target has no handler: the compile fails (not-found) and nothing runs. (A
     target with a handler but outside the tenant's allowed list is refused by the program
-    policy, tests/adversarial.rs.)"""
+    policy, tests/all/adversarial.rs.)"""
     text = program("lapack_sgetrf_ffi_evil", ["tensor<2x2xf32>"], ["tensor<2x2xf32>"])
     r = run(tmp_path, text, [eye(2)])
     assert r.returncode != 0

@@ -393,7 +393,7 @@ def wait_metric(server, name: str, want: float, timeout=5.0, **labels) -> float:
 
 def reference_path() -> Path:
     """$TPUBOX_MINILM_REFERENCE, else `shared/` beside the checkout, else /work/shared (the
-    same search as tests/minilm.rs)."""
+    same search as tests/all/minilm.rs)."""
     env = os.environ.get("TPUBOX_MINILM_REFERENCE")
     if env:
         return Path(env)

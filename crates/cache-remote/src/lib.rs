@@ -169,7 +169,8 @@ impl RemoteCache {
         let bytes = disk::encode(key, entry);
         self.store
             .put(&self.object(key), PutPayload::from(bytes))
-            .await.map_err(store_err)?;
+            .await
+            .map_err(store_err)?;
         Ok(())
     }
 
@@ -187,8 +188,12 @@ impl RemoteCache {
 
     /// The objects under the prefix named like cache entries.
     async fn entries(&self) -> CacheResult<Vec<object_store::ObjectMeta>> {
-        let metas: Vec<object_store::ObjectMeta> =
-            self.store.list(Some(&self.prefix)).try_collect().await.map_err(store_err)?;
+        let metas: Vec<object_store::ObjectMeta> = self
+            .store
+            .list(Some(&self.prefix))
+            .try_collect()
+            .await
+            .map_err(store_err)?;
         Ok(metas
             .into_iter()
             .filter(|m| m.location.as_ref().ends_with(OBJECT_SUFFIX))

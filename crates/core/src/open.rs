@@ -76,4 +76,3 @@ pub fn open_device(config: &DeviceConfig) -> Result<Arc<DeviceService>> {
     }
     Ok(Arc::new(service))
 }
-

@@ -84,6 +84,8 @@ fn xla_type(d: Dtype) -> Option<PrimitiveType> {
         Dtype::BF16 => PrimitiveType::Bf16,
         Dtype::F32 => PrimitiveType::F32,
         Dtype::F64 => PrimitiveType::F64,
+        // Two little-endian f32s, real part first: XLA's C64 layout.
+        Dtype::C64 => PrimitiveType::C64,
         _ => return None,
     })
 }

@@ -53,10 +53,10 @@ use self::model::{LoadContext, Model, VERSION};
 use self::protocol::{InferRequest, InferResponse};
 use self::repository::Repository;
 use tpubox_core::device::DeviceService;
-use tpubox_wasm::sandbox::Sandbox;
+use tpubox_core::weights::WeightRegistry;
 use tpubox_session_api::registry::Registry;
 use tpubox_session_api::{SessionAccess, SessionApiConfig};
-use tpubox_core::weights::WeightRegistry;
+use tpubox_wasm::sandbox::Sandbox;
 
 /// The server's name in `GET /v2`.
 pub const SERVER_NAME: &str = "tpubox";

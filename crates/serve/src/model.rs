@@ -17,9 +17,9 @@ use super::error::{ServeError, ServeErrorKind, ServeResult};
 use super::instance::{GuestMetadata, InferFailure, Instance, TensorDecl};
 use super::protocol::{Datatype, InferRequest, Tensor};
 use tpubox_core::device::DeviceService;
-use tpubox_wasm::sandbox::{RunOptions, Sandbox};
 use tpubox_core::tenant::Tenant;
 use tpubox_core::weights::WeightRegistry;
+use tpubox_wasm::sandbox::{RunOptions, Sandbox};
 
 /// The only version a model has.
 pub const VERSION: &str = "1";

@@ -30,8 +30,8 @@ use std::time::Duration;
 
 use anyhow::{Context, Result};
 
-use tpubox_wasm::sandbox::Sandbox;
 use registry::{AccessResult, OpenGrant, Registry};
+use tpubox_wasm::sandbox::Sandbox;
 
 /// HTTP/2 stream window of the session listeners, in bytes (a connection's is 4×).
 pub const WINDOW_BYTES: u32 = 16 << 20;

@@ -17,12 +17,12 @@ use anyhow::{Context, Result};
 use tpubox_core::NamedValue;
 use wasmtime::component::Component;
 
+use crate::sandbox::{RunOptions, RunOutcome, Sandbox, SandboxConfig};
 use tpubox_core::cache::CacheConfig;
 use tpubox_core::compiler::CompileIsolation;
 use tpubox_core::device::DeviceService;
-use tpubox_core::{DeviceConfig, open_device};
-use crate::sandbox::{RunOptions, RunOutcome, Sandbox, SandboxConfig};
 use tpubox_core::weights::{WeightRegistry, WeightSet};
+use tpubox_core::{DeviceConfig, open_device};
 
 /// How to build a [`Host`].
 #[derive(Debug, Clone)]

@@ -22,11 +22,11 @@ use wasmtime_wasi::p2::bindings::Command;
 use wasmtime_wasi::p2::pipe::{MemoryInputPipe, MemoryOutputPipe};
 use wasmtime_wasi::{FsPerms, WasiCtx, WasiCtxBuilder, WasiCtxView, WasiView};
 
+use crate::wit::DeviceState;
 use tpubox_core::device::DeviceService;
 use tpubox_core::session::Session;
 use tpubox_core::tenant::{Tenant, TenantLimits, TenantUsage};
 use tpubox_core::weights::WeightRegistry;
-use crate::wit::DeviceState;
 
 /// Interval at which the engine's epoch advances; deadlines are checked at this granularity.
 pub const EPOCH_TICK: Duration = Duration::from_millis(10);

@@ -23,8 +23,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use anyhow::{Context, Result, bail, ensure};
-use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
 use tpubox_core::{Tenant, TenantLimits, TenantUsage};
+use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
 
 /// Which guest the tenants run.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

@@ -241,8 +241,9 @@ impl CompileCache {
                 None => {
                     return Err(CacheError::Url {
                         url: url.clone(),
-                        reason: "this program was built without the remote tier (tpubox-cache-remote)"
-                            .into(),
+                        reason:
+                            "this program was built without the remote tier (tpubox-cache-remote)"
+                                .into(),
                     });
                 }
             },

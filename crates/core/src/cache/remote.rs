@@ -38,4 +38,5 @@ pub trait RemoteStore: Send + Sync + std::fmt::Debug {
 /// Opens the store `url` names, with `options` applied after those a store reads from the
 /// environment. Errors: [`CacheError::Url`](super::CacheError::Url) for a URL that does not
 /// parse, an unknown scheme or option.
-pub type RemoteOpener = fn(url: &str, options: &[(String, String)]) -> CacheResult<Arc<dyn RemoteStore>>;
+pub type RemoteOpener =
+    fn(url: &str, options: &[(String, String)]) -> CacheResult<Arc<dyn RemoteStore>>;

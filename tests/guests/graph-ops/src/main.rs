@@ -3,7 +3,7 @@
 //! result: numbers for floats, integers for integer and `pred` results). A case that fails
 //! prints `NAME: ERROR <error>` instead, and the guest goes on.
 //!
-//! The inputs come from [`data`] and [`pos`], restated in `tests/graph.rs`, which computes the
+//! The inputs come from [`data`] and [`pos`], restated in `tests/all/graph.rs`, which computes the
 //! expected values independently.
 
 use tpubox_guest::graph::{Compare, Graph, Precision, Value};

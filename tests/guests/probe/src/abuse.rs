@@ -1,4 +1,4 @@
-//! `abuse NAME [ARG]`: one misbehaviour per run, for `tests/adversarial.rs`.
+//! `abuse NAME [ARG]`: one misbehaviour per run, for `tests/all/adversarial.rs`.
 //!
 //! Each case prints `NAME: RESULT` lines (`RESULT` is `ok`, `KIND (message)` for a host error,
 //! or a case-specific value). Cases that end in a trap print what they hold first, so the host
@@ -181,7 +181,7 @@ pub fn run(name: &str, arg: Option<&str>) {
             spin();
         }
         "fuel-burn" => spin(),
-        // ---- a program from stdin (hostile programs of tests/adversarial.rs) ----
+        // ---- a program from stdin (hostile programs of tests/all/adversarial.rs) ----
         "run-stdin" => run_stdin(),
         "panic" => {
             let _held = hold_some();

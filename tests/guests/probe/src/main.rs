@@ -1,5 +1,5 @@
 //! A test guest for tpubox. `argv[1]` picks what it does; every case prints one line
-//! `NAME: RESULT` that the host-side tests in `tests/guests.rs` assert on.
+//! `NAME: RESULT` that the host-side tests in `tests/all/guests.rs` assert on.
 //!
 //! - `env`: prints how many environment variables the guest sees and their names.
 //! - `read PATH`: tries to read a file, printing `ok LEN` or `err`.
@@ -15,7 +15,7 @@
 //!   guest-measured time (for the per-call benchmark).
 //! - `check NAME`: makes only the bad call `NAME` of `errors`.
 //! - `abuse NAME [ARG]`: one misbehaviour (bombs, traps, forged handles, sandbox escapes); see
-//!   `abuse.rs`. Used by `tests/adversarial.rs`.
+//!   `abuse.rs`. Used by `tests/all/adversarial.rs`.
 
 mod abuse;
 
