@@ -419,6 +419,8 @@ case "$cmd" in
     cargo fmt --all -- --check
     log "cargo clippy (warnings are errors)"
     cargo clippy --workspace --all-targets -- -D warnings
+    # The demo's build of the CLI (no `serve`, no remote cache tier).
+    cargo clippy -p tpubox --no-default-features -- -D warnings
     log "cargo doc (warnings are errors)"
     RUSTDOCFLAGS="-D warnings" cargo doc --workspace --no-deps
     # fuzz/ is its own workspace (cargo fuzz's flags); check that its targets still build, in

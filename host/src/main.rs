@@ -44,6 +44,7 @@ impl RemoteCache {
 
 /// Entries and bytes of tier 3 (the stand-in's; never made).
 #[cfg(not(feature = "remote-cache"))]
+#[derive(serde::Serialize)]
 struct RemoteUsage {
     entries: u64,
     bytes: u64,
@@ -225,6 +226,7 @@ struct ServeArgs {
 /// the page faults of a 64 MiB transfer ~500-fold and made session-API transfers 1.4-1.7×
 /// faster here (docs/BENCHMARKS.md). Skipped when GLIBC_TUNABLES already names the tunable, or
 /// with TPUBOX_MALLOC_TUNING=0.
+#[cfg(feature = "serve")]
 fn restart_with_malloc_tunables() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
