@@ -45,7 +45,7 @@ COMPONENTIZE_PY_VER="0.25.1"   # Python
 COMPONENTIZE_JS_VER="0.23.0"   # JavaScript; every npm package pinned in scripts/tools/componentize-js
 POLYGLOT_GUESTS=(c-mlp python-mlp js-mlp)
 
-log() { printf '\033[1m[dev.sh]\033[0m %s\n' "$*" >&2; }
+log() { printf '\033[1m[dev.sh %4ds]\033[0m %s\n' "$SECONDS" "$*" >&2; }
 
 as_root() { if [ "$(id -u)" = 0 ]; then "$@"; else sudo "$@"; fi; }
 
