@@ -409,6 +409,9 @@ case "$cmd" in
     # tpubox serve driven by Triton's own clients (tritonclient over HTTP and gRPC).
     log "running the serving tests (tests/serve, pytest)"
     "$SERVE_VENV/bin/python" -m pytest tests/serve -q
+    # The daemon under attack: callers that never authenticate, slow readers, floods.
+    log "running the adversarial daemon tests (tests/hardening, pytest)"
+    "$SERVE_VENV/bin/python" -m pytest tests/hardening -q
     # The Python client against tpubox serve's session API, tpubox.jax against JAX on the CPU.
     install_python_client
     log "running the Python client tests (python/tests, pytest)"

@@ -7,6 +7,7 @@
 //!
 //! Modules, one job each, in dependency order (each imports only those above it):
 //! - [`error`]: the host's error type and kinds;
+//! - [`protection`]: counts and logs each protection against callers that triggers;
 //! - [`types`]: device tensors, executables, specs and the shape checks applied before PJRT;
 //! - [`tenant`]: tenants, their limits, charges and usage;
 //! - [`scheduler`]: fair sharing of a device's execution slots between tenants;
@@ -34,6 +35,7 @@ pub mod npy;
 pub mod open;
 pub mod plugin;
 pub mod plugin_env;
+pub mod protection;
 pub mod scheduler;
 pub mod session;
 pub mod tenant;
