@@ -189,6 +189,31 @@ struct ServeArgs {
     /// Largest request body (REST) or message (gRPC), in MiB.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=4096))]
     max_request_mib: u64,
+    /// Connections open at once, all doors together (REST, gRPC, metrics, session API);
+    /// lowered to half the descriptor limit (`ulimit -n`) when that is smaller.
+    #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_connections: u64,
+    /// Connections open at once from one peer address (all Unix-socket clients count as one).
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_connections_per_peer: u64,
+    /// Longest a new connection may take to send its first complete request head (HTTP/1
+    /// headers, or HTTP/2's preface and first HEADERS), in seconds; also each later HTTP/1
+    /// request head.
+    #[arg(long, default_value_t = 10.0, value_parser = positive_seconds)]
+    header_timeout_seconds: f64,
+    /// Longest a request body may take to arrive in full, in seconds.
+    #[arg(long, default_value_t = 60.0, value_parser = positive_seconds)]
+    body_timeout_seconds: f64,
+    /// A connection with no request in flight for this long is closed, in seconds.
+    #[arg(long, default_value_t = 120.0, value_parser = positive_seconds)]
+    idle_timeout_seconds: f64,
+    /// HTTP/2 streams one connection may have open at once (SETTINGS_MAX_CONCURRENT_STREAMS).
+    #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u32).range(1..=65_536))]
+    max_streams: u32,
+    /// Serve an address other than loopback without --tokens (every caller is then tenant
+    /// `anonymous`); without this flag the daemon refuses to start so.
+    #[arg(long)]
+    allow_anonymous_network: bool,
     /// Exit with status 2 when a model found at start-up fails to load (Triton's
     /// --exit-on-error); without it the server serves the models that loaded.
     #[arg(long)]
@@ -297,6 +322,16 @@ async fn serve(args: ServeArgs) -> Result<bool> {
             components: args.components,
             max_message_bytes: max_request_bytes,
         },
+        doors: tpubox_net::DoorLimits {
+            max_connections: args.max_connections as usize,
+            max_connections_per_peer: args.max_connections_per_peer as usize,
+            header_timeout: Duration::from_secs_f64(args.header_timeout_seconds),
+            body_timeout: Duration::from_secs_f64(args.body_timeout_seconds),
+            idle_timeout: Duration::from_secs_f64(args.idle_timeout_seconds),
+            max_streams: args.max_streams,
+            ..tpubox_net::DoorLimits::default()
+        },
+        allow_anonymous_network: args.allow_anonymous_network,
     };
     tpubox_serve::run(config, sandbox, device, weights).await?;
     Ok(true)

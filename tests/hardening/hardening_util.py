@@ -114,6 +114,7 @@ class Daemon:
         tenants: Mapping[str, Mapping[str, Any]] | None = TENANTS,
         repository: bool = True,
         env: Mapping[str, str] | None = None,
+        bind: str | None = None,
     ):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -123,6 +124,7 @@ class Daemon:
         self.repository = repository
         self.env = dict(env or {})
         self.host = "127.0.0.1"
+        self.bind = bind or self.host
         self.http_port, self.grpc_port, self.metrics_port, self.session_port = free_ports(4)
         self.socket_path = self.root / "session.sock"
         self.local_path = self.root / "session.sock.local"
@@ -165,7 +167,7 @@ class Daemon:
     def command(self) -> list[str]:
         cmd = [
             str(binary()), "serve",
-            "--host", self.host,
+            "--host", self.bind,
             "--http-port", str(self.http_port),
             "--grpc-port", str(self.grpc_port),
             "--metrics-port", str(self.metrics_port),

@@ -42,6 +42,9 @@ pub struct TenantEntry {
     /// false).
     #[serde(default)]
     pub repository_control: bool,
+    /// May read `/metrics` when a tokens file is configured (default false).
+    #[serde(default)]
+    pub metrics: bool,
     /// `[tenant.session]`: the tenant may open sessions on the session API, each with these
     /// limits; absent, it may not.
     #[serde(default)]
@@ -148,6 +151,7 @@ impl Access {
             max_in_flight: DEFAULT_MAX_IN_FLIGHT,
             max_requests_per_second: None,
             repository_control: true,
+            metrics: true,
             session: Some(SessionPolicy::default()),
         });
         Access {

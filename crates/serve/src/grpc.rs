@@ -481,20 +481,37 @@ impl GrpcInferenceService for Service {
 pub async fn serve_grpc(
     listener: tokio::net::TcpListener,
     server: Arc<Server>,
+    door: tpubox_net::Door,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
     let limit = server.max_request_bytes;
     let svc = GrpcInferenceServiceServer::new(Service { server })
         .max_decoding_message_size(limit)
         .max_encoding_message_size(1 << 30);
-    tonic::transport::Server::builder()
-        .add_service(svc)
-        .serve_with_incoming_shutdown(
-            tokio_stream::wrappers::TcpListenerStream::new(listener),
-            stop,
-        )
-        .await?;
-    Ok(())
+    let app = tonic::service::Routes::new(svc).prepare().into_axum_router();
+    tpubox_net::serve(door, tpubox_net::Listener::Tcp(listener), app, stop).await
+}
+
+/// Who may use the gRPC door, from a call's head: `ServerLive` and `ServerReady` are public
+/// (health probes), every other call needs a token the tokens file knows or gets
+/// `UNAUTHENTICATED` before its message is read.
+pub fn admit(server: Arc<Server>) -> tpubox_net::Admit {
+    Arc::new(move |parts: &axum::http::request::Parts| {
+        let path = parts.uri.path();
+        if path == "/inference.GRPCInferenceService/ServerLive"
+            || path == "/inference.GRPCInferenceService/ServerReady"
+        {
+            return tpubox_net::Admission::Public;
+        }
+        let authorization = parts
+            .headers
+            .get("authorization")
+            .and_then(|v| v.to_str().ok());
+        match server.authenticate(authorization) {
+            Ok(()) => tpubox_net::Admission::Authenticated,
+            Err(e) => tpubox_net::Admission::Refused(status(e).into_http()),
+        }
+    })
 }
 
 #[cfg(test)]

@@ -98,6 +98,12 @@ pub struct ServeConfig {
     pub strict_readiness: bool,
     /// The session API's listeners (none by default).
     pub sessions: SessionApiConfig,
+    /// Connection caps and timeouts of every door (`tpubox_net`).
+    pub doors: tpubox_net::DoorLimits,
+    /// Serve a non-loopback address without a tokens file (`--allow-anonymous-network`).
+    /// Default false: without `--tokens` the daemon refuses to start on any address but
+    /// loopback, since every caller would be tenant `anonymous`.
+    pub allow_anonymous_network: bool,
 }
 
 impl Default for ServeConfig {
@@ -114,6 +120,8 @@ impl Default for ServeConfig {
             exit_on_error: false,
             strict_readiness: false,
             sessions: SessionApiConfig::default(),
+            doors: tpubox_net::DoorLimits::default(),
+            allow_anonymous_network: false,
         }
     }
 }
@@ -473,6 +481,8 @@ pub async fn run(
             "nothing to serve: give --model-repository DIR (inference), --session-socket PATH or --session-port N (sessions), or several"
         );
     }
+    check_anonymous_exposure(&config)?;
+    let doors = tpubox_net::Doors::new(&config.doors);
     let metrics = Arc::new(Metrics::new());
     let ctx = LoadContext {
         sandbox,
@@ -583,17 +593,22 @@ pub async fn run(
         tasks.push(tokio::spawn(rest::serve_rest(
             http,
             Arc::clone(&server),
+            doors.door("rest", rest::admit(Arc::clone(&server))),
             stopped(stop_rx.clone()),
         )));
+        let mut door = doors.door("grpc", grpc::admit(Arc::clone(&server)));
+        door.http2_only = true;
         tasks.push(tokio::spawn(grpc::serve_grpc(
             grpc,
             Arc::clone(&server),
+            door,
             stopped(stop_rx.clone()),
         )));
     }
     tasks.push(tokio::spawn(rest::serve_metrics(
         metrics,
         Arc::clone(&server),
+        doors.door("metrics", rest::admit(Arc::clone(&server))),
         stopped(stop_rx.clone()),
     )));
     let (sessions_stop_tx, sessions_stop_rx) = tokio::sync::watch::channel(false);
@@ -605,6 +620,7 @@ pub async fn run(
             access,
             Arc::clone(&sandbox),
             config.sessions.clone(),
+            doors.clone(),
             stopped(sessions_stop_rx),
         ))
     });
@@ -683,6 +699,43 @@ pub async fn run(
     }
     tracing::info!("stopped");
     Ok(())
+}
+
+/// Refuses to serve a non-loopback address without a tokens file, unless
+/// [`ServeConfig::allow_anonymous_network`]: every caller would be tenant `anonymous`.
+///
+/// Errors: `--host` or `--session-port`'s address is not loopback, no `--tokens`, no
+/// `--allow-anonymous-network`.
+pub fn check_anonymous_exposure(config: &ServeConfig) -> Result<()> {
+    if config.tokens.is_some() {
+        return Ok(());
+    }
+    let mut exposed = Vec::new();
+    if !config.host.is_loopback() {
+        exposed.push(format!("--host {}", config.host));
+    }
+    if let Some(a) = config.sessions.tcp
+        && !a.ip().is_loopback()
+    {
+        exposed.push(format!("the session port on {a}"));
+    }
+    if exposed.is_empty() {
+        tracing::info!(
+            "no --tokens: serving loopback and Unix sockets only, every caller as tenant `anonymous`"
+        );
+        return Ok(());
+    }
+    if config.allow_anonymous_network {
+        tracing::warn!(
+            "no --tokens and {}: every process that can reach it may use the device as tenant `anonymous` (--allow-anonymous-network)",
+            exposed.join(", ")
+        );
+        return Ok(());
+    }
+    anyhow::bail!(
+        "refusing to serve {} without --tokens: every caller would be tenant `anonymous`. Give a tokens file (docs/SERVING.md), bind loopback, or pass --allow-anonymous-network",
+        exposed.join(" and ")
+    )
 }
 
 /// Resolves on SIGTERM or Ctrl-C (SIGINT).

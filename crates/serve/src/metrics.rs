@@ -24,6 +24,7 @@ pub struct Metrics {
     device_bytes: IntGaugeVec,
     refused: IntCounterVec,
     sessions: IntGaugeVec,
+    protections: IntCounterVec,
 }
 
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -107,6 +108,12 @@ impl Metrics {
                 "nv_inference_pending_request_count",
                 "Requests waiting in the model's queue",
                 mv,
+            ),
+            protections: counter(
+                &r,
+                "tpubox_protection_triggered_total",
+                "Times a protection against callers triggered (timeouts, connection and stream caps, refused credentials, descriptor caps, compile-worker caps; docs/SECURITY.md)",
+                &["protection"],
             ),
             cache_hits: counter(
                 &r,
@@ -213,6 +220,12 @@ impl Metrics {
             let m = self.compiles.with_label_values::<&str>(&[]);
             m.reset();
             m.inc_by(c.compiles);
+        }
+        // Counted by tpubox_core::protection for every door; copied here at each scrape.
+        for (name, n) in tpubox_core::protection::counts() {
+            let m = self.protections.with_label_values(&[name]);
+            m.reset();
+            m.inc_by(n);
         }
         let mut buf = Vec::new();
         let _ = TextEncoder::new().encode(&self.registry.gather(), &mut buf);

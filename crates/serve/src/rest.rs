@@ -390,29 +390,43 @@ async fn repository_unload(State(s): S, headers: HeaderMap, Path(m): Path<String
     Ok(StatusCode::OK.into_response())
 }
 
-/// Serves the REST router on `listener` until `stop` resolves.
+/// Who may use the REST door, from a request's head: the health probes are public (for
+/// orchestrators; their bodies capped at [`tpubox_net::PUBLIC_BODY_BYTES`]), everything else
+/// needs a token the tokens file knows (any token without a tokens file) or gets 401 before
+/// its body is read. What the tenant may then do is decided by the handlers ([`Server`]).
+pub fn admit(server: Arc<Server>) -> tpubox_net::Admit {
+    Arc::new(move |parts: &axum::http::request::Parts| {
+        if parts.uri.path().starts_with("/v2/health/") {
+            return tpubox_net::Admission::Public;
+        }
+        match server.authenticate(auth(&parts.headers)) {
+            Ok(()) => tpubox_net::Admission::Authenticated,
+            Err(e) => tpubox_net::Admission::Refused(ErrorResponse(e).into_response()),
+        }
+    })
+}
+
+/// Serves the REST router on `listener` through `door` until `stop` resolves.
 ///
 /// Errors: the listener fails.
 pub async fn serve_rest(
     listener: tokio::net::TcpListener,
     server: Arc<Server>,
+    door: tpubox_net::Door,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> anyhow::Result<()> {
-    axum::serve(listener, router(server))
-        .with_graceful_shutdown(stop)
-        .await?;
-    Ok(())
+    tpubox_net::serve(
+        door,
+        tpubox_net::Listener::Tcp(listener),
+        router(server),
+        stop,
+    )
+    .await
 }
 
-/// Serves `GET /metrics` on `listener` until `stop` resolves.
-///
-/// Errors: the listener fails.
-pub async fn serve_metrics(
-    listener: tokio::net::TcpListener,
-    server: Arc<Server>,
-    stop: impl Future<Output = ()> + Send + 'static,
-) -> anyhow::Result<()> {
-    let app = Router::new()
+/// The metrics router: `GET /metrics`, Prometheus's text format.
+pub fn metrics_router(server: Arc<Server>) -> Router {
+    Router::new()
         .route(
             "/metrics",
             get(|State(s): S| async move {
@@ -425,9 +439,23 @@ pub async fn serve_metrics(
                 )
             }),
         )
-        .with_state(server);
-    axum::serve(listener, app)
-        .with_graceful_shutdown(stop)
-        .await?;
-    Ok(())
+        .with_state(server)
+}
+
+/// Serves `GET /metrics` on `listener` through `door` until `stop` resolves.
+///
+/// Errors: the listener fails.
+pub async fn serve_metrics(
+    listener: tokio::net::TcpListener,
+    server: Arc<Server>,
+    door: tpubox_net::Door,
+    stop: impl Future<Output = ()> + Send + 'static,
+) -> anyhow::Result<()> {
+    tpubox_net::serve(
+        door,
+        tpubox_net::Listener::Tcp(listener),
+        metrics_router(server),
+        stop,
+    )
+    .await
 }

@@ -64,7 +64,7 @@ pub fn device_status(e: DeviceError) -> Status {
     status_with_kind(code, e.kind.as_str(), e.message)
 }
 
-fn access_status(e: AccessError) -> Status {
+pub(crate) fn access_status(e: AccessError) -> Status {
     match e {
         AccessError::Unauthenticated(m) => {
             status_with_kind(tonic::Code::Unauthenticated, "unauthenticated", m)

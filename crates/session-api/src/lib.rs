@@ -134,6 +134,11 @@ fn bind_unix(p: &std::path::Path) -> Result<tokio::net::UnixListener> {
 
 /// Serves the session API on `listeners` until `stop` resolves; then ends every session.
 ///
+/// Both gRPC listeners go through `doors` ([`tpubox_net::serve`]): connection caps and
+/// timeouts, and every call authenticated from its head before its message is read: `Open`
+/// and `TenantUsage` by a tenant token ([`SessionAccess`]), every other call by a live
+/// session's token ([`admit`]).
+///
 /// Errors: a listener fails.
 pub async fn serve(
     listeners: Listeners,
@@ -141,6 +146,7 @@ pub async fn serve(
     access: Arc<dyn SessionAccess>,
     sandbox: Arc<Sandbox>,
     config: SessionApiConfig,
+    doors: tpubox_net::Doors,
     stop: impl Future<Output = ()> + Send + 'static,
 ) -> Result<()> {
     let reaper = registry::spawn_reaper(&registry);
@@ -149,30 +155,32 @@ pub async fn serve(
         let _ = rx.wait_for(|s| *s).await;
     };
     let local_path = listeners.local.as_ref().map(|(_, p)| p.clone());
-    let make = || {
-        grpc::service(
-            grpc::Service::new(
-                Arc::clone(&registry),
-                Arc::clone(&access),
-                Arc::clone(&sandbox),
-                config.components.clone(),
-            )
-            .with_local_socket(local_path.clone()),
-            config.max_message_bytes,
+    let app = tonic::service::Routes::new(grpc::service(
+        grpc::Service::new(
+            Arc::clone(&registry),
+            Arc::clone(&access),
+            Arc::clone(&sandbox),
+            config.components.clone(),
         )
-    };
-    // HTTP/2 pings find clients whose machine went away without closing the connection, so
-    // their attached sessions end.
-    // Large flow-control windows and frames: a 64 MiB tensor then moves in a few round trips
-    // instead of thousands of 16 KiB frames and window updates.
-    let builder = || {
-        tonic::transport::Server::builder()
-            .http2_keepalive_interval(Some(Duration::from_secs(10)))
-            .http2_keepalive_timeout(Some(Duration::from_secs(20)))
-            .initial_stream_window_size(Some(WINDOW_BYTES))
-            .initial_connection_window_size(Some(4 * WINDOW_BYTES))
-            .max_frame_size(Some(FRAME_BYTES))
-            .tcp_nodelay(true)
+        .with_local_socket(local_path.clone()),
+        config.max_message_bytes,
+    ))
+    .prepare()
+    .into_axum_router();
+    let door = |name: &'static str| {
+        let mut d = doors.door(name, admit(Arc::clone(&registry), Arc::clone(&access)));
+        d.http2_only = true;
+        // HTTP/2 pings find clients whose machine went away without closing the connection,
+        // so their attached sessions end.
+        d.keepalive = Some((Duration::from_secs(10), Duration::from_secs(20)));
+        // Large flow-control windows and frames: a 64 MiB tensor then moves in a few round
+        // trips instead of thousands of 16 KiB frames and window updates.
+        d.windows = Some(tpubox_net::Windows {
+            stream: WINDOW_BYTES,
+            connection: 4 * WINDOW_BYTES,
+            frame: FRAME_BYTES,
+        });
+        d
     };
     let mut tasks = Vec::new();
     let socket_path = listeners.socket_path().cloned();
@@ -180,30 +188,20 @@ pub async fn serve(
         .local
         .map(|(l, _)| tokio::spawn(local::serve(l, Arc::clone(&registry))));
     if let Some((l, _)) = listeners.unix {
-        let svc = make();
-        let stop = stopped(stop_rx.clone());
-        let mut b = builder();
-        tasks.push(tokio::spawn(async move {
-            b.add_service(svc)
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::UnixListenerStream::new(l),
-                    stop,
-                )
-                .await
-        }));
+        tasks.push(tokio::spawn(tpubox_net::serve(
+            door("session-unix"),
+            tpubox_net::Listener::Unix(l),
+            app.clone(),
+            stopped(stop_rx.clone()),
+        )));
     }
     if let Some(l) = listeners.tcp {
-        let svc = make();
-        let stop = stopped(stop_rx.clone());
-        let mut b = builder();
-        tasks.push(tokio::spawn(async move {
-            b.add_service(svc)
-                .serve_with_incoming_shutdown(
-                    tokio_stream::wrappers::TcpListenerStream::new(l),
-                    stop,
-                )
-                .await
-        }));
+        tasks.push(tokio::spawn(tpubox_net::serve(
+            door("session-tcp"),
+            tpubox_net::Listener::Tcp(l),
+            app.clone(),
+            stopped(stop_rx.clone()),
+        )));
     }
     stop.await;
     registry.close_all("the daemon is stopping");
@@ -221,4 +219,35 @@ pub async fn serve(
         let _ = std::fs::remove_file(p);
     }
     Ok(())
+}
+
+/// Who may call the session API, from a call's head alone: `Open` and `TenantUsage` need a
+/// tenant token of the tokens file (a tenant without a `[tenant.session]` table passes here
+/// and gets `PERMISSION_DENIED` from the call), every other call a token of a session that
+/// is open (or one that ended, so the client learns why). Anything else is answered
+/// `UNAUTHENTICATED` with the error kind the call itself would give, before its message is
+/// read.
+pub fn admit(registry: Arc<Registry>, access: Arc<dyn SessionAccess>) -> tpubox_net::Admit {
+    Arc::new(move |parts: &http::request::Parts| {
+        let token = tpubox_net::bearer(&parts.headers);
+        let path = parts.uri.path();
+        let r = if path == "/tpubox.v1.Session/Open" || path == "/tpubox.v1.Session/TenantUsage" {
+            match access.grant(token) {
+                Ok(_) | Err(registry::AccessError::Device(_)) => Ok(()),
+                Err(e) => Err(e),
+            }
+        } else {
+            match token {
+                Some(t) => registry.get(t).map(|_| ()),
+                None => Err(registry::AccessError::Unauthenticated(
+                    "this call needs the session token: `authorization: Bearer SESSION_TOKEN`"
+                        .into(),
+                )),
+            }
+        };
+        match r {
+            Ok(()) => tpubox_net::Admission::Authenticated,
+            Err(e) => tpubox_net::Admission::Refused(grpc::access_status(e).into_http()),
+        }
+    })
 }

@@ -1,0 +1,63 @@
+//! Accepting connections: TCP or Unix listeners, with back-off on errors.
+//!
+//! `accept(2)` fails when the process is out of descriptors (`EMFILE`) or the system is
+//! (`ENFILE`), and the pending connection stays in the backlog, so a loop that retries at once
+//! spins at a full core until a descriptor frees. [`Listener::accept`] sleeps after each
+//! failure, doubling from [`BACKOFF_MIN`] to [`BACKOFF_MAX`], and reports the failure as the
+//! protection `accept-errors`.
+
+use std::time::Duration;
+
+use tokio::net::{TcpListener, TcpStream, UnixListener, UnixStream};
+
+use crate::limits::Peer;
+
+/// First pause after an accept error.
+pub const BACKOFF_MIN: Duration = Duration::from_millis(5);
+/// Longest pause after repeated accept errors.
+pub const BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// A bound listener of one door.
+pub enum Listener {
+    /// A TCP listener.
+    Tcp(TcpListener),
+    /// A Unix-socket listener.
+    Unix(UnixListener),
+}
+
+/// An accepted connection.
+pub enum Stream {
+    /// A TCP connection (`TCP_NODELAY` set).
+    Tcp(TcpStream),
+    /// A Unix-socket connection.
+    Unix(UnixStream),
+}
+
+impl Listener {
+    /// The next connection and its peer; on errors, backs off and tries again (it never
+    /// returns an error: a listener that stays broken keeps logging at a bounded rate).
+    pub async fn accept(&self, door: &'static str) -> (Stream, Peer) {
+        let mut pause = BACKOFF_MIN;
+        loop {
+            let r = match self {
+                Listener::Tcp(l) => l.accept().await.map(|(s, a)| {
+                    let _ = s.set_nodelay(true);
+                    (Stream::Tcp(s), Peer::Ip(a.ip()))
+                }),
+                Listener::Unix(l) => l.accept().await.map(|(s, _)| (Stream::Unix(s), Peer::Unix)),
+            };
+            match r {
+                Ok(x) => return x,
+                Err(e) => {
+                    tpubox_core::protection::triggered(
+                        "accept-errors",
+                        door,
+                        format_args!("accept failed ({e}); pausing {pause:?}"),
+                    );
+                    tokio::time::sleep(pause).await;
+                    pause = (pause * 2).min(BACKOFF_MAX);
+                }
+            }
+        }
+    }
+}
