@@ -49,10 +49,11 @@ const CRATES: &[(&str, &str, &[&str])] = &[
         "crates/wasm",
         &["tpubox-core", "tpubox-pjrt"],
     ),
+    ("tpubox-net", "crates/net", &["tpubox-core"]),
     (
         "tpubox-session-api",
         "crates/session-api",
-        &["tpubox-core", "tpubox-wasm", "tpubox-pjrt"],
+        &["tpubox-core", "tpubox-wasm", "tpubox-pjrt", "tpubox-net"],
     ),
     (
         "tpubox-serve",
@@ -62,6 +63,7 @@ const CRATES: &[(&str, &str, &[&str])] = &[
             "tpubox-wasm",
             "tpubox-session-api",
             "tpubox-pjrt",
+            "tpubox-net",
         ],
     ),
     (
@@ -73,6 +75,7 @@ const CRATES: &[(&str, &str, &[&str])] = &[
             "tpubox-session-api",
             "tpubox-serve",
             "tpubox-cache-remote",
+            "tpubox-net",
         ],
     ),
 ];

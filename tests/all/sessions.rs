@@ -88,6 +88,7 @@ async fn daemon() -> Daemon {
         access,
         sandbox,
         config,
+        tpubox_net::Doors::new(&tpubox_net::DoorLimits::default()),
         async {
             let _ = rx.await;
         },

@@ -339,7 +339,8 @@ def test_no_tokens_file_refuses_a_non_loopback_address(daemon):
     anything but loopback and Unix sockets unless told --allow-anonymous-network."""
     with pytest.raises(RuntimeError) as e:
         daemon(tenants=None, bind="0.0.0.0")
-    assert "refusing to serve --host 0.0.0.0 without --tokens" in str(e.value)
+    assert "refusing to serve --host 0.0.0.0 and the session port on 0.0.0.0:" in str(e.value)
+    assert "without --tokens" in str(e.value)
     assert "--allow-anonymous-network" in str(e.value)
 
 

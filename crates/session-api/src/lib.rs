@@ -224,7 +224,7 @@ pub async fn serve(
 /// Who may call the session API, from a call's head alone: `Open` and `TenantUsage` need a
 /// tenant token of the tokens file (a tenant without a `[tenant.session]` table passes here
 /// and gets `PERMISSION_DENIED` from the call), every other call a token of a session that
-/// is open (or one that ended, so the client learns why). Anything else is answered
+/// is open (`Close` also with one that ended: closing twice is not an error). Anything else is answered
 /// `UNAUTHENTICATED` with the error kind the call itself would give, before its message is
 /// read.
 pub fn admit(registry: Arc<Registry>, access: Arc<dyn SessionAccess>) -> tpubox_net::Admit {
@@ -247,6 +247,10 @@ pub fn admit(registry: Arc<Registry>, access: Arc<dyn SessionAccess>) -> tpubox_
         };
         match r {
             Ok(()) => tpubox_net::Admission::Authenticated,
+            // Closing a session that ended is not an error (`closed: false`).
+            Err(registry::AccessError::Ended(_)) if path == "/tpubox.v1.Session/Close" => {
+                tpubox_net::Admission::Authenticated
+            }
             Err(e) => tpubox_net::Admission::Refused(grpc::access_status(e).into_http()),
         }
     })
