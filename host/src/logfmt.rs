@@ -44,3 +44,18 @@ pub fn escape(out: &mut impl fmt::Write, s: &str) -> fmt::Result {
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn control_characters_are_escaped() {
+        let mut out = String::new();
+        escape(&mut out, "a\nb\r\t\x1b[2J\x07\u{9b}\u{2028}\u{202e}é ok").unwrap();
+        assert_eq!(
+            out,
+            "a\\nb\\r\\t\\u{1b}[2J\\u{7}\\u{9b}\\u{2028}\\u{202e}é ok"
+        );
+    }
+}
