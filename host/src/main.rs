@@ -17,6 +17,7 @@ use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
 #[cfg(feature = "remote-cache")]
 use tpubox_cache_remote::RemoteCache;
 
+mod logfmt;
 mod scaffold;
 
 /// Stand-in for tier 3 in a build without the `remote-cache` feature: never constructed, so
@@ -811,7 +812,9 @@ fn main() -> ExitCode {
     if cli.log_format == "json" {
         logs.json().init();
     } else {
-        logs.init();
+        // Control characters in fields (labels, model names from URLs) escaped: no forged
+        // lines, no escape sequences on the operator's terminal.
+        logs.fmt_fields(logfmt::EscapedFields::default()).init();
     }
     match env_set {
         Ok(names) => tracing::debug!(?names, "set for the PJRT plugin"),

@@ -32,7 +32,12 @@ FEW = "erin-token"  # at most 2 sessions at once
 EXITS = "frank-token"  # used only by the tests of sessions whose process goes away
 
 TENANTS = {
-    "alice": {"token": ALICE, "session": {"max_device_mib": 1024, "max_sessions": 8}},
+    # alice also reads /metrics.
+    "alice": {
+        "token": ALICE,
+        "session": {"max_device_mib": 1024, "max_sessions": 8},
+        "metrics": True,
+    },
     "bob": {"token": BOB, "session": {}},
     "carol": {"token": SMALL, "session": {"max_device_mib": 1, "max_live_tensors": 50}},
     "dave": {"token": NO_SESSIONS, "session": None},

@@ -62,12 +62,15 @@ def free_ports(n: int) -> list[int]:
 
 
 def tokens_toml(tenants: Mapping[str, Mapping[str, Any]]) -> str:
-    """The tokens file for TENANTS: name -> {"token": str, "session": {limits} or None}."""
+    """The tokens file for TENANTS: name -> {"token": str, "session": {limits} or None,
+    "metrics": bool (may read /metrics; default False)}."""
     out = []
     for name, t in tenants.items():
         out.append("[[tenant]]")
         out.append(f'name = "{name}"')
         out.append(f'tokens = ["{t["token"]}"]')
+        if t.get("metrics"):
+            out.append("metrics = true")
         session = t.get("session")
         if session is not None:
             out.append("[tenant.session]")
@@ -191,10 +194,15 @@ class Daemon:
             self.proc.kill()
             self.proc.wait()
 
-    def metrics(self) -> str:
-        from urllib.request import urlopen
+    def metrics(self, token: str | None = None) -> str:
+        """The /metrics text, read with TOKEN (default: the first tenant with `metrics`; with
+        a tokens file /metrics answers only such a tenant, 401 or 403 to others)."""
+        from urllib.request import Request, urlopen
 
-        with urlopen(self.metrics_url, timeout=5) as r:
+        if token is None and self.tenants is not None:
+            token = next((t["token"] for t in self.tenants.values() if t.get("metrics")), None)
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        with urlopen(Request(self.metrics_url, headers=headers), timeout=5) as r:
             return r.read().decode()
 
     def __enter__(self) -> Daemon:

@@ -99,6 +99,8 @@ def _tokens_toml() -> str:
                 out.append(f"{key} = {t[key]}")
         if t.get("repository_control"):
             out.append("repository_control = true")
+        if t.get("metrics"):
+            out.append("metrics = true")
         out.append("")
     return "\n".join(out)
 

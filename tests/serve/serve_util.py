@@ -28,7 +28,8 @@ REPO = Path(__file__).resolve().parents[2]
 # Tenants (the tokens file conftest.py writes).
 
 TENANTS = {
-    "alice": {"token": "alice-token", "models": ["*"], "max_in_flight": 8, "repository_control": True},
+    # alice also reads /metrics (`metrics = true`).
+    "alice": {"token": "alice-token", "models": ["*"], "max_in_flight": 8, "repository_control": True, "metrics": True},
     "bob": {"token": "bob-token", "models": ["dtypes"]},
     "slow": {"token": "slow-token", "models": ["*"], "max_requests_per_second": 2},
     "narrow": {"token": "narrow-token", "models": ["*"], "max_in_flight": 1},
@@ -366,7 +367,7 @@ def metric(samples, name: str, **labels) -> float:
 def scrape(server) -> list[tuple[str, dict, float]]:
     conn = http.client.HTTPConnection(server.host, server.metrics_port, timeout=30)
     try:
-        # The token does no harm where the metrics port needs none.
+        # With a tokens file /metrics needs a tenant with `metrics = true`: alice.
         conn.request("GET", "/metrics", headers=http_headers("alice"))
         resp = conn.getresponse()
         body = resp.read()

@@ -104,3 +104,26 @@ def test_refusals_counted(server):
         before, "nv_inference_request_failure", **D
     )
 
+
+
+def test_metrics_need_a_metrics_tenant(server):
+    """With a tokens file, /metrics (every model's and tenant's name) answers only a tenant with
+    `metrics = true` (alice): 401 without a known token, 403 for bob."""
+    import http.client
+
+    def get(headers):
+        conn = http.client.HTTPConnection(server.host, server.metrics_port, timeout=30)
+        try:
+            conn.request("GET", "/metrics", headers=headers)
+            r = conn.getresponse()
+            return r.status, r.read().decode()
+        finally:
+            conn.close()
+
+    for headers in ({}, http_headers(token="mallory-token")):
+        status, body = get(headers)
+        assert status == 401 and "nv_inference" not in body, (status, body[:300])
+    status, body = get(http_headers("bob"))
+    assert status == 403 and "nv_inference" not in body, (status, body[:300])
+    status, body = get(http_headers("alice"))
+    assert status == 200 and "nv_inference_request_success" in body, (status, body[:300])

@@ -1,5 +1,6 @@
-"""Tenants at the door (--tokens): 401 without a known token, 403 for a model the tenant may not
-call, 429 over its rate or in-flight limit while the other tenants are served; the gRPC codes."""
+"""Tenants at the door (--tokens): 401 without a known token, a model the tenant may not call
+answered as one that does not exist (400, gRPC NOT_FOUND), 429 over its rate or in-flight limit
+while the other tenants are served; the gRPC codes."""
 
 import threading
 import time
@@ -53,8 +54,18 @@ def test_wrong_token(server):
 
 
 def test_model_not_allowed(server):
+    """bob may call only dtypes: minilm answers him exactly as a model that does not exist."""
     body = _minilm_body(["hello"])
-    assert_error(request(server, "POST", "/v2/models/minilm/infer", body, headers=http_headers("bob")), 403)
+    forbidden = request(server, "POST", "/v2/models/minilm/infer", body, headers=http_headers("bob"))
+    missing = request(server, "POST", "/v2/models/nosuch/infer", body, headers=http_headers("alice"))
+    assert_error(forbidden, 400)
+    assert forbidden.json() == {"error": "unknown model `minilm`"}, forbidden
+    assert missing.json() == {"error": "unknown model `nosuch`"}, missing
+    for path in ("/v2/models/{}", "/v2/models/{}/ready", "/v2/models/{}/config", "/v2/models/{}/stats"):
+        forbidden = request(server, "GET", path.format("minilm"), headers=http_headers("bob"))
+        missing = request(server, "GET", path.format("nosuch"), headers=http_headers("alice"))
+        assert (forbidden.status, forbidden.json()) == (400, {"error": "unknown model `minilm`"}), (path, forbidden)
+        assert (missing.status, missing.json()) == (400, {"error": "unknown model `nosuch`"}), (path, missing)
     resp = _dtypes(server, http_headers("bob"))
     assert resp.status == 200, resp
 
@@ -69,7 +80,7 @@ def test_http_client_statuses(http):
         inp = httpclient.InferInput("text", [1], "BYTES")
         inp.set_data_from_numpy(text_tensor(["hello"]))
         http.infer("minilm", [inp], headers=http_headers("bob"))
-    assert e.value.status() == "403"
+    assert e.value.status() == "400"
     assert_flipped(http.infer("dtypes", http_inputs(data, binary=True), headers=http_headers("bob")).as_numpy, data)
 
 
@@ -87,7 +98,8 @@ def test_grpc_statuses(grpc):
     inp.set_data_from_numpy(text_tensor(["hello"]))
     with pytest.raises(InferenceServerException) as e:
         grpc.infer("minilm", [inp], headers=grpc_headers("bob"), client_timeout=T)
-    assert grpc_status(e.value) == "PERMISSION_DENIED", e.value
+    assert grpc_status(e.value) == "NOT_FOUND", e.value
+    assert "unknown model `minilm`" in str(e.value), e.value
 
     result = grpc.infer("dtypes", grpc_inputs(data), headers=grpc_headers("bob"), client_timeout=T)
     assert_flipped(result.as_numpy, data)

@@ -42,7 +42,8 @@ pub struct TenantEntry {
     /// false).
     #[serde(default)]
     pub repository_control: bool,
-    /// May read `/metrics` when a tokens file is configured (default false).
+    /// May read `GET /metrics`, which names every model and tenant (default false). Without a
+    /// tokens file the metrics need no token.
     #[serde(default)]
     pub metrics: bool,
     /// `[tenant.session]`: the tenant may open sessions on the session API, each with these
@@ -90,7 +91,8 @@ impl RequestTenant {
         self.in_flight.load(Ordering::Relaxed)
     }
 
-    fn may_call(&self, model: &str) -> bool {
+    /// Whether the tenant may call `model` (its `models` list names it, or `"*"`).
+    pub fn may_call(&self, model: &str) -> bool {
         self.entry.models.iter().any(|m| m == "*" || m == model)
     }
 
@@ -256,10 +258,30 @@ impl Access {
             .ok_or_else(|| ServeError::new(ServeErrorKind::Unauthenticated, "unknown bearer token"))
     }
 
+    /// Admits a caller of `GET /metrics`: a tenant whose entry has `metrics = true` (anyone
+    /// without a tokens file).
+    ///
+    /// Errors: unauthenticated (401) as [`Access::identify`]; forbidden (403) for a tenant
+    /// without `metrics`.
+    pub fn admit_metrics(&self, authorization: Option<&str>) -> ServeResult<()> {
+        let tenant = self.identify(authorization)?;
+        if !tenant.entry.metrics {
+            return Err(ServeError::new(
+                ServeErrorKind::Forbidden,
+                format!(
+                    "tenant `{}` may not read the metrics (metrics = true in the tokens file)",
+                    tenant.entry.name
+                ),
+            ));
+        }
+        Ok(())
+    }
+
     /// Admits one request of `authorization` to `model`, or refuses it.
     ///
-    /// Errors: unauthenticated (401) as [`Access::identify`]; forbidden (403) when the tenant
-    /// may not call `model`; too many requests (429) over its `max_in_flight` (limit
+    /// Errors: unauthenticated (401) as [`Access::identify`]; not found (400, gRPC
+    /// `NOT_FOUND`, exactly as for a model that does not exist:
+    /// [`super::repository::unknown_model`]) when the tenant may not call `model`; too many requests (429) over its `max_in_flight` (limit
     /// `max-in-flight`) or its rate (limit `max-requests-per-second`). The refusing tenant's
     /// name is in the error for metrics.
     pub fn admit(
@@ -270,16 +292,8 @@ impl Access {
         let tenant = self.identify(authorization).map_err(|e| (None, e))?;
         let name = || Some(tenant.entry.name.clone());
         if !tenant.may_call(model) {
-            return Err((
-                name(),
-                ServeError::new(
-                    ServeErrorKind::Forbidden,
-                    format!(
-                        "tenant `{}` may not call model `{model}`",
-                        tenant.entry.name
-                    ),
-                ),
-            ));
+            // As for a model that does not exist: a tenant learns nothing about the others.
+            return Err((name(), super::repository::unknown_model(model)));
         }
         let before = tenant.in_flight.fetch_add(1, Ordering::Relaxed);
         let admission = Admission {
@@ -379,7 +393,11 @@ max_requests_per_second = 1
         );
         assert_eq!(
             kind(a.admit(Some("Bearer b"), "minilm")),
-            Some(ServeErrorKind::Forbidden)
+            Some(ServeErrorKind::NotFound)
+        );
+        assert_eq!(
+            a.admit(Some("Bearer b"), "minilm").err().unwrap().1,
+            crate::repository::unknown_model("minilm")
         );
         let held = a.admit(Some("Bearer b"), "dtypes").ok().unwrap();
         let e = a.admit(Some("Bearer b"), "dtypes").err().unwrap().1;
@@ -389,5 +407,35 @@ max_requests_per_second = 1
         assert!(a.admit(Some("Bearer s"), "any").is_ok());
         let e = a.admit(Some("Bearer s"), "any").err().unwrap().1;
         assert_eq!(e.limit, Some("max-requests-per-second"));
+    }
+
+    #[test]
+    fn metrics_need_the_flag() {
+        let a = access(
+            r#"
+[[tenant]]
+name = "ops"
+tokens = ["o"]
+metrics = true
+[[tenant]]
+name = "bob"
+tokens = ["b"]
+"#,
+        );
+        let kind = |r: ServeResult<()>| r.err().map(|e| e.kind);
+        assert_eq!(kind(a.admit_metrics(Some("Bearer o"))), None);
+        assert_eq!(
+            kind(a.admit_metrics(Some("Bearer b"))),
+            Some(ServeErrorKind::Forbidden)
+        );
+        assert_eq!(
+            kind(a.admit_metrics(Some("Bearer x"))),
+            Some(ServeErrorKind::Unauthenticated)
+        );
+        assert_eq!(
+            kind(a.admit_metrics(None)),
+            Some(ServeErrorKind::Unauthenticated)
+        );
+        assert_eq!(kind(Access::open().admit_metrics(None)), None);
     }
 }

@@ -9,13 +9,16 @@ pub enum ServeErrorKind {
     /// Malformed request, wrong shape or datatype, unknown input: HTTP 400, gRPC
     /// `INVALID_ARGUMENT`.
     BadRequest,
-    /// Unknown model or version: HTTP 400 (Triton's status for it), gRPC `NOT_FOUND`.
+    /// Unknown model or version, or a model the tenant may not call (answered alike, so a
+    /// tenant cannot tell which models exist): HTTP 400 (Triton's status for it), gRPC
+    /// `NOT_FOUND`.
     NotFound,
     /// The model exists but is not loaded: HTTP 400, gRPC `UNAVAILABLE`.
     NotReady,
     /// No token or an unknown one: HTTP 401, gRPC `UNAUTHENTICATED`.
     Unauthenticated,
-    /// The tenant may not call this model: HTTP 403, gRPC `PERMISSION_DENIED`.
+    /// The tenant may not do this (load or unload without `repository_control`, read the
+    /// metrics without `metrics`): HTTP 403, gRPC `PERMISSION_DENIED`.
     Forbidden,
     /// A limit was reached (in-flight, rate, queue size, the model's device limits): HTTP 429,
     /// gRPC `RESOURCE_EXHAUSTED`.

@@ -111,6 +111,16 @@ pub struct Instance {
     store: Store<GuestState>,
     model: bindings::ServedModel,
     max_call_time: Option<Duration>,
+    live: Option<LiveCount>,
+}
+
+/// One instance counted in a gauge (`tpubox_model_instances`) for as long as it lives.
+struct LiveCount(prometheus::IntGauge);
+
+impl Drop for LiveCount {
+    fn drop(&mut self) {
+        self.0.dec();
+    }
 }
 
 impl Instance {
@@ -145,7 +155,16 @@ impl Instance {
             store: guest.store,
             model,
             max_call_time,
+            live: None,
         })
+    }
+
+    /// Counts this instance in `gauge` (one more now, one less when the instance is dropped,
+    /// which frees its slot in the sandbox's instance pool).
+    pub fn counted_in(mut self, gauge: prometheus::IntGauge) -> Self {
+        gauge.inc();
+        self.live = Some(LiveCount(gauge));
+        self
     }
 
     fn arm(&mut self) -> Option<Instant> {

@@ -229,8 +229,12 @@ impl Server {
 
     /// The model `name` at `version` (`None` or `"1"`), ready.
     ///
-    /// Errors: not found for an unknown model or another version; not ready.
+    /// Errors: not found for an unknown model (whatever the version), or another version of a
+    /// known one; not ready.
     pub fn model(&self, name: &str, version: Option<&str>) -> ServeResult<Arc<Model>> {
+        if !self.repository.knows(name) {
+            return Err(repository::unknown_model(name));
+        }
         if let Some(v) = version
             && !v.is_empty()
             && v != VERSION
@@ -265,21 +269,12 @@ impl Server {
 
     /// Admits a caller for `model` (its metadata, config, stats, readiness).
     ///
-    /// Errors: unauthenticated; not found for a model the repository does not have; forbidden
-    /// when the tenant may not call the model.
+    /// Errors: unauthenticated; not found ([`repository::unknown_model`]) for a model the
+    /// repository does not have and, alike, for one the tenant may not call.
     pub fn authorize(&self, authorization: Option<&str>, model: &str) -> ServeResult<()> {
         let t = self.access.identify(authorization)?;
-        if !self.repository.knows(model) {
-            return Err(ServeError::new(
-                ServeErrorKind::NotFound,
-                format!("unknown model `{model}`"),
-            ));
-        }
-        if !t.entry.models.iter().any(|m| m == "*" || m == model) {
-            return Err(ServeError::new(
-                ServeErrorKind::Forbidden,
-                format!("tenant `{}` may not call model `{model}`", t.entry.name),
-            ));
+        if !t.may_call(model) || !self.repository.knows(model) {
+            return Err(repository::unknown_model(model));
         }
         Ok(())
     }
@@ -287,7 +282,9 @@ impl Server {
     /// Admits a caller for loading or unloading `model`: it needs `repository_control` in the
     /// tokens file and permission for the model (without a tokens file everyone has both).
     ///
-    /// Errors: unauthenticated; forbidden.
+    /// Errors: unauthenticated; forbidden without `repository_control`; not found
+    /// ([`repository::unknown_model`]) for a model the tenant may not call, as for one the
+    /// repository does not have.
     pub fn authorize_control(
         &self,
         authorization: Option<&str>,
@@ -303,11 +300,8 @@ impl Server {
                 ),
             ));
         }
-        if !t.entry.models.iter().any(|m| m == "*" || m == model) {
-            return Err(ServeError::new(
-                ServeErrorKind::Forbidden,
-                format!("tenant `{}` may not call model `{model}`", t.entry.name),
-            ));
+        if !t.may_call(model) {
+            return Err(repository::unknown_model(model));
         }
         Ok(t.entry.name.clone())
     }
@@ -320,7 +314,7 @@ impl Server {
         authorization: Option<&str>,
     ) -> ServeResult<impl Fn(&str) -> bool + use<>> {
         let t = self.access.identify(authorization)?;
-        Ok(move |m: &str| t.entry.models.iter().any(|x| x == "*" || x == m))
+        Ok(move |m: &str| t.may_call(m))
     }
 
     /// One inference: admits the caller for `model` (tenant, in-flight, rate), runs the

@@ -2,7 +2,7 @@
 //! dashboards work), and tpubox's own for the compile cache, tenants' device bytes and refused
 //! requests. Rendered in the Prometheus text format for `GET /metrics`.
 
-use prometheus::{Encoder, IntCounterVec, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{Encoder, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
 
 use super::model::{Model, VERSION};
 use tpubox_core::cache::CacheStats;
@@ -25,6 +25,7 @@ pub struct Metrics {
     refused: IntCounterVec,
     sessions: IntGaugeVec,
     protections: IntCounterVec,
+    instances: IntGaugeVec,
 }
 
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -139,6 +140,12 @@ impl Metrics {
                 "Open sessions of a tenant (session API)",
                 &["tenant"],
             ),
+            instances: gauge(
+                &r,
+                "tpubox_model_instances",
+                "Live instances of a model's component, a replaced or unloaded version's included until they end",
+                &["model"],
+            ),
             refused: counter(
                 &r,
                 "tpubox_refused_requests_total",
@@ -166,6 +173,12 @@ impl Metrics {
     /// Counts one execution (batch) of `model`.
     pub fn executed(&self, model: &str) {
         self.exec_count.with_label_values(&[model, VERSION]).inc();
+    }
+
+    /// The gauge of `model`'s live instances (`tpubox_model_instances{model}`), for
+    /// [`super::instance::Instance::counted_in`].
+    pub fn instances_of(&self, model: &str) -> IntGauge {
+        self.instances.with_label_values(&[model])
     }
 
     /// Counts a request refused by `limit` for `tenant`.

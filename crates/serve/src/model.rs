@@ -143,6 +143,7 @@ impl Model {
             tenant: Some(Arc::clone(&tenant)),
             ..RunOptions::default()
         };
+        let live = ctx.metrics.instances_of(name);
         let mut first = Instance::new(
             &ctx.sandbox,
             &ctx.device,
@@ -151,7 +152,8 @@ impl Model {
             name,
             &opts,
         )
-        .await?;
+        .await?
+        .counted_in(live.clone());
         let mut metadata = first.metadata().await.context("the model's metadata()")?;
         check_declared(&config, &metadata)?;
         if let Some(m) = config.max_batch_size {
@@ -188,7 +190,8 @@ impl Model {
                     name,
                     &opts,
                 )
-                .await?,
+                .await?
+                .counted_in(live.clone()),
             );
         }
         let workers = instances
@@ -416,15 +419,25 @@ impl Model {
         ));
     }
 
-    /// Waits for every instance task to end (after [`Model::shutdown`]).
+    /// Waits for every instance task to end (after [`Model::shutdown`]); returns at once while
+    /// requests still hold the model (its instances end when the queue is empty either way).
     pub async fn join(self: Arc<Self>) {
-        let model = match Arc::try_unwrap(self) {
+        let mut model = match Arc::try_unwrap(self) {
             Ok(m) => m,
             Err(_) => return,
         };
-        for w in model.workers {
+        for w in std::mem::take(&mut model.workers) {
             let _ = w.await;
         }
+    }
+}
+
+/// No instance outlives its model: a model dropped without [`Model::shutdown`] (a reload
+/// that replaced it, a failed swap) closes its queue, so its instance tasks finish what is
+/// queued and end, freeing their slots in the sandbox's instance pool.
+impl Drop for Model {
+    fn drop(&mut self) {
+        self.queue.close();
     }
 }
 
@@ -519,6 +532,7 @@ impl Worker {
                 .await
                 {
                     Ok(i) => {
+                        let i = i.counted_in(self.ctx.metrics.instances_of(&self.name));
                         self.stats.instance_restarts.fetch_add(1, Ordering::Relaxed);
                         instance.insert(i)
                     }

@@ -2,9 +2,9 @@
 //! models load, reload and unload at run time, each with its state as Triton reports it
 //! (`READY`, `LOADING`, `UNLOADING`, `UNAVAILABLE`).
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::path::{Path, PathBuf};
-use std::sync::{Arc, RwLock};
+use std::sync::{Arc, Mutex, RwLock};
 
 use super::config::CONFIG_FILES;
 use super::error::{ServeError, ServeErrorKind, ServeResult};
@@ -53,6 +53,39 @@ pub struct Repository {
     root: PathBuf,
     ctx: LoadContext,
     models: RwLock<BTreeMap<String, ModelState>>,
+    /// One lock per model directory: loads and unloads of one model run one at a time, so
+    /// each replaces (and shuts down) the model the previous one left. An entry is made only
+    /// for a name with a model directory, so the map is bounded by the repository.
+    changes: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
+}
+
+/// The error for a model a caller cannot see: one the repository does not have, or one the
+/// caller's tenant may not call (the two answer alike, so that a tenant learns nothing about
+/// models it may not call). Kind not found (HTTP 400, gRPC `NOT_FOUND`).
+pub fn unknown_model(name: &str) -> ServeError {
+    ServeError::new(ServeErrorKind::NotFound, format!("unknown model `{name}`"))
+}
+
+/// Marks a model whose load was dropped half-way `UNAVAILABLE` (while armed).
+struct CancelledLoad<'a> {
+    models: &'a RwLock<BTreeMap<String, ModelState>>,
+    name: &'a str,
+    armed: bool,
+}
+
+impl Drop for CancelledLoad<'_> {
+    fn drop(&mut self) {
+        if !self.armed {
+            return;
+        }
+        let mut models = self.models.write().unwrap();
+        if matches!(models.get(self.name), Some(ModelState::Loading)) {
+            models.insert(
+                self.name.to_string(),
+                ModelState::Unavailable("its load was cancelled".into()),
+            );
+        }
+    }
 }
 
 /// Checks the parameters of a load request. Triton's `config` and `file:…` parameters (a
@@ -89,7 +122,20 @@ impl Repository {
             root,
             ctx,
             models: RwLock::new(BTreeMap::new()),
+            changes: Mutex::new(HashMap::new()),
         }
+    }
+
+    /// Waits for the right to load or unload `name` (one change of a model at a time).
+    async fn change_lock(&self, name: &str) -> tokio::sync::OwnedMutexGuard<()> {
+        let lock = Arc::clone(
+            self.changes
+                .lock()
+                .unwrap()
+                .entry(name.to_string())
+                .or_default(),
+        );
+        lock.lock_owned().await
     }
 
     /// The repository directory.
@@ -136,10 +182,7 @@ impl Repository {
                 ServeErrorKind::NotReady,
                 format!("model `{name}` is not ready ({})", s.name()),
             )),
-            None => Err(ServeError::new(
-                ServeErrorKind::NotFound,
-                format!("unknown model `{name}`"),
-            )),
+            None => Err(unknown_model(name)),
         }
     }
 
@@ -185,11 +228,14 @@ impl Repository {
     }
 
     /// Loads (or reloads) the model `name` from its directory. A reload swaps the new model in
-    /// once it loaded; the old one finishes what it queued.
+    /// once it loaded; the old one finishes what it queued, then its instances end. Loads and
+    /// unloads of one model run one at a time, in the order they were asked for: concurrent
+    /// reloads each replace the model the previous one loaded, so none is left running.
     ///
-    /// Errors: bad request for a name that cannot be a model directory or one that is loading
-    /// or unloading; not found when the directory or its configuration is missing; bad request,
-    /// with the reason, when loading fails (the model is then `UNAVAILABLE` with that reason).
+    /// Errors: bad request for a name that cannot be a model directory; not found (as
+    /// [`unknown_model`]) when the directory or its configuration is missing; bad request, with
+    /// the reason, when loading fails (the model is then `UNAVAILABLE` with that reason, unless
+    /// an earlier version of it is still serving).
     pub async fn load(&self, name: &str) -> ServeResult<()> {
         if !valid_name(name) {
             return Err(ServeError::bad_request(format!(
@@ -198,35 +244,35 @@ impl Repository {
         }
         let dir = self.root.join(name);
         if !CONFIG_FILES.iter().any(|f| dir.join(f).is_file()) {
-            return Err(ServeError::new(
-                ServeErrorKind::NotFound,
-                format!(
-                    "the repository has no model `{name}` ({} has no config)",
-                    dir.display()
-                ),
-            ));
+            tracing::debug!(model = name, dir = %dir.display(), "load: no configuration file");
+            return Err(unknown_model(name));
         }
-        let old = {
+        let _change = self.change_lock(name).await;
+        let serving = {
             let mut models = self.models.write().unwrap();
-            let old = models.get(name).cloned();
-            if matches!(old, Some(ModelState::Loading | ModelState::Unloading)) {
-                return Err(ServeError::bad_request(format!(
-                    "model `{name}` is {}; try again when it is done",
-                    old.as_ref().unwrap().name()
-                )));
-            }
-            if !matches!(old, Some(ModelState::Ready(_))) {
+            let serving = matches!(models.get(name), Some(ModelState::Ready(_)));
+            if !serving {
                 models.insert(name.to_string(), ModelState::Loading);
             }
-            old
+            serving
         };
-        match Model::load(&self.ctx, name, &dir).await {
+        // A caller that goes away mid-load (a closed connection, a cancelled gRPC call) drops
+        // this future: the model must not stay `LOADING` (which would keep readiness false).
+        let mut cancelled = CancelledLoad {
+            models: &self.models,
+            name,
+            armed: !serving,
+        };
+        let loaded = Model::load(&self.ctx, name, &dir).await;
+        cancelled.armed = false;
+        match loaded {
             Ok(model) => {
-                self.models
+                let replaced = self
+                    .models
                     .write()
                     .unwrap()
                     .insert(name.to_string(), ModelState::Ready(model));
-                if let Some(ModelState::Ready(previous)) = old {
+                if let Some(ModelState::Ready(previous)) = replaced {
                     previous.shutdown().await;
                     tokio::spawn(previous.join());
                 }
@@ -235,7 +281,7 @@ impl Repository {
             Err(e) => {
                 let reason = format!("{e:#}");
                 tracing::error!(model = name, "loading failed: {reason}");
-                if !matches!(old, Some(ModelState::Ready(_))) {
+                if !serving {
                     self.models
                         .write()
                         .unwrap()
@@ -250,11 +296,16 @@ impl Repository {
     }
 
     /// Unloads the model `name`: it takes no new requests, finishes those queued, and becomes
-    /// `UNAVAILABLE` ("unloaded").
+    /// `UNAVAILABLE` ("unloaded"); its instances end once their queue is empty. Waits for a
+    /// load or unload of the same model in progress.
     ///
-    /// Errors: not found for a model the repository does not have; bad request when it is not
-    /// loaded.
+    /// Errors: not found (as [`unknown_model`]) for a model the repository does not have; bad
+    /// request when it is not loaded.
     pub async fn unload(&self, name: &str) -> ServeResult<()> {
+        if !self.knows(name) {
+            return Err(unknown_model(name));
+        }
+        let _change = self.change_lock(name).await;
         let model = {
             let mut models = self.models.write().unwrap();
             match models.get(name).cloned() {
@@ -268,12 +319,7 @@ impl Repository {
                         s.name()
                     )));
                 }
-                None => {
-                    return Err(ServeError::new(
-                        ServeErrorKind::NotFound,
-                        format!("unknown model `{name}`"),
-                    ));
-                }
+                None => return Err(unknown_model(name)),
             }
         };
         model.shutdown().await;

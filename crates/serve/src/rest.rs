@@ -424,18 +424,26 @@ pub async fn serve_rest(
     .await
 }
 
-/// The metrics router: `GET /metrics`, Prometheus's text format.
+/// The metrics router: `GET /metrics`, Prometheus's text format. With a tokens file it needs
+/// the bearer token of a tenant with `metrics = true` (401 without a known token, 403 for
+/// another tenant); without one it is open.
 pub fn metrics_router(server: Arc<Server>) -> Router {
     Router::new()
         .route(
             "/metrics",
-            get(|State(s): S| async move {
-                (
-                    [(
-                        header::CONTENT_TYPE,
-                        HeaderValue::from_static("text/plain; version=0.0.4"),
-                    )],
-                    s.metrics_text(),
+            get(|State(s): S, headers: HeaderMap| async move {
+                // The text names every model and tenant: with a tokens file, only a tenant with
+                // `metrics = true` reads it.
+                s.access.admit_metrics(auth(&headers))?;
+                R::Ok(
+                    (
+                        [(
+                            header::CONTENT_TYPE,
+                            HeaderValue::from_static("text/plain; version=0.0.4"),
+                        )],
+                        s.metrics_text(),
+                    )
+                        .into_response(),
                 )
             }),
         )
