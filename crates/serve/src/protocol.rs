@@ -178,9 +178,9 @@ impl Tensor {
                 }
             }
             None => {
-                let count = bytes_elements(&self.data)
+                let count = bytes_element_count(&self.data)
                     .map_err(|e| ServeError::bad_request(format!("tensor `{}`: {e}", self.name)))?
-                    .len() as u64;
+                    as u64;
                 if count != n {
                     return Err(ServeError::bad_request(format!(
                         "tensor `{}`: {count} BYTES elements, but shape {:?} needs {n}",
@@ -191,6 +191,31 @@ impl Tensor {
         }
         Ok(())
     }
+}
+
+/// Counts the elements of `BYTES` data without collecting them (what [`Tensor::check`] needs:
+/// a list of slices would take 16 bytes per element, 5 times the JSON text `"",`).
+///
+/// Errors: as [`bytes_elements`].
+pub fn bytes_element_count(data: &[u8]) -> Result<usize, String> {
+    let mut n = 0;
+    let mut rest = data;
+    while !rest.is_empty() {
+        if rest.len() < 4 {
+            return Err("BYTES data ends inside a 4-byte length prefix".into());
+        }
+        let len = u32::from_le_bytes(rest[..4].try_into().unwrap()) as usize;
+        rest = &rest[4..];
+        if len > rest.len() {
+            return Err(format!(
+                "a BYTES element of {len} bytes runs past the end of the data ({} bytes left)",
+                rest.len()
+            ));
+        }
+        rest = &rest[len..];
+        n += 1;
+    }
+    Ok(n)
 }
 
 /// Splits `BYTES` data into its elements.
@@ -611,31 +636,55 @@ mod tests {
 
     #[test]
     fn objects_and_data_are_bounded() {
-        let keys: Vec<String> = (0..=MAX_OBJECT_KEYS).map(|i| format!("\"k{i}\": 0")).collect();
+        let keys: Vec<String> = (0..=MAX_OBJECT_KEYS)
+            .map(|i| format!("\"k{i}\": 0"))
+            .collect();
         let text = format!(r#"{{"inputs": [], "parameters": {{{}}}}}"#, keys.join(","));
         let e = request_from_json(text.as_bytes(), b"").unwrap_err();
         assert!(e.message.contains("more than 1024 keys"), "{}", e.message);
         // More elements than the shape: refused from the count, before any is stored.
         let zeros = vec!["0"; 1000].join(",");
-        let text = format!(r#"{{"inputs": [{{"name": "a", "shape": [4], "datatype": "FP64", "data": [{zeros}]}}]}}"#);
+        let text = format!(
+            r#"{{"inputs": [{{"name": "a", "shape": [4], "datatype": "FP64", "data": [{zeros}]}}]}}"#
+        );
         let e = request_from_json(text.as_bytes(), b"").unwrap_err();
         assert!(e.message.contains("8000 bytes of data"), "{}", e.message);
         assert!(e.message.contains("needs 32"), "{}", e.message);
-        let text = format!(r#"{{"inputs": [{{"name": "a", "shape": [1], "datatype": "BYTES", "data": ["a", "b"]}}]}}"#);
+        let text = format!(
+            r#"{{"inputs": [{{"name": "a", "shape": [1], "datatype": "BYTES", "data": ["a", "b"]}}]}}"#
+        );
         let e = request_from_json(text.as_bytes(), b"").unwrap_err();
         assert!(e.message.contains("2 BYTES elements"), "{}", e.message);
-        let deep = format!("{}1{}", "[".repeat(MAX_DATA_DEPTH + 1), "]".repeat(MAX_DATA_DEPTH + 1));
-        let text = format!(r#"{{"inputs": [{{"name": "a", "shape": [1], "datatype": "FP64", "data": {deep}}}]}}"#);
+        let deep = format!(
+            "{}1{}",
+            "[".repeat(MAX_DATA_DEPTH + 1),
+            "]".repeat(MAX_DATA_DEPTH + 1)
+        );
+        let text = format!(
+            r#"{{"inputs": [{{"name": "a", "shape": [1], "datatype": "FP64", "data": {deep}}}]}}"#
+        );
         let e = request_from_json(text.as_bytes(), b"").unwrap_err();
         assert!(e.message.contains("nested more than 64"), "{}", e.message);
         // Wrong element types keep their messages.
-        let text = r#"{"inputs": [{"name": "a", "shape": [2], "datatype": "UINT8", "data": [1, -1]}]}"#;
+        let text =
+            r#"{"inputs": [{"name": "a", "shape": [2], "datatype": "UINT8", "data": [1, -1]}]}"#;
         let e = request_from_json(text.as_bytes(), b"").unwrap_err();
-        assert!(e.message.contains("element 1 is not an integer in the range of u8"), "{}", e.message);
-        let text = r#"{"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [null]}]}"#;
+        assert!(
+            e.message
+                .contains("element 1 is not an integer in the range of u8"),
+            "{}",
+            e.message
+        );
+        let text =
+            r#"{"inputs": [{"name": "a", "shape": [1], "datatype": "FP32", "data": [null]}]}"#;
         let e = request_from_json(text.as_bytes(), b"").unwrap_err();
-        assert!(e.message.contains("element 0 is not a number"), "{}", e.message);
-        let text = r#"{"inputs": [{"name": "a", "shape": [1], "datatype": "INT8", "data": [1.0]}]}"#;
+        assert!(
+            e.message.contains("element 0 is not a number"),
+            "{}",
+            e.message
+        );
+        let text =
+            r#"{"inputs": [{"name": "a", "shape": [1], "datatype": "INT8", "data": [1.0]}]}"#;
         let e = request_from_json(text.as_bytes(), b"").unwrap_err();
         assert!(e.message.contains("range of i8"), "{}", e.message);
     }
@@ -648,14 +697,23 @@ mod tests {
             (r#"{"inputs": [3]}"#, "each input must be a JSON object"),
             (r#"{"inputs": [{"shape": [1]}]}"#, "has no `name`"),
             (r#"{"inputs": [{"name": "a"}]}"#, "has no `datatype`"),
-            (r#"{"inputs": [{"name": "a", "datatype": "FP32"}]}"#, "must be an array"),
-            (r#"{"inputs": [{"name": "a", "datatype": "FP32", "shape": [1]}]}"#, "neither `data`"),
+            (
+                r#"{"inputs": [{"name": "a", "datatype": "FP32"}]}"#,
+                "must be an array",
+            ),
+            (
+                r#"{"inputs": [{"name": "a", "datatype": "FP32", "shape": [1]}]}"#,
+                "neither `data`",
+            ),
             (
                 r#"{"inputs": [{"name": "a", "datatype": "FP32", "shape": [1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1,1], "data": []}]}"#,
                 "rank 17",
             ),
             (r#"{"inputs": [], "outputs": {}}"#, "must be an array"),
-            (r#"{"inputs": [], "outputs": [1]}"#, "each output must be a JSON object"),
+            (
+                r#"{"inputs": [], "outputs": [1]}"#,
+                "each output must be a JSON object",
+            ),
             (r#"{"inputs": [], "outputs": [{}]}"#, "has no `name`"),
             (r#""text""#, "must be a JSON object"),
             (r#"{"inputs": []} x"#, "not valid JSON"),

@@ -443,8 +443,7 @@ mod tests {
             bytes_contents: vec![b"a longer string of bytes".to_vec(); 10],
             ..Default::default()
         });
-        r.parameters
-            .insert("p".into(), InferParameter::default());
+        r.parameters.insert("p".into(), InferParameter::default());
         infer(&r).unwrap();
     }
 

@@ -61,10 +61,9 @@ impl Ctx {
     /// The error of a parse that failed: the recorded one, or serde_json's (the JSON itself
     /// is bad).
     fn error(&self, e: serde_json::Error) -> ServeError {
-        self.err
-            .borrow_mut()
-            .take()
-            .unwrap_or_else(|| ServeError::bad_request(format!("the request is not valid JSON: {e}")))
+        self.err.borrow_mut().take().unwrap_or_else(|| {
+            ServeError::bad_request(format!("the request is not valid JSON: {e}"))
+        })
     }
 }
 
@@ -901,9 +900,7 @@ impl<'de> Visitor<'de> for OutputSeed<'_> {
             }
         }
         let Some(Got::Is(name)) = name else {
-            return Err(ctx.fail(ServeError::bad_request(
-                "a requested output has no `name`",
-            )));
+            return Err(ctx.fail(ServeError::bad_request("a requested output has no `name`")));
         };
         Ok(OutputHead { name, binary })
     }
@@ -1311,7 +1308,11 @@ impl<'de> Visitor<'de> for DataRequest<'_, '_> {
 }
 
 /// Runs one pass of `seed` over `header`, with serde_json's checks of what follows the value.
-fn parse<'de, S: DeserializeSeed<'de>>(ctx: &Ctx, header: &'de [u8], seed: S) -> ServeResult<S::Value> {
+fn parse<'de, S: DeserializeSeed<'de>>(
+    ctx: &Ctx,
+    header: &'de [u8],
+    seed: S,
+) -> ServeResult<S::Value> {
     let mut de = serde_json::Deserializer::from_slice(header);
     let v = seed.deserialize(&mut de).map_err(|e| ctx.error(e))?;
     de.end().map_err(|e| ctx.error(e))?;
@@ -1346,10 +1347,7 @@ pub(super) fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<Inf
             bin.offset
         )));
     }
-    let binary_output = head
-        .binary_output
-        .and_then(Param::as_bool)
-        .unwrap_or(false);
+    let binary_output = head.binary_output.and_then(Param::as_bool).unwrap_or(false);
     let outputs = match head.outputs {
         None => Vec::new(),
         Some(Got::Other) => {
@@ -1373,13 +1371,13 @@ pub(super) fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<Inf
             },
         )?;
     }
-    let mut tensors = Vec::with_capacity(inputs.len());
-    for i in inputs {
+    for i in &inputs {
         if i.json_bytes.is_some() {
             i.tensor.check()?;
         }
-        tensors.push(i.tensor);
     }
+    // Collected in place: the inputs' vector becomes the tensors' without a second one.
+    let tensors: Vec<Tensor> = inputs.into_iter().map(|i| i.tensor).collect();
     Ok(InferRequest {
         id: head.id,
         inputs: tensors,
