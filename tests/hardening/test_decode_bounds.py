@@ -25,11 +25,12 @@ TENANTS_HERE = {
 INFER = "/v2/models/dtypes/infer"
 MIB = 1 << 20
 
-# The documented bounds: the body itself, plus 4 bytes per byte of JSON (REST); the message,
-# plus 8 bytes per byte of typed contents and 8 more when they become tensor bytes (gRPC).
+# The documented bounds: the body, held twice while it is read, plus 4 bytes per byte of JSON
+# (REST); the message, held twice while it arrives, plus 8 bytes per byte of typed contents and
+# 8 more when they become tensor bytes (gRPC).
 # SLACK_MIB covers allocator and thread-stack noise on a shared machine.
-REST_MULTIPLE = 5
-GRPC_MULTIPLE = 17
+REST_MULTIPLE = 6
+GRPC_MULTIPLE = 20
 SLACK_MIB = 64
 
 

@@ -650,9 +650,8 @@ mod tests {
         let e = request_from_json(text.as_bytes(), b"").unwrap_err();
         assert!(e.message.contains("8000 bytes of data"), "{}", e.message);
         assert!(e.message.contains("needs 32"), "{}", e.message);
-        let text = format!(
-            r#"{{"inputs": [{{"name": "a", "shape": [1], "datatype": "BYTES", "data": ["a", "b"]}}]}}"#
-        );
+        let text =
+            r#"{"inputs": [{"name": "a", "shape": [1], "datatype": "BYTES", "data": ["a", "b"]}]}"#;
         let e = request_from_json(text.as_bytes(), b"").unwrap_err();
         assert!(e.message.contains("2 BYTES elements"), "{}", e.message);
         let deep = format!(
