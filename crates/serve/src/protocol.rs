@@ -446,7 +446,7 @@ fn float_json(x: f64) -> Value {
 /// No JSON tree is built: the elements of `data` go straight into a buffer of the tensor's
 /// size in its datatype, so decoding costs at most 4 bytes per byte of the header (8-byte
 /// elements written as `0,`) plus a small constant per input, output and object key (see
-/// [`json`] and `docs/SERVING.md`).
+/// [`mod@json`] and `docs/SERVING.md`).
 ///
 /// Errors: bad request for JSON that is not an inference request, a duplicate key in any
 /// object, an object with more than [`MAX_OBJECT_KEYS`] keys, an unknown datatype, a missing
