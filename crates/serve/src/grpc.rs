@@ -19,6 +19,10 @@ pub mod inference {
     tonic::include_proto!("inference");
 }
 
+pub mod bounds;
+
+pub use bounds::BoundedCodec;
+
 use inference::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use inference::*;
 
