@@ -492,7 +492,9 @@ pub async fn serve_grpc(
     let svc = GrpcInferenceServiceServer::new(Service { server })
         .max_decoding_message_size(limit)
         .max_encoding_message_size(1 << 30);
-    let app = tonic::service::Routes::new(svc).prepare().into_axum_router();
+    let app = tonic::service::Routes::new(svc)
+        .prepare()
+        .into_axum_router();
     tpubox_net::serve(door, tpubox_net::Listener::Tcp(listener), app, stop).await
 }
 
