@@ -37,6 +37,10 @@ pub const MAX_CHUNK_BYTES: usize = 16 << 20;
 /// of a few bytes would cost more in message framing and per-message work than it carries.
 pub const MIN_CHUNK_BYTES: usize = 64 << 10;
 const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
+/// Encoded chunks one `GetTensor` stream holds at most beyond the shared host copy (one being
+/// written to the socket, one waiting for the client's HTTP/2 window); what each stream is
+/// charged is this many chunks.
+pub const QUEUED_CHUNKS: usize = 2;
 /// Most output one guest run streams back, per stream.
 const MAX_RUN_OUTPUT: usize = 64 << 20;
 /// The MLIR bytecode magic number (`ML\xefR`), from MLIR's bytecode format documentation.
@@ -524,14 +528,15 @@ impl SessionRpc for Service {
         let t = s.tensor(r.handle).map_err(access_status)?;
         // One host copy, shared with every other stream reading this handle and charged to
         // the tenant; chunks are sliced from it as the client takes them, so a slow reader
-        // holds one encoded message at a time (charged below), not the whole tensor again.
+        // holds at most QUEUED_CHUNKS encoded messages (charged below), not the whole tensor
+        // again.
         let copy = s.session().read_shared(&t).await.map_err(device_status)?;
         let len = copy.bytes().len();
         let queued = s
             .tenant()
             .charge_transfer(
-                chunk.min(len) as u64,
-                "the message a GetTensor stream has queued",
+                (QUEUED_CHUNKS * chunk.min(len)) as u64,
+                "the messages a GetTensor stream queues",
             )
             .map_err(device_status)?;
         let data = Bytes::from_owner(SharedCopy(copy));
