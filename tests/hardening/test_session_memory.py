@@ -156,6 +156,36 @@ def test_local_socket_descriptor_flood_is_bounded(daemon):
     assert r["ok"]["byte_size"] == 8, r
 
 
+def test_local_socket_accept_backs_off_out_of_descriptors(daemon):
+    """Idle local-socket connections until the daemon is out of descriptors: accept fails with
+    EMFILE while connections wait in the backlog; the loop backs off instead of spinning a core,
+    and serves again once descriptors are free."""
+    d = daemon(nofile=96)
+    _, _, token = open_session(d)
+    before = triggered(d, "accept-backoff")
+    conns = []
+    for _ in range(120):
+        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        s.connect(str(d.local_path))
+        conns.append(s)
+    time.sleep(1)
+    cpu0 = d.cpu_seconds()
+    time.sleep(2)
+    spent = d.cpu_seconds() - cpu0
+    print(f"out of descriptors ({d.open_fds()} open): {spent:.2f} s of CPU in 2 s")
+    for s in conns:
+        s.close()
+    assert spent < 0.5, f"the daemon spent {spent:.2f} s of CPU in 2 s while out of descriptors"
+    time.sleep(1.5)  # the longest back-off is 1 s
+    assert triggered(d, "accept-backoff") > before
+    fd = memfd(4, struct.pack("<f", 1))
+    try:
+        r = local_request(d.local_path, {"op": "put", "token": token, "dtype": "F32", "dims": [1]}, [fd])
+    finally:
+        os.close(fd)
+    assert r["ok"]["byte_size"] == 4, r
+
+
 def test_local_put_maps_only_the_declared_size(daemon):
     """A sealed, sparse 1 GiB memfd sent for a [1] f32 put: the daemon maps 4 bytes, not 1 GiB."""
     d = daemon()

@@ -564,6 +564,27 @@ mod tests {
     }
 
     #[test]
+    fn transfers_have_a_pool_of_their_own_and_are_returned_on_drop() {
+        let t = Tenant::new("a", small());
+        let held = t.charge_tensors(&[900], 0).unwrap();
+        // The device bytes held do not count against transfers, nor the reverse.
+        let up = t.charge_transfer(800, "an upload").unwrap();
+        let u = t.usage();
+        assert_eq!((u.device_bytes, u.transfer_bytes), (900, 800));
+        let e = t.charge_transfer(201, "a second upload").unwrap_err();
+        assert_eq!(e.kind, ErrorKind::ResourceExhausted);
+        assert!(
+            e.message.contains("a second upload") && e.message.contains("max-device-bytes"),
+            "{}",
+            e.message
+        );
+        let fits = t.charge_transfer(200, "a read").unwrap();
+        drop((up, fits, held));
+        let u = t.usage();
+        assert_eq!((u.device_bytes, u.transfer_bytes, u.refused), (0, 0, 1));
+    }
+
+    #[test]
     fn charges_are_returned_on_drop_and_limits_name_themselves() {
         let t = Tenant::new("a", small());
         let c = t.charge_tensors(&[400, 500], 0).unwrap();
