@@ -186,6 +186,23 @@ def test_local_socket_accept_backs_off_out_of_descriptors(daemon):
     assert r["ok"]["byte_size"] == 4, r
 
 
+def test_local_socket_closes_a_stalled_header(daemon):
+    """A local-socket client that sends part of a header and stalls (and one that never sends
+    anything) is closed after HEADER_TIMEOUT (10 s), not held forever."""
+    d = daemon()
+    before = triggered(d, "header-timeout")
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as partial, socket.socket(
+        socket.AF_UNIX, socket.SOCK_STREAM
+    ) as silent:
+        partial.connect(str(d.local_path))
+        silent.connect(str(d.local_path))
+        partial.sendall(struct.pack("<I", 100) + b'{"op": "put"')
+        for s in (partial, silent):
+            s.settimeout(20)
+            assert s.recv(16) == b"", "the daemon answered a request it never got"
+    assert triggered(d, "header-timeout") > before
+
+
 def test_local_put_maps_only_the_declared_size(daemon):
     """A sealed, sparse 1 GiB memfd sent for a [1] f32 put: the daemon maps 4 bytes, not 1 GiB."""
     d = daemon()

@@ -89,8 +89,8 @@ impl MappedFile {
         // immutable memory. The bytes are borrowed from `self` and cannot outlive the map. The
         // map is populated at once (MAP_POPULATE), `len` bytes only: one call instead of a
         // page fault per 4 KiB page.
-        let map = unsafe { memmap2::MmapOptions::new().len(len).populate().map(&file) }
-            .map_err(|e| {
+        let map =
+            unsafe { memmap2::MmapOptions::new().len(len).populate().map(&file) }.map_err(|e| {
                 Error::new(
                     ErrorCode::InvalidArgument,
                     format!("mapping the memfd: {e}"),

@@ -36,7 +36,8 @@
 //! (the process out of descriptors, say) are retried after an exponential back-off from
 //! [`ACCEPT_BACKOFF_MIN`] to [`ACCEPT_BACKOFF_MAX`] (protection `accept-backoff`), and at
 //! most [`MAX_CONNECTIONS`] connections are served at once; more wait in the kernel's
-//! listen backlog, costing the daemon no descriptor.
+//! listen backlog, costing the daemon no descriptor. A header must arrive within
+//! [`HEADER_TIMEOUT`], and so must a connection's first request (protection `header-timeout`).
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -76,6 +77,12 @@ pub const ACCEPT_BACKOFF_MIN: Duration = Duration::from_millis(5);
 
 /// Longest wait after failed accepts (1 s).
 pub const ACCEPT_BACKOFF_MAX: Duration = Duration::from_secs(1);
+
+/// How long a request's header may take to arrive once its length has (10 s), and how long a
+/// connection may wait before its first request; a connection past either is closed
+/// (protection `header-timeout`). After a request succeeded, a connection may stay idle
+/// between requests.
+pub const HEADER_TIMEOUT: Duration = Duration::from_secs(10);
 
 /// How long the daemon waits to send the refusal of a request with too many descriptors
 /// before it ends the connection anyway.
@@ -296,17 +303,46 @@ async fn send(stream: &UnixStream, reply: &Value, fd: Option<&OwnedFd>) -> std::
 }
 
 async fn refuse(stream: &UnixStream, e: Failure) -> std::io::Result<()> {
-    send(stream, &json!({"error": {"kind": e.0, "message": e.1}}), None).await
+    send(
+        stream,
+        &json!({"error": {"kind": e.0, "message": e.1}}),
+        None,
+    )
+    .await
+}
+
+/// Ends a connection whose header did not arrive within [`HEADER_TIMEOUT`].
+fn header_timeout(what: &str) -> std::io::Result<()> {
+    tpubox_core::protection::triggered(
+        "header-timeout",
+        "session-local",
+        format_args!(
+            "{what} did not arrive within {} s; closed the local-socket connection",
+            HEADER_TIMEOUT.as_secs()
+        ),
+    );
+    Ok(())
 }
 
 async fn connection(stream: UnixStream, registry: Arc<Registry>) -> std::io::Result<()> {
+    // Whether a request of this connection succeeded: until then, the connection may wait at
+    // most HEADER_TIMEOUT for its first request.
+    let mut served = false;
     loop {
         // The length, then the header, with the descriptors on their first bytes: at most
         // MAX_DESCRIPTORS_PER_REQUEST held until the request's token is checked.
         let mut fds = Vec::new();
         let mut len = [0u8; 4];
         let mut header = Vec::new();
-        let mut got = receive_exact(&stream, &mut len, &mut fds).await?;
+        let first = receive_exact(&stream, &mut len, &mut fds);
+        let mut got = if served {
+            first.await?
+        } else {
+            match tokio::time::timeout(HEADER_TIMEOUT, first).await {
+                Ok(r) => r?,
+                Err(_) => return header_timeout("a first request"),
+            }
+        };
         if let Ok(true) = got {
             let n = u32::from_le_bytes(len) as usize;
             if n > MAX_HEADER_BYTES {
@@ -316,7 +352,11 @@ async fn connection(stream: UnixStream, registry: Arc<Registry>) -> std::io::Res
                 return refuse(&stream, e).await;
             }
             header = vec![0u8; n];
-            got = receive_exact(&stream, &mut header, &mut fds).await?;
+            let rest = receive_exact(&stream, &mut header, &mut fds);
+            got = match tokio::time::timeout(HEADER_TIMEOUT, rest).await {
+                Ok(r) => r?,
+                Err(_) => return header_timeout("a request's header"),
+            };
         }
         match got {
             Ok(true) => {}
@@ -338,7 +378,10 @@ async fn connection(stream: UnixStream, registry: Arc<Registry>) -> std::io::Res
             }
         }
         let (reply, fd) = match handle(&header, fds, &registry).await {
-            Ok((v, fd)) => (json!({ "ok": v }), fd),
+            Ok((v, fd)) => {
+                served = true;
+                (json!({ "ok": v }), fd)
+            }
             Err(Failure(kind, message)) => {
                 (json!({"error": {"kind": kind, "message": message}}), None)
             }
