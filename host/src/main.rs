@@ -250,14 +250,18 @@ struct ServeArgs {
 /// (tensors being moved, the plugin's buffers) then get transparent huge pages where the kernel
 /// offers them (`/sys/kernel/mm/transparent_hugepage/enabled` = madvise or always), which cut
 /// the page faults of a 64 MiB transfer ~500-fold and made session-API transfers 1.4-1.7×
-/// faster here (docs/BENCHMARKS.md). Skipped when GLIBC_TUNABLES already names the tunable, or
-/// with TPUBOX_MALLOC_TUNING=0.
+/// faster here (docs/BENCHMARKS.md). It also fixes `glibc.malloc.mmap_threshold` at 1 MiB, so
+/// every allocation of 1 MiB or more (upload buffers, read copies, encoded chunks) is mapped on
+/// its own and returned to the OS when freed: with glibc's default, adaptive threshold such
+/// buffers land in malloc's arenas after the first large free, and a burst of slow readers left
+/// 40-70 MiB resident after it ended (tests/hardening/test_session_memory.py). Skipped when
+/// GLIBC_TUNABLES already names `glibc.malloc.hugetlb`, or with TPUBOX_MALLOC_TUNING=0.
 #[cfg(feature = "serve")]
 fn restart_with_malloc_tunables() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         use std::os::unix::process::CommandExt;
-        const TUNABLE: &str = "glibc.malloc.hugetlb=1";
+        const TUNABLE: &str = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1048576";
         let current = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
         if current.contains("glibc.malloc.hugetlb")
             || std::env::var("TPUBOX_MALLOC_TUNING").is_ok_and(|v| v == "0")

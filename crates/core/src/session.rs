@@ -20,7 +20,7 @@
 //! against PJRT's rules happens below, in [`crate::device`] and [`crate::types`].
 
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, Weak};
 
 use pjrt::PrimitiveType;
 
@@ -59,6 +59,30 @@ pub struct TensorHandle {
     read_only: bool,
     /// `None` once donated.
     held: Mutex<Option<Held>>,
+    /// The host copy concurrent readers share while any of them holds it
+    /// ([`Session::read_shared`]).
+    host_copy: tokio::sync::Mutex<Weak<HostCopy>>,
+}
+
+/// A tensor's bytes copied to the host for readers ([`Session::read_shared`]), charged to the
+/// tenant as a transfer ([`Tenant::charge_transfer`]) for as long as any reader holds it.
+#[derive(Debug)]
+pub struct HostCopy {
+    bytes: Vec<u8>,
+    _charge: Charge,
+}
+
+impl HostCopy {
+    /// The tensor's dense row-major little-endian bytes.
+    pub fn bytes(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+impl AsRef<[u8]> for HostCopy {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
 }
 
 #[derive(Debug)]
@@ -72,7 +96,7 @@ impl Held {
     fn charged_bytes(&self) -> u64 {
         match self.charge.kind() {
             ChargeKind::Tensor(b) => b,
-            ChargeKind::Executable | ChargeKind::Scratch(_) => 0,
+            ChargeKind::Executable | ChargeKind::Scratch(_) | ChargeKind::Transfer(_) => 0,
         }
     }
 }
@@ -85,6 +109,7 @@ impl TensorHandle {
             device: tensor.device(),
             read_only,
             held: Mutex::new(Some(Held { tensor, charge })),
+            host_copy: tokio::sync::Mutex::new(Weak::new()),
         }
     }
 
@@ -286,6 +311,25 @@ impl Session {
         Ok(bytes)
     }
 
+    /// Admits an upload a client is about to send ([`admit_tensor`](Self::admit_tensor)) and
+    /// charges its declared size to the tenant as a transfer in flight
+    /// ([`Tenant::charge_transfer`]) before any buffer for it is allocated; the front door
+    /// holds the returned charge until the upload is done, failed or cancelled. Returns the
+    /// dense size in bytes and the charge.
+    ///
+    /// Errors: as [`admit_tensor`](Self::admit_tensor); `resource-exhausted` naming
+    /// `max-device-bytes` when the tenant's transfers in flight leave no room for this one.
+    pub fn admit_upload(
+        &self,
+        ty: PrimitiveType,
+        dims: &[u64],
+        what: &str,
+    ) -> DeviceResult<(usize, Charge)> {
+        let bytes = self.admit_tensor(ty, dims)?;
+        let charge = self.tenant.charge_transfer(bytes as u64, what)?;
+        Ok((bytes, charge))
+    }
+
     fn charge_one(&self, bytes: u64) -> DeviceResult<Charge> {
         let mut c = self.tenant.charge_tensors(&[bytes], 0)?;
         Ok(c.remove(0))
@@ -297,6 +341,37 @@ impl Session {
     /// donation; `resource-exhausted` naming `max-guest-memory` when the tensor is larger than
     /// this session may read; plugin errors.
     pub async fn read(&self, t: &TensorHandle) -> DeviceResult<Vec<u8>> {
+        let tensor = self.readable(t)?;
+        self.device.read(&tensor).await
+    }
+
+    /// Reads a tensor back into a host copy that concurrent readers of the same handle share
+    /// (a front door streaming it to several slow clients holds one copy, not one each). The
+    /// copy is charged to the tenant as a transfer before it is made, and returned when the
+    /// last reader drops it.
+    ///
+    /// Errors: as [`read`](Self::read); `resource-exhausted` naming `max-device-bytes` when the
+    /// tenant's transfers in flight leave no room for the copy ([`Tenant::charge_transfer`]).
+    pub async fn read_shared(&self, t: &TensorHandle) -> DeviceResult<Arc<HostCopy>> {
+        let tensor = self.readable(t)?;
+        let mut slot = t.host_copy.lock().await;
+        if let Some(copy) = slot.upgrade() {
+            return Ok(copy);
+        }
+        let charge = self
+            .tenant
+            .charge_transfer(tensor.byte_size(), "the host copy of a tensor being read")?;
+        let bytes = self.device.read(&tensor).await?;
+        let copy = Arc::new(HostCopy {
+            bytes,
+            _charge: charge,
+        });
+        *slot = Arc::downgrade(&copy);
+        Ok(copy)
+    }
+
+    /// The tensor of `t`, if this session may read it.
+    fn readable(&self, t: &TensorHandle) -> DeviceResult<Arc<DeviceTensor>> {
         self.owns(t.session)?;
         let tensor = t.tensor()?;
         if tensor.byte_size() > self.max_read_bytes {
@@ -309,7 +384,7 @@ impl Session {
                 ),
             ));
         }
-        self.device.read(&tensor).await
+        Ok(tensor)
     }
 
     /// Copies a tensor to `device`; the copy is a new handle, charged to the tenant.

@@ -137,6 +137,9 @@ pub struct TenantUsage {
     pub refused: u64,
     /// Executions holding an execution slot now (submitted or about to be, not yet done).
     pub executions_running: u64,
+    /// Host bytes held now for the tenant's transfers in flight: uploads being received,
+    /// host copies of tensors being read, mapped memfds ([`Tenant::charge_transfer`]).
+    pub transfer_bytes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -146,6 +149,7 @@ struct Held {
     live_tensors: u64,
     peak_live_tensors: u64,
     live_executables: u64,
+    transfer_bytes: u64,
     compile_times: VecDeque<Instant>,
 }
 
@@ -171,6 +175,9 @@ pub enum ChargeKind {
     Executable,
     /// Device bytes an execution uses for its temporaries while it runs (no handle).
     Scratch(u64),
+    /// Host bytes the daemon holds for a transfer in flight (an upload being received, a
+    /// tensor's host copy being read, a mapped memfd); see [`Tenant::charge_transfer`].
+    Transfer(u64),
 }
 
 /// A charge against a tenant's limits, returned when dropped.
@@ -190,6 +197,7 @@ impl Drop for Charge {
             }
             ChargeKind::Executable => h.live_executables -= 1,
             ChargeKind::Scratch(bytes) => h.device_bytes -= bytes,
+            ChargeKind::Transfer(bytes) => h.transfer_bytes -= bytes,
         }
     }
 }
@@ -240,6 +248,7 @@ impl Tenant {
             device_seconds: self.device_ns.load(Ordering::Relaxed) as f64 / 1e9,
             refused: self.refused.load(Ordering::Relaxed),
             executions_running: self.running.load(Ordering::Relaxed),
+            transfer_bytes: h.transfer_bytes,
         }
     }
 
@@ -413,6 +422,38 @@ impl Tenant {
         Ok(())
     }
 
+    /// Charges `bytes` of host memory the daemon is about to allocate (or map) for one of the
+    /// tenant's transfers — an upload being received, the host copy of a tensor being read, a
+    /// mapped memfd — until the returned charge is dropped (when the transfer completes,
+    /// fails or is cancelled). Transfers have a pool of their own, as large as
+    /// `max-device-bytes` and separate from the device bytes: a tenant can always move a
+    /// tensor it may hold, and the daemon holds at most `max-device-bytes` of host memory for
+    /// one tenant's transfers at once, however many it starts. `what` names the transfer in
+    /// the error.
+    ///
+    /// Errors: `resource-exhausted` naming `max-device-bytes`.
+    pub fn charge_transfer(self: &Arc<Self>, bytes: u64, what: &str) -> DeviceResult<Charge> {
+        let mut h = self.held.lock().expect("tenant lock");
+        let after = h.transfer_bytes.saturating_add(bytes);
+        if after > self.limits.max_device_bytes {
+            let held = h.transfer_bytes;
+            drop(h);
+            return Err(self.refuse(
+                "max-device-bytes",
+                format!(
+                    "{what} needs {bytes} bytes of host memory; with the {held} bytes the tenant's transfers in flight (uploads, reads, mapped memfds) hold, that would exceed {}",
+                    self.limits.max_device_bytes
+                ),
+            ));
+        }
+        h.transfer_bytes = after;
+        drop(h);
+        Ok(Charge {
+            tenant: Arc::clone(self),
+            kind: ChargeKind::Transfer(bytes),
+        })
+    }
+
     /// Charges one executable handle.
     ///
     /// Errors: `resource-exhausted` naming `max-live-executables`.
@@ -520,6 +561,27 @@ mod tests {
             max_compiles_per_minute: 2,
             ..TenantLimits::default()
         }
+    }
+
+    #[test]
+    fn transfers_have_a_pool_of_their_own_and_are_returned_on_drop() {
+        let t = Tenant::new("a", small());
+        let held = t.charge_tensors(&[900], 0).unwrap();
+        // The device bytes held do not count against transfers, nor the reverse.
+        let up = t.charge_transfer(800, "an upload").unwrap();
+        let u = t.usage();
+        assert_eq!((u.device_bytes, u.transfer_bytes), (900, 800));
+        let e = t.charge_transfer(201, "a second upload").unwrap_err();
+        assert_eq!(e.kind, ErrorKind::ResourceExhausted);
+        assert!(
+            e.message.contains("a second upload") && e.message.contains("max-device-bytes"),
+            "{}",
+            e.message
+        );
+        let fits = t.charge_transfer(200, "a read").unwrap();
+        drop((up, fits, held));
+        let u = t.usage();
+        assert_eq!((u.device_bytes, u.transfer_bytes, u.refused), (0, 0, 1));
     }
 
     #[test]

@@ -43,13 +43,15 @@ impl MappedFile {
         Ok(MappedFile { map })
     }
 
-    /// Maps a memfd (`memfd_create(2)`) that its writer sealed against writing and shrinking
-    /// (`F_SEAL_WRITE | F_SEAL_SHRINK`), e.g. a tensor a client process on the same machine
-    /// hands over a Unix socket.
+    /// Maps the first `len` bytes of a memfd (`memfd_create(2)`) that its writer sealed
+    /// against writing and shrinking (`F_SEAL_WRITE | F_SEAL_SHRINK`), e.g. a tensor a client
+    /// process on the same machine hands over a Unix socket. Only those `len` bytes are mapped
+    /// (and populated): a memfd larger than what its sender declared costs this process no
+    /// more than `len` bytes of resident memory.
     ///
-    /// Errors: `InvalidArgument` when the descriptor is not a memfd, lacks either seal, or
-    /// cannot be mapped.
-    pub fn sealed_memfd(fd: std::os::fd::OwnedFd) -> Result<Self> {
+    /// Errors: `InvalidArgument` when the descriptor is not a memfd, lacks either seal, holds
+    /// fewer than `len` bytes, or cannot be mapped.
+    pub fn sealed_memfd(fd: std::os::fd::OwnedFd, len: usize) -> Result<Self> {
         use rustix::fs::SealFlags;
         let seals = rustix::fs::fcntl_get_seals(&fd).map_err(|e| {
             Error::new(
@@ -63,20 +65,37 @@ impl MappedFile {
                 "the memfd must be sealed with F_SEAL_WRITE and F_SEAL_SHRINK before it is handed over",
             ));
         }
+        let size = rustix::fs::fstat(&fd)
+            .map_err(|e| {
+                Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("the memfd's size (fstat: {e})"),
+                )
+            })?
+            .st_size;
+        if u64::try_from(size).unwrap_or(0) < len as u64 {
+            return Err(Error::new(
+                ErrorCode::InvalidArgument,
+                format!("the memfd holds {size} bytes, fewer than the {len} declared"),
+            ));
+        }
         let file = std::fs::File::from(fd);
         // SAFETY: the kernel enforces both seals for as long as the file exists, and this map
-        // keeps it open: F_SEAL_SHRINK means the file never gets shorter than it is now, so no
-        // page of the map can fault with SIGBUS; F_SEAL_WRITE means no process can change its
-        // contents (no write(2), and no writable shared mapping: the seal could not have been
-        // added while one existed), so the `&[u8]` handed out below is immutable memory. The
-        // bytes are borrowed from `self` and cannot outlive the map. The map is populated at
-        // once (MAP_POPULATE): one call instead of a page fault per 4 KiB page.
-        let map = unsafe { memmap2::MmapOptions::new().populate().map(&file) }.map_err(|e| {
-            Error::new(
-                ErrorCode::InvalidArgument,
-                format!("mapping the memfd: {e}"),
-            )
-        })?;
+        // keeps it open: F_SEAL_SHRINK means the file never gets shorter than it is now, and
+        // it holds at least `len` bytes now (checked above with the seal already in place), so
+        // no page of this `len`-byte map can fault with SIGBUS; F_SEAL_WRITE means no process
+        // can change its contents (no write(2), and no writable shared mapping: the seal could
+        // not have been added while one existed), so the `&[u8]` handed out below is
+        // immutable memory. The bytes are borrowed from `self` and cannot outlive the map. The
+        // map is populated at once (MAP_POPULATE), `len` bytes only: one call instead of a
+        // page fault per 4 KiB page.
+        let map =
+            unsafe { memmap2::MmapOptions::new().len(len).populate().map(&file) }.map_err(|e| {
+                Error::new(
+                    ErrorCode::InvalidArgument,
+                    format!("mapping the memfd: {e}"),
+                )
+            })?;
         Ok(MappedFile { map })
     }
 

@@ -33,7 +33,14 @@ use v1::*;
 
 /// Largest chunk `GetTensor` sends (and its default is 4 MiB).
 pub const MAX_CHUNK_BYTES: usize = 16 << 20;
+/// Smallest chunk `GetTensor` sends (a smaller `chunk_bytes` is raised to it), 64 KiB: a chunk
+/// of a few bytes would cost more in message framing and per-message work than it carries.
+pub const MIN_CHUNK_BYTES: usize = 64 << 10;
 const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
+/// Encoded chunks one `GetTensor` stream holds at most beyond the shared host copy (one being
+/// written to the socket, one waiting for the client's HTTP/2 window); what each stream is
+/// charged is this many chunks.
+pub const QUEUED_CHUNKS: usize = 2;
 /// Most output one guest run streams back, per stream.
 const MAX_RUN_OUTPUT: usize = 64 << 20;
 /// The MLIR bytecode magic number (`ML\xefR`), from MLIR's bytecode format documentation.
@@ -197,6 +204,15 @@ fn wire_usage(u: &TenantUsage) -> UsageResponse {
         executions: u.executions,
         device_seconds: u.device_seconds,
         refused: u.refused,
+    }
+}
+
+/// A tensor's shared host copy as the owner of [`Bytes`] slices (`GetTensor` chunks).
+struct SharedCopy(Arc<tpubox_core::session::HostCopy>);
+
+impl AsRef<[u8]> for SharedCopy {
+    fn as_ref(&self) -> &[u8] {
+        self.0.bytes()
     }
 }
 
@@ -437,10 +453,12 @@ impl SessionRpc for Service {
             .spec
             .ok_or_else(|| invalid("the first PutTensor message must carry the tensor spec"))?;
         let ty = primitive(spec.dtype)?;
-        // Refuse what can never fit before reading (and buffering) the data.
-        let expected = s
+        // Refuse what can never fit before reading (and buffering) the data, and charge the
+        // declared size to the tenant while the upload is in flight: the charge is returned
+        // when this call ends (done, failed, or dropped because the client went away).
+        let (expected, _upload) = s
             .session()
-            .admit_tensor(ty, &spec.dims)
+            .admit_upload(ty, &spec.dims, "this PutTensor upload")
             .map_err(device_status)?;
         let too_much = || {
             invalid(format!(
@@ -505,27 +523,40 @@ impl SessionRpc for Service {
         let r = req.into_inner();
         let chunk = match r.chunk_bytes {
             0 => DEFAULT_CHUNK_BYTES,
-            n => (n as usize).min(MAX_CHUNK_BYTES),
+            n => (n.min(MAX_CHUNK_BYTES as u64) as usize).max(MIN_CHUNK_BYTES),
         };
         let t = s.tensor(r.handle).map_err(access_status)?;
-        let bytes = Bytes::from(s.session().read(&t).await.map_err(device_status)?);
+        // One host copy, shared with every other stream reading this handle and charged to
+        // the tenant; chunks are sliced from it as the client takes them, so a slow reader
+        // holds at most QUEUED_CHUNKS encoded messages (charged below), not the whole tensor
+        // again.
+        let copy = s.session().read_shared(&t).await.map_err(device_status)?;
+        let len = copy.bytes().len();
+        let queued = s
+            .tenant()
+            .charge_transfer(
+                (QUEUED_CHUNKS * chunk.min(len)) as u64,
+                "the messages a GetTensor stream queues",
+            )
+            .map_err(device_status)?;
+        let data = Bytes::from_owner(SharedCopy(copy));
         let info = tensor_info(r.handle, &t);
-        let mut chunks = Vec::with_capacity(bytes.len() / chunk + 1);
-        let mut first = Some(info);
-        let mut off = 0;
-        loop {
-            let end = (off + chunk).min(bytes.len());
-            chunks.push(Ok(TensorChunk {
-                info: first.take(),
-                data: bytes.slice(off..end),
-            }));
-            off = end;
-            if off >= bytes.len() {
-                break;
-            }
-        }
         drop(active);
-        Ok(Response::new(Box::pin(tokio_stream::iter(chunks))))
+        let chunks = futures::stream::unfold(
+            (Some(info), 0usize, data, queued),
+            move |(info, off, data, queued)| async move {
+                if info.is_none() && off >= len {
+                    return None;
+                }
+                let end = (off + chunk).min(len);
+                let msg = TensorChunk {
+                    info,
+                    data: data.slice(off..end),
+                };
+                Some((Ok(msg), (None, end, data, queued)))
+            },
+        );
+        Ok(Response::new(Box::pin(chunks)))
     }
 
     async fn free(&self, req: Request<FreeRequest>) -> Result<Response<FreeResponse>, Status> {

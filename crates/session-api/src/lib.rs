@@ -186,7 +186,7 @@ pub async fn serve(
     let socket_path = listeners.socket_path().cloned();
     let local_task = listeners
         .local
-        .map(|(l, _)| tokio::spawn(local::serve(l, Arc::clone(&registry))));
+        .map(|(l, _)| tokio::spawn(local::serve(l, Arc::clone(&registry), doors.clone())));
     if let Some((l, _)) = listeners.unix {
         tasks.push(tokio::spawn(tpubox_net::serve(
             door("session-unix"),

@@ -24,9 +24,23 @@
 //!
 //! Only sealed memfds are taken (a FIFO or a file on a stalled mount could block the reader;
 //! an unsealed file could shrink under the daemon's map), and only the size the header
-//! declares is read, checked against the session's device-byte limit before the descriptor is
-//! looked at. Everything else goes through the same session layer calls as
-//! `PutTensor` and `GetTensor`.
+//! declares is mapped and read, checked against the session's device-byte limit and charged to
+//! its tenant as a transfer in flight before the descriptor is looked at. Everything else goes
+//! through the same session layer calls as `PutTensor` and `GetTensor`.
+//!
+//! Before a request's token is checked a connection costs the daemon little: the header is
+//! read into a buffer of the size it declares (at most [`MAX_HEADER_BYTES`]), and at most
+//! [`MAX_DESCRIPTORS_PER_REQUEST`] descriptor is held (a put needs exactly one). A request
+//! that attaches more is refused (`invalid-argument`): the extra descriptors are closed at
+//! once and the connection is ended (protection `local-socket-descriptors`); the limit is
+//! fixed, not a flag, because the protocol's one request that carries a descriptor carries
+//! exactly one. Failed accepts (the process out of descriptors, say) are retried after an
+//! exponential back-off (`tpubox_net::accept`, protection `accept-errors`), and connections
+//! count against the daemon's connection caps with every other door's (`--max-connections`,
+//! `--max-connections-per-peer`; one over a cap is closed at once). A request's header must
+//! arrive within `--header-timeout-seconds` of its length, and so must a connection's first
+//! request (protection `header-timeout`); after a request succeeded, a connection may stay
+//! idle between requests (a client keeps it for its session).
 
 use std::io::{IoSlice, IoSliceMut};
 use std::mem::MaybeUninit;
@@ -34,6 +48,7 @@ use std::os::fd::{AsFd, OwnedFd};
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
+use std::time::Duration;
 
 use pjrt::PrimitiveType;
 use rustix::net::{
@@ -51,6 +66,15 @@ use tpubox_core::session::TensorHandle;
 
 /// Largest JSON header of a request, in bytes.
 pub const MAX_HEADER_BYTES: usize = 64 << 10;
+
+/// Most descriptors a connection holds for one request, before its token is checked: 1 (a
+/// put's memfd). More are closed as they arrive and the connection is ended.
+pub const MAX_DESCRIPTORS_PER_REQUEST: usize = 1;
+
+
+/// How long the daemon waits to send the refusal of a request with too many descriptors
+/// before it ends the connection anyway.
+const REFUSAL_SEND_TIMEOUT: Duration = Duration::from_secs(1);
 
 /// The local socket's path for a session socket at `socket`.
 pub fn local_path(socket: &Path) -> PathBuf {
@@ -123,27 +147,61 @@ fn info(handle: u64, t: &TensorHandle) -> Value {
     })
 }
 
-/// Serves the local socket until the listener fails; one task per connection.
-pub async fn serve(listener: UnixListener, registry: Arc<Registry>) {
+/// Serves the local socket until the listener fails: one task per connection, each counted
+/// against the daemon's connection caps (`doors`: `--max-connections`, and
+/// `--max-connections-per-peer`, every Unix-socket client counting as one peer; a connection
+/// over a cap is closed at once, protection `connections-total` / `connections-per-peer`);
+/// failed accepts back off ([`tpubox_net::accept`], protection `accept-errors`); a request
+/// head must arrive within `--header-timeout-seconds` (see the module docs).
+pub async fn serve(listener: UnixListener, registry: Arc<Registry>, doors: tpubox_net::Doors) {
+    let listener = tpubox_net::Listener::Unix(listener);
+    let header_timeout = doors.limits.header_timeout;
     loop {
-        let Ok((stream, _)) = listener.accept().await else {
+        let (stream, peer) = listener.accept(DOOR).await;
+        let tpubox_net::Stream::Unix(stream) = stream else {
             continue;
+        };
+        let guard = match doors.connections.admit(peer) {
+            Ok(g) => g,
+            Err(refused) => {
+                tpubox_core::protection::triggered(
+                    refused.protection(),
+                    DOOR,
+                    format_args!(
+                        "closed a local-socket connection at once ({} open in all)",
+                        doors.connections.open()
+                    ),
+                );
+                continue;
+            }
         };
         let registry = Arc::clone(&registry);
         tokio::spawn(async move {
-            if let Err(e) = connection(stream, registry).await {
+            let _guard = guard;
+            if let Err(e) = connection(stream, registry, header_timeout).await {
                 tracing::debug!("local socket connection ended: {e}");
             }
         });
     }
 }
 
-/// Receives one message: its bytes and the descriptors attached.
-async fn receive(stream: &UnixStream, buf: &mut [u8]) -> std::io::Result<(usize, Vec<OwnedFd>)> {
+/// The local socket's name in logs and metrics.
+const DOOR: &str = "session-local";
+
+/// Receives bytes into `buf`, adding the descriptors attached to `fds`; returns how many bytes
+/// (0 at end of stream) and whether descriptors were dropped because there was no room for
+/// them (more than one in a message, or the process is out of descriptors: `MSG_CTRUNC`; the
+/// kernel closes those).
+async fn receive(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> std::io::Result<(usize, bool)> {
     loop {
         stream.readable().await?;
         let r = stream.try_io(Interest::READABLE, || {
-            let mut space = [MaybeUninit::<u8>::uninit(); rustix::cmsg_space!(ScmRights(4))];
+            let mut space = [MaybeUninit::<u8>::uninit();
+                rustix::cmsg_space!(ScmRights(MAX_DESCRIPTORS_PER_REQUEST))];
             let mut control = RecvAncillaryBuffer::new(&mut space);
             let mut iov = [IoSliceMut::new(buf)];
             let msg = rustix::net::recvmsg(
@@ -153,19 +211,51 @@ async fn receive(stream: &UnixStream, buf: &mut [u8]) -> std::io::Result<(usize,
                 RecvFlags::CMSG_CLOEXEC,
             )
             .map_err(std::io::Error::from)?;
-            let mut fds = Vec::new();
             for m in control.drain() {
                 if let RecvAncillaryMessage::ScmRights(it) = m {
                     fds.extend(it);
                 }
             }
-            Ok((msg.bytes, fds))
+            Ok((
+                msg.bytes,
+                msg.flags.contains(rustix::net::ReturnFlags::CTRUNC),
+            ))
         });
         match r {
             Err(e) if e.kind() == std::io::ErrorKind::WouldBlock => continue,
             r => return r,
         }
     }
+}
+
+/// Fills `buf` from the stream; `false` when the stream ended first. Fails with
+/// [`TooManyDescriptors`] as soon as more than [`MAX_DESCRIPTORS_PER_REQUEST`] arrived (those
+/// held are closed).
+async fn receive_exact(
+    stream: &UnixStream,
+    buf: &mut [u8],
+    fds: &mut Vec<OwnedFd>,
+) -> std::io::Result<Result<bool, TooManyDescriptors>> {
+    let mut n = 0;
+    while n < buf.len() {
+        let (m, truncated) = receive(stream, &mut buf[n..], fds).await?;
+        if truncated || fds.len() > MAX_DESCRIPTORS_PER_REQUEST {
+            let held = fds.len();
+            fds.clear();
+            return Ok(Err(TooManyDescriptors { held, truncated }));
+        }
+        if m == 0 {
+            return Ok(Ok(false));
+        }
+        n += m;
+    }
+    Ok(Ok(true))
+}
+
+/// A request arrived with more descriptors than [`MAX_DESCRIPTORS_PER_REQUEST`].
+struct TooManyDescriptors {
+    held: usize,
+    truncated: bool,
 }
 
 async fn send(stream: &UnixStream, reply: &Value, fd: Option<&OwnedFd>) -> std::io::Result<()> {
@@ -203,58 +293,87 @@ async fn send(stream: &UnixStream, reply: &Value, fd: Option<&OwnedFd>) -> std::
     Ok(())
 }
 
-async fn connection(stream: UnixStream, registry: Arc<Registry>) -> std::io::Result<()> {
-    let mut buf = vec![0u8; 4 + MAX_HEADER_BYTES];
+async fn refuse(stream: &UnixStream, e: Failure) -> std::io::Result<()> {
+    send(
+        stream,
+        &json!({"error": {"kind": e.0, "message": e.1}}),
+        None,
+    )
+    .await
+}
+
+/// Ends a connection whose header did not arrive within `timeout`.
+fn header_timeout(what: &str, timeout: Duration) -> std::io::Result<()> {
+    tpubox_core::protection::triggered(
+        "header-timeout",
+        DOOR,
+        format_args!("{what} did not arrive within {timeout:?}; closed the local-socket connection"),
+    );
+    Ok(())
+}
+
+async fn connection(
+    stream: UnixStream,
+    registry: Arc<Registry>,
+    header_timeout_after: Duration,
+) -> std::io::Result<()> {
+    // Whether a request of this connection succeeded: until then, the connection may wait at
+    // most the header timeout for its first request.
+    let mut served = false;
     loop {
-        // The length and the header, with the descriptors on the first bytes.
-        let (mut n, mut fds) = receive(&stream, &mut buf).await?;
-        if n == 0 {
-            return Ok(());
+        // The length, then the header, with the descriptors on their first bytes: at most
+        // MAX_DESCRIPTORS_PER_REQUEST held until the request's token is checked.
+        let mut fds = Vec::new();
+        let mut len = [0u8; 4];
+        let mut header = Vec::new();
+        let first = receive_exact(&stream, &mut len, &mut fds);
+        let mut got = if served {
+            first.await?
+        } else {
+            match tokio::time::timeout(header_timeout_after, first).await {
+                Ok(r) => r?,
+                Err(_) => return header_timeout("a first request", header_timeout_after),
+            }
+        };
+        if let Ok(true) = got {
+            let n = u32::from_le_bytes(len) as usize;
+            if n > MAX_HEADER_BYTES {
+                let e = invalid(format!(
+                    "a local request header is at most {MAX_HEADER_BYTES} bytes, this one says {n}"
+                ));
+                return refuse(&stream, e).await;
+            }
+            header = vec![0u8; n];
+            let rest = receive_exact(&stream, &mut header, &mut fds);
+            got = match tokio::time::timeout(header_timeout_after, rest).await {
+                Ok(r) => r?,
+                Err(_) => return header_timeout("a request's header", header_timeout_after),
+            };
         }
-        while n < 4 {
-            let (m, more) = receive(&stream, &mut buf[n..]).await?;
-            if m == 0 {
+        match got {
+            Ok(true) => {}
+            Ok(false) => return Ok(()),
+            Err(TooManyDescriptors { held, truncated }) => {
+                tpubox_core::protection::triggered(
+                    "local-socket-descriptors",
+                    "session-local",
+                    format_args!(
+                        "a local-socket request attached {}{held} descriptors, at most {MAX_DESCRIPTORS_PER_REQUEST} are taken; closed them and the connection",
+                        if truncated { "more than " } else { "" }
+                    ),
+                );
+                let e = invalid(format!(
+                    "a local request carries at most {MAX_DESCRIPTORS_PER_REQUEST} descriptor (a put's memfd); this one attached more, and the connection is closed"
+                ));
+                let _ = tokio::time::timeout(REFUSAL_SEND_TIMEOUT, refuse(&stream, e)).await;
                 return Ok(());
             }
-            fds.extend(more);
-            n += m;
         }
-        let len = u32::from_le_bytes(buf[..4].try_into().unwrap_or_default()) as usize;
-        if len > MAX_HEADER_BYTES {
-            let e = invalid(format!(
-                "a local request header is at most {MAX_HEADER_BYTES} bytes, this one says {len}"
-            ));
-            send(
-                &stream,
-                &json!({"error": {"kind": e.0, "message": e.1}}),
-                None,
-            )
-            .await?;
-            return Ok(());
-        }
-        while n < 4 + len {
-            let (m, more) = receive(&stream, &mut buf[n..4 + len]).await?;
-            if m == 0 {
-                return Ok(());
+        let (reply, fd) = match handle(&header, fds, &registry).await {
+            Ok((v, fd)) => {
+                served = true;
+                (json!({ "ok": v }), fd)
             }
-            fds.extend(more);
-            n += m;
-        }
-        if n > 4 + len {
-            // One request at a time: the client waits for each reply.
-            let e = invalid(
-                "bytes after the request header; send one request, then wait for its reply",
-            );
-            send(
-                &stream,
-                &json!({"error": {"kind": e.0, "message": e.1}}),
-                None,
-            )
-            .await?;
-            return Ok(());
-        }
-        let (reply, fd) = match handle(&buf[4..4 + len], fds, &registry).await {
-            Ok((v, fd)) => (json!({ "ok": v }), fd),
             Err(Failure(kind, message)) => {
                 (json!({"error": {"kind": kind, "message": message}}), None)
             }
@@ -295,20 +414,22 @@ async fn handle(
             let fd = fds.remove(0);
             let ty = PrimitiveType::from_name(&dtype.to_ascii_uppercase())
                 .ok_or_else(|| invalid(format!("`{dtype}` is not a dtype tpubox supports")))?;
-            // Refuse what can never fit before the descriptor is looked at.
-            let expected = s.session().admit_tensor(ty, &dims)?;
+            // Refuse what can never fit before the descriptor is looked at, and charge the
+            // mapped bytes to the tenant until the map is dropped.
+            let (expected, upload) =
+                s.session()
+                    .admit_upload(ty, &dims, "this local-socket put (its mapped memfd)")?;
             // Only a sealed memfd: reading it never waits on anything but memory, and its
-            // writer can no longer shrink or change it (pjrt::MappedFile::sealed_memfd).
-            let map = pjrt::MappedFile::sealed_memfd(fd).map_err(|e| invalid(e.to_string()))?;
-            let data = map.as_slice();
-            if data.len() < expected {
-                return Err(invalid(format!(
-                    "the memfd holds {} bytes, fewer than the {expected} the header declares",
-                    data.len()
-                )));
-            }
-            let (h, t) = s.put(ty, &dims, &data[..expected], device)?;
+            // writer can no longer shrink or change it; only the declared size is mapped
+            // (pjrt::MappedFile::sealed_memfd).
+            let map = pjrt::MappedFile::sealed_memfd(fd, expected).map_err(|e| {
+                invalid(format!(
+                    "{e} (the header declares a {ty} tensor of dims {dims:?}: {expected} bytes)"
+                ))
+            })?;
+            let (h, t) = s.put(ty, &dims, map.as_slice(), device)?;
             drop(map);
+            drop(upload);
             Ok((info(h, &t), None))
         }
         LocalRequest::Execute {
@@ -341,7 +462,9 @@ async fn handle(
             no_fds(&fds)?;
             let (s, _active) = registry.get(&token)?;
             let t = s.tensor(handle)?;
-            let bytes = s.session().read(&t).await?;
+            // The host copy is shared with concurrent reads of this handle and charged to the
+            // tenant until the memfd is written.
+            let bytes = s.session().read_shared(&t).await?;
             let fd = tokio::task::spawn_blocking(move || -> std::io::Result<OwnedFd> {
                 use rustix::fs::{MemfdFlags, SealFlags};
                 let fd = rustix::fs::memfd_create(
@@ -349,7 +472,7 @@ async fn handle(
                     MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
                 )?;
                 let file = std::fs::File::from(fd);
-                file.write_all_at(&bytes, 0)?;
+                file.write_all_at(bytes.bytes(), 0)?;
                 let fd = OwnedFd::from(file);
                 rustix::fs::fcntl_add_seals(
                     &fd,

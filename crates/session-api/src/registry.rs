@@ -583,6 +583,7 @@ pub fn add_usage(a: &mut TenantUsage, b: &TenantUsage) {
     a.device_seconds += b.device_seconds;
     a.refused += b.refused;
     a.executions_running += b.executions_running;
+    a.transfer_bytes += b.transfer_bytes;
 }
 
 /// Ends idle sessions once a second while `registry` is alive.

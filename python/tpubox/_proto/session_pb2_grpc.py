@@ -143,7 +143,10 @@ class SessionServicer(object):
         (real, imaginary) pairs) follows in the `data` of that and later messages, in order.
         Errors: INVALID_ARGUMENT (no header, a second header, bytes that are not element size ×
         product of dims), NOT_FOUND (a device index the daemon does not have), RESOURCE_EXHAUSTED
-        (`max-device-bytes`, `max-live-tensors`).
+        (`max-device-bytes`, `max-live-tensors`). The declared size is charged to the session's
+        transfers in flight when the first message arrives, until the call ends: a session's
+        uploads, read copies and mapped memfds together hold at most its `max_device_bytes` of the
+        daemon's memory, and one that would pass it is RESOURCE_EXHAUSTED (`max-device-bytes`).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -151,6 +154,8 @@ class SessionServicer(object):
 
     def GetTensor(self, request, context):
         """Reads a tensor: the header first, then its bytes in chunks of at most `chunk_bytes`.
+        Errors: NOT_FOUND, FAILED_PRECONDITION (donated), RESOURCE_EXHAUSTED (`max-device-bytes`:
+        the session's transfers in flight leave no room for the host copy or the queued chunks).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
