@@ -411,8 +411,9 @@ struct DeviceArgs {
     /// Number of devices the CPU plugin exposes (its `cpu_device_count` create option).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..=1024))]
     cpu_devices: Option<i64>,
-    /// Compile programs inside this process instead of a contained compile worker (30-80 ms
-    /// faster per compile; only for programs you trust: a program that calls itself crashes
+    /// Compile programs inside this process instead of a contained compile worker (faster
+    /// per compile: about 25 ms with a worker started ahead, 30-90 ms without, see
+    /// docs/BENCHMARKS.md; only for programs you trust: a program that calls itself crashes
     /// the XLA compiler, and with it this process).
     #[arg(long)]
     compile_in_process: bool,

@@ -67,7 +67,7 @@ pub struct CompileIsolation {
     /// host reads its resident set (`VmRSS` of `/proc/PID/status`) every [`RESIDENT_POLL`]
     /// and kills it above this; the tenant gets `resource-exhausted` naming
     /// `max-compile-resident`. It must exceed a started worker's own footprint (the plugin
-    /// and its client: about 100 MiB with the CPU plugin). The address-space limit
+    /// and its client, and a warm-up compile: 110–125 MiB with the CPU plugins). The address-space limit
     /// (`max_memory_bytes`) still applies.
     pub max_resident_bytes: u64,
     /// Compiles that run the compiler at once on this host, in workers or (without workers)
