@@ -40,9 +40,7 @@ pub fn triggered(protection: &'static str, door: &'static str, detail: std::fmt:
             unlogged: 0,
         });
         e.count = e.count.saturating_add(1);
-        if e.last_log
-            .is_some_and(|t| now.duration_since(t) < LOG_INTERVAL)
-        {
+        if e.last_log.is_some_and(|t| now.duration_since(t) < LOG_INTERVAL) {
             e.unlogged = e.unlogged.saturating_add(1);
             return;
         }
