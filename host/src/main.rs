@@ -451,14 +451,35 @@ struct DeviceArgs {
     /// Number of devices the CPU plugin exposes (its `cpu_device_count` create option).
     #[arg(long, value_name = "N", value_parser = clap::value_parser!(i64).range(1..=1024))]
     cpu_devices: Option<i64>,
-    /// Compile programs inside this process instead of a contained compile worker (30-80 ms
-    /// faster per compile; only for programs you trust: a program that calls itself crashes
+    /// Compile programs inside this process instead of a contained compile worker (faster
+    /// per compile: about 25 ms with a worker started ahead, 30-90 ms without, see
+    /// docs/BENCHMARKS.md; only for programs you trust: a program that calls itself crashes
     /// the XLA compiler, and with it this process).
     #[arg(long)]
     compile_in_process: bool,
     /// Wall-clock limit of one compile in a worker, in seconds (limit max-compile-seconds).
     #[arg(long, value_name = "S", default_value_t = 120.0, value_parser = positive_seconds)]
     max_compile_seconds: f64,
+    /// Compiles that run at once on this host, in workers or in process (limit
+    /// max-compile-workers); more wait, up to --max-compile-seconds. Default: half the cores,
+    /// at least 1.
+    #[arg(long, value_name = "N", value_parser = clap::value_parser!(u32).range(1..=1024))]
+    max_compile_workers: Option<u32>,
+    /// Compiles of one tenant that run at once (limit max-compile-workers-per-tenant); its
+    /// others wait in its own queue (16 at most), leaving the host's slots to other tenants.
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(1..=1024))]
+    max_compile_workers_per_tenant: u32,
+    /// Resident memory of one compile worker, in MiB (limit max-compile-resident): a worker
+    /// above it is killed and its compile fails with resource-exhausted.
+    #[arg(long, value_name = "MIB", default_value_t = 4096,
+          value_parser = clap::value_parser!(u64).range(256..=1 << 30))]
+    max_compile_resident_mib: u64,
+    /// Compile workers started ahead of need and kept idle (plugin loaded, client created), so
+    /// a compile does not wait for a process start; 0 starts each when its compile needs it.
+    #[arg(long, value_name = "N", default_value_t = 1,
+          value_parser = clap::value_parser!(u32).range(0..=64))]
+    prestarted_compile_workers: u32,
     #[command(flatten)]
     cache: CacheArgs,
 }
@@ -513,9 +534,16 @@ impl DeviceArgs {
         if let Some(n) = self.cpu_devices {
             client_options.push(("cpu_device_count".to_string(), NamedValue::Int64(n)));
         }
+        let defaults = tpubox_core::compiler::CompileIsolation::default();
         let mut compile_isolation = tpubox_core::compiler::CompileIsolation {
             max_compile_time: Duration::from_secs_f64(self.max_compile_seconds),
-            ..Default::default()
+            max_workers: self
+                .max_compile_workers
+                .map_or(defaults.max_workers, |n| n as usize),
+            max_workers_per_tenant: self.max_compile_workers_per_tenant as usize,
+            max_resident_bytes: self.max_compile_resident_mib << 20,
+            prestarted_workers: self.prestarted_compile_workers as usize,
+            ..defaults
         };
         if self.compile_in_process {
             compile_isolation.worker = None;

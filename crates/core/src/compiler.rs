@@ -5,26 +5,41 @@
 //! abort: a function that calls itself, types or regions nested thousands deep, or a long plain
 //! chain of ops overflow the stack and take the whole process down; other programs make the
 //! compiler run for minutes or use gigabytes. None of that can be validated away before PJRT.
-//! A compile worker (`tpubox compile-worker`, the same binary) contains it: it loads the plugin
-//! and creates its own client, sets its own limits (address space, CPU time, no core file),
-//! compiles on a thread with a large stack, and returns the serialized executable, which the
-//! host loads exactly like a tier-2 cache entry. A worker that crashes, runs out of memory or
-//! passes the wall-clock limit is killed and the tenant gets one error naming what happened;
-//! the host goes on. Cache hits never start a worker.
+//! A compile worker (`tpubox compile-worker`, the same binary) contains it: it sets its own
+//! limits (address space, CPU time, no core file), loads the plugin and creates its own
+//! client, compiles on a thread with a large stack, and returns the serialized executable,
+//! which the host loads exactly like a tier-2 cache entry. A worker that crashes, runs out of
+//! memory, passes its resident-memory cap (read every [`RESIDENT_POLL`]) or the wall-clock
+//! limit is killed and the tenant gets one error naming what happened; the host goes on. Cache
+//! hits never start a worker.
+//!
+//! How many compile at once is capped ([`CompileIsolation::max_workers`] for the host,
+//! [`CompileIsolation::max_workers_per_tenant`] per tenant; a tenant's extra compiles wait in
+//! its own queue, so they never hold the host's slots against other tenants). Workers are
+//! started ahead of need ([`CompileIsolation::prestarted_workers`]): plugin loaded and client
+//! created before a program arrives. Each compiles one program and exits, so no state of one
+//! tenant's compile reaches another's. The workers' processes and pipes are driven from a
+//! thread of their own (`tpubox-compile-workers`), whatever runtime the caller uses.
 //!
 //! Workers need a plugin whose client can be created beside the host's: true of the CPU
 //! plugins. A TPU can be opened by one process only, so on other platforms the host compiles
 //! in process (and logs that it does) until workers compile against a topology description.
 //!
-//! Wire format (worker stdin, then stdout): one JSON line (a `Request`, a `Response`) followed
-//! by the bytes it announces (the program; the serialized executable).
+//! Wire format: on the worker's stdin, a JSON `Setup` line as it starts, then a JSON `Request`
+//! line and the program bytes it announces; on its stdout, `ready` once its client exists, then
+//! a JSON `Response` line and the serialized executable it announces.
 
+use std::collections::{HashMap, VecDeque};
 use std::io::{BufRead, Read, Write};
 use std::path::PathBuf;
+use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use pjrt::{Client, CompileOptions, LoadedExecutable, NamedValue, Plugin, Program, ProgramFormat};
 use serde::{Deserialize, Serialize};
+use tokio::io::BufReader;
+use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use crate::cache::{Entry, EntryMeta};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
@@ -48,7 +63,49 @@ pub struct CompileIsolation {
     /// deep as the compiler recurses): deep enough for a 30,000-op chain, which overflows a
     /// default 8 MiB thread stack.
     pub stack_bytes: usize,
+    /// Resident-memory cap of a worker, in bytes (default 4 GiB): while a worker compiles, the
+    /// host reads its resident set (`VmRSS` of `/proc/PID/status`) every [`RESIDENT_POLL`]
+    /// and kills it above this; the tenant gets `resource-exhausted` naming
+    /// `max-compile-resident`. It must exceed a started worker's own footprint (the plugin
+    /// and its client, and a warm-up compile: 110–125 MiB with the CPU plugins). The address-space limit
+    /// (`max_memory_bytes`) still applies.
+    pub max_resident_bytes: u64,
+    /// Compiles that run the compiler at once on this host, in workers or (without workers)
+    /// in process (default [`default_max_workers`]: half the cores, at least 1); more wait
+    /// for a slot, at most `max_compile_time`, then fail with `resource-exhausted` naming
+    /// `max-compile-workers`. Cache hits take no slot.
+    pub max_workers: usize,
+    /// Compiles of one tenant (by name) that run at once (default 1); more wait in the
+    /// tenant's own queue, before they ask for a host slot, so a flood from one tenant holds at
+    /// most this many of the host's slots. At most [`MAX_WAITING_COMPILES_PER_TENANT`] wait;
+    /// more, or one that waits longer than `max_compile_time`, fail with `resource-exhausted`
+    /// naming `max-compile-workers-per-tenant`.
+    pub max_workers_per_tenant: usize,
+    /// Workers started ahead of need and kept idle (default 1): each has loaded the plugin and
+    /// created its client before a program arrives, so a compile does not wait for a process
+    /// start. A worker compiles one program and exits (no worker carries one compile's state
+    /// into another's); taking one starts its replacement. 0 starts each worker when its
+    /// compile needs it. Idle workers are not counted in `max_workers`.
+    pub prestarted_workers: usize,
 }
+
+/// Default of [`CompileIsolation::max_workers`]: half of this machine's cores, at least 1.
+pub fn default_max_workers() -> usize {
+    std::thread::available_parallelism().map_or(1, |n| (n.get() / 2).max(1))
+}
+
+/// How often the host reads a compiling worker's resident set (10 ms); a worker may pass
+/// [`CompileIsolation::max_resident_bytes`] by what it allocates in that time before it is
+/// stopped.
+pub const RESIDENT_POLL: Duration = Duration::from_millis(10);
+
+/// Compiles of one tenant that may wait for a compile slot beyond those running (16); more
+/// are refused at once (`resource-exhausted`, `max-compile-workers-per-tenant`), so a tenant
+/// cannot queue unbounded programs in the host's memory.
+pub const MAX_WAITING_COMPILES_PER_TENANT: usize = 16;
+
+/// Bytes of a worker's standard error the host keeps (the last 64 KiB), to explain its death.
+const STDERR_TAIL: usize = 64 << 10;
 
 impl Default for CompileIsolation {
     fn default() -> Self {
@@ -57,6 +114,10 @@ impl Default for CompileIsolation {
             max_compile_time: Duration::from_secs(120),
             max_memory_bytes: 16 << 30,
             stack_bytes: 1 << 30,
+            max_resident_bytes: 4 << 30,
+            max_workers: default_max_workers(),
+            max_workers_per_tenant: 1,
+            prestarted_workers: 1,
         }
     }
 }
@@ -217,19 +278,36 @@ impl From<OptionValue> for NamedValue {
     }
 }
 
-/// What the host asks of a worker (the first line of its stdin; the program follows).
+/// What the host sends a worker as it starts (the first line of its stdin): everything the
+/// worker can prepare before a program arrives. It answers `ready` (one line) once its client
+/// exists.
 #[derive(Debug, Serialize, Deserialize)]
-struct Request {
+struct Setup {
     plugin: PathBuf,
     client_options: Vec<(String, OptionValue)>,
-    device_ordinal: i64,
-    program_bytes: usize,
     max_memory_bytes: u64,
     max_cpu_seconds: u64,
     stack_bytes: usize,
+    /// Compile [`WARM_UP`] before saying `ready` (workers started ahead of need).
+    warm_up: bool,
 }
 
-/// What a worker answers (the first line of its stdout; the executable follows on success).
+/// The worker's one compile (the second line of its stdin; the program follows).
+#[derive(Debug, Serialize, Deserialize)]
+struct Request {
+    device_ordinal: i64,
+    program_bytes: usize,
+}
+
+/// The program a worker compiles before it says `ready`, to set the compiler up.
+const WARM_UP: &str = "func.func public @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf32> {\n  %0 = stablehlo.dot_general %a, %b, contracting_dims = [1] x [0] : (tensor<2x2xf32>, tensor<2x2xf32>) -> tensor<2x2xf32>\n  %1 = stablehlo.add %0, %a : tensor<2x2xf32>\n  return %1 : tensor<2x2xf32>\n}\n";
+
+/// The line a worker writes once its client exists (and, started ahead of need, it has
+/// compiled [`WARM_UP`]).
+const READY_LINE: &[u8] = b"ready\n";
+
+/// What a worker answers (the line after `ready` on its stdout; the executable follows on
+/// success).
 #[derive(Debug, Serialize, Deserialize)]
 enum Response {
     Compiled {
@@ -249,97 +327,741 @@ pub(crate) struct WorkerTarget {
     pub client_options: Vec<(String, NamedValue)>,
 }
 
-/// Compiles `code` for device `ordinal` in a worker process, within `limits`.
-///
-/// Errors: the compiler's own error (`compile-failed`, `unsupported`); `resource-exhausted`
-/// naming `max-compile-seconds` when the worker passes the wall-clock or CPU-time limit;
-/// `compile-failed` saying how the worker died when it crashed (a stack overflow: the program
-/// is recursive or nested too deeply; an abort, possibly at the `max-compile-memory` limit);
-/// `internal` when the worker cannot be started or answers nonsense.
-pub(crate) async fn compile_in_worker(
-    limits: &CompileIsolation,
-    worker: &std::path::Path,
-    target: &WorkerTarget,
+/// Counters of one device service's compiles, as [`CompileStats`] reports them.
+#[derive(Debug, Default)]
+struct Counters {
+    running: AtomicU64,
+    peak_running: AtomicU64,
+    waited_for_host: AtomicU64,
+    waited_for_tenant: AtomicU64,
+    refused: AtomicU64,
+    workers_started: AtomicU64,
+    workers_ready: AtomicU64,
+    prestarted_used: AtomicU64,
+    ready_used: AtomicU64,
+    started_on_demand: AtomicU64,
+    idle_workers: AtomicU64,
+    resident_kills: AtomicU64,
+    peak_resident_bytes: AtomicU64,
+    last_worker_pid: AtomicU64,
+}
+
+/// What a device service's compiles have done since it opened
+/// ([`DeviceService::compile_stats`](crate::DeviceService::compile_stats)). Counts compiles
+/// that ran the compiler (cache misses); cache hits take no slot and start no worker.
+#[derive(Debug, Clone, Default, PartialEq, Eq, Serialize)]
+pub struct CompileStats {
+    /// Compiles holding a host slot now (compiling in a worker or in process).
+    pub running: u64,
+    /// Most compiles that held a host slot at once (at most `max_workers`).
+    pub peak_running: u64,
+    /// Compiles that found every host slot taken and waited (`max-compile-workers`).
+    pub waited_for_host: u64,
+    /// Compiles that found their tenant's slots taken and waited
+    /// (`max-compile-workers-per-tenant`).
+    pub waited_for_tenant: u64,
+    /// Compiles refused for want of a slot (too many waiting, or waited past the time limit).
+    pub refused: u64,
+    /// Worker processes started (each compiles at most one program).
+    pub workers_started: u64,
+    /// Of those, the ones that said `ready` (plugin loaded, client created).
+    pub workers_ready: u64,
+    /// Compiles that took a worker started ahead of need.
+    pub prestarted_used: u64,
+    /// Of those, the ones whose worker had already created its client (the compile waited for
+    /// no process start at all).
+    pub ready_used: u64,
+    /// Compiles that found no idle worker and started one.
+    pub started_on_demand: u64,
+    /// Workers started and waiting for a compile now.
+    pub idle_workers: u64,
+    /// Workers killed above `max-compile-resident`.
+    pub resident_kills: u64,
+    /// Highest resident set read from a compiling worker, in bytes.
+    pub peak_resident_bytes: u64,
+    /// Process id of the worker that took the latest compile (`None` before the first).
+    pub last_worker_pid: Option<u32>,
+}
+
+impl Counters {
+    fn snapshot(&self) -> CompileStats {
+        let g = |a: &AtomicU64| a.load(Ordering::Relaxed);
+        CompileStats {
+            running: g(&self.running),
+            peak_running: g(&self.peak_running),
+            waited_for_host: g(&self.waited_for_host),
+            waited_for_tenant: g(&self.waited_for_tenant),
+            refused: g(&self.refused),
+            workers_started: g(&self.workers_started),
+            workers_ready: g(&self.workers_ready),
+            prestarted_used: g(&self.prestarted_used),
+            ready_used: g(&self.ready_used),
+            started_on_demand: g(&self.started_on_demand),
+            idle_workers: g(&self.idle_workers),
+            resident_kills: g(&self.resident_kills),
+            peak_resident_bytes: g(&self.peak_resident_bytes),
+            last_worker_pid: match g(&self.last_worker_pid) {
+                0 => None,
+                p => u32::try_from(p).ok(),
+            },
+        }
+    }
+}
+
+fn bump(a: &AtomicU64) {
+    a.fetch_add(1, Ordering::Relaxed);
+}
+
+/// Tenants with a compile running or waiting: their slots and how many compiles use them.
+type TenantSlots = Arc<Mutex<HashMap<String, (Arc<Semaphore>, usize)>>>;
+
+/// The compile slots: `max_workers` for the host, `max_workers_per_tenant` per tenant; a
+/// compile takes its tenant's slot first, then a host slot (both queues are FIFO).
+struct CompileGate {
+    host: Arc<Semaphore>,
+    host_cap: usize,
+    per_tenant: usize,
+    tenants: TenantSlots,
+}
+
+/// One compile's slots, given back when it is dropped.
+pub(crate) struct CompileSlot {
+    _host: OwnedSemaphorePermit,
+    _tenant: OwnedSemaphorePermit,
+    _user: TenantUse,
+    counters: Arc<Counters>,
+}
+
+impl Drop for CompileSlot {
+    fn drop(&mut self) {
+        self.counters.running.fetch_sub(1, Ordering::Relaxed);
+    }
+}
+
+/// One compile of a tenant, running or waiting; the tenant's entry goes when its last one does.
+struct TenantUse {
+    tenants: TenantSlots,
+    name: String,
+}
+
+impl Drop for TenantUse {
+    fn drop(&mut self) {
+        let mut map = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(e) = map.get_mut(&self.name) {
+            e.1 -= 1;
+            if e.1 == 0 {
+                map.remove(&self.name);
+            }
+        }
+    }
+}
+
+impl CompileGate {
+    fn new(limits: &CompileIsolation) -> Self {
+        let host_cap = limits.max_workers.max(1);
+        CompileGate {
+            host: Arc::new(Semaphore::new(host_cap)),
+            host_cap,
+            per_tenant: limits.max_workers_per_tenant.max(1),
+            tenants: Arc::default(),
+        }
+    }
+
+    /// Waits for a slot of `tenant` and then a host slot, `limit` at most in all.
+    async fn acquire(
+        &self,
+        tenant: &str,
+        limit: Duration,
+        counters: &Arc<Counters>,
+    ) -> DeviceResult<CompileSlot> {
+        let deadline = tokio::time::Instant::now() + limit;
+        let refuse = |message: String| {
+            bump(&counters.refused);
+            DeviceError::new(ErrorKind::ResourceExhausted, message)
+        };
+        let (slots, user) = {
+            let mut map = self.tenants.lock().unwrap_or_else(|p| p.into_inner());
+            let e = map
+                .entry(tenant.to_string())
+                .or_insert_with(|| (Arc::new(Semaphore::new(self.per_tenant)), 0));
+            if e.1 >= self.per_tenant + MAX_WAITING_COMPILES_PER_TENANT {
+                let queued = e.1;
+                drop(map);
+                crate::protection::triggered(
+                    "compile-workers-per-tenant",
+                    "compiler",
+                    format_args!(
+                        "tenant {tenant:?} has {queued} compiles running or waiting; one more refused"
+                    ),
+                );
+                return Err(refuse(format!(
+                    "this tenant already has {queued} compiles running or waiting (limit max-compile-workers-per-tenant: {} at once, {MAX_WAITING_COMPILES_PER_TENANT} more waiting); try again when one ends",
+                    self.per_tenant
+                )));
+            }
+            e.1 += 1;
+            (
+                Arc::clone(&e.0),
+                TenantUse {
+                    tenants: Arc::clone(&self.tenants),
+                    name: tenant.to_string(),
+                },
+            )
+        };
+        let tenant_slot = match Arc::clone(&slots).try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                bump(&counters.waited_for_tenant);
+                crate::protection::triggered(
+                    "compile-workers-per-tenant",
+                    "compiler",
+                    format_args!(
+                        "tenant {tenant:?} runs {} compiles at once; one more waits",
+                        self.per_tenant
+                    ),
+                );
+                match tokio::time::timeout_at(deadline, slots.acquire_owned()).await {
+                    Ok(Ok(p)) => p,
+                    _ => {
+                        return Err(refuse(format!(
+                            "waited {} s for a compile slot: this tenant's {} compiles at once were busy all that time (limit max-compile-workers-per-tenant)",
+                            limit.as_secs_f64(),
+                            self.per_tenant
+                        )));
+                    }
+                }
+            }
+        };
+        let host_slot = match Arc::clone(&self.host).try_acquire_owned() {
+            Ok(p) => p,
+            Err(_) => {
+                bump(&counters.waited_for_host);
+                crate::protection::triggered(
+                    "compile-workers",
+                    "compiler",
+                    format_args!(
+                        "the host runs {} compiles at once; one of tenant {tenant:?} waits",
+                        self.host_cap
+                    ),
+                );
+                match tokio::time::timeout_at(deadline, Arc::clone(&self.host).acquire_owned())
+                    .await
+                {
+                    Ok(Ok(p)) => p,
+                    _ => {
+                        return Err(refuse(format!(
+                            "waited {} s for a compile slot: the host's {} compiles at once were busy all that time (limit max-compile-workers)",
+                            limit.as_secs_f64(),
+                            self.host_cap
+                        )));
+                    }
+                }
+            }
+        };
+        let now = counters.running.fetch_add(1, Ordering::Relaxed) + 1;
+        counters.peak_running.fetch_max(now, Ordering::Relaxed);
+        Ok(CompileSlot {
+            _host: host_slot,
+            _tenant: tenant_slot,
+            _user: user,
+            counters: Arc::clone(counters),
+        })
+    }
+}
+
+/// How a device service compiles: its slots, and its worker pool when workers are in use.
+pub(crate) struct Compiles {
+    gate: CompileGate,
+    pool: Option<WorkerPool>,
+    counters: Arc<Counters>,
+}
+
+impl Compiles {
+    /// Slots as `limits` say; a worker pool (and its thread) when `target` is given and
+    /// `limits.worker` is set.
+    pub(crate) fn new(limits: &CompileIsolation, target: Option<WorkerTarget>) -> Self {
+        let counters = Arc::new(Counters::default());
+        let pool = match (&limits.worker, target) {
+            (Some(worker), Some(target)) => {
+                match WorkerPool::start(worker.clone(), limits.clone(), target, &counters) {
+                    Ok(pool) => Some(pool),
+                    Err(e) => {
+                        tracing::error!(
+                            "starting the compile worker thread: {e}; compiling in process"
+                        );
+                        None
+                    }
+                }
+            }
+            _ => None,
+        };
+        Compiles {
+            gate: CompileGate::new(limits),
+            pool,
+            counters,
+        }
+    }
+
+    /// Whether compiles go to workers.
+    pub(crate) fn uses_workers(&self) -> bool {
+        self.pool.is_some()
+    }
+
+    /// What the compiles have done so far.
+    pub(crate) fn stats(&self) -> CompileStats {
+        self.counters.snapshot()
+    }
+
+    /// Waits for a compile slot of `tenant` and of the host ([`CompileGate`]), `limit` at most.
+    ///
+    /// Errors: `resource-exhausted` naming `max-compile-workers-per-tenant` or
+    /// `max-compile-workers`.
+    pub(crate) async fn slot(&self, tenant: &str, limit: Duration) -> DeviceResult<CompileSlot> {
+        self.gate.acquire(tenant, limit, &self.counters).await
+    }
+
+    /// Compiles `code` for device `ordinal` in a worker of the pool.
+    ///
+    /// Errors: as [`run_in_worker`]; `internal` without workers.
+    pub(crate) async fn in_worker(&self, code: Vec<u8>, ordinal: i64) -> DeviceResult<Entry> {
+        match &self.pool {
+            Some(pool) => pool.compile(code, ordinal).await,
+            None => Err(DeviceError::new(
+                ErrorKind::Internal,
+                "no compile workers are in use",
+            )),
+        }
+    }
+}
+
+/// A compile handed to the pool's thread.
+struct Job {
     code: Vec<u8>,
     ordinal: i64,
-) -> DeviceResult<Entry> {
-    use tokio::io::AsyncWriteExt;
-    let internal = |m: String| DeviceError::new(ErrorKind::Internal, m);
-    let program_bytes = code.len();
-    let request = Request {
-        plugin: target.plugin.clone(),
-        client_options: target
-            .client_options
-            .iter()
-            .map(|(k, v)| (k.clone(), v.into()))
-            .collect(),
-        device_ordinal: ordinal,
-        program_bytes,
-        max_memory_bytes: limits.max_memory_bytes,
-        max_cpu_seconds: limits.max_compile_time.as_secs().saturating_mul(4).max(1),
-        stack_bytes: limits.stack_bytes,
-    };
-    let mut header = serde_json::to_vec(&request).expect("requests serialize");
-    header.push(b'\n');
-    let mut child = tokio::process::Command::new(worker)
+    reply: oneshot::Sender<DeviceResult<Entry>>,
+}
+
+/// The compile workers: a thread of its own, with its own tokio runtime (the workers' pipes
+/// and exits live there, whatever runtime the caller uses), that keeps
+/// [`CompileIsolation::prestarted_workers`] idle workers and drives each compile's worker.
+/// Dropping it ends the thread and kills its workers.
+struct WorkerPool {
+    jobs: mpsc::UnboundedSender<Job>,
+}
+
+/// What the pool's tasks share.
+struct PoolShared {
+    worker: PathBuf,
+    /// The [`Setup`] line of a worker started ahead of need (it compiles [`WARM_UP`]).
+    setup_line: Vec<u8>,
+    /// The [`Setup`] line of a worker started for a compile waiting for it (no warm-up).
+    setup_line_now: Vec<u8>,
+    limits: CompileIsolation,
+    counters: Arc<Counters>,
+    idle: Mutex<VecDeque<Idle>>,
+    /// Workers being started to refill `idle`.
+    starting: AtomicUsize,
+}
+
+/// A started worker waiting for its one compile.
+struct Idle {
+    child: tokio::process::Child,
+    stdin: tokio::process::ChildStdin,
+    /// Reads the worker's `ready` line: the stdout after it, and whether it came.
+    ready: tokio::task::JoinHandle<(BufReader<tokio::process::ChildStdout>, bool)>,
+    /// Set once the `ready` line came.
+    is_ready: Arc<AtomicBool>,
+    /// The last [`STDERR_TAIL`] bytes of its standard error, once it closes.
+    stderr: tokio::task::JoinHandle<Vec<u8>>,
+}
+
+impl WorkerPool {
+    fn start(
+        worker: PathBuf,
+        limits: CompileIsolation,
+        target: WorkerTarget,
+        counters: &Arc<Counters>,
+    ) -> std::io::Result<Self> {
+        let setup = Setup {
+            plugin: target.plugin,
+            client_options: target
+                .client_options
+                .iter()
+                .map(|(k, v)| (k.clone(), v.into()))
+                .collect(),
+            max_memory_bytes: limits.max_memory_bytes,
+            max_cpu_seconds: limits.max_compile_time.as_secs().saturating_mul(4).max(1),
+            stack_bytes: limits.stack_bytes,
+            warm_up: true,
+        };
+        let line = |setup: &Setup| {
+            let mut l = serde_json::to_vec(setup).expect("setups serialize");
+            l.push(b'\n');
+            l
+        };
+        let setup_line = line(&setup);
+        let setup_line_now = line(&Setup {
+            warm_up: false,
+            ..setup
+        });
+        let shared = Arc::new(PoolShared {
+            worker,
+            setup_line,
+            setup_line_now,
+            limits,
+            counters: Arc::clone(counters),
+            idle: Mutex::new(VecDeque::new()),
+            starting: AtomicUsize::new(0),
+        });
+        let runtime = tokio::runtime::Builder::new_current_thread()
+            .enable_all()
+            .build()?;
+        let (jobs, mut rx) = mpsc::unbounded_channel::<Job>();
+        std::thread::Builder::new()
+            .name("tpubox-compile-workers".into())
+            .spawn(move || {
+                runtime.block_on(async move {
+                    top_up(&shared);
+                    while let Some(job) = rx.recv().await {
+                        tokio::spawn(run_job(Arc::clone(&shared), job));
+                    }
+                });
+                // Dropping the runtime drops the idle and running workers, which kills them.
+            })?;
+        Ok(WorkerPool { jobs })
+    }
+
+    async fn compile(&self, code: Vec<u8>, ordinal: i64) -> DeviceResult<Entry> {
+        let internal = |m: &str| DeviceError::new(ErrorKind::Internal, m);
+        let (reply, answer) = oneshot::channel();
+        self.jobs
+            .send(Job {
+                code,
+                ordinal,
+                reply,
+            })
+            .map_err(|_| internal("the compile worker thread has stopped"))?;
+        // Dropping this future (the caller gave up) closes `answer`; the pool then kills the
+        // worker.
+        answer
+            .await
+            .map_err(|_| internal("the compile worker thread dropped the compile"))?
+    }
+}
+
+/// Starts workers until `prestarted_workers` are idle or starting.
+fn top_up(shared: &Arc<PoolShared>) {
+    let have = shared.idle.lock().unwrap_or_else(|p| p.into_inner()).len()
+        + shared.starting.load(Ordering::Relaxed);
+    for _ in have..shared.limits.prestarted_workers {
+        shared.starting.fetch_add(1, Ordering::Relaxed);
+        let s = Arc::clone(shared);
+        tokio::spawn(async move {
+            match spawn_worker(&s, true).await {
+                Ok(w) => {
+                    let mut idle = s.idle.lock().unwrap_or_else(|p| p.into_inner());
+                    idle.push_back(w);
+                    s.counters
+                        .idle_workers
+                        .store(idle.len() as u64, Ordering::Relaxed);
+                }
+                Err(e) => tracing::warn!(
+                    target: "tpubox::compile",
+                    "starting a compile worker ahead of need ({}): {e}",
+                    s.worker.display()
+                ),
+            }
+            s.starting.fetch_sub(1, Ordering::Relaxed);
+        });
+    }
+}
+
+/// Starts a worker and sends it its [`Setup`]: with the warm-up when it is started `ahead` of
+/// need.
+async fn spawn_worker(shared: &PoolShared, ahead: bool) -> std::io::Result<Idle> {
+    use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
+    let mut child = tokio::process::Command::new(&shared.worker)
         .arg("compile-worker")
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
         .kill_on_drop(true)
-        .spawn()
-        .map_err(|e| {
-            internal(format!(
-                "starting the compile worker {}: {e}",
-                worker.display()
-            ))
-        })?;
+        .spawn()?;
+    bump(&shared.counters.workers_started);
     let mut stdin = child.stdin.take().expect("piped stdin");
-    let feed = async move {
-        // A worker that dies early closes its stdin; its exit status says why.
-        let _ = stdin.write_all(&header).await;
-        let _ = stdin.write_all(&code).await;
+    let stdout = child.stdout.take().expect("piped stdout");
+    let mut stderr = child.stderr.take().expect("piped stderr");
+    let counters = Arc::clone(&shared.counters);
+    let is_ready = Arc::new(AtomicBool::new(false));
+    let ready_flag = Arc::clone(&is_ready);
+    let ready = tokio::spawn(async move {
+        let mut out = BufReader::new(stdout);
+        let mut line = Vec::new();
+        let got = (&mut out)
+            .take(READY_LINE.len() as u64)
+            .read_until(b'\n', &mut line)
+            .await;
+        let ok = got.is_ok() && line == READY_LINE;
+        if ok {
+            ready_flag.store(true, Ordering::Release);
+            bump(&counters.workers_ready);
+        }
+        (out, ok)
+    });
+    let stderr = tokio::spawn(async move {
+        let mut tail = Vec::new();
+        let mut buf = vec![0u8; 8192];
+        while let Ok(n @ 1..) = stderr.read(&mut buf).await {
+            tail.extend_from_slice(&buf[..n]);
+            if tail.len() > STDERR_TAIL {
+                tail.drain(..tail.len() - STDERR_TAIL);
+            }
+        }
+        tail
+    });
+    // A worker that dies at once closes its stdin; its exit status says why, at its compile.
+    let setup = if ahead {
+        &shared.setup_line
+    } else {
+        &shared.setup_line_now
     };
-    let run = async {
-        let ((), out) = tokio::join!(feed, child.wait_with_output());
-        out
+    let _ = stdin.write_all(setup).await;
+    Ok(Idle {
+        child,
+        stdin,
+        ready,
+        is_ready,
+        stderr,
+    })
+}
+
+/// Takes an idle worker (starting its replacement) or starts one, and compiles in it.
+async fn run_job(shared: Arc<PoolShared>, mut job: Job) {
+    let taken = shared
+        .idle
+        .lock()
+        .unwrap_or_else(|p| p.into_inner())
+        .pop_front();
+    let worker = match taken {
+        Some(w) => {
+            bump(&shared.counters.prestarted_used);
+            shared.counters.idle_workers.store(
+                shared.idle.lock().unwrap_or_else(|p| p.into_inner()).len() as u64,
+                Ordering::Relaxed,
+            );
+            Ok(w)
+        }
+        None => {
+            bump(&shared.counters.started_on_demand);
+            spawn_worker(&shared, false).await.map_err(|e| {
+                DeviceError::new(
+                    ErrorKind::Internal,
+                    format!(
+                        "starting the compile worker {}: {e}",
+                        shared.worker.display()
+                    ),
+                )
+            })
+        }
     };
-    let out = match tokio::time::timeout(limits.max_compile_time, run).await {
-        Ok(out) => out.map_err(|e| internal(format!("waiting for the compile worker: {e}")))?,
-        // Dropping `run` drops the child, which kills it (`kill_on_drop`).
-        Err(_) => {
-            return Err(DeviceError::new(
+    top_up(&shared);
+    let answer = match worker {
+        Ok(w) => run_in_worker(&shared, w, job.code, job.ordinal, &mut job.reply).await,
+        Err(e) => Some(Err(e)),
+    };
+    if let Some(answer) = answer {
+        let _ = job.reply.send(answer);
+    }
+}
+
+/// How a compile in a worker ended.
+enum End {
+    Exited(Vec<u8>, std::io::Result<std::process::ExitStatus>),
+    Resident(u64),
+    Timeout,
+    Cancelled,
+}
+
+/// Sends `code` to worker `w` and waits for its answer, reading its resident set every
+/// [`RESIDENT_POLL`]. `None` when the caller went away (the worker is killed).
+///
+/// Errors: the compiler's own error (`compile-failed`, `unsupported`); `resource-exhausted`
+/// naming `max-compile-seconds` when the worker passes the wall-clock or CPU-time limit, or
+/// `max-compile-resident` when its resident set passes the cap; `compile-failed` saying how
+/// the worker died when it crashed (a stack overflow: the program is recursive or nested too
+/// deeply; an abort, possibly at the `max-compile-memory` limit); `internal` when the worker
+/// could not start or answers nonsense.
+async fn run_in_worker(
+    shared: &PoolShared,
+    w: Idle,
+    code: Vec<u8>,
+    ordinal: i64,
+    reply: &mut oneshot::Sender<DeviceResult<Entry>>,
+) -> Option<DeviceResult<Entry>> {
+    use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    let internal = |m: String| DeviceError::new(ErrorKind::Internal, m);
+    let limits = &shared.limits;
+    let counters = &shared.counters;
+    let Idle {
+        mut child,
+        mut stdin,
+        ready,
+        is_ready,
+        stderr,
+    } = w;
+    let was_ready = is_ready.load(Ordering::Acquire);
+    let pid = child.id();
+    counters
+        .last_worker_pid
+        .store(u64::from(pid.unwrap_or(0)), Ordering::Relaxed);
+    let program_bytes = code.len();
+    let mut header = serde_json::to_vec(&Request {
+        device_ordinal: ordinal,
+        program_bytes,
+    })
+    .expect("requests serialize");
+    header.push(b'\n');
+    let end = {
+        let feed = async move {
+            // A worker that dies early closes its stdin; its exit status says why.
+            let _ = stdin.write_all(&header).await;
+            let _ = stdin.write_all(&code).await;
+        };
+        let read = async {
+            let mut out = Vec::new();
+            if was_ready {
+                bump(&counters.ready_used);
+            }
+            if let Ok((mut stdout, _)) = ready.await {
+                let _ = stdout.read_to_end(&mut out).await;
+            }
+            out
+        };
+        let io = async {
+            let ((), out) = tokio::join!(feed, read);
+            let status = child.wait().await;
+            (out, status)
+        };
+        tokio::pin!(io);
+        // `biased`: the exit is looked at first, so the resident set is never read after the
+        // worker was reaped (when its id may name another process).
+        tokio::select! {
+            biased;
+            (out, status) = &mut io => End::Exited(out, status),
+            rss = watch_resident(pid, limits.max_resident_bytes, counters) => End::Resident(rss),
+            () = tokio::time::sleep(limits.max_compile_time) => End::Timeout,
+            () = reply.closed() => End::Cancelled,
+        }
+    };
+    let mib = |b: u64| b >> 20;
+    match end {
+        End::Exited(out, Ok(status)) => {
+            if status.success() {
+                stderr.abort();
+                return Some(parse_response(&out).unwrap_or_else(|m| {
+                    Err(internal(format!(
+                        "the compile worker answered nonsense: {m}"
+                    )))
+                }));
+            }
+            let stderr = stderr.await.unwrap_or_default();
+            Some(Err(worker_died(status, &stderr, limits, program_bytes)))
+        }
+        End::Exited(_, Err(e)) => Some(Err(internal(format!(
+            "waiting for the compile worker: {e}"
+        )))),
+        End::Resident(rss) => {
+            let _ = child.kill().await;
+            bump(&counters.resident_kills);
+            crate::protection::triggered(
+                "compile-resident",
+                "compiler",
+                format_args!(
+                    "compile worker {} reached {} MiB resident (cap {} MiB) on a {program_bytes}-byte program; killed",
+                    pid.unwrap_or(0),
+                    mib(rss),
+                    mib(limits.max_resident_bytes)
+                ),
+            );
+            Some(Err(DeviceError::new(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "compiling this {program_bytes}-byte program took more than {} MiB of memory ({} MiB resident when stopped) and was stopped (limit max-compile-resident)",
+                    mib(limits.max_resident_bytes),
+                    mib(rss)
+                ),
+            )))
+        }
+        End::Timeout => {
+            let _ = child.kill().await;
+            Some(Err(DeviceError::new(
                 ErrorKind::ResourceExhausted,
                 format!(
                     "compiling this {program_bytes}-byte program took longer than {} s and was stopped (limit max-compile-seconds); large unrolled programs compile in time roughly quadratic in their op count: use loops, or split the program",
                     limits.max_compile_time.as_secs_f64()
                 ),
-            ));
+            )))
         }
-    };
-    if !out.status.success() {
-        return Err(worker_died(&out, limits, program_bytes));
+        End::Cancelled => {
+            let _ = child.kill().await;
+            None
+        }
     }
-    parse_response(&out.stdout)
-        .map_err(|m| internal(format!("the compile worker answered nonsense: {m}")))?
+}
+
+/// Resolves, with the resident set read, when process `pid` holds more than `cap` bytes;
+/// never without a pid.
+async fn watch_resident(pid: Option<u32>, cap: u64, counters: &Counters) -> u64 {
+    let Some(pid) = pid else {
+        return std::future::pending().await;
+    };
+    let mut tick = tokio::time::interval(RESIDENT_POLL);
+    tick.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Skip);
+    loop {
+        tick.tick().await;
+        if let Some(rss) = resident_bytes(pid) {
+            counters
+                .peak_resident_bytes
+                .fetch_max(rss, Ordering::Relaxed);
+            if rss > cap {
+                return rss;
+            }
+        }
+    }
+}
+
+/// The resident set of process `pid` in bytes (`VmRSS` of `/proc/PID/status`); `None` when it
+/// cannot be read (the process is gone, or this is not Linux).
+pub fn resident_bytes(pid: u32) -> Option<u64> {
+    let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+    let kib: u64 = status
+        .lines()
+        .find_map(|l| l.strip_prefix("VmRSS:"))?
+        .trim()
+        .trim_end_matches("kB")
+        .trim()
+        .parse()
+        .ok()?;
+    Some(kib.saturating_mul(1024))
 }
 
 /// The error for a worker that exited without answering.
 fn worker_died(
-    out: &std::process::Output,
+    status: std::process::ExitStatus,
+    stderr: &[u8],
     limits: &CompileIsolation,
     program_bytes: usize,
 ) -> DeviceError {
     use std::os::unix::process::ExitStatusExt;
-    let stderr = String::from_utf8_lossy(&out.stderr);
-    tracing::debug!(target: "tpubox::compile", status = %out.status, %stderr, "compile worker died");
+    let stderr = String::from_utf8_lossy(stderr);
+    tracing::debug!(target: "tpubox::compile", %status, %stderr, "compile worker died");
     let last = stderr
         .lines()
         .rev()
         .find(|l| !l.trim().is_empty())
         .unwrap_or("")
         .trim();
-    let signal = out.status.signal();
+    let signal = status.signal();
     const SIGABRT: i32 = 6;
     const SIGKILL: i32 = 9;
     const SIGSEGV: i32 = 11;
@@ -374,12 +1096,15 @@ fn worker_died(
             ),
         );
     }
+    if status.code() == Some(WORKER_FAILED) {
+        return DeviceError::new(
+            ErrorKind::Internal,
+            format!("the compile worker failed: {last}"),
+        );
+    }
     DeviceError::new(
         ErrorKind::CompileFailed,
-        format!(
-            "the compiler failed on this {program_bytes}-byte program ({}): {last}",
-            out.status
-        ),
+        format!("the compiler failed on this {program_bytes}-byte program ({status}): {last}"),
     )
 }
 
@@ -414,40 +1139,80 @@ fn parse_response(stdout: &[u8]) -> Result<DeviceResult<Entry>, String> {
     }
 }
 
-/// `tpubox compile-worker`: reads one `Request` and program from stdin, compiles it within the
-/// request's limits, writes one `Response` (and the serialized executable) to stdout. Returns
-/// the process exit status: 0 when it answered (even with a compile error), 2 when it could not.
+/// Exit status of a worker that could not do its job (bad input, a plugin or client that
+/// fails, a closed pipe).
+const WORKER_FAILED: i32 = 2;
+
+/// `tpubox compile-worker`: reads its `Setup` from stdin, sets its limits, loads the plugin and
+/// creates its client, says `ready`; then reads one `Request` and program, compiles it, writes
+/// one `Response` (and the serialized executable) to stdout and exits: a worker compiles one
+/// program only. Returns the process exit status: 0 when it answered (even with a compile
+/// error), 2 when it could not.
 pub fn worker_main() -> i32 {
     match serve_one() {
         Ok(()) => 0,
         Err(e) => {
             eprintln!("tpubox compile-worker: {e}");
-            2
+            WORKER_FAILED
         }
     }
 }
 
-fn serve_one() -> Result<(), String> {
-    let mut input = std::io::stdin().lock();
+fn read_json_line<T: serde::de::DeserializeOwned>(what: &str) -> Result<T, String> {
     let mut line = Vec::new();
-    input
+    std::io::stdin()
+        .lock()
         .read_until(b'\n', &mut line)
-        .map_err(|e| format!("reading the request: {e}"))?;
-    let req: Request = serde_json::from_slice(&line).map_err(|e| format!("bad request: {e}"))?;
-    let mut code = vec![0u8; req.program_bytes];
-    input
-        .read_exact(&mut code)
-        .map_err(|e| format!("reading the program: {e}"))?;
-    set_limits(&req)?;
-    let stack = req.stack_bytes;
-    let compiled = std::thread::Builder::new()
+        .map_err(|e| format!("reading the {what}: {e}"))?;
+    serde_json::from_slice(&line).map_err(|e| format!("bad {what}: {e}"))
+}
+
+fn serve_one() -> Result<(), String> {
+    let setup: Setup = read_json_line("setup")?;
+    set_limits(&setup)?;
+    let stack = setup.stack_bytes;
+    // Everything from the plugin on runs on the large stack: the compiler recurses there.
+    std::thread::Builder::new()
         .name("tpubox-compile".into())
         .stack_size(stack)
-        .spawn(move || compile_for_worker(req, code))
+        .spawn(move || prepare_and_compile(setup))
         .map_err(|e| format!("starting the compile thread with a {stack}-byte stack: {e}"))?
         .join()
-        .map_err(|_| "the compile thread panicked".to_string())?;
+        .map_err(|_| "the compile thread panicked".to_string())?
+}
+
+fn prepare_and_compile(setup: Setup) -> Result<(), String> {
+    let plugin = Plugin::load(&setup.plugin)
+        .map_err(|e| format!("loading the plugin {}: {e}", setup.plugin.display()))?;
+    let options: Vec<(String, NamedValue)> = setup
+        .client_options
+        .into_iter()
+        .map(|(k, v)| (k, v.into()))
+        .collect();
+    let options: Vec<(&str, NamedValue)> = options
+        .iter()
+        .map(|(k, v)| (k.as_str(), v.clone()))
+        .collect();
+    let client = Client::new(&plugin, &options).map_err(|e| format!("creating the client: {e}"))?;
+    register_custom_calls(&plugin, &client);
+    // A first compile in a process pays for the compiler's one-time set-up (its passes and
+    // code generator); a worker started ahead of need pays it here, before the tenant's
+    // program arrives. A fixed program: no tenant's state is involved.
+    let plugin_path = setup.plugin.display().to_string();
+    if setup.warm_up {
+        let _ = compile_for_worker(&client, &plugin_path, WARM_UP.as_bytes().to_vec(), 0);
+    }
     let mut out = std::io::stdout().lock();
+    out.write_all(READY_LINE)
+        .and_then(|()| out.flush())
+        .map_err(|e| format!("saying ready: {e}"))?;
+    let req: Request = read_json_line("request")?;
+    let mut code = vec![0u8; req.program_bytes];
+    std::io::stdin()
+        .lock()
+        .read_exact(&mut code)
+        .map_err(|e| format!("reading the program: {e}"))?;
+    let compiled = compile_for_worker(&client, &plugin_path, code, req.device_ordinal);
     let (response, body) = match compiled {
         Ok(entry) => (
             Response::Compiled {
@@ -473,7 +1238,7 @@ fn serve_one() -> Result<(), String> {
 }
 
 /// Limits the worker itself: address space, CPU time, and no core file when it crashes.
-fn set_limits(req: &Request) -> Result<(), String> {
+fn set_limits(setup: &Setup) -> Result<(), String> {
     use rustix::process::{Resource, Rlimit, setrlimit};
     let set = |r: Resource, v: u64| {
         setrlimit(
@@ -486,8 +1251,8 @@ fn set_limits(req: &Request) -> Result<(), String> {
         .map_err(|e| format!("setrlimit({r:?}, {v}): {e}"))
     };
     set(Resource::Core, 0)?;
-    set(Resource::Cpu, req.max_cpu_seconds)?;
-    set(Resource::As, req.max_memory_bytes)
+    set(Resource::Cpu, setup.max_cpu_seconds)?;
+    set(Resource::As, setup.max_memory_bytes)
 }
 
 /// Registers the host's custom-call handlers with `plugin`: on a CPU plugin, the LAPACK
@@ -515,27 +1280,14 @@ pub(crate) fn register_custom_calls(plugin: &Plugin, client: &Client) {
     }
 }
 
-fn compile_for_worker(req: Request, code: Vec<u8>) -> DeviceResult<Entry> {
-    let internal = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Internal);
-    let plugin = Plugin::load(&req.plugin).map_err(internal)?;
-    let options: Vec<(String, NamedValue)> = req
-        .client_options
-        .into_iter()
-        .map(|(k, v)| (k, v.into()))
-        .collect();
-    let options: Vec<(&str, NamedValue)> = options
-        .iter()
-        .map(|(k, v)| (k.as_str(), v.clone()))
-        .collect();
-    let client = Client::new(&plugin, &options).map_err(internal)?;
-    register_custom_calls(&plugin, &client);
-    let compile_options = CompileOptions::new().device_ordinal(req.device_ordinal);
-    let c = compile_program(
-        &client,
-        &req.plugin.display().to_string(),
-        code,
-        &compile_options,
-    )?;
+fn compile_for_worker(
+    client: &Client,
+    plugin_path: &str,
+    code: Vec<u8>,
+    device_ordinal: i64,
+) -> DeviceResult<Entry> {
+    let compile_options = CompileOptions::new().device_ordinal(device_ordinal);
+    let c = compile_program(client, plugin_path, code, &compile_options)?;
     let executable = c
         .exe
         .serialize()

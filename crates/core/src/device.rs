@@ -13,7 +13,7 @@ use std::time::Instant;
 use pjrt::{Buffer, Client, CompileOptions, Device, NamedValue, PrimitiveType};
 
 use crate::cache::{CompileCache, Entry, PluginIdentity, cache_key};
-use crate::compiler::{CompileIsolation, WorkerTarget, compile_in_worker, compile_program};
+use crate::compiler::{CompileIsolation, CompileStats, Compiles, WorkerTarget, compile_program};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
 use crate::scheduler::FairShare;
 use crate::tenant::Tenant;
@@ -44,8 +44,9 @@ pub struct DeviceService {
     identity: OnceLock<PluginIdentity>,
     scheduler: FairShare,
     isolation: CompileIsolation,
-    /// Set when compiles go to workers (a worker is configured and the platform allows it).
-    worker_target: Option<WorkerTarget>,
+    /// The compile slots, and the worker pool when compiles go to workers (a worker is
+    /// configured and the platform allows it).
+    compiles: Compiles,
 }
 
 impl std::fmt::Debug for DeviceService {
@@ -76,7 +77,13 @@ impl DeviceService {
             pjrt_api_version: client.plugin().api_version(),
             plugin_path: client.plugin().path().display().to_string(),
         };
+        let isolation = CompileIsolation {
+            worker: None,
+            ..CompileIsolation::default()
+        };
         Ok(DeviceService {
+            compiles: Compiles::new(&isolation, None),
+            isolation,
             client,
             devices,
             platform,
@@ -84,11 +91,6 @@ impl DeviceService {
             cache: None,
             identity: OnceLock::new(),
             scheduler: FairShare::new(DEFAULT_EXECUTION_SLOTS),
-            isolation: CompileIsolation {
-                worker: None,
-                ..CompileIsolation::default()
-            },
-            worker_target: None,
         })
     }
 
@@ -109,13 +111,14 @@ impl DeviceService {
     /// Compiles tenants' programs as `isolation` says ([`crate::compiler`]); workers create
     /// their clients with `client_options`, as this service's was. Workers are used only on
     /// platforms whose client a second process may create (the CPU plugins); elsewhere
-    /// programs compile in this process, and a warning says so.
+    /// programs compile in this process, and a warning says so. With workers, it starts the
+    /// worker thread and `isolation.prestarted_workers` workers at once.
     pub fn with_compile_isolation(
         mut self,
         isolation: CompileIsolation,
         client_options: Vec<(String, NamedValue)>,
     ) -> Self {
-        self.worker_target = match &isolation.worker {
+        let target = match &isolation.worker {
             Some(_) if self.platform.name.eq_ignore_ascii_case("cpu") => Some(WorkerTarget {
                 plugin: self.client.plugin().path().to_path_buf(),
                 client_options,
@@ -129,13 +132,20 @@ impl DeviceService {
             }
             None => None,
         };
+        self.compiles = Compiles::new(&isolation, target);
         self.isolation = isolation;
         self
     }
 
     /// How programs are compiled, and whether workers are in use.
     pub fn compile_isolation(&self) -> (&CompileIsolation, bool) {
-        (&self.isolation, self.worker_target.is_some())
+        (&self.isolation, self.compiles.uses_workers())
+    }
+
+    /// What this service's compiles have done: slots taken and waited for, workers started
+    /// and used, resident-memory kills ([`CompileStats`]).
+    pub fn compile_stats(&self) -> CompileStats {
+        self.compiles.stats()
     }
 
     /// The execution scheduler.
@@ -265,12 +275,31 @@ impl DeviceService {
     ///
     /// Errors: `invalid-argument` for an empty program, one over the size limit, or MLIR text
     /// that is not UTF-8; `not-found` for an unknown device; `compile-failed` with the
-    /// compiler's message; `unsupported` when the plugin cannot describe the parameters.
+    /// compiler's message; `unsupported` when the plugin cannot describe the parameters;
+    /// `resource-exhausted` naming a compile limit (as [`compile_as`](Self::compile_as)).
     pub async fn compile(
         self: &Arc<Self>,
         code: Vec<u8>,
         text: bool,
         device: u32,
+    ) -> DeviceResult<Arc<DeviceExecutable>> {
+        self.compile_as(code, text, device, "").await
+    }
+
+    /// [`compile`](Self::compile) on behalf of tenant `tenant` (its name; `""` for the host's
+    /// own callers): a cache miss takes one of the tenant's compile slots, then one of the
+    /// host's ([`CompileIsolation::max_workers_per_tenant`], [`CompileIsolation::max_workers`]),
+    /// waiting at most `max_compile_time` for them.
+    ///
+    /// Errors: as [`compile`](Self::compile); `resource-exhausted` naming
+    /// `max-compile-workers-per-tenant` or `max-compile-workers` when no slot came in time,
+    /// `max-compile-seconds` or `max-compile-resident` when a worker passed those limits.
+    pub async fn compile_as(
+        self: &Arc<Self>,
+        code: Vec<u8>,
+        text: bool,
+        device: u32,
+        tenant: &str,
     ) -> DeviceResult<Arc<DeviceExecutable>> {
         if code.is_empty() {
             return Err(DeviceError::invalid("the program is empty"));
@@ -302,7 +331,7 @@ impl DeviceService {
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
         let Some(cache) = self.cache.clone() else {
             return self
-                .compile_somewhere(code, options, device)
+                .compile_somewhere(code, options, device, tenant)
                 .await
                 .map(|c| c.exe);
         };
@@ -318,7 +347,7 @@ impl DeviceService {
             .get_or_compile(
                 key,
                 move |entry| this.load_entry(entry, device),
-                || self.compile_somewhere(code, options, device),
+                || self.compile_somewhere(code, options, device, tenant),
             )
             .await
     }
@@ -377,17 +406,12 @@ impl DeviceService {
         })
     }
 
-    /// Compiles in a worker process ([`crate::compiler`]) and loads the result like a cache
-    /// entry.
-    async fn compile_in_worker(
+    /// Loads what a worker compiled ([`crate::compiler`]) like a cache entry.
+    async fn load_from_worker(
         self: &Arc<Self>,
-        worker: &std::path::Path,
-        target: &WorkerTarget,
-        code: Vec<u8>,
+        entry: Entry,
         device: u32,
     ) -> DeviceResult<Compiled> {
-        let entry =
-            compile_in_worker(&self.isolation, worker, target, code, i64::from(device)).await?;
         let compile_ms = entry.meta.compile_ms;
         let serialized = entry.executable.clone();
         let this = Arc::clone(self);
@@ -403,20 +427,25 @@ impl DeviceService {
         })
     }
 
-    /// Compiles where the isolation settings say: in a worker when one is configured and this
-    /// platform allows a second client, else on the blocking pool.
+    /// Compiles where the isolation settings say, once `tenant` has a compile slot: in a
+    /// worker when one is configured and this platform allows a second client, else on a
+    /// compile thread of this process.
     async fn compile_somewhere(
         self: &Arc<Self>,
         code: Vec<u8>,
         options: CompileOptions,
         device: u32,
+        tenant: &str,
     ) -> DeviceResult<Compiled> {
-        match (&self.isolation.worker, &self.worker_target) {
-            (Some(worker), Some(target)) => {
-                self.compile_in_worker(worker, target, code, device).await
-            }
-            _ => self.compile_on_compile_thread(code, options, device).await,
+        let _slot = self
+            .compiles
+            .slot(tenant, self.isolation.max_compile_time)
+            .await?;
+        if !self.compiles.uses_workers() {
+            return self.compile_on_compile_thread(code, options, device).await;
         }
+        let entry = self.compiles.in_worker(code, i64::from(device)).await?;
+        self.load_from_worker(entry, device).await
     }
 
     /// Loads a tier-2 cache entry as an executable for device `device`.

@@ -417,7 +417,10 @@ impl Session {
         self.tenant.admit_compile(code.len())?;
         let charge = self.tenant.charge_executable()?;
         let text = format == ProgramFormat::MlirText;
-        let exe = self.device.compile(code, text, device.unwrap_or(0)).await?;
+        let exe = self
+            .device
+            .compile_as(code, text, device.unwrap_or(0), self.tenant.name())
+            .await?;
         self.tenant.admit_program(exe.program_facts()?)?;
         let outputs = exe
             .output_bytes()
