@@ -71,7 +71,6 @@ pub const MAX_HEADER_BYTES: usize = 64 << 10;
 /// put's memfd). More are closed as they arrive and the connection is ended.
 pub const MAX_DESCRIPTORS_PER_REQUEST: usize = 1;
 
-
 /// How long the daemon waits to send the refusal of a request with too many descriptors
 /// before it ends the connection anyway.
 const REFUSAL_SEND_TIMEOUT: Duration = Duration::from_secs(1);
@@ -307,7 +306,9 @@ fn header_timeout(what: &str, timeout: Duration) -> std::io::Result<()> {
     tpubox_core::protection::triggered(
         "header-timeout",
         DOOR,
-        format_args!("{what} did not arrive within {timeout:?}; closed the local-socket connection"),
+        format_args!(
+            "{what} did not arrive within {timeout:?}; closed the local-socket connection"
+        ),
     );
     Ok(())
 }
