@@ -1795,13 +1795,25 @@ const LIMITS: &[LimitRow] = &[
 
 /// Limits of the host, not of a tenant, that `resource-exhausted` also names (the compile
 /// workers' limits of `HostConfig`).
-const HOST_LIMITS: &[&str] = &["max-compile-seconds", "max-compile-memory"];
+const HOST_LIMITS: &[&str] = &[
+    "max-compile-seconds",
+    "max-compile-memory",
+    "max-compile-resident",
+    "max-compile-workers",
+    "max-compile-workers-per-tenant",
+];
 
 /// Program policy rules named like limits (refused as `permission-denied`).
 const PROGRAM_RULES: &[&str] = &["max-loop-trips"];
 
-/// Flags in the README's limits table that set no tenant limit: the host's compile time limit.
-const README_HOST_FLAGS: &[&str] = &["--max-compile-seconds"];
+/// Flags in the README's limits table that set no tenant limit: the host's compile limits.
+const README_HOST_FLAGS: &[&str] = &[
+    "--max-compile-seconds",
+    "--max-compile-workers",
+    "--max-compile-workers-per-tenant",
+    "--max-compile-resident-mib",
+    "--prestarted-compile-workers",
+];
 
 /// Where each `PREFIX.field` in `code` goes (a `SessionPolicy` or `ModelLimits` field): the
 /// `t.TARGET` it sets, or the struct field it initialises, and the code that converts it.

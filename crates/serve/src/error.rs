@@ -103,7 +103,8 @@ impl ServeError {
 
 /// The tenant limit a `resource-exhausted` message names, for metrics labels.
 fn limit_named_in(message: &str) -> &'static str {
-    const LIMITS: [&str; 8] = [
+    // A name that another one starts with comes after it (`max-compile-workers`).
+    const LIMITS: [&str; 11] = [
         "max-device-bytes",
         "max-live-tensors",
         "max-live-executables",
@@ -112,6 +113,9 @@ fn limit_named_in(message: &str) -> &'static str {
         "max-guest-memory",
         "max-compile-seconds",
         "max-compile-memory",
+        "max-compile-resident",
+        "max-compile-workers-per-tenant",
+        "max-compile-workers",
     ];
     LIMITS
         .into_iter()
