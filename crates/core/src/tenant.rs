@@ -23,6 +23,11 @@ use serde::Serialize;
 
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
 
+/// How many times `max-device-bytes` a tenant's transfers in flight may hold in host memory
+/// ([`Tenant::charge_transfer`]): 2, so that reading any tensor the tenant may hold fits (its
+/// host copy, plus at most as much again in queued messages).
+pub const TRANSFER_POOL_MULTIPLE: u64 = 2;
+
 /// Per-tenant limits. The defaults suit one trusted user; set them lower for untrusted guests.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TenantLimits {
@@ -425,24 +430,28 @@ impl Tenant {
     /// Charges `bytes` of host memory the daemon is about to allocate (or map) for one of the
     /// tenant's transfers — an upload being received, the host copy of a tensor being read, a
     /// mapped memfd — until the returned charge is dropped (when the transfer completes,
-    /// fails or is cancelled). Transfers have a pool of their own, as large as
-    /// `max-device-bytes` and separate from the device bytes: a tenant can always move a
-    /// tensor it may hold, and the daemon holds at most `max-device-bytes` of host memory for
-    /// one tenant's transfers at once, however many it starts. `what` names the transfer in
-    /// the error.
+    /// fails or is cancelled). Transfers have a pool of their own,
+    /// [`TRANSFER_POOL_MULTIPLE`] × `max-device-bytes` and separate from the device bytes: a
+    /// tenant can always move a tensor it may hold (a read needs the tensor's host copy and
+    /// at most as much again in queued messages), and the daemon holds at most that much host
+    /// memory for one tenant's transfers at once, however many it starts. `what` names the
+    /// transfer in the error.
     ///
     /// Errors: `resource-exhausted` naming `max-device-bytes`.
     pub fn charge_transfer(self: &Arc<Self>, bytes: u64, what: &str) -> DeviceResult<Charge> {
         let mut h = self.held.lock().expect("tenant lock");
         let after = h.transfer_bytes.saturating_add(bytes);
-        if after > self.limits.max_device_bytes {
+        let pool = self
+            .limits
+            .max_device_bytes
+            .saturating_mul(TRANSFER_POOL_MULTIPLE);
+        if after > pool {
             let held = h.transfer_bytes;
             drop(h);
             return Err(self.refuse(
                 "max-device-bytes",
                 format!(
-                    "{what} needs {bytes} bytes of host memory; with the {held} bytes the tenant's transfers in flight (uploads, reads, mapped memfds) hold, that would exceed {}",
-                    self.limits.max_device_bytes
+                    "{what} needs {bytes} bytes of host memory; with the {held} bytes the tenant's transfers in flight (uploads, reads, mapped memfds) hold, that would exceed {pool} ({TRANSFER_POOL_MULTIPLE} x max-device-bytes)"
                 ),
             ));
         }
@@ -571,14 +580,15 @@ mod tests {
         let up = t.charge_transfer(800, "an upload").unwrap();
         let u = t.usage();
         assert_eq!((u.device_bytes, u.transfer_bytes), (900, 800));
-        let e = t.charge_transfer(201, "a second upload").unwrap_err();
+        // The pool is twice max-device-bytes (1000 here).
+        let e = t.charge_transfer(1201, "a second upload").unwrap_err();
         assert_eq!(e.kind, ErrorKind::ResourceExhausted);
         assert!(
             e.message.contains("a second upload") && e.message.contains("max-device-bytes"),
             "{}",
             e.message
         );
-        let fits = t.charge_transfer(200, "a read").unwrap();
+        let fits = t.charge_transfer(1200, "a read").unwrap();
         drop((up, fits, held));
         let u = t.usage();
         assert_eq!((u.device_bytes, u.transfer_bytes, u.refused), (0, 0, 1));

@@ -39,7 +39,7 @@ pub const MIN_CHUNK_BYTES: usize = 64 << 10;
 const DEFAULT_CHUNK_BYTES: usize = 4 << 20;
 /// Encoded chunks one `GetTensor` stream holds at most beyond the shared host copy (one being
 /// written to the socket, one waiting for the client's HTTP/2 window); what each stream is
-/// charged is this many chunks.
+/// charged is this many chunks, or the tensor's size when that is less.
 pub const QUEUED_CHUNKS: usize = 2;
 /// Most output one guest run streams back, per stream.
 const MAX_RUN_OUTPUT: usize = 64 << 20;
@@ -535,7 +535,7 @@ impl SessionRpc for Service {
         let queued = s
             .tenant()
             .charge_transfer(
-                (QUEUED_CHUNKS * chunk.min(len)) as u64,
+                (QUEUED_CHUNKS * chunk).min(len) as u64,
                 "the messages a GetTensor stream queues",
             )
             .map_err(device_status)?;
