@@ -349,6 +349,7 @@ pub fn main() {
             access,
             sandbox,
             api,
+            tpubox_net::Doors::new(&tpubox_net::DoorLimits::default()),
             std::future::pending(),
         ));
         // The client runs on its own thread and runtime, as another process would.
