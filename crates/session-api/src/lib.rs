@@ -134,7 +134,7 @@ fn bind_unix(p: &std::path::Path) -> Result<tokio::net::UnixListener> {
 
 /// Serves the session API on `listeners` until `stop` resolves; then ends every session.
 ///
-/// Both gRPC listeners go through `doors` ([`tpubox_net::serve`]): connection caps and
+/// Both gRPC listeners go through `doors` ([`tpubox_net::serve()`]): connection caps and
 /// timeouts, and every call authenticated from its head before its message is read: `Open`
 /// and `TenantUsage` by a tenant token ([`SessionAccess`]), every other call by a live
 /// session's token ([`admit`]).
