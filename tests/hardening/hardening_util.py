@@ -15,13 +15,13 @@ CARGO_TARGET_DIR, TPUBOX_LOG (default info).
 
 from __future__ import annotations
 
+import functools
 import http.client
 import json
 import os
 import resource
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -33,6 +33,9 @@ from typing import Any, Callable, Mapping
 REPO = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(REPO / "tests" / "serve"))
 sys.path.insert(0, str(REPO / "python"))
+sys.path.insert(0, str(REPO / "python" / "tests"))
+
+from tpubox_daemon import binary, free_ports, target_dir  # noqa: E402  (python/tests)
 
 READY_TIMEOUT = 120.0
 DRAIN_SECONDS = 5
@@ -50,31 +53,6 @@ TENANTS: dict[str, dict[str, Any]] = {
     },
     "ops": {"token": OPS, "models": ["*"], "repository_control": True, "metrics": True},
 }
-
-
-def target_dir() -> Path:
-    t = Path(os.environ.get("CARGO_TARGET_DIR") or "target")
-    return t if t.is_absolute() else REPO / t
-
-
-def binary() -> Path:
-    p = Path(os.environ.get("TPUBOX_BIN") or target_dir() / "release" / "tpubox")
-    if not p.is_file():
-        raise FileNotFoundError(f"{p} is missing: cargo build --release -p tpubox")
-    return p.resolve()
-
-
-def free_ports(n: int) -> list[int]:
-    socks = []
-    try:
-        for _ in range(n):
-            s = socket.socket()
-            s.bind(("127.0.0.1", 0))
-            socks.append(s)
-        return [s.getsockname()[1] for s in socks]
-    finally:
-        for s in socks:
-            s.close()
 
 
 def tokens_toml(tenants: Mapping[str, Mapping[str, Any]]) -> str:
@@ -351,21 +329,15 @@ def probe_infer(d: Daemon, timeout: float = 30.0) -> float:
     """One REST inference of the dtypes model as the probe tenant; its latency in seconds.
     Raises AssertionError unless it answers 200."""
     t = time.perf_counter()
-    r = request(d, "POST", "/v2/models/dtypes/infer", _PROBE_BODY(), bearer(PROBE), timeout=timeout)
+    r = request(d, "POST", "/v2/models/dtypes/infer", _probe_body(), bearer(PROBE), timeout=timeout)
     dt = time.perf_counter() - t
     assert r.status == 200, f"the probe's inference failed: {r!r}"
     return dt
 
 
-_probe_body_cache: list = []
-
-
-def _PROBE_BODY() -> dict:
-    if not _probe_body_cache:
-        b = dtypes_body()
-        # BF16 has no exact JSON form in tritonclient; the server takes numbers for it.
-        _probe_body_cache.append(b)
-    return _probe_body_cache[0]
+@functools.cache
+def _probe_body() -> dict:
+    return dtypes_body()
 
 
 def p99(samples: list[float]) -> float:

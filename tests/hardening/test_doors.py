@@ -10,12 +10,12 @@ from __future__ import annotations
 
 import resource
 import socket
-import struct
 import threading
 import time
 
 import grpc
 import pytest
+from tpubox._wire import varint
 
 from hardening_util import (
     ATTACKER,
@@ -86,10 +86,6 @@ def _raw_post(d, path: str, extra_headers: bytes, body: bytes) -> bytes:
         return out
     finally:
         s.close()
-
-
-def _grpc_frame(message: bytes) -> bytes:
-    return b"\x00" + struct.pack(">I", len(message)) + message
 
 
 # ---------------------------------------------------------------------------------------------
@@ -173,7 +169,7 @@ def test_session_api_unauthenticated_free_is_refused_from_its_head(daemon):
     d.reset_peak()
     # FreeRequest: tensors (1), packed varints of 2^62 (9 bytes each), 16 MiB in all.
     handles = b"\xff\xff\xff\xff\xff\xff\xff\xff\x3f" * ((16 << 20) // 9)
-    message = b"\x0a" + _varint(len(handles)) + handles
+    message = b"\x0a" + varint(len(handles)) + handles
     opts = [("grpc.max_send_message_length", 64 << 20)]
     for target in (d.session_tcp, f"unix:{d.socket_path}"):
         # As the tpubox client does: C-core's default :authority for a Unix socket (the
@@ -189,18 +185,6 @@ def test_session_api_unauthenticated_free_is_refused_from_its_head(daemon):
                 assert kind in (None, "unauthenticated", "session-ended"), kind
     grew = d.peak_mib() - base
     assert grew < 24, f"unauthenticated Free calls cost {grew:.1f} MiB of peak RSS"
-
-
-def _varint(n: int) -> bytes:
-    out = bytearray()
-    while True:
-        b = n & 0x7F
-        n >>= 7
-        if n:
-            out.append(b | 0x80)
-        else:
-            out.append(b)
-            return bytes(out)
 
 
 # ---------------------------------------------------------------------------------------------
