@@ -217,7 +217,23 @@ async fn connection(
         tokio::select! {
             r = conn.as_mut() => {
                 if let Err(e) = r {
-                    tracing::debug!(door = door.name, "connection ended: {e}");
+                    // hyper's own HTTP/1 head timer (set above to the same limit) may fire before
+                    // ours; count it as the same protection.
+                    let head_timeout = e
+                        .downcast_ref::<hyper::Error>()
+                        .is_some_and(hyper::Error::is_timeout);
+                    if head_timeout && closing.is_none() {
+                        triggered(
+                            "header-timeout",
+                            door.name,
+                            format_args!(
+                                "no complete request head in {:?}; closed",
+                                l.header_timeout
+                            ),
+                        );
+                    } else {
+                        tracing::debug!(door = door.name, "connection ended: {e}");
+                    }
                 }
                 return;
             }
