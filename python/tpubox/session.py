@@ -323,6 +323,72 @@ class Session:
         )
         return [Tensor._from_pb(self, r) for r in resp.results]
 
+    def _call(
+        self,
+        executable: int,
+        args: Sequence[Tensor | np.ndarray],
+        donate: Sequence[int],
+        fetch: Sequence[int],
+        keep: Sequence[int],
+        free: Sequence[int],
+        timeout: float | None,
+    ) -> list[Tensor | np.ndarray]:
+        """One ``Call`` (one round trip): ARGS are Tensors of this session or arrays already
+        normalised (``_dtypes.as_device_array``), sent inline; returns one entry per result: a
+        NumPy array when it was fetched and not kept, else a Tensor (holding the fetched array
+        when it was both)."""
+        fetch = [int(i) for i in fetch]
+        keep = [int(i) for i in keep]
+        inline: list[memoryview] = []
+        if self._local is not None:
+            arguments: list[dict[str, Any]] = []
+            for a in args:
+                if isinstance(a, Tensor):
+                    arguments.append({"handle": a.handle})
+                else:
+                    arguments.append(
+                        {"dtype": _dtypes.dtype_name(_dtypes.to_wire(a.dtype)), "dims": list(a.shape)}
+                    )
+                    inline.append(_raw(a))
+            fields = {
+                "executable": executable,
+                "arguments": arguments,
+                "donate": [int(i) for i in donate],
+                "fetch": fetch,
+                "keep": keep,
+                "free": [int(h) for h in free],
+            }
+            self._check_open()
+            self._flush_frees()
+            with self._local_call() as local:
+                reply, data = local.call(fields, inline, self._deadline(timeout))
+            infos = [
+                (Tensor._from_json(self, r), r) for r in reply["results"]
+            ]
+            out: list[Tensor | np.ndarray] = []
+            for (t, _), raw in zip(infos, data):
+                out.append(_result(t, raw))
+            return out
+        req = pb.CallRequest(
+            executable=executable,
+            donate=[int(i) for i in donate],
+            fetch=fetch,
+            keep=keep,
+            free=[int(h) for h in free],
+        )
+        for a in args:
+            if isinstance(a, Tensor):
+                req.arguments.add(handle=a.handle)
+            else:
+                spec = pb.TensorSpec(dtype=_dtypes.to_wire(a.dtype), dims=a.shape)
+                req.arguments.add(tensor=pb.InlineTensor(spec=spec, data=_raw(a).tobytes()))
+        resp = self._unary("Call", req, timeout)
+        out = []
+        for r in resp.results:
+            t = Tensor._from_pb(self, r.info)
+            out.append(_result(t, np.frombuffer(r.data, np.uint8) if r.fetched else None))
+        return out
+
     # -- session ----------------------------------------------------------------------------
 
     def info(self) -> SessionInfo:
@@ -633,6 +699,26 @@ class Session:
             stdout=b"".join(got_out),
             stderr=b"".join(got_err),
         )
+
+
+def _raw(a: np.ndarray) -> memoryview:
+    """The bytes of a normalised array (C-contiguous, little-endian), without a copy."""
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")  # type: ignore[arg-type]
+
+
+def _result(t: Tensor, raw: np.ndarray | None) -> Tensor | np.ndarray:
+    """A Call's result: the fetched bytes RAW as an array of T's shape and dtype (writable),
+    T holding them when it was also kept (handle != 0), or T when nothing was fetched."""
+    if raw is None:
+        return t
+    a = raw.view(t.dtype.newbyteorder("<")).reshape(t.shape)
+    if not a.flags.writeable:
+        a = a.copy()
+    if t.handle == 0:
+        t._freed = True  # never a handle: nothing to free
+        return a
+    t._host = a
+    return t
 
 
 class _DefaultType:

@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::SessionAccess;
 use super::policy::RequestedLimits;
-use super::registry::{AccessError, LiveSession, Registry};
+use super::registry::{AccessError, CallArg, CallSpec, LiveSession, Registry};
 use tpubox_core::error::{DeviceError, ErrorKind};
 use tpubox_core::session::{ProgramFormat, TensorHandle};
 use tpubox_core::tenant::{TenantLimits, TenantUsage};
@@ -619,6 +619,62 @@ impl SessionRpc for Service {
             .map(|(h, t)| tensor_info(*h, t))
             .collect();
         Ok(Response::new(ExecuteResponse { results }))
+    }
+
+    async fn call(&self, req: Request<CallRequest>) -> Result<Response<CallResponse>, Status> {
+        let (s, _active) = self.session(req.metadata())?;
+        let r = req.into_inner();
+        let mut arguments = Vec::with_capacity(r.arguments.len());
+        let mut inline = Vec::new();
+        for (i, a) in r.arguments.into_iter().enumerate() {
+            arguments.push(match a.argument {
+                Some(call_argument::Argument::Handle(h)) => CallArg::Handle(h),
+                Some(call_argument::Argument::Tensor(t)) => {
+                    let spec = t.spec.ok_or_else(|| {
+                        invalid(format!("argument {i}: an inline tensor needs its spec"))
+                    })?;
+                    inline.push(t.data);
+                    CallArg::Inline {
+                        ty: primitive(spec.dtype)
+                            .map_err(|e| invalid(format!("argument {i}: {}", e.message())))?,
+                        dims: spec.dims,
+                        device: t.device,
+                    }
+                }
+                None => {
+                    return Err(invalid(format!(
+                        "argument {i} is empty: a handle or an inline tensor"
+                    )));
+                }
+            });
+        }
+        let plan = s
+            .plan_call(CallSpec {
+                executable: r.executable,
+                arguments,
+                donate: r.donate,
+                fetch: r.fetch,
+                keep: r.keep,
+                free: r.free,
+            })
+            .map_err(access_status)?;
+        let slices: Vec<&[u8]> = inline.iter().map(|b| b.as_ref()).collect();
+        let out = plan.run(&s, &slices).await.map_err(access_status)?;
+        let results = out
+            .results
+            .into_iter()
+            .map(|o| CallResult {
+                info: Some(tensor_info(o.handle, &o.tensor)),
+                fetched: o.data.is_some(),
+                // The bytes keep their transfer charge until the reply is encoded.
+                data: o.data.map(Bytes::from_owner).unwrap_or_default(),
+            })
+            .collect();
+        Ok(Response::new(CallResponse {
+            results,
+            freed: out.freed,
+            unknown: out.unknown,
+        }))
     }
 
     async fn open_weights(

@@ -280,6 +280,60 @@ class ExecuteResponse(_message.Message):
     results: _containers.RepeatedCompositeFieldContainer[TensorInfo]
     def __init__(self, results: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
 
+class InlineTensor(_message.Message):
+    __slots__ = ("spec", "data", "device")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    spec: TensorSpec
+    data: bytes
+    device: int
+    def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., data: _Optional[bytes] = ..., device: _Optional[int] = ...) -> None: ...
+
+class CallArgument(_message.Message):
+    __slots__ = ("handle", "tensor")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    tensor: InlineTensor
+    def __init__(self, handle: _Optional[int] = ..., tensor: _Optional[_Union[InlineTensor, _Mapping]] = ...) -> None: ...
+
+class CallRequest(_message.Message):
+    __slots__ = ("executable", "arguments", "donate", "fetch", "keep", "free")
+    EXECUTABLE_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    DONATE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    executable: int
+    arguments: _containers.RepeatedCompositeFieldContainer[CallArgument]
+    donate: _containers.RepeatedScalarFieldContainer[int]
+    fetch: _containers.RepeatedScalarFieldContainer[int]
+    keep: _containers.RepeatedScalarFieldContainer[int]
+    free: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, executable: _Optional[int] = ..., arguments: _Optional[_Iterable[_Union[CallArgument, _Mapping]]] = ..., donate: _Optional[_Iterable[int]] = ..., fetch: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., free: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class CallResult(_message.Message):
+    __slots__ = ("info", "fetched", "data")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    info: TensorInfo
+    fetched: bool
+    data: bytes
+    def __init__(self, info: _Optional[_Union[TensorInfo, _Mapping]] = ..., fetched: bool = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class CallResponse(_message.Message):
+    __slots__ = ("results", "freed", "unknown")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[CallResult]
+    freed: int
+    unknown: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, results: _Optional[_Iterable[_Union[CallResult, _Mapping]]] = ..., freed: _Optional[int] = ..., unknown: _Optional[_Iterable[int]] = ...) -> None: ...
+
 class OpenWeightsRequest(_message.Message):
     __slots__ = ("name",)
     NAME_FIELD_NUMBER: _ClassVar[int]
