@@ -126,8 +126,10 @@ def test_mixed_handles_inline_keep_and_free(t):
     assert u.live_tensors == 3, u  # b, y, i
     assert u.device_bytes == 8 + 24 + 24, u
     # Kept results feed the next call by handle, with fresh inputs inline.
-    (z,) = exe.call(x, w, tb, fetch=[0])
+    z, zi = exe.call(x, w, tb, fetch=[0])
     np.testing.assert_allclose(z, want_y, rtol=1e-5, atol=1e-6)
+    assert isinstance(zi, tpubox.Tensor)  # not fetched: kept
+    np.testing.assert_array_equal(zi.numpy(), want_i)
 
 
 def test_default_call_keeps_and_donates(t):
@@ -155,6 +157,8 @@ def test_refusals_keep_usage_and_free_nothing(t):
     w = RNG.standard_normal((4, 2), dtype=np.float32)
     b = RNG.standard_normal(2, dtype=np.float32)
     keep_me = t.tensor(b)
+    ghost = tpubox.Tensor(t, 10**12, (4, 2), np.dtype(np.float32))  # a handle never made
+    ghost._freed = True
     before = held(t)
     executions = t.usage().executions
     cases = [
@@ -169,7 +173,7 @@ def test_refusals_keep_usage_and_free_nothing(t):
         # donation
         (tpubox.InvalidArgument, lambda: exe.call(x, w, b, donate=[3], free=[keep_me])),
         # a handle this session does not have
-        (tpubox.NotFound, lambda: exe.call(x, 10**12, b, free=[keep_me])),
+        (tpubox.NotFound, lambda: exe.call(x, ghost, b, free=[keep_me])),
     ]
     for want, f in cases:
         with pytest.raises(want):
