@@ -152,6 +152,10 @@ struct LocalArg {
     device: Option<u32>,
 }
 
+/// Fetched results up to this many bytes in all are written to their memfd on the request's
+/// own task; larger ones on a blocking thread.
+const INLINE_WRITE_BYTES: usize = 64 << 10;
+
 /// Alignment of each tensor packed in a call's memfd, in bytes ([`packed`]).
 pub const PACK_ALIGN: usize = 64;
 
@@ -638,16 +642,23 @@ async fn handle(
             if fetched.is_empty() {
                 return Ok((reply, None));
             }
-            let fd = tokio::task::spawn_blocking(move || {
+            let write = move || {
                 let parts: Vec<&[u8]> = out
                     .results
                     .iter()
                     .filter_map(|o| o.data.as_ref().map(|d| d.as_ref()))
                     .collect();
                 sealed_copy(&parts, &offsets, total)
-            })
-            .await
-            .map_err(|e| Failure(ErrorKind::Internal.as_str(), e.to_string()))?
+            };
+            // A memfd is memory: writing a few pages never waits on a device, so small results
+            // skip the hop to a blocking thread (a tiny forward pass's reply).
+            let fd = if total <= INLINE_WRITE_BYTES {
+                write()
+            } else {
+                tokio::task::spawn_blocking(write)
+                    .await
+                    .map_err(|e| Failure(ErrorKind::Internal.as_str(), e.to_string()))?
+            }
             .map_err(|e| {
                 Failure(
                     ErrorKind::Internal.as_str(),

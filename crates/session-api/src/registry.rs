@@ -213,10 +213,17 @@ impl LiveSession {
                     let (bytes, charge) = self
                         .session
                         .admit_upload(ty, &dims, &format!("inline argument {i} of this Call"))
-                        .map_err(|e| DeviceError::new(e.kind, format!("argument {i}: {}", e.message)))?;
+                        .map_err(|e| {
+                            DeviceError::new(e.kind, format!("argument {i}: {}", e.message))
+                        })?;
                     charges.push(charge);
                     inline_sizes.push(bytes);
-                    PlannedArg::Inline { ty, dims, device, bytes }
+                    PlannedArg::Inline {
+                        ty,
+                        dims,
+                        device,
+                        bytes,
+                    }
                 }
             });
         }
@@ -556,7 +563,11 @@ impl CallPlan {
             } else {
                 0
             };
-            out.push(CallOutput { handle, tensor, data });
+            out.push(CallOutput {
+                handle,
+                tensor,
+                data,
+            });
         }
         let (freed, unknown) = session.free(&self.free, &[])?;
         Ok(CallOutcome {
