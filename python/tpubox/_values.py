@@ -54,6 +54,8 @@ class Limits:
         max_guest_memory_bytes: linear memory of one guest run.
         idle_timeout_seconds: the session ends after this long without a call while nothing
             is attached.
+        max_pending_launches: launches queued for the device or running at once
+            (``max-pending-launches``).
     """
 
     max_device_bytes: int = 0
@@ -64,6 +66,7 @@ class Limits:
     max_call_seconds: float = 0.0
     max_guest_memory_bytes: int = 0
     idle_timeout_seconds: float = 0.0
+    max_pending_launches: int = 0
 
     @staticmethod
     def coerce(value: Limits | Mapping[str, Any] | None) -> Limits:

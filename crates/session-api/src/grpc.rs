@@ -172,6 +172,7 @@ fn wire_limits(t: &TenantLimits, idle: Duration) -> Limits {
         max_call_seconds: t.max_call_time.map_or(0.0, |d| d.as_secs_f64()),
         max_guest_memory_bytes: t.max_guest_memory as u64,
         idle_timeout_seconds: idle.as_secs_f64(),
+        max_pending_launches: t.max_pending_launches,
     }
 }
 
@@ -191,6 +192,7 @@ fn requested(l: Option<Limits>) -> RequestedLimits {
         max_call_seconds: nzf(l.max_call_seconds),
         max_guest_memory_bytes: nz(l.max_guest_memory_bytes),
         idle_timeout_seconds: nzf(l.idle_timeout_seconds),
+        max_pending_launches: nz(l.max_pending_launches),
     }
 }
 
