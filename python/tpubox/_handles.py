@@ -183,6 +183,17 @@ class Tensor(_Handle):
             return host.copy()
         return self._session.get(self, timeout=timeout)
 
+    def wait(self, *, timeout: float | None = None) -> None:
+        """Waits until the launch that makes this tensor (:meth:`Executable.launch`) finished;
+        at once for a tensor that has its value.
+
+        Raises:
+            tpubox.ExecutionFailed (or the kind the device's error maps to): its launch failed,
+            named (``launch <id> of program <fingerprint> failed: ...``); tpubox.NotFound: it
+            was freed; tpubox.FailedPrecondition: it was donated.
+        """
+        self._session._wait([self.handle], False, timeout)
+
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         a = self.numpy()
         return a if dtype is None else a.astype(dtype, copy=False)
@@ -328,9 +339,6 @@ class Executable(_Handle):
             fetched results' host copies do not fit the session's transfers in flight.
             TypeError: an array of a dtype tpubox tensors cannot hold.
         """
-        s = self._session
-        args = tuple(args)
-        donate = tuple(int(i) for i in donate)
         n_results = len(self.results)
         if fetch is True:
             fetch_pos = list(range(n_results))
@@ -338,7 +346,47 @@ class Executable(_Handle):
             fetch_pos = []
         else:
             fetch_pos = [int(i) for i in fetch]  # type: ignore[union-attr]
-        keep_pos = [int(i) for i in keep]
+        return self._run(args, donate, fetch_pos, [int(i) for i in keep], free, timeout, False)
+
+    def launch(
+        self,
+        *args: Tensor | ArrayLike,
+        donate: Iterable[int] = (),
+        free: Iterable[Tensor | int] = (),
+        timeout: float | None = None,
+    ) -> list[Tensor]:
+        """Launches the program without waiting for the device (a ``Call`` with ``launch``):
+        returns as soon as the daemon checked and charged it, one *pending* :class:`Tensor` per
+        result, while the device works. Pass them to later calls and launches (the daemon
+        orders them), read them (:meth:`Tensor.numpy` waits for the value), or wait with
+        :meth:`Tensor.wait` / :meth:`Session.wait_all`. Arrays among ARGS travel with the
+        launch, as in :meth:`call`.
+
+        Donation is final at launch. The device's error (say ``execution-failed``) is raised at
+        the first wait or read of an output, naming the launch (``launch <id> of program
+        <fingerprint> failed: ...``), or by :meth:`Session.wait_all`; with launch blocking on
+        (:meth:`Session.set_launch_blocking`, ``TPUBOX_LAUNCH_BLOCKING=1``) by this call.
+
+        Raises:
+            As :meth:`__call__` for what is checked at launch, and
+            tpubox.ResourceExhausted naming ``max-pending-launches`` when the session has as
+            many launches queued or running as its tenant may.
+        """
+        return self._run(tuple(args), donate, [], [], free, timeout, True)  # type: ignore[return-value]
+
+    def _run(
+        self,
+        args: tuple[Any, ...],
+        donate: Iterable[int],
+        fetch_pos: list[int],
+        keep_pos: list[int],
+        free: Iterable[Tensor | int],
+        timeout: float | None,
+        launch: bool,
+    ) -> list[Any]:
+        s = self._session
+        donate = tuple(int(i) for i in donate)
+        n_results = len(self.results)
         free_handles = []
         free_objs = []
         for f in free:
@@ -389,6 +437,7 @@ class Executable(_Handle):
                 send_keep,
                 free_handles + [t.handle for t in temps],
                 timeout,
+                launch,
             )
         except BaseException:
             if temps:

@@ -179,8 +179,10 @@ class Platform:
 @dataclass(frozen=True)
 class SessionInfo:
     """What :meth:`Session.info` returns: the session's id, tenant, limits in force, platform,
-    usage, the weight sets it may open (:meth:`Session.weights`) and the components the daemon
-    offers by name (:meth:`Session.run`)."""
+    usage, the weight sets it may open (:meth:`Session.weights`), the components the daemon
+    offers by name (:meth:`Session.run`), and whether its launches are synchronous
+    (:meth:`Session.set_launch_blocking`, ``TPUBOX_LAUNCH_BLOCKING=1``, or the daemon's
+    ``--launch-blocking``)."""
 
     session_id: str
     tenant: str
@@ -189,6 +191,7 @@ class SessionInfo:
     usage: Usage
     weight_sets: tuple[str, ...]
     components: tuple[str, ...]
+    launch_blocking: bool = False
 
 
 @dataclass(frozen=True)

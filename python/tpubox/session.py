@@ -74,6 +74,7 @@ __all__ = [
     "ENV_ADDRESS",
     "ENV_SESSION_TOKEN",
     "ENV_SESSION_ID",
+    "ENV_LAUNCH_BLOCKING",
     "wait_for_daemon",
 ]
 
@@ -81,6 +82,16 @@ __all__ = [
 ENV_ADDRESS = "TPUBOX_ADDRESS"
 ENV_SESSION_TOKEN = "TPUBOX_SESSION_TOKEN"
 ENV_SESSION_ID = "TPUBOX_SESSION_ID"
+#: ``TPUBOX_LAUNCH_BLOCKING=1``: every session :func:`connect` returns has synchronous launches
+#: (:meth:`Session.set_launch_blocking`), TorchTPU's ``TORCH_TPU_LAUNCH_BLOCKING`` analogue.
+ENV_LAUNCH_BLOCKING = "TPUBOX_LAUNCH_BLOCKING"
+
+
+def _launch_blocking_from_env(s: Session) -> Session:
+    v = os.environ.get(ENV_LAUNCH_BLOCKING, "").strip().lower()
+    if v not in ("", "0", "false", "no", "off"):
+        s.set_launch_blocking(True)
+    return s
 
 #: Deadline of control calls (Open, Info, Free, Usage, Close, ...), in seconds.
 DEFAULT_TIMEOUT = 30.0
@@ -332,11 +343,13 @@ class Session:
         keep: Sequence[int],
         free: Sequence[int],
         timeout: float | None,
+        launch: bool = False,
     ) -> list[Tensor | np.ndarray]:
         """One ``Call`` (one round trip): ARGS are Tensors of this session or arrays already
         normalised (``_dtypes.as_device_array``), sent inline; returns one entry per result: a
         NumPy array when it was fetched and not kept, else a Tensor (holding the fetched array
-        when it was both)."""
+        when it was both). With LAUNCH, the call returns once the launch is admitted, with
+        pending Tensors."""
         fetch = [int(i) for i in fetch]
         keep = [int(i) for i in keep]
         inline: list[memoryview] = []
@@ -358,6 +371,8 @@ class Session:
                 "keep": keep,
                 "free": [int(h) for h in free],
             }
+            if launch:
+                fields["launch"] = True
             self._check_open()
             self._flush_frees()
             with self._local_call() as local:
@@ -375,6 +390,7 @@ class Session:
             fetch=fetch,
             keep=keep,
             free=[int(h) for h in free],
+            launch=launch,
         )
         for a in args:
             if isinstance(a, Tensor):
@@ -388,6 +404,34 @@ class Session:
             t = Tensor._from_pb(self, r.info)
             out.append(_result(t, np.frombuffer(r.data, np.uint8) if r.fetched else None))
         return out
+
+    def _wait(self, tensors: list[int], all: bool, timeout: Any) -> None:
+        if self._local is not None:
+            self._local_request("wait", {"tensors": tensors, "all": all}, None, timeout)
+            return
+        self._unary("Wait", pb.WaitRequest(tensors=tensors, all=all), timeout)
+
+    # -- launches ---------------------------------------------------------------------------
+
+    def wait_all(self, *, timeout: float | None = None) -> None:
+        """Waits until every launch of this session so far (:meth:`Executable.launch`) has
+        finished.
+
+        Raises:
+            tpubox.ExecutionFailed (or the kind the device's error maps to): the first failed
+            launch no wait or read reported yet, named (``launch <id> of program <fingerprint>
+            failed: ...``), with how many others failed.
+        """
+        self._wait([], True, timeout)
+
+    def set_launch_blocking(self, on: bool = True) -> bool:
+        """Makes this session's launches synchronous (``on``): :meth:`Executable.launch` then
+        returns only once the device finished, raising its error there, TorchTPU's
+        ``TORCH_TPU_LAUNCH_BLOCKING=1`` for debugging. :func:`connect` turns it on when the
+        environment has ``TPUBOX_LAUNCH_BLOCKING=1``. Returns whether launches are synchronous
+        now (also true when the daemon runs with ``--launch-blocking``)."""
+        r = self._unary("SetLaunchBlocking", pb.SetLaunchBlockingRequest(on=bool(on)), _DEFAULT)
+        return bool(r.blocking)
 
     # -- session ----------------------------------------------------------------------------
 
@@ -406,6 +450,7 @@ class Session:
             usage=Usage._from_pb(r.usage),
             weight_sets=tuple(r.weight_sets),
             components=tuple(r.components),
+            launch_blocking=r.launch_blocking,
         )
 
     def usage(self) -> Usage:
@@ -846,6 +891,11 @@ def _open(
             "unavailable", f"the tpubox daemon at {address} did not confirm the Attach stream"
         )
     _OWNED.add(s)
+    try:
+        _launch_blocking_from_env(s)
+    except TpuboxError:
+        s.close(timeout=2.0)
+        raise
     return _remember(s)
 
 
@@ -869,7 +919,7 @@ def _join(address: str, token: str, timeout: float | None, local: bool | None = 
         timeout=timeout,
     )
     s._local = _transport.local_channel(address, r.local_socket, token, local)
-    return _remember(s)
+    return _remember(_launch_blocking_from_env(s))
 
 
 def default_session() -> Session:

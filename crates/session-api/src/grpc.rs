@@ -438,6 +438,7 @@ impl SessionRpc for Service {
             weight_sets: s.session().weight_sets(),
             components: self.component_names(),
             local_socket: self.local_socket(),
+            launch_blocking: s.session().launch_blocking(),
         }))
     }
 
@@ -658,6 +659,7 @@ impl SessionRpc for Service {
                 fetch: r.fetch,
                 keep: r.keep,
                 free: r.free,
+                launch: r.launch,
             })
             .map_err(access_status)?;
         let slices: Vec<&[u8]> = inline.iter().map(|b| b.as_ref()).collect();
@@ -676,6 +678,25 @@ impl SessionRpc for Service {
             results,
             freed: out.freed,
             unknown: out.unknown,
+            launch_id: out.launch_id,
+        }))
+    }
+
+    async fn wait(&self, req: Request<WaitRequest>) -> Result<Response<WaitResponse>, Status> {
+        let (s, _active) = self.session(req.metadata())?;
+        let r = req.into_inner();
+        s.wait(&r.tensors, r.all).await.map_err(access_status)?;
+        Ok(Response::new(WaitResponse {}))
+    }
+
+    async fn set_launch_blocking(
+        &self,
+        req: Request<SetLaunchBlockingRequest>,
+    ) -> Result<Response<SetLaunchBlockingResponse>, Status> {
+        let (s, _active) = self.session(req.metadata())?;
+        s.session().set_launch_blocking(req.into_inner().on);
+        Ok(Response::new(SetLaunchBlockingResponse {
+            blocking: s.session().launch_blocking(),
         }))
     }
 

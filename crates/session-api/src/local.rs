@@ -26,7 +26,11 @@
 //!   `{"ok": {"results": [RESULT, ..], "freed": N, "unknown": [..]}}`, where `RESULT` is a
 //!   `TENSOR_INFO` (`handle` 0 when the result was not kept) with an `"offset"` when it was
 //!   fetched: the reply then carries one sealed memfd with the fetched results packed the same
-//!   way, and `offset` says where each starts;
+//!   way, and `offset` says where each starts, and `launch_id` the launch's id. With
+//!   `"launch": true` the call launches without waiting (as `Call`'s `launch`: no `fetch`, every
+//!   result a pending handle);
+//! - `{"op": "wait", "token": SESSION_TOKEN, "tensors": [..], "all": false}` → `{"ok": {}}`,
+//!   as `Wait`;
 //!
 //! where `TENSOR_INFO` is `{"handle", "dtype", "dims", "device", "byte_size", "read_only"}`,
 //! and a failure is `{"error": {"kind": KIND, "message": ...}}` with the kinds of the gRPC API.
@@ -135,6 +139,15 @@ enum LocalRequest {
         keep: Vec<u32>,
         #[serde(default)]
         free: Vec<u64>,
+        #[serde(default)]
+        launch: bool,
+    },
+    Wait {
+        token: String,
+        #[serde(default)]
+        tensors: Vec<u64>,
+        #[serde(default)]
+        all: bool,
     },
 }
 
@@ -545,6 +558,7 @@ async fn handle(
             fetch,
             keep,
             free,
+            launch,
         } => {
             let (s, _active) = registry.get(&token)?;
             let mut args = Vec::with_capacity(arguments.len());
@@ -587,6 +601,7 @@ async fn handle(
                 fetch,
                 keep,
                 free,
+                launch,
             })?;
             let sizes = plan.inline_sizes().to_vec();
             let map = if sizes.is_empty() {
@@ -638,7 +653,12 @@ async fn handle(
                     v
                 })
                 .collect();
-            let reply = json!({"results": results, "freed": out.freed, "unknown": out.unknown});
+            let reply = json!({
+                "results": results,
+                "freed": out.freed,
+                "unknown": out.unknown,
+                "launch_id": out.launch_id,
+            });
             if fetched.is_empty() {
                 return Ok((reply, None));
             }
@@ -666,6 +686,16 @@ async fn handle(
                 )
             })?;
             Ok((reply, Some(fd)))
+        }
+        LocalRequest::Wait {
+            token,
+            tensors,
+            all,
+        } => {
+            no_fds(&fds)?;
+            let (s, _active) = registry.get(&token)?;
+            s.wait(&tensors, all).await?;
+            Ok((json!({}), None))
         }
         LocalRequest::Free {
             token,

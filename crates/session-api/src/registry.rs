@@ -196,6 +196,12 @@ impl LiveSession {
     pub fn plan_call(&self, call: CallSpec) -> AccessResult<CallPlan> {
         let exe = self.executable(call.executable)?;
         let outputs = exe.executable().outputs().len();
+        if call.launch && !call.fetch.is_empty() {
+            return Err(DeviceError::invalid(
+                "a launch fetches nothing (its results are pending handles): read them later, or call without `launch`",
+            )
+            .into());
+        }
         let fetched = positions(outputs, &call.fetch, "fetch")?;
         let kept_fetched = positions(outputs, &call.keep, "keep")?;
         let kept: Vec<bool> = fetched
@@ -252,9 +258,29 @@ impl LiveSession {
             fetched,
             kept,
             free: call.free,
+            launch: call.launch,
             _upload: charges,
             fetch_charge: Arc::new(fetch_charge),
         })
+    }
+
+    /// Waits for the launches that make the tensors of `tensors` ([`Session::wait`]), or, with
+    /// `all`, for every launch of the session so far ([`Session::wait_all`]).
+    ///
+    /// Errors: `not-found` for a handle this session does not have; as [`Session::wait`] and
+    /// [`Session::wait_all`] (a failed launch's error, naming it).
+    pub async fn wait(&self, tensors: &[u64], all: bool) -> AccessResult<()> {
+        let ts = tensors
+            .iter()
+            .map(|&h| self.tensor(h))
+            .collect::<Result<Vec<_>, _>>()?;
+        for t in &ts {
+            self.session.wait(t).await?;
+        }
+        if all {
+            self.session.wait_all().await?;
+        }
+        Ok(())
     }
 
     /// Adds an executable; as [`insert_tensor`](Self::insert_tensor).
@@ -423,8 +449,11 @@ pub struct CallSpec {
     pub fetch: Vec<u32>,
     /// Positions of fetched results also kept as handles (results not fetched always are).
     pub keep: Vec<u32>,
-    /// Tensor handles freed after the execution succeeded.
+    /// Tensor handles freed after the execution succeeded (after the launch, with `launch`).
     pub free: Vec<u64>,
+    /// Launch without waiting ([`Session::launch`]): every result a pending handle, nothing
+    /// fetched.
+    pub launch: bool,
 }
 
 #[derive(Debug)]
@@ -449,6 +478,7 @@ pub struct CallPlan {
     fetched: Vec<bool>,
     kept: Vec<bool>,
     free: Vec<u64>,
+    launch: bool,
     _upload: Vec<Charge>,
     fetch_charge: Arc<Charge>,
 }
@@ -487,6 +517,8 @@ pub struct CallOutcome {
     pub freed: u32,
     /// The handles of `free` this session does not have.
     pub unknown: Vec<u64>,
+    /// The launch's id (0 unless the call was a launch).
+    pub launch_id: u64,
 }
 
 impl CallPlan {
@@ -498,7 +530,8 @@ impl CallPlan {
 
     /// Runs the call on `session` (the one that planned it): makes the inline tensors from
     /// `inline` (one slice per inline argument, in order), executes
-    /// ([`Session::execute`]), reads the fetched results, adds the kept ones to the handle
+    /// ([`Session::execute`]; [`Session::launch`] for a launch, which returns pending
+    /// handles at once), reads the fetched results, adds the kept ones to the handle
     /// table and then frees `free`. On any error nothing is added or freed: the inline tensors
     /// and the results are dropped with their charges.
     ///
@@ -537,7 +570,12 @@ impl CallPlan {
             });
         }
         let refs: Vec<&TensorHandle> = held.iter().map(|a| a.as_ref()).collect();
-        let outputs = s.execute(&self.exe, &refs, &self.donate).await?;
+        let (outputs, launch_id) = if self.launch {
+            let l = s.launch(&self.exe, &refs, &self.donate).await?;
+            (l.outputs, l.id)
+        } else {
+            (s.execute(&self.exe, &refs, &self.donate).await?, 0)
+        };
         drop(refs);
         drop(held);
         let mut results = Vec::with_capacity(outputs.len());
@@ -574,6 +612,7 @@ impl CallPlan {
             results: out,
             freed,
             unknown,
+            launch_id,
         })
     }
 }

@@ -157,7 +157,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("session_id", "tenant", "limits", "platform", "usage", "weight_sets", "components", "local_socket")
+    __slots__ = ("session_id", "tenant", "limits", "platform", "usage", "weight_sets", "components", "local_socket", "launch_blocking")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -166,6 +166,7 @@ class InfoResponse(_message.Message):
     WEIGHT_SETS_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_BLOCKING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     limits: Limits
@@ -174,7 +175,8 @@ class InfoResponse(_message.Message):
     weight_sets: _containers.RepeatedScalarFieldContainer[str]
     components: _containers.RepeatedScalarFieldContainer[str]
     local_socket: str
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., platform: _Optional[_Union[Platform, _Mapping]] = ..., usage: _Optional[_Union[UsageResponse, _Mapping]] = ..., weight_sets: _Optional[_Iterable[str]] = ..., components: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ...) -> None: ...
+    launch_blocking: bool
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., platform: _Optional[_Union[Platform, _Mapping]] = ..., usage: _Optional[_Union[UsageResponse, _Mapping]] = ..., weight_sets: _Optional[_Iterable[str]] = ..., components: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ..., launch_blocking: bool = ...) -> None: ...
 
 class PutTensorChunk(_message.Message):
     __slots__ = ("spec", "device", "data")
@@ -301,20 +303,22 @@ class CallArgument(_message.Message):
     def __init__(self, handle: _Optional[int] = ..., tensor: _Optional[_Union[InlineTensor, _Mapping]] = ...) -> None: ...
 
 class CallRequest(_message.Message):
-    __slots__ = ("executable", "arguments", "donate", "fetch", "keep", "free")
+    __slots__ = ("executable", "arguments", "donate", "fetch", "keep", "free", "launch")
     EXECUTABLE_FIELD_NUMBER: _ClassVar[int]
     ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
     DONATE_FIELD_NUMBER: _ClassVar[int]
     FETCH_FIELD_NUMBER: _ClassVar[int]
     KEEP_FIELD_NUMBER: _ClassVar[int]
     FREE_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_FIELD_NUMBER: _ClassVar[int]
     executable: int
     arguments: _containers.RepeatedCompositeFieldContainer[CallArgument]
     donate: _containers.RepeatedScalarFieldContainer[int]
     fetch: _containers.RepeatedScalarFieldContainer[int]
     keep: _containers.RepeatedScalarFieldContainer[int]
     free: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, executable: _Optional[int] = ..., arguments: _Optional[_Iterable[_Union[CallArgument, _Mapping]]] = ..., donate: _Optional[_Iterable[int]] = ..., fetch: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., free: _Optional[_Iterable[int]] = ...) -> None: ...
+    launch: bool
+    def __init__(self, executable: _Optional[int] = ..., arguments: _Optional[_Iterable[_Union[CallArgument, _Mapping]]] = ..., donate: _Optional[_Iterable[int]] = ..., fetch: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., free: _Optional[_Iterable[int]] = ..., launch: bool = ...) -> None: ...
 
 class CallResult(_message.Message):
     __slots__ = ("info", "fetched", "data")
@@ -327,14 +331,40 @@ class CallResult(_message.Message):
     def __init__(self, info: _Optional[_Union[TensorInfo, _Mapping]] = ..., fetched: bool = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class CallResponse(_message.Message):
-    __slots__ = ("results", "freed", "unknown")
+    __slots__ = ("results", "freed", "unknown", "launch_id")
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     FREED_FIELD_NUMBER: _ClassVar[int]
     UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_ID_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[CallResult]
     freed: int
     unknown: _containers.RepeatedScalarFieldContainer[int]
-    def __init__(self, results: _Optional[_Iterable[_Union[CallResult, _Mapping]]] = ..., freed: _Optional[int] = ..., unknown: _Optional[_Iterable[int]] = ...) -> None: ...
+    launch_id: int
+    def __init__(self, results: _Optional[_Iterable[_Union[CallResult, _Mapping]]] = ..., freed: _Optional[int] = ..., unknown: _Optional[_Iterable[int]] = ..., launch_id: _Optional[int] = ...) -> None: ...
+
+class WaitRequest(_message.Message):
+    __slots__ = ("tensors", "all")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedScalarFieldContainer[int]
+    all: bool
+    def __init__(self, tensors: _Optional[_Iterable[int]] = ..., all: bool = ...) -> None: ...
+
+class WaitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetLaunchBlockingRequest(_message.Message):
+    __slots__ = ("on",)
+    ON_FIELD_NUMBER: _ClassVar[int]
+    on: bool
+    def __init__(self, on: bool = ...) -> None: ...
+
+class SetLaunchBlockingResponse(_message.Message):
+    __slots__ = ("blocking",)
+    BLOCKING_FIELD_NUMBER: _ClassVar[int]
+    blocking: bool
+    def __init__(self, blocking: bool = ...) -> None: ...
 
 class OpenWeightsRequest(_message.Message):
     __slots__ = ("name",)

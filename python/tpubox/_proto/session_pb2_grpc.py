@@ -84,6 +84,16 @@ class SessionStub(object):
                 request_serializer=tpubox_dot___proto_dot_session__pb2.CallRequest.SerializeToString,
                 response_deserializer=tpubox_dot___proto_dot_session__pb2.CallResponse.FromString,
                 _registered_method=True)
+        self.Wait = channel.unary_unary(
+                '/tpubox.v1.Session/Wait',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.WaitRequest.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.WaitResponse.FromString,
+                _registered_method=True)
+        self.SetLaunchBlocking = channel.unary_unary(
+                '/tpubox.v1.Session/SetLaunchBlocking',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingRequest.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingResponse.FromString,
+                _registered_method=True)
         self.OpenWeights = channel.unary_unary(
                 '/tpubox.v1.Session/OpenWeights',
                 request_serializer=tpubox_dot___proto_dot_session__pb2.OpenWeightsRequest.SerializeToString,
@@ -203,6 +213,25 @@ class SessionServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Wait(self, request, context):
+        """Waits for the launches (`CallRequest.launch`) that make the named tensors, or for every
+        launch of the session so far (`all`). Errors: NOT_FOUND for a handle this session does not
+        have, FAILED_PRECONDITION (donated), and a failed launch's error, named (`launch <id> of
+        program <fingerprint> failed: ...`; kind `execution-failed`, or the device error's kind).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetLaunchBlocking(self, request, context):
+        """Makes the session's launches synchronous (`on`), TorchTPU's `TORCH_TPU_LAUNCH_BLOCKING=1`
+        for debugging: a launch then returns only once the device finished, with its error. The
+        daemon's `--launch-blocking` turns it on for every session whatever this says.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenWeights(self, request, context):
         """Opens a weight set the daemon holds (`tpubox serve --weights NAME=FILE`): one read-only
         handle per tensor, charged to nobody but counted as live tensors.
@@ -286,6 +315,16 @@ def add_SessionServicer_to_server(servicer, server):
                     servicer.Call,
                     request_deserializer=tpubox_dot___proto_dot_session__pb2.CallRequest.FromString,
                     response_serializer=tpubox_dot___proto_dot_session__pb2.CallResponse.SerializeToString,
+            ),
+            'Wait': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wait,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.WaitRequest.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.WaitResponse.SerializeToString,
+            ),
+            'SetLaunchBlocking': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLaunchBlocking,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingRequest.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingResponse.SerializeToString,
             ),
             'OpenWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenWeights,
@@ -578,6 +617,60 @@ class Session(object):
             '/tpubox.v1.Session/Call',
             tpubox_dot___proto_dot_session__pb2.CallRequest.SerializeToString,
             tpubox_dot___proto_dot_session__pb2.CallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpubox.v1.Session/Wait',
+            tpubox_dot___proto_dot_session__pb2.WaitRequest.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.WaitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLaunchBlocking(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpubox.v1.Session/SetLaunchBlocking',
+            tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingRequest.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingResponse.FromString,
             options,
             channel_credentials,
             insecure,
