@@ -359,9 +359,8 @@ class Session:
                 if isinstance(a, Tensor):
                     arguments.append({"handle": a.handle})
                 else:
-                    arguments.append(
-                        {"dtype": _dtypes.dtype_name(_dtypes.to_wire(a.dtype)), "dims": list(a.shape)}
-                    )
+                    name = _dtypes.dtype_name(_dtypes.to_wire(a.dtype))
+                    arguments.append({"dtype": name, "dims": list(a.shape)})
                     inline.append(_raw(a))
             fields = {
                 "executable": executable,
@@ -377,13 +376,9 @@ class Session:
             self._flush_frees()
             with self._local_call() as local:
                 reply, data = local.call(fields, inline, self._deadline(timeout))
-            infos = [
-                (Tensor._from_json(self, r), r) for r in reply["results"]
+            return [
+                _result(Tensor._from_json(self, r), raw) for r, raw in zip(reply["results"], data)
             ]
-            out: list[Tensor | np.ndarray] = []
-            for (t, _), raw in zip(infos, data):
-                out.append(_result(t, raw))
-            return out
         req = pb.CallRequest(
             executable=executable,
             donate=[int(i) for i in donate],
@@ -399,10 +394,10 @@ class Session:
                 spec = pb.TensorSpec(dtype=_dtypes.to_wire(a.dtype), dims=a.shape)
                 req.arguments.add(tensor=pb.InlineTensor(spec=spec, data=_raw(a).tobytes()))
         resp = self._unary("Call", req, timeout)
-        out = []
+        out: list[Tensor | np.ndarray] = []
         for r in resp.results:
-            t = Tensor._from_pb(self, r.info)
-            out.append(_result(t, np.frombuffer(r.data, np.uint8) if r.fetched else None))
+            raw = np.frombuffer(r.data, np.uint8) if r.fetched else None
+            out.append(_result(Tensor._from_pb(self, r.info), raw))
         return out
 
     def _wait(self, tensors: list[int], all: bool, timeout: Any) -> None:
@@ -539,7 +534,7 @@ class Session:
         header = pb.PutTensorChunk(spec=pb.TensorSpec(dtype=_dtypes.to_wire(a.dtype), dims=a.shape))
         if device is not None:
             header.device = device
-        raw = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")  # type: ignore[arg-type]
+        raw = _raw(a)
         if self._local is not None:
             self._check_open()
             self._flush_frees()
