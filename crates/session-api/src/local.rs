@@ -741,3 +741,19 @@ async fn handle(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_tensors_start_at_multiples_of_the_alignment() {
+        let (at, end) = packed(&[48, 32, 0, 8, 64]).ok().unwrap();
+        assert_eq!(at, vec![0, 64, 128, 128, 192]);
+        assert_eq!(end, 256);
+        assert_eq!(packed(&[]).ok().unwrap(), (vec![], 0));
+        // A total past the address space is refused, not wrapped.
+        let e = packed(&[usize::MAX - 10, 20]).err().unwrap();
+        assert_eq!(e.0, "invalid-argument");
+    }
+}

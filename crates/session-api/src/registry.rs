@@ -926,3 +926,27 @@ pub fn spawn_reaper(registry: &Arc<Registry>) -> tokio::task::JoinHandle<()> {
         }
     })
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(r: AccessResult<Vec<bool>>) -> String {
+        match r {
+            Err(AccessError::Device(e)) => e.kind.as_str().to_string(),
+            other => format!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn call_positions_are_checked() {
+        assert_eq!(
+            positions(3, &[2, 0], "fetch").ok().unwrap(),
+            vec![true, false, true]
+        );
+        assert_eq!(positions(0, &[], "keep").ok().unwrap(), Vec::<bool>::new());
+        assert_eq!(kind(positions(3, &[3], "fetch")), "invalid-argument");
+        assert_eq!(kind(positions(3, &[1, 1], "keep")), "invalid-argument");
+        assert_eq!(kind(positions(2, &[u32::MAX], "fetch")), "invalid-argument");
+    }
+}
