@@ -15,6 +15,9 @@ TCP, the CPU plugin, no tokens) and measures, in one run:
 - a tiny forward pass from Python (the same add: 2 inputs from NumPy, 1 output back to NumPy)
   on each transport, before and after the one-round-trip ``Call``: put, put, execute, get and
   three frees (``Tensor.free`` each: 7 round trips), against ``exe.call(a, b)`` (1);
+- a launch of a long-running program (eight chained 1024×1024 f32 matmuls, inputs on the
+  device): how long ``exe.launch`` takes to return, how long ``wait`` then takes, against a
+  synchronous execute of the same program (median of 5; local socket and gRPC over Unix);
 - put and get of a 64 MiB f32 tensor (GiB/s, best of 5) through the local socket (sealed
   memfds) and through gRPC over the Unix socket, against numpy.copyto of 64 MiB on the same
   machine (the memcpy bound).
@@ -119,6 +122,51 @@ def tiny_forward(s: tpubox.Session, calls: int, warmup: int) -> dict[str, dict[s
     return res
 
 
+def long_program(n: int = 8, size: int = 1024) -> str:
+    """StableHLO of N chained SIZE×SIZE f32 matmuls (y = x·w, N times)."""
+    t = f"tensor<{size}x{size}xf32>"
+    lines = [f"func.func @main(%x: {t}, %w: {t}) -> {t} {{"]
+    prev = "%x"
+    for i in range(n):
+        lines.append(
+            f"  %y{i} = stablehlo.dot_general {prev}, %w, contracting_dims = [1] x [0]"
+            f" : ({t}, {t}) -> {t}"
+        )
+        prev = f"%y{i}"
+    lines.append(f"  func.return {prev} : {t}")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def launch_long(s: tpubox.Session, repeats: int = 5) -> dict[str, float]:
+    """ms for `launch` to return and for `wait` after it, and for a synchronous execute."""
+    exe = s.compile(long_program())
+    x = s.tensor(np.full((1024, 1024), 1 / 1024, np.float32))
+    w = s.tensor(np.eye(1024, dtype=np.float32))
+    (r,) = exe(x, w)
+    r.free()
+    launch, wait, sync = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        (p,) = exe.launch(x, w)
+        t1 = time.perf_counter()
+        p.wait()
+        t2 = time.perf_counter()
+        launch.append((t1 - t0) * 1e3)
+        wait.append((t2 - t1) * 1e3)
+        p.free()
+        t0 = time.perf_counter()
+        (q,) = exe(x, w)
+        sync.append((time.perf_counter() - t0) * 1e3)
+        q.free()
+    s.free(x, w, exe)
+    return {
+        "launch_ms": statistics.median(launch),
+        "wait_ms": statistics.median(wait),
+        "execute_ms": statistics.median(sync),
+    }
+
+
 def control_call(s: tpubox.Session, calls: int, warmup: int) -> dict[str, float]:
     return per_call(s.usage, calls, warmup)
 
@@ -189,11 +237,13 @@ def main() -> int:
         with tpubox.connect(d.unix, local=True) as s:
             res["execute_local"] = tiny_execute(s, args.calls, args.warmup)
             res["forward_local"] = tiny_forward(s, args.calls, args.warmup)
+            res["launch_local"] = launch_long(s)
             res["execute_guest"] = guest_execute(s, 10 * args.calls)
             res["transfer_local"] = transfers(s)
         with tpubox.connect(d.unix, local=False) as s:
             res["execute_unix"] = tiny_execute(s, args.calls, args.warmup)
             res["forward_unix"] = tiny_forward(s, args.calls, args.warmup)
+            res["launch_unix"] = launch_long(s)
             res["control_unix"] = control_call(s, args.calls, args.warmup)
             res["transfer_unix"] = transfers(s)
         with tpubox.connect(d.tcp, local=False) as s:
@@ -229,6 +279,16 @@ def main() -> int:
              ratio(a["median_us"], b["median_us"], "before")),
         ]  # fmt: skip
 
+    def launched(name: str, key: str) -> list[tuple[str, ...]]:
+        r = res[key]
+        return [
+            (f"8 × 1024² matmul, {name}: launch returns", f"{r['launch_ms']:.2f} ms", "median of 5",
+             ratio(r["launch_ms"], r["execute_ms"], "execute")),
+            (f"8 × 1024² matmul, {name}: then wait", f"{r['wait_ms']:.1f} ms", "median of 5", ""),
+            (f"8 × 1024² matmul, {name}: execute", f"{r['execute_ms']:.1f} ms", "median of 5",
+             "1.00"),
+        ]  # fmt: skip
+
     rows = [
         ("execute f32 add, guest in the daemon", *us(eg), vs_local(eg)),
         ("execute 2xf32 add, local socket", *us(el), "1.00"),
@@ -239,6 +299,8 @@ def main() -> int:
         *forward("local socket", "forward_local"),
         *forward("gRPC, Unix socket", "forward_unix"),
         *forward("gRPC, TCP", "forward_tcp"),
+        *launched("local socket", "launch_local"),
+        *launched("gRPC, Unix socket", "launch_unix"),
         ("put 64 MiB f32, local socket (memfd)", *rate(tl, "put_gib_s")),
         ("get 64 MiB f32, local socket (memfd)", *rate(tl, "get_gib_s")),
         ("put 64 MiB f32, gRPC, Unix socket", *rate(tu, "put_gib_s")),
