@@ -480,6 +480,11 @@ struct DeviceArgs {
     #[arg(long, value_name = "N", default_value_t = 1,
           value_parser = clap::value_parser!(u32).range(0..=64))]
     prestarted_compile_workers: u32,
+    /// Make every launch synchronous, for every guest and session: a launch returns only once
+    /// the device finished, so an execution's error surfaces at the launch that caused it (the
+    /// analogue of TorchTPU's TORCH_TPU_LAUNCH_BLOCKING=1, for debugging).
+    #[arg(long)]
+    launch_blocking: bool,
     #[command(flatten)]
     cache: CacheArgs,
 }
@@ -556,6 +561,7 @@ impl DeviceArgs {
             client_options,
             cache: self.cache.config(),
             compile_isolation,
+            launch_blocking: self.launch_blocking,
             ..HostConfig::default()
         }
     }
@@ -593,6 +599,10 @@ struct RunArgs {
     /// Most `compile` calls in any 60-second window.
     #[arg(long, value_name = "N", default_value_t = 600)]
     max_compiles_per_minute: u32,
+    /// Most launches the guest may have queued for the device or running at once; one more is
+    /// refused with `resource-exhausted` naming `max-pending-launches`.
+    #[arg(long, value_name = "N", default_value_t = tpubox_core::tenant::DEFAULT_MAX_PENDING_LAUNCHES)]
+    max_pending_launches: u64,
     /// Stop the guest after this much Wasm fuel (about one unit per instruction).
     #[arg(long, value_name = "UNITS")]
     fuel: Option<u64>,
@@ -637,6 +647,7 @@ async fn run(args: RunArgs) -> Result<bool> {
             trusted: args.trusted,
             ..Default::default()
         },
+        max_pending_launches: args.max_pending_launches,
     };
     config.sandbox = SandboxConfig {
         max_guest_memory: args.max_memory_mib << 20,

@@ -12,6 +12,12 @@ TCP, the CPU plugin, no tokens) and measures, in one run:
   a Unix-socket session on the daemon's machine uses), through gRPC over the Unix socket, and
   through gRPC over TCP: median and p90 in µs over CALLS calls after a warm-up; and, for scale,
   a gRPC call that does no device work (Usage);
+- a tiny forward pass from Python (the same add: 2 inputs from NumPy, 1 output back to NumPy)
+  on each transport, before and after the one-round-trip ``Call``: put, put, execute, get and
+  three frees (``Tensor.free`` each: 7 round trips), against ``exe.call(a, b)`` (1);
+- a launch of a long-running program (eight chained 1024×1024 f32 matmuls, inputs on the
+  device): how long ``exe.launch`` takes to return, how long ``wait`` then takes, against a
+  synchronous execute of the same program (median of 5; local socket and gRPC over Unix);
 - put and get of a 64 MiB f32 tensor (GiB/s, best of 5) through the local socket (sealed
   memfds) and through gRPC over the Unix socket, against numpy.copyto of 64 MiB on the same
   machine (the memcpy bound).
@@ -89,6 +95,78 @@ def tiny_execute(s: tpubox.Session, calls: int, warmup: int) -> dict[str, float]
     return {"median_us": statistics.median(times), "p90_us": percentile(times, 0.9)}
 
 
+def tiny_forward(s: tpubox.Session, calls: int, warmup: int) -> dict[str, dict[str, float]]:
+    """A forward pass from NumPy to NumPy (2 inputs, 1 output), the old way and in one Call;
+    both checked against NumPy first."""
+    exe = s.compile(ADD)
+    a = np.array([1, 2], np.float32)
+    b = np.array([3, 4], np.float32)
+
+    def before():
+        ta, tb = s.tensor(a), s.tensor(b)
+        (r,) = exe(ta, tb)
+        out = r.numpy()
+        ta.free()
+        tb.free()
+        r.free()
+        return out
+
+    def after():
+        (out,) = exe.call(a, b)
+        return out
+
+    assert np.array_equal(before(), a + b) and np.array_equal(after(), a + b)
+    res = {"before": per_call(before, calls, warmup), "after": per_call(after, calls, warmup)}
+    assert s.usage().live_tensors == 0
+    exe.free()
+    return res
+
+
+def long_program(n: int = 8, size: int = 1024) -> str:
+    """StableHLO of N chained SIZE×SIZE f32 matmuls (y = x·w, N times)."""
+    t = f"tensor<{size}x{size}xf32>"
+    lines = [f"func.func @main(%x: {t}, %w: {t}) -> {t} {{"]
+    prev = "%x"
+    for i in range(n):
+        lines.append(
+            f"  %y{i} = stablehlo.dot_general {prev}, %w, contracting_dims = [1] x [0]"
+            f" : ({t}, {t}) -> {t}"
+        )
+        prev = f"%y{i}"
+    lines.append(f"  func.return {prev} : {t}")
+    lines.append("}")
+    return "\n".join(lines)
+
+
+def launch_long(s: tpubox.Session, repeats: int = 5) -> dict[str, float]:
+    """ms for `launch` to return and for `wait` after it, and for a synchronous execute."""
+    exe = s.compile(long_program())
+    x = s.tensor(np.full((1024, 1024), 1 / 1024, np.float32))
+    w = s.tensor(np.eye(1024, dtype=np.float32))
+    (r,) = exe(x, w)
+    r.free()
+    launch, wait, sync = [], [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        (p,) = exe.launch(x, w)
+        t1 = time.perf_counter()
+        p.wait()
+        t2 = time.perf_counter()
+        launch.append((t1 - t0) * 1e3)
+        wait.append((t2 - t1) * 1e3)
+        p.free()
+        t0 = time.perf_counter()
+        (q,) = exe(x, w)
+        sync.append((time.perf_counter() - t0) * 1e3)
+        q.free()
+    s.free(x, w, exe)
+    return {
+        "launch_ms": statistics.median(launch),
+        "wait_ms": statistics.median(wait),
+        "execute_ms": statistics.median(sync),
+    }
+
+
 def control_call(s: tpubox.Session, calls: int, warmup: int) -> dict[str, float]:
     return per_call(s.usage, calls, warmup)
 
@@ -158,14 +236,19 @@ def main() -> int:
         res: dict[str, dict[str, float]] = {}
         with tpubox.connect(d.unix, local=True) as s:
             res["execute_local"] = tiny_execute(s, args.calls, args.warmup)
+            res["forward_local"] = tiny_forward(s, args.calls, args.warmup)
+            res["launch_local"] = launch_long(s)
             res["execute_guest"] = guest_execute(s, 10 * args.calls)
             res["transfer_local"] = transfers(s)
         with tpubox.connect(d.unix, local=False) as s:
             res["execute_unix"] = tiny_execute(s, args.calls, args.warmup)
+            res["forward_unix"] = tiny_forward(s, args.calls, args.warmup)
+            res["launch_unix"] = launch_long(s)
             res["control_unix"] = control_call(s, args.calls, args.warmup)
             res["transfer_unix"] = transfers(s)
         with tpubox.connect(d.tcp, local=False) as s:
             res["execute_tcp"] = tiny_execute(s, args.calls, args.warmup)
+            res["forward_tcp"] = tiny_forward(s, args.calls, args.warmup)
             res["control_tcp"] = control_call(s, args.calls, args.warmup)
 
     el, eu, et = res["execute_local"], res["execute_unix"], res["execute_tcp"]
@@ -186,6 +269,26 @@ def main() -> int:
         return f"{r[key]:.2f} GiB/s", "best of 5", ratio(r[key], mem, "memcpy")
 
     eg = res["execute_guest"]
+
+    def forward(name: str, key: str) -> list[tuple[str, ...]]:
+        f = res[key]
+        b, a = f["before"], f["after"]
+        return [
+            (f"forward 2 in 1 out, {name}: put×2 exec get free×3", *us(b), "1.00"),
+            (f"forward 2 in 1 out, {name}: one Call", *us(a),
+             ratio(a["median_us"], b["median_us"], "before")),
+        ]  # fmt: skip
+
+    def launched(name: str, key: str) -> list[tuple[str, ...]]:
+        r = res[key]
+        return [
+            (f"8 × 1024² matmul, {name}: launch returns", f"{r['launch_ms']:.2f} ms", "median of 5",
+             ratio(r["launch_ms"], r["execute_ms"], "execute")),
+            (f"8 × 1024² matmul, {name}: then wait", f"{r['wait_ms']:.1f} ms", "median of 5", ""),
+            (f"8 × 1024² matmul, {name}: execute", f"{r['execute_ms']:.1f} ms", "median of 5",
+             "1.00"),
+        ]  # fmt: skip
+
     rows = [
         ("execute f32 add, guest in the daemon", *us(eg), vs_local(eg)),
         ("execute 2xf32 add, local socket", *us(el), "1.00"),
@@ -193,6 +296,11 @@ def main() -> int:
         ("execute 2xf32 add, gRPC, TCP", *us(et), vs_local(et)),
         ("Usage (no device work), gRPC, Unix", *us(cu), vs_local(cu)),
         ("Usage (no device work), gRPC, TCP", *us(ct), vs_local(ct)),
+        *forward("local socket", "forward_local"),
+        *forward("gRPC, Unix socket", "forward_unix"),
+        *forward("gRPC, TCP", "forward_tcp"),
+        *launched("local socket", "launch_local"),
+        *launched("gRPC, Unix socket", "launch_unix"),
         ("put 64 MiB f32, local socket (memfd)", *rate(tl, "put_gib_s")),
         ("get 64 MiB f32, local socket (memfd)", *rate(tl, "get_gib_s")),
         ("put 64 MiB f32, gRPC, Unix socket", *rate(tu, "put_gib_s")),

@@ -35,6 +35,7 @@ from .errors import (
 )
 from .session import (
     ENV_ADDRESS,
+    ENV_LAUNCH_BLOCKING,
     ENV_SESSION_ID,
     ENV_SESSION_TOKEN,
     Device,
@@ -75,6 +76,7 @@ __all__ = [
     "ENV_ADDRESS",
     "ENV_SESSION_TOKEN",
     "ENV_SESSION_ID",
+    "ENV_LAUNCH_BLOCKING",
     "TpuboxError",
     "InvalidArgument",
     "NotFound",

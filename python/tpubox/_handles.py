@@ -86,6 +86,7 @@ class Tensor(_Handle):
         "read_only",
         "_freed",
         "_donated",
+        "_host",
         "__weakref__",
     )
 
@@ -108,6 +109,9 @@ class Tensor(_Handle):
         self.read_only: bool = read_only
         self._freed = False
         self._donated = False
+        # Its bytes when a call fetched them as it kept the tensor (Executable.call's `keep`):
+        # numpy() then answers without a round trip.
+        self._host: np.ndarray | None = None
 
     @classmethod
     def _from_pb(cls, session: Session, info: pb.TensorInfo) -> Tensor:
@@ -167,11 +171,28 @@ class Tensor(_Handle):
     def numpy(self, *, timeout: float | None = None) -> np.ndarray:
         """Copies the tensor to a new, writable NumPy array of its shape and dtype.
 
+        A tensor that :meth:`Executable.call` both fetched and kept answers from the bytes
+        that call brought back (a device tensor never changes), without a round trip.
+
         Raises:
             tpubox.NotFound: it was freed; tpubox.FailedPrecondition: it was donated;
             tpubox.Unavailable: the daemon is gone.
         """
+        host = self._host
+        if host is not None and not self._freed and not self._donated and not self._session.closed:
+            return host.copy()
         return self._session.get(self, timeout=timeout)
+
+    def wait(self, *, timeout: float | None = None) -> None:
+        """Waits until the launch that makes this tensor (:meth:`Executable.launch`) finished;
+        at once for a tensor that has its value.
+
+        Raises:
+            tpubox.ExecutionFailed (or the kind the device's error maps to): its launch failed,
+            named (``launch <id> of program <fingerprint> failed: ...``); tpubox.NotFound: it
+            was freed; tpubox.FailedPrecondition: it was donated.
+        """
+        self._session._wait([self.handle], False, timeout)
 
     def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
         a = self.numpy()
@@ -252,6 +273,10 @@ class Executable(_Handle):
     ) -> list[Tensor]:
         """Executes the program on ARGS; returns one new Tensor per result.
 
+        Arrays among ARGS are sent with the execution, in the same round trip (a ``Call``:
+        inline bytes over gRPC, one memfd on the local socket), and never become handles; with
+        only Tensors it is one ``Execute``.
+
         Args:
             args: one per parameter, in order: Tensors of this session, or arrays.
             donate: positions in ARGS whose tensors are donated: on success their device memory
@@ -265,30 +290,171 @@ class Executable(_Handle):
             tpubox.ResourceExhausted: the results would exceed ``max-device-bytes`` or
             ``max-live-tensors``; tpubox.ExecutionFailed.
         """
+        args = tuple(args)
+        donate = tuple(int(i) for i in donate)
+        if all(isinstance(a, Tensor) for a in args):
+            outs = self._session._execute(
+                self.handle, [a.handle for a in args], donate, timeout  # type: ignore[union-attr]
+            )
+            _mark_donated(args, donate)
+            return outs
+        return self.call(*args, donate=donate, fetch=False, timeout=timeout)  # type: ignore[return-value]
+
+    def call(
+        self,
+        *args: Tensor | ArrayLike,
+        donate: Iterable[int] = (),
+        fetch: bool | Iterable[int] = True,
+        keep: Iterable[int] = (),
+        free: Iterable[Tensor | int] = (),
+        timeout: float | None = None,
+    ) -> list[Any]:
+        """Executes the program in one round trip (the session API's ``Call``): arrays among
+        ARGS are sent with it (inline bytes over gRPC, one memfd on the local socket), the
+        results named by FETCH come back as NumPy arrays, and the tensors of FREE are freed
+        after it, all in one request. ``exe.call(x, w)`` with NumPy arrays returns NumPy arrays.
+
+        On failure the session is as it was: nothing is kept and nothing in FREE is freed.
+
+        Args:
+            args: one per parameter, in order: Tensors of this session, or arrays (Python
+                scalars and lists take the parameter's dtype).
+            donate: positions in ARGS whose tensors are donated (as in :meth:`__call__`; an
+                array's tensor may be donated too).
+            fetch: which results come back: True (all, the default), False (none) or their
+                positions.
+            keep: positions of fetched results that also stay on the device.
+            free: Tensors (or handle numbers) to free after the execution; they may be
+                arguments of this call.
+            timeout: deadline of the call in seconds (default none).
+
+        Returns:
+            One entry per result: a NumPy array (dense, writable) for a fetched result, a
+            :class:`Tensor` for one not fetched, and for one fetched and kept a Tensor whose
+            :meth:`Tensor.numpy` answers from the fetched bytes without another round trip.
+
+        Raises:
+            As :meth:`__call__`, and: tpubox.InvalidArgument for a FETCH or KEEP position out
+            of range or listed twice; tpubox.ResourceExhausted (``max-device-bytes``) when the
+            fetched results' host copies do not fit the session's transfers in flight.
+            TypeError: an array of a dtype tpubox tensors cannot hold.
+        """
+        n_results = len(self.results)
+        if fetch is True:
+            fetch_pos = list(range(n_results))
+        elif fetch is False:
+            fetch_pos = []
+        else:
+            fetch_pos = [int(i) for i in fetch]  # type: ignore[union-attr]
+        return self._run(args, donate, fetch_pos, [int(i) for i in keep], free, timeout, False)
+
+    def launch(
+        self,
+        *args: Tensor | ArrayLike,
+        donate: Iterable[int] = (),
+        free: Iterable[Tensor | int] = (),
+        timeout: float | None = None,
+    ) -> list[Tensor]:
+        """Launches the program without waiting for the device (a ``Call`` with ``launch``):
+        returns as soon as the daemon checked and charged it, one *pending* :class:`Tensor` per
+        result, while the device works. Pass them to later calls and launches (the daemon
+        orders them), read them (:meth:`Tensor.numpy` waits for the value), or wait with
+        :meth:`Tensor.wait` / :meth:`Session.wait_all`. Arrays among ARGS travel with the
+        launch, as in :meth:`call`.
+
+        Donation is final at launch. The device's error (say ``execution-failed``) is raised at
+        the first wait or read of an output, naming the launch (``launch <id> of program
+        <fingerprint> failed: ...``), or by :meth:`Session.wait_all`; with launch blocking on
+        (:meth:`Session.set_launch_blocking`, ``TPUBOX_LAUNCH_BLOCKING=1``) by this call.
+
+        Raises:
+            As :meth:`__call__` for what is checked at launch, and
+            tpubox.ResourceExhausted naming ``max-pending-launches`` when the session has as
+            many launches queued or running as its tenant may.
+        """
+        return self._run(tuple(args), donate, [], [], free, timeout, True)  # type: ignore[return-value]
+
+    def _run(
+        self,
+        args: tuple[Any, ...],
+        donate: Iterable[int],
+        fetch_pos: list[int],
+        keep_pos: list[int],
+        free: Iterable[Tensor | int],
+        timeout: float | None,
+        launch: bool,
+    ) -> list[Any]:
         s = self._session
         donate = tuple(int(i) for i in donate)
-        handles: list[int] = []
+        n_results = len(self.results)
+        free_handles = []
+        free_objs = []
+        for f in free:
+            if isinstance(f, Tensor):
+                if not f._freed:
+                    free_objs.append(f)
+                    free_handles.append(f.handle)
+            else:
+                free_handles.append(int(f))
+        # Results too large for one reply are kept and read with GetTensor (streamed).
+        big: set[int] = set()
+        in_range = [i for i in fetch_pos if 0 <= i < n_results]
+        total = sum(
+            int(np.prod(self.results[i].shape, dtype=np.int64)) * self.results[i].dtype.itemsize
+            for i in in_range
+        )
+        if total > MAX_CALL_FETCH_BYTES:
+            big = set(in_range)
+        send_fetch = [i for i in fetch_pos if i not in big]
+        send_keep = [i for i in keep_pos if i not in big]
+        # Arrays go inline; over gRPC, arrays that would make the request larger than one
+        # PutTensor message are put first and freed by the call.
         temps: list[Tensor] = []
+        call_args: list[Any] = []
+        inline_bytes = 0
         try:
             for i, a in enumerate(args):
                 if isinstance(a, Tensor):
-                    handles.append(a.handle)
+                    call_args.append(a)
                     continue
                 dtype = None
                 if not isinstance(a, np.ndarray) and not hasattr(a, "__array__"):
                     if i < len(self.parameters):
                         dtype = self.parameters[i].dtype
-                t = s.tensor(a, dtype=dtype)
-                temps.append(t)
-                handles.append(t.handle)
-            outs = s._execute(self.handle, handles, donate, timeout)
-            for i in donate:
-                if 0 <= i < len(args) and isinstance(args[i], Tensor):
-                    args[i]._donated = True
-            return outs
-        finally:
+                arr = _dtypes.as_device_array(a, dtype)
+                if s._local is None and inline_bytes + arr.nbytes > INLINE_GRPC_BYTES:
+                    t = s.tensor(arr, timeout=timeout)
+                    temps.append(t)
+                    call_args.append(t)
+                    continue
+                inline_bytes += arr.nbytes
+                call_args.append(arr)
+            outs = s._call(
+                self.handle,
+                call_args,
+                donate,
+                send_fetch,
+                send_keep,
+                free_handles + [t.handle for t in temps],
+                timeout,
+                launch,
+            )
+        except BaseException:
             if temps:
                 s.free(*temps)
+            raise
+        for t in temps:
+            t._freed = True
+        for f in free_objs:
+            f._freed = True
+        _mark_donated(args, donate)
+        for i in big:
+            t = outs[i]
+            assert isinstance(t, Tensor)
+            outs[i] = t.numpy(timeout=timeout) if i not in keep_pos else t
+            if i not in keep_pos:
+                t.free()
+        return outs
 
     def _free_now(self) -> None:
         self._session._free_handles([], [self.handle])
@@ -308,6 +474,22 @@ class Executable(_Handle):
             f"tpubox.Executable(handle={self.handle}, ({specs(self.parameters)}) -> "
             f"({specs(self.results)}){freed})"
         )
+
+
+#: Most bytes of results one ``Call`` fetches (``MAX_CALL_FETCH_BYTES`` of
+#: crates/session-api/src/registry.rs): larger results are kept and read with GetTensor.
+MAX_CALL_FETCH_BYTES = 256 << 20
+
+#: Most bytes of arrays a ``Call`` over gRPC carries inline: one PutTensor message's worth
+#: (``_transport.CHUNK_BYTES``), which every daemon's ``--max-request-mib`` admits; larger
+#: arrays are put first (streamed) and freed by the call.
+INLINE_GRPC_BYTES = 4 << 20
+
+
+def _mark_donated(args: Sequence[Any], donate: Sequence[int]) -> None:
+    for i in donate:
+        if 0 <= i < len(args) and isinstance(args[i], Tensor):
+            args[i]._donated = True
 
 
 def drain(dq: collections.deque[int]) -> list[int]:

@@ -29,6 +29,21 @@ _SEALS = (
     | getattr(fcntl, "F_SEAL_GROW", 0)
 )
 _MAX_REPLY = 1 << 16
+#: Tensors packed in one memfd (a call's inline arguments, its fetched results) each start at
+#: the next multiple of this many bytes (``PACK_ALIGN`` in crates/session-api/src/local.rs).
+PACK_ALIGN = 64
+
+
+def packed(sizes: list[int]) -> tuple[list[int], int]:
+    """Where tensors of SIZES bytes start when packed in one memfd (each at the next multiple of
+    ``PACK_ALIGN``, the first at 0), and the bytes they span in all."""
+    offsets = []
+    end = 0
+    for n in sizes:
+        at = -(-end // PACK_ALIGN) * PACK_ALIGN
+        offsets.append(at)
+        end = at + n
+    return offsets, end
 
 
 def available() -> bool:
@@ -192,3 +207,52 @@ class LocalChannel:
         finally:
             os.close(fd)
         return dict(info), np.frombuffer(m, np.uint8)
+
+    def call(
+        self, fields: dict[str, Any], inline: list[memoryview], timeout: float | None
+    ) -> tuple[dict[str, Any], list[np.ndarray | None]]:
+        """A one-round-trip call (``op: call``): FIELDS are the request's (``executable``,
+        ``arguments``, ``donate``, ``fetch``, ``keep``, ``free``; an inline argument is
+        ``{"dtype", "dims"}``), INLINE the inline arguments' dense little-endian bytes in
+        argument order (packed in one sealed memfd). Returns the reply and, per result, its
+        bytes as a writable uint8 array when it was fetched (views of one private,
+        copy-on-write map of the memfd the daemon sent), else None."""
+        fd = None
+        if inline:
+            offsets, total = packed([len(b) for b in inline])
+            fd = os.memfd_create("tpubox-call", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+        try:
+            if fd is not None:
+                os.ftruncate(fd, total)
+                for b, at in zip(inline, offsets):
+                    done = 0
+                    while done < len(b):
+                        done += os.pwrite(fd, b[done:], at + done)
+                fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+            reply, got = self.request("call", fields, fd, timeout)
+        finally:
+            if fd is not None:
+                os.close(fd)
+        results = reply["results"]
+        out: list[np.ndarray | None] = [None] * len(results)
+        if got is None:
+            if any("offset" in r for r in results):
+                raise error("internal", "the daemon's reply to a local call carried no memfd")
+            return reply, out
+        try:
+            ends = [int(r["offset"]) + int(r["byte_size"]) for r in results if "offset" in r]
+            total = max(ends, default=0)
+            if total == 0:
+                buf = np.empty(0, np.uint8)
+            else:
+                m = mmap.mmap(
+                    got, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
+                )
+                buf = np.frombuffer(m, np.uint8)
+        finally:
+            os.close(got)
+        for i, r in enumerate(results):
+            if "offset" in r:
+                at = int(r["offset"])
+                out[i] = buf[at : at + int(r["byte_size"])]
+        return reply, out

@@ -54,6 +54,8 @@ class Limits:
         max_guest_memory_bytes: linear memory of one guest run.
         idle_timeout_seconds: the session ends after this long without a call while nothing
             is attached.
+        max_pending_launches: launches queued for the device or running at once
+            (``max-pending-launches``).
     """
 
     max_device_bytes: int = 0
@@ -64,6 +66,7 @@ class Limits:
     max_call_seconds: float = 0.0
     max_guest_memory_bytes: int = 0
     idle_timeout_seconds: float = 0.0
+    max_pending_launches: int = 0
 
     @staticmethod
     def coerce(value: Limits | Mapping[str, Any] | None) -> Limits:
@@ -176,8 +179,10 @@ class Platform:
 @dataclass(frozen=True)
 class SessionInfo:
     """What :meth:`Session.info` returns: the session's id, tenant, limits in force, platform,
-    usage, the weight sets it may open (:meth:`Session.weights`) and the components the daemon
-    offers by name (:meth:`Session.run`)."""
+    usage, the weight sets it may open (:meth:`Session.weights`), the components the daemon
+    offers by name (:meth:`Session.run`), and whether its launches are synchronous
+    (:meth:`Session.set_launch_blocking`, ``TPUBOX_LAUNCH_BLOCKING=1``, or the daemon's
+    ``--launch-blocking``)."""
 
     session_id: str
     tenant: str
@@ -186,6 +191,7 @@ class SessionInfo:
     usage: Usage
     weight_sets: tuple[str, ...]
     components: tuple[str, ...]
+    launch_blocking: bool = False
 
 
 @dataclass(frozen=True)

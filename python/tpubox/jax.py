@@ -6,7 +6,8 @@ exports ``f`` with ``jax.export`` for the daemon's platform (``Session.platform.
 cuda, tpu), sends the serialized StableHLO (portable VHLO bytecode) to the daemon to compile,
 and keeps the :class:`tpubox.Executable`. Each call then executes it: leaves that are
 :class:`tpubox.Tensor` s are used where they are (on the device), other leaves (NumPy arrays,
-JAX arrays, Python scalars) are put on the device for the call and freed after. Results come
+JAX arrays, Python scalars) are sent with the execution, in the same round trip (the session
+API's ``Call``), and never become handles. Results come
 back as ``tpubox.Tensor`` s in the function's output pytree, still on the device: feed them to
 the next call, or bring them over with :func:`device_get` (or ``Tensor.numpy()``).
 

@@ -74,6 +74,7 @@ __all__ = [
     "ENV_ADDRESS",
     "ENV_SESSION_TOKEN",
     "ENV_SESSION_ID",
+    "ENV_LAUNCH_BLOCKING",
     "wait_for_daemon",
 ]
 
@@ -81,6 +82,16 @@ __all__ = [
 ENV_ADDRESS = "TPUBOX_ADDRESS"
 ENV_SESSION_TOKEN = "TPUBOX_SESSION_TOKEN"
 ENV_SESSION_ID = "TPUBOX_SESSION_ID"
+#: ``TPUBOX_LAUNCH_BLOCKING=1``: every session :func:`connect` returns has synchronous launches
+#: (:meth:`Session.set_launch_blocking`), TorchTPU's ``TORCH_TPU_LAUNCH_BLOCKING`` analogue.
+ENV_LAUNCH_BLOCKING = "TPUBOX_LAUNCH_BLOCKING"
+
+
+def _launch_blocking_from_env(s: Session) -> Session:
+    v = os.environ.get(ENV_LAUNCH_BLOCKING, "").strip().lower()
+    if v not in ("", "0", "false", "no", "off"):
+        s.set_launch_blocking(True)
+    return s
 
 #: Deadline of control calls (Open, Info, Free, Usage, Close, ...), in seconds.
 DEFAULT_TIMEOUT = 30.0
@@ -323,6 +334,100 @@ class Session:
         )
         return [Tensor._from_pb(self, r) for r in resp.results]
 
+    def _call(
+        self,
+        executable: int,
+        args: Sequence[Tensor | np.ndarray],
+        donate: Sequence[int],
+        fetch: Sequence[int],
+        keep: Sequence[int],
+        free: Sequence[int],
+        timeout: float | None,
+        launch: bool = False,
+    ) -> list[Tensor | np.ndarray]:
+        """One ``Call`` (one round trip): ARGS are Tensors of this session or arrays already
+        normalised (``_dtypes.as_device_array``), sent inline; returns one entry per result: a
+        NumPy array when it was fetched and not kept, else a Tensor (holding the fetched array
+        when it was both). With LAUNCH, the call returns once the launch is admitted, with
+        pending Tensors."""
+        fetch = [int(i) for i in fetch]
+        keep = [int(i) for i in keep]
+        inline: list[memoryview] = []
+        if self._local is not None:
+            arguments: list[dict[str, Any]] = []
+            for a in args:
+                if isinstance(a, Tensor):
+                    arguments.append({"handle": a.handle})
+                else:
+                    name = _dtypes.dtype_name(_dtypes.to_wire(a.dtype))
+                    arguments.append({"dtype": name, "dims": list(a.shape)})
+                    inline.append(_raw(a))
+            fields = {
+                "executable": executable,
+                "arguments": arguments,
+                "donate": [int(i) for i in donate],
+                "fetch": fetch,
+                "keep": keep,
+                "free": [int(h) for h in free],
+            }
+            if launch:
+                fields["launch"] = True
+            self._check_open()
+            self._flush_frees()
+            with self._local_call() as local:
+                reply, data = local.call(fields, inline, self._deadline(timeout))
+            return [
+                _result(Tensor._from_json(self, r), raw) for r, raw in zip(reply["results"], data)
+            ]
+        req = pb.CallRequest(
+            executable=executable,
+            donate=[int(i) for i in donate],
+            fetch=fetch,
+            keep=keep,
+            free=[int(h) for h in free],
+            launch=launch,
+        )
+        for a in args:
+            if isinstance(a, Tensor):
+                req.arguments.add(handle=a.handle)
+            else:
+                spec = pb.TensorSpec(dtype=_dtypes.to_wire(a.dtype), dims=a.shape)
+                req.arguments.add(tensor=pb.InlineTensor(spec=spec, data=_raw(a).tobytes()))
+        resp = self._unary("Call", req, timeout)
+        out: list[Tensor | np.ndarray] = []
+        for r in resp.results:
+            raw = np.frombuffer(r.data, np.uint8) if r.fetched else None
+            out.append(_result(Tensor._from_pb(self, r.info), raw))
+        return out
+
+    def _wait(self, tensors: list[int], all: bool, timeout: Any) -> None:
+        if self._local is not None:
+            self._local_request("wait", {"tensors": tensors, "all": all}, None, timeout)
+            return
+        self._unary("Wait", pb.WaitRequest(tensors=tensors, all=all), timeout)
+
+    # -- launches ---------------------------------------------------------------------------
+
+    def wait_all(self, *, timeout: float | None = None) -> None:
+        """Waits until every launch of this session so far (:meth:`Executable.launch`) has
+        finished.
+
+        Raises:
+            tpubox.ExecutionFailed (or the kind the device's error maps to): the first failed
+            launch no wait or read reported yet, named (``launch <id> of program <fingerprint>
+            failed: ...``), with how many others failed.
+        """
+        self._wait([], True, timeout)
+
+    def set_launch_blocking(self, on: bool = True) -> bool:
+        """Makes this session's launches synchronous (``on``): :meth:`Executable.launch` then
+        returns only once the device finished, raising its error there, TorchTPU's
+        ``TORCH_TPU_LAUNCH_BLOCKING=1`` for debugging. :func:`connect` turns it on when the
+        environment has ``TPUBOX_LAUNCH_BLOCKING=1``. Returns whether launches are synchronous
+        now (also true when the daemon runs with ``--launch-blocking``)."""
+        r = self._unary("SetLaunchBlocking", pb.SetLaunchBlockingRequest(on=bool(on)), _DEFAULT)
+        return bool(r.blocking)
+
     # -- session ----------------------------------------------------------------------------
 
     def info(self) -> SessionInfo:
@@ -340,6 +445,7 @@ class Session:
             usage=Usage._from_pb(r.usage),
             weight_sets=tuple(r.weight_sets),
             components=tuple(r.components),
+            launch_blocking=r.launch_blocking,
         )
 
     def usage(self) -> Usage:
@@ -428,7 +534,7 @@ class Session:
         header = pb.PutTensorChunk(spec=pb.TensorSpec(dtype=_dtypes.to_wire(a.dtype), dims=a.shape))
         if device is not None:
             header.device = device
-        raw = memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")  # type: ignore[arg-type]
+        raw = _raw(a)
         if self._local is not None:
             self._check_open()
             self._flush_frees()
@@ -635,6 +741,26 @@ class Session:
         )
 
 
+def _raw(a: np.ndarray) -> memoryview:
+    """The bytes of a normalised array (C-contiguous, little-endian), without a copy."""
+    return memoryview(a.reshape(-1).view(np.uint8)) if a.size else memoryview(b"")  # type: ignore[arg-type]
+
+
+def _result(t: Tensor, raw: np.ndarray | None) -> Tensor | np.ndarray:
+    """A Call's result: the fetched bytes RAW as an array of T's shape and dtype (writable),
+    T holding them when it was also kept (handle != 0), or T when nothing was fetched."""
+    if raw is None:
+        return t
+    a = raw.view(t.dtype.newbyteorder("<")).reshape(t.shape)
+    if not a.flags.writeable:
+        a = a.copy()
+    if t.handle == 0:
+        t._freed = True  # never a handle: nothing to free
+        return a
+    t._host = a
+    return t
+
+
 class _DefaultType:
     def __repr__(self) -> str:
         return "<default>"
@@ -760,6 +886,11 @@ def _open(
             "unavailable", f"the tpubox daemon at {address} did not confirm the Attach stream"
         )
     _OWNED.add(s)
+    try:
+        _launch_blocking_from_env(s)
+    except TpuboxError:
+        s.close(timeout=2.0)
+        raise
     return _remember(s)
 
 
@@ -783,7 +914,7 @@ def _join(address: str, token: str, timeout: float | None, local: bool | None = 
         timeout=timeout,
     )
     s._local = _transport.local_channel(address, r.local_socket, token, local)
-    return _remember(s)
+    return _remember(_launch_blocking_from_env(s))
 
 
 def default_session() -> Session:

@@ -55,6 +55,7 @@ fn limits() -> TenantLimits {
         max_call_time: Some(Duration::from_secs(20)),
         fuel: None,
         program_policy: Default::default(),
+        max_pending_launches: 64,
     }
 }
 

@@ -1765,6 +1765,17 @@ const LIMITS: &[LimitRow] = &[
         model: None,
         cli: Some("--trusted"),
     },
+    LimitRow {
+        key: "max_pending_launches",
+        session_only: false,
+        unit: Unit::Count,
+        name: Some("max-pending-launches"),
+        refused: true,
+        wire: Some("max_pending_launches"),
+        policy: Some("max_pending_launches"),
+        model: Some("max_pending_launches"),
+        cli: Some("--max-pending-launches"),
+    },
     // `SessionLimits::idle_timeout`: how long a session may sit unused, a limit of the session
     // itself, not of what its tenant holds.
     LimitRow {

@@ -12,6 +12,7 @@ mod exec;
 mod fuzz_regressions;
 mod graph;
 mod guests;
+mod launch;
 mod layering;
 mod lists;
 mod minilm;

@@ -1194,7 +1194,7 @@ fn prepare_and_compile(setup: Setup) -> Result<(), String> {
         .map(|(k, v)| (k.as_str(), v.clone()))
         .collect();
     let client = Client::new(&plugin, &options).map_err(|e| format!("creating the client: {e}"))?;
-    register_custom_calls(&plugin, &client);
+    register_custom_calls(&plugin, &client, false);
     // A first compile in a process pays for the compiler's one-time set-up (its passes and
     // code generator); a worker started ahead of need pays it here, before the tenant's
     // program arrives. A fixed program: no tenant's state is involved.
@@ -1263,9 +1263,12 @@ fn set_limits(setup: &Setup) -> Result<(), String> {
 /// Never fails: without a LAPACK library, or on a plugin that refuses handlers, it logs a
 /// warning and programs with those custom calls fail to compile ("No FFI handler
 /// registered"), as they did before.
-pub(crate) fn register_custom_calls(plugin: &Plugin, client: &Client) {
+pub(crate) fn register_custom_calls(plugin: &Plugin, client: &Client, test_only: bool) {
     if client.platform_name().ok().as_deref() != Some("cpu") {
         return;
+    }
+    if test_only && let Err(e) = pjrt_kernels::register_test_fail(plugin) {
+        tracing::warn!("the test-only custom call is unavailable: {e}");
     }
     match pjrt_lapack::register(plugin) {
         Ok(r) => tracing::debug!(

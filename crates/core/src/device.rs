@@ -15,7 +15,7 @@ use pjrt::{Buffer, Client, CompileOptions, Device, NamedValue, PrimitiveType};
 use crate::cache::{CompileCache, Entry, PluginIdentity, cache_key};
 use crate::compiler::{CompileIsolation, CompileStats, Compiles, WorkerTarget, compile_program};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
-use crate::scheduler::FairShare;
+use crate::scheduler::{FairShare, Slot};
 use crate::tenant::Tenant;
 pub use crate::types::{
     Arg, Call, Compiled, DeviceExecutable, DeviceInfo, DeviceTensor, MAX_RANK, PlatformInfo,
@@ -47,6 +47,8 @@ pub struct DeviceService {
     /// The compile slots, and the worker pool when compiles go to workers (a worker is
     /// configured and the platform allows it).
     compiles: Compiles,
+    /// [`with_launch_blocking`](Self::with_launch_blocking).
+    launch_blocking: bool,
 }
 
 impl std::fmt::Debug for DeviceService {
@@ -91,7 +93,22 @@ impl DeviceService {
             cache: None,
             identity: OnceLock::new(),
             scheduler: FairShare::new(DEFAULT_EXECUTION_SLOTS),
+            launch_blocking: false,
         })
+    }
+
+    /// Makes every launch of every session synchronous (`true`; default `false`): a
+    /// [`crate::session::Session::launch`] returns only once the device finished, with the
+    /// device's error if it failed (the host's `--launch-blocking`, the analogue of TorchTPU's
+    /// `TORCH_TPU_LAUNCH_BLOCKING=1`, for debugging guests in any language).
+    pub fn with_launch_blocking(mut self, on: bool) -> Self {
+        self.launch_blocking = on;
+        self
+    }
+
+    /// Whether every launch is synchronous ([`with_launch_blocking`](Self::with_launch_blocking)).
+    pub fn launch_blocking(&self) -> bool {
+        self.launch_blocking
     }
 
     /// Puts `cache` in front of [`compile`](Self::compile).
@@ -477,14 +494,8 @@ impl DeviceService {
     /// argument tensors travel with the execution, not with the caller: they are released by
     /// the device's completion callback. A caller that gives up (a guest stopped at its
     /// deadline) cannot hand the slot to another tenant, or free an argument, while the device
-    /// is still busy. Waiting for the slot is cancel-safe.
-    ///
-    /// The CPU plugin runs programs its cost model calls cheap inline, inside the submitting
-    /// call. Its cost model counts a loop body once, so a program with a `while` loop (or a
-    /// host transfer, which waits) can keep the submitting thread for as long as it runs:
-    /// those are submitted from tokio's blocking pool, never from an async thread that other
-    /// tenants' requests share. Programs without loops are submitted directly (a few
-    /// microseconds).
+    /// is still busy. Waiting for the slot is cancel-safe. How the program is submitted:
+    /// [`submit_for`](Self::submit_for).
     ///
     /// Errors: `execution-failed` from the device; `internal` if the completion was lost.
     pub async fn execute_for(
@@ -493,33 +504,12 @@ impl DeviceService {
         call: Call,
     ) -> DeviceResult<Vec<DeviceTensor>> {
         let slot = self.scheduler.acquire(tenant).await;
-        let may_block = call.executable().program_facts().map_or(true, |f| {
-            !f.while_loops.is_empty() || !f.host_transfers.is_empty()
-        });
-        let svc = Arc::clone(self);
-        let start = move || -> DeviceResult<_> {
-            let (outputs, done) = svc.submit(call.executable(), &call.args())?;
-            let (tx, rx) = tokio::sync::oneshot::channel();
-            let runtime = tokio::runtime::Handle::try_current().ok();
-            done.on_ready(move |status| {
-                drop(slot);
-                // Hand the arguments back to the caller to drop; if it is gone, drop them on
-                // the blocking pool rather than in the plugin's callback thread.
-                if let Err((_, call)) = tx.send((status, call))
-                    && let Some(rt) = runtime
-                {
-                    rt.spawn_blocking(move || drop(call));
-                }
-            });
-            Ok((outputs, rx))
-        };
-        let (outputs, rx) = if may_block {
-            tokio::task::spawn_blocking(start).await.map_err(|e| {
-                DeviceError::new(ErrorKind::Internal, format!("submitting failed: {e}"))
-            })??
-        } else {
-            start()?
-        };
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let outputs = self
+            .submit_for(slot, call, move |status| {
+                let _ = tx.send(status);
+            })
+            .await?;
         let mut rx = rx;
         let finished = tokio::select! {
             r = &mut rx => r,
@@ -533,11 +523,65 @@ impl DeviceService {
                 rx.await
             }
         };
-        let (status, _call) = finished.map_err(|_| {
+        finished.map_err(|_| {
             DeviceError::new(ErrorKind::Internal, "the execution's completion was lost")
-        })?;
-        status.map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed))?;
+        })??;
         Ok(outputs)
+    }
+
+    /// Submits a validated [`Call`] holding the execution slot `slot` (from
+    /// [`FairShare::acquire`] on [`scheduler`](Self::scheduler)) and returns its outputs at
+    /// once: PJRT hands out an execution's output buffers when it is submitted, ready when its
+    /// completion event fires; later executions may take them as arguments, and the plugin
+    /// orders them after this one (PJRT C API, `PJRT_LoadedExecutable_Execute`). When the
+    /// device is done, the slot is released (recording the device time), `on_done` runs with
+    /// the status (`execution-failed` from the device), and the call (its arguments and what
+    /// it holds, [`Call::hold_until_done`]) is dropped on tokio's blocking pool, not on the
+    /// plugin's thread. `on_done` may run on a plugin thread, or before this returns: it must
+    /// not block.
+    ///
+    /// The CPU plugin runs programs its cost model calls cheap inline, inside the submitting
+    /// call. Its cost model counts a loop body once, so a program with a `while` loop (or a
+    /// host transfer, which waits) can keep the submitting thread for as long as it runs:
+    /// those are submitted from tokio's blocking pool, never from an async thread that other
+    /// tenants' requests share. Programs without loops are submitted directly (a few
+    /// microseconds).
+    ///
+    /// Errors: `execution-failed` when the plugin refuses the submission (then `on_done` is
+    /// not called, and the slot and call are dropped); `internal` if the submitting task
+    /// failed.
+    pub async fn submit_for(
+        self: &Arc<Self>,
+        slot: Slot,
+        call: Call,
+        on_done: impl FnOnce(DeviceResult<()>) + Send + 'static,
+    ) -> DeviceResult<Vec<DeviceTensor>> {
+        let may_block = call.executable().program_facts().map_or(true, |f| {
+            !f.while_loops.is_empty() || !f.host_transfers.is_empty()
+        });
+        let svc = Arc::clone(self);
+        let start = move || -> DeviceResult<_> {
+            let (outputs, done) = svc.submit(call.executable(), &call.args())?;
+            let runtime = tokio::runtime::Handle::try_current().ok();
+            done.on_ready(move |status| {
+                drop(slot);
+                on_done(status.map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed)));
+                // Drop the arguments on the blocking pool rather than in the plugin's
+                // callback thread.
+                match runtime {
+                    Some(rt) => drop(rt.spawn_blocking(move || drop(call))),
+                    None => drop(call),
+                }
+            });
+            Ok(outputs)
+        };
+        if may_block {
+            tokio::task::spawn_blocking(start).await.map_err(|e| {
+                DeviceError::new(ErrorKind::Internal, format!("submitting failed: {e}"))
+            })?
+        } else {
+            start()
+        }
     }
 
     /// Executes `exe` with borrowed arguments, donating those marked, and awaits completion.

@@ -26,6 +26,14 @@ pub struct DeviceConfig {
     pub cache: CacheConfig,
     /// Where tenants' programs are compiled: in a contained worker process, or in this one.
     pub compile_isolation: CompileIsolation,
+    /// Makes every launch of every session synchronous (default `false`;
+    /// [`DeviceService::with_launch_blocking`], `--launch-blocking`).
+    pub launch_blocking: bool,
+    /// Registers the test-only custom call [`pjrt_kernels::TEST_FAIL`], which fails every
+    /// execution (default `false`; for tests that inject a failure at execution). On CPU
+    /// plugins only, in this process only: compile workers do not register it, so a program
+    /// calling it compiles only with in-process compiles (`CompileIsolation::worker` `None`).
+    pub test_custom_calls: bool,
 }
 
 impl Default for DeviceConfig {
@@ -37,6 +45,8 @@ impl Default for DeviceConfig {
             execution_slots: DEFAULT_EXECUTION_SLOTS,
             cache: CacheConfig::default(),
             compile_isolation: CompileIsolation::default(),
+            launch_blocking: false,
+            test_custom_calls: false,
         }
     }
 }
@@ -63,9 +73,10 @@ pub fn open_device(config: &DeviceConfig) -> Result<Arc<DeviceService>> {
         .map(|(k, v)| (k.as_str(), v.clone()))
         .collect();
     let client = Client::new(&plugin, &opts).context("creating the PJRT client")?;
-    crate::compiler::register_custom_calls(&plugin, &client);
+    crate::compiler::register_custom_calls(&plugin, &client, config.test_custom_calls);
     let mut service = DeviceService::new(client, config.max_program_bytes)?
         .with_execution_slots(config.execution_slots)
+        .with_launch_blocking(config.launch_blocking)
         .with_compile_isolation(
             config.compile_isolation.clone(),
             config.client_options.clone(),

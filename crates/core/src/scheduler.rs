@@ -2,8 +2,21 @@
 //!
 //! A [`FairShare`] lets a fixed number of executions run on a device at once. When more tenants
 //! want the device, the waiting tenant that has used the least device time goes first
-//! (start-time fair queueing over measured execution time: each finished execution adds its
-//! submit-to-completion time to its tenant's account).
+//! (start-time fair queueing over measured execution time).
+//!
+//! **Device time.** PJRT reports only an execution's completion (its event), not when the device
+//! started it, and executions submitted together queue inside the plugin. So a finished
+//! execution is billed from the later of its submission (when it got its slot) and the
+//! previous completion on this device, to its own completion: time it spent queued behind
+//! another tenant's execution is billed to that execution, not to both.
+//!
+//! **Pending launches** ([`crate::session::Session::launch`]) take part like any execution: a
+//! session's launches wait in that session's ordered submit queue, which asks for a slot for
+//! one launch at a time and submits it once granted. So at most [`FairShare::slots`]
+//! executions are submitted to the device at once, whoever launched them, a tenant that
+//! launches thousands of programs waits for slots like everyone else (and is stopped at
+//! `max-pending-launches` before that), and the tenant with the least device time goes
+//! first among those waiting.
 
 use std::collections::BTreeMap;
 use std::sync::{Arc, Mutex};
@@ -15,6 +28,8 @@ use crate::tenant::Tenant;
 struct Queue {
     running: usize,
     seq: u64,
+    /// When the last execution on this device finished (see the module docs on billing).
+    last_completion: Option<Instant>,
     /// Waiters by (device time used so far in ns, arrival order).
     waiting: BTreeMap<(u64, u64), tokio::sync::oneshot::Sender<()>>,
 }
@@ -31,8 +46,8 @@ struct Inner {
     queue: Mutex<Queue>,
 }
 
-/// A granted execution slot; finishing it (drop) records the device time and wakes the next
-/// waiter. It owns its share of the scheduler, so it can travel with an execution (for example
+/// A granted execution slot; finishing it (drop) records the device time (billed as the
+/// module docs say) and wakes the next waiter. It owns its share of the scheduler, so it can travel with an execution (for example
 /// into the callback that runs when the device is done) independently of whoever asked for it.
 #[derive(Debug)]
 pub struct Slot {
@@ -132,7 +147,15 @@ impl Drop for WaitGuard<'_> {
 
 impl Drop for Slot {
     fn drop(&mut self) {
-        self.tenant.record_execution(self.start.elapsed());
+        let now = Instant::now();
+        let from = {
+            let mut q = self.share.queue.lock().expect("scheduler lock");
+            let from = q.last_completion.map_or(self.start, |l| l.max(self.start));
+            q.last_completion = Some(q.last_completion.map_or(now, |l| l.max(now)));
+            from
+        };
+        self.tenant
+            .record_execution(now.saturating_duration_since(from));
         self.share.release();
     }
 }

@@ -10,17 +10,58 @@
 //! - **handle checks**: a handle is used only by the session that made it, a donated tensor is
 //!   gone, a shared weight is read-only and can be neither donated nor overwritten;
 //! - **donation**: indices checked, inputs credited against the outputs' charge, and the donated
-//!   handles emptied only when the execution succeeded;
+//!   handles emptied at launch (final: they stay empty even if the execution later fails);
 //! - **reads**: a tensor larger than what the front door can take ([`Session::with_max_read_bytes`],
 //!   a guest's linear memory) is refused before anything is copied;
 //! - **execution slots**: executions wait for the device in the fair-share queue and their
-//!   device time is charged to the tenant ([`DeviceService::execute_for`]).
+//!   device time is charged to the tenant ([`crate::scheduler`]);
+//! - **launches**: [`Session::launch`] validates and charges at once and returns output handles
+//!   while the device works; `max-pending-launches` bounds what a tenant may have queued or
+//!   running ([`TenantLimits::max_pending_launches`](crate::tenant::TenantLimits)).
+//!
+//! # Launches
+//!
+//! Every execution is a launch: [`Session::execute`] is [`Session::launch`] followed by
+//! [`Session::wait`] on its outputs. A launch is checked and charged in the caller (the same
+//! checks, in the same order, with the same errors as an execution), charged one pending
+//! launch, and put in the session's **ordered submit queue**: one task per session that takes
+//! the launches in order, waits for a fair-share slot for each ([`crate::scheduler`]; only this
+//! task waits, so a launch never blocks on a slot) and submits it. PJRT returns the output
+//! buffers at submission; the launch's output handles resolve to them then (a handle of a
+//! launch not yet submitted is *pending*), and a later launch of the session may take them as
+//! arguments before the device finished (the queue submits it after, and the plugin orders
+//! the two). At most [`FairShare::slots`](crate::scheduler::FairShare::slots) executions are
+//! submitted to the device at once, whoever launched them, so a tenant cannot flood the
+//! device's queue: its launches wait in its own queue, bounded by `max-pending-launches`.
+//!
+//! - **Errors.** A launch's own errors (handles, donation, argument specs, limits) are
+//!   returned by `launch`. The device's error surfaces at the first [`Session::wait`] or
+//!   [`Session::read`] of one of its outputs, or at [`Session::wait_all`], as
+//!   `execution-failed` (or the kind the device's error maps to) whose message names the
+//!   launch: `launch <id> of program <fingerprint> failed: ...`. A launch whose argument is
+//!   an output of a launch that failed before submission fails too, naming both. Every later
+//!   read of such an output fails the same way (the tensor has no value).
+//! - **Device time** is billed as [`crate::scheduler`] says: from the later of the launch's
+//!   submission and the previous completion on the device, not from queueing.
+//! - **Donation** is final at launch: the donated handles are emptied when `launch` returns
+//!   successfully, even if the execution later fails; their charges are credited against the
+//!   outputs at once and returned when the device is done.
+//! - **Blocking mode** ([`Session::set_launch_blocking`], or the host's
+//!   [`DeviceService::with_launch_blocking`]): `launch` returns only once the device finished,
+//!   so the device's error is returned by `launch` itself.
+//! - **A session that ends** with launches pending leaks nothing: launches not yet submitted
+//!   are dropped with their charges, submitted ones keep their slot, arguments and charges
+//!   until the device finishes, then return them (tenant usage back to zero).
+//!
+//! CPU plugins run cheap programs inside the submit call; the queue task submits programs
+//! with loops or host transfers from tokio's blocking pool ([`DeviceService::submit_for`]),
+//! so no shared async thread is held for as long as such a program runs.
 //!
 //! Front doors only look handles up, convert types and call a session; validation of values
 //! against PJRT's rules happens below, in [`crate::device`] and [`crate::types`].
 
-use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex, Weak};
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use pjrt::PrimitiveType;
 
@@ -36,6 +77,9 @@ use crate::weights::{WeightRegistry, WeightSet};
 /// Source of session ids; 0 is never handed out.
 static NEXT_SESSION: AtomicU64 = AtomicU64::new(1);
 
+/// Source of launch ids (unique in the process); 0 is never handed out.
+static NEXT_LAUNCH: AtomicU64 = AtomicU64::new(1);
+
 /// One tenant connection to the shared device; see the module docs. `Send + Sync`: a front
 /// door may serve several requests of one session at once.
 #[derive(Debug)]
@@ -45,6 +89,266 @@ pub struct Session {
     weights: Arc<WeightRegistry>,
     tenant: Arc<Tenant>,
     max_read_bytes: u64,
+    launches: Launches,
+}
+
+impl Drop for Session {
+    fn drop(&mut self) {
+        // Launches still in the submit queue are dropped, not submitted (see the module docs).
+        self.launches.closed.store(true, Ordering::Release);
+    }
+}
+
+/// What [`Session::launch`] returns: the launch's id (unique in the process, named in its
+/// errors) and one handle per result of the program, in order, pending until the launch is
+/// submitted and valued once the device finished it (wait with [`Session::wait`]; a read
+/// waits too).
+#[derive(Debug)]
+pub struct Launch {
+    /// The launch's id, as errors name it (`launch <id> of program <fingerprint>`).
+    pub id: u64,
+    /// One handle per program result (dtype and dims of the executable's outputs).
+    pub outputs: Vec<TensorHandle>,
+}
+
+/// A session's launches: its ordered submit queue and those not yet known finished.
+#[derive(Debug, Default)]
+struct Launches {
+    /// Sender of the submit queue, whose task starts at the first launch.
+    queue: Mutex<Option<tokio::sync::mpsc::UnboundedSender<Job>>>,
+    /// Set when the session ends: the queue drops what it has not submitted.
+    closed: Arc<AtomicBool>,
+    /// Launches not finished, and failed launches no wait reported yet (for `wait_all`).
+    tracked: Mutex<Vec<Arc<LaunchState>>>,
+    /// [`Session::set_launch_blocking`].
+    blocking: AtomicBool,
+}
+
+/// What a launch's output handles and waiters share.
+#[derive(Debug)]
+struct LaunchState {
+    id: u64,
+    fingerprint: String,
+    progress: Mutex<Progress>,
+    /// The outcome, published once the launch was submitted and the device finished (or it
+    /// failed before submission).
+    result: OnceLock<DeviceResult<()>>,
+    done: tokio::sync::watch::Sender<bool>,
+    /// Whether a wait, read or `wait_all` reported its failure.
+    reported: AtomicBool,
+}
+
+#[derive(Debug, Default)]
+struct Progress {
+    submitted: bool,
+    status: Option<DeviceResult<()>>,
+}
+
+impl LaunchState {
+    fn new(id: u64, fingerprint: &str) -> Self {
+        LaunchState {
+            id,
+            fingerprint: fingerprint.to_string(),
+            progress: Mutex::new(Progress::default()),
+            result: OnceLock::new(),
+            done: tokio::sync::watch::Sender::new(false),
+            reported: AtomicBool::new(false),
+        }
+    }
+
+    fn progress(&self) -> std::sync::MutexGuard<'_, Progress> {
+        self.progress.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Records that the outputs were handed to the handles.
+    fn submitted(&self) {
+        let status = {
+            let mut p = self.progress();
+            p.submitted = true;
+            p.status.take()
+        };
+        if let Some(s) = status {
+            self.publish(s);
+        }
+    }
+
+    /// Records the device's status (possibly before [`submitted`](Self::submitted) ran).
+    fn completed(&self, status: DeviceResult<()>) {
+        let status = {
+            let mut p = self.progress();
+            if !p.submitted {
+                p.status = Some(status);
+                return;
+            }
+            status
+        };
+        self.publish(status);
+    }
+
+    /// Ends the launch: with the device's status, or an error before submission.
+    fn publish(&self, status: DeviceResult<()>) {
+        let status = status.map_err(|e| {
+            DeviceError::new(
+                e.kind,
+                format!(
+                    "launch {} of program {} failed: {}",
+                    self.id, self.fingerprint, e.message
+                ),
+            )
+        });
+        let _ = self.result.set(status);
+        self.done.send_replace(true);
+    }
+
+    fn is_done(&self) -> bool {
+        self.result.get().is_some()
+    }
+
+    fn failed(&self) -> bool {
+        matches!(self.result.get(), Some(Err(_)))
+    }
+
+    /// Waits until the launch is done; its error, if it failed.
+    async fn wait(&self) -> DeviceResult<()> {
+        let mut rx = self.done.subscribe();
+        // The sender lives in `self`, so this ends only when the launch is done.
+        let _ = rx.wait_for(|d| *d).await;
+        self.result.get().cloned().unwrap_or_else(|| {
+            Err(DeviceError::new(
+                ErrorKind::Internal,
+                format!("launch {} ended without a result", self.id),
+            ))
+        })
+    }
+}
+
+/// An output of a launch, shared by its handle and by later launches that take it as an
+/// argument; the queue fills it when the launch is submitted (if anyone still holds it).
+#[derive(Debug)]
+struct PendingTensor {
+    launch: Arc<LaunchState>,
+    tensor: OnceLock<Arc<DeviceTensor>>,
+}
+
+/// Where a handle's tensor is.
+#[derive(Debug, Clone)]
+enum Source {
+    Ready(Arc<DeviceTensor>),
+    Pending(Arc<PendingTensor>),
+}
+
+impl Source {
+    /// The tensor, once its launch was submitted.
+    ///
+    /// Errors: the launch's error if it failed before submission; `failed-precondition`
+    /// while it is not submitted yet.
+    fn submitted(&self) -> DeviceResult<Arc<DeviceTensor>> {
+        match self {
+            Source::Ready(t) => Ok(Arc::clone(t)),
+            Source::Pending(p) => match (p.tensor.get(), p.launch.result.get()) {
+                (Some(t), _) => Ok(Arc::clone(t)),
+                (None, Some(Err(e))) => Err(e.clone()),
+                (None, _) => Err(DeviceError::new(
+                    ErrorKind::FailedPrecondition,
+                    format!(
+                        "this tensor is an output of launch {}, which is not submitted yet; wait for it first",
+                        p.launch.id
+                    ),
+                )),
+            },
+        }
+    }
+}
+
+/// A launch in a session's submit queue.
+struct Job {
+    launch: Arc<LaunchState>,
+    exe: Arc<DeviceExecutable>,
+    args: Vec<(Source, bool)>,
+    outputs: Vec<Weak<PendingTensor>>,
+    /// Returned when the device is done (or the launch fails before submission): the pending
+    /// launch, the temporaries, the donated inputs' device bytes.
+    charges: Vec<Charge>,
+    /// The donated inputs, kept until the device is done with them.
+    donated: Vec<Source>,
+}
+
+impl std::fmt::Debug for Job {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("Job")
+            .field("launch", &self.launch.id)
+            .finish()
+    }
+}
+
+/// The task behind a session's submit queue: takes its launches in order, waits for a
+/// fair-share slot for each and submits it. Once the session ended (`closed`), the launches
+/// left are dropped with their charges, unsubmitted.
+async fn run_submit_queue(
+    device: Arc<DeviceService>,
+    tenant: Arc<Tenant>,
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<Job>,
+    closed: Arc<AtomicBool>,
+) {
+    while let Some(job) = rx.recv().await {
+        if closed.load(Ordering::Acquire) {
+            job.launch.publish(Err(DeviceError::new(
+                ErrorKind::FailedPrecondition,
+                "the session ended before it was submitted",
+            )));
+            continue;
+        }
+        submit_job(&device, &tenant, job).await;
+    }
+}
+
+async fn submit_job(device: &Arc<DeviceService>, tenant: &Arc<Tenant>, job: Job) {
+    let Job {
+        launch,
+        exe,
+        args,
+        outputs,
+        charges,
+        donated,
+    } = job;
+    let mut tensors = Vec::with_capacity(args.len());
+    for (i, (source, donate)) in args.into_iter().enumerate() {
+        match source.submitted() {
+            Ok(t) => tensors.push((t, donate)),
+            Err(e) => {
+                launch.publish(Err(DeviceError::new(
+                    ErrorKind::ExecutionFailed,
+                    format!("argument {i}: {}", e.message),
+                )));
+                return;
+            }
+        }
+    }
+    let mut call = match Call::new(exe, tensors) {
+        Ok(c) => c,
+        Err(e) => return launch.publish(Err(e)),
+    };
+    call.hold_until_done(donated);
+    let slot = device.scheduler().acquire(tenant).await;
+    let done = Arc::clone(&launch);
+    let submitted = device
+        .submit_for(slot, call, move |status| {
+            // Charges first, so that a waiter woken below sees the tenant's usage without them.
+            drop(charges);
+            done.completed(status);
+        })
+        .await;
+    match submitted {
+        Ok(tensors) => {
+            for (slot, t) in outputs.iter().zip(tensors) {
+                if let Some(p) = slot.upgrade() {
+                    let _ = p.tensor.set(Arc::new(t));
+                }
+            }
+            launch.submitted();
+        }
+        Err(e) => launch.publish(Err(e)),
+    }
 }
 
 /// A session's handle to a device tensor.
@@ -87,7 +391,7 @@ impl AsRef<[u8]> for HostCopy {
 
 #[derive(Debug)]
 struct Held {
-    tensor: Arc<DeviceTensor>,
+    source: Source,
     charge: Charge,
 }
 
@@ -96,7 +400,10 @@ impl Held {
     fn charged_bytes(&self) -> u64 {
         match self.charge.kind() {
             ChargeKind::Tensor(b) => b,
-            ChargeKind::Executable | ChargeKind::Scratch(_) | ChargeKind::Transfer(_) => 0,
+            ChargeKind::Executable
+            | ChargeKind::Scratch(_)
+            | ChargeKind::Transfer(_)
+            | ChargeKind::Launch => 0,
         }
     }
 }
@@ -108,8 +415,68 @@ impl TensorHandle {
             spec: tensor.spec().clone(),
             device: tensor.device(),
             read_only,
-            held: Mutex::new(Some(Held { tensor, charge })),
+            held: Mutex::new(Some(Held {
+                source: Source::Ready(tensor),
+                charge,
+            })),
             host_copy: tokio::sync::Mutex::new(Weak::new()),
+        }
+    }
+
+    fn pending(
+        session: u64,
+        spec: TensorSpec,
+        device: u32,
+        tensor: Arc<PendingTensor>,
+        charge: Charge,
+    ) -> Self {
+        TensorHandle {
+            session,
+            spec,
+            device,
+            read_only: false,
+            held: Mutex::new(Some(Held {
+                source: Source::Pending(tensor),
+                charge,
+            })),
+            host_copy: tokio::sync::Mutex::new(Weak::new()),
+        }
+    }
+
+    /// Whether this is an output of a launch not yet known finished ([`Session::wait`]).
+    pub fn is_pending(&self) -> bool {
+        matches!(
+            self.lock().as_ref().map(|h| &h.source),
+            Some(Source::Pending(p)) if !p.launch.is_done()
+        )
+    }
+
+    /// The id of the launch whose output this is, while it is pending or failed; `None` for a
+    /// tensor with a value (or donated).
+    pub fn launch_id(&self) -> Option<u64> {
+        match self.lock().as_ref().map(|h| &h.source) {
+            Some(Source::Pending(p)) => Some(p.launch.id),
+            _ => None,
+        }
+    }
+
+    /// Where the tensor is, unless donated.
+    fn source(&self) -> DeviceResult<Source> {
+        self.lock()
+            .as_ref()
+            .map(|h| h.source.clone())
+            .ok_or_else(donated_error)
+    }
+
+    /// Replaces a pending source whose launch finished well by its tensor.
+    fn resolve(&self) {
+        let mut held = self.lock();
+        if let Some(h) = held.as_mut()
+            && let Source::Pending(p) = &h.source
+            && matches!(p.launch.result.get(), Some(Ok(())))
+            && let Some(t) = p.tensor.get()
+        {
+            h.source = Source::Ready(Arc::clone(t));
         }
     }
 
@@ -144,19 +511,13 @@ impl TensorHandle {
         self.held.lock().unwrap_or_else(|p| p.into_inner())
     }
 
-    /// The tensor, unless donated.
+    /// The tensor, unless donated. For an output of a launch: its PJRT buffer once the launch
+    /// was submitted (ready when the device finished it; PJRT orders later uses after that).
     ///
-    /// Errors: `failed-precondition` after donation.
+    /// Errors: `failed-precondition` after donation, or while the launch is not submitted yet;
+    /// the launch's error (`execution-failed` naming it) when it failed before submission.
     pub fn tensor(&self) -> DeviceResult<Arc<DeviceTensor>> {
-        self.lock()
-            .as_ref()
-            .map(|h| Arc::clone(&h.tensor))
-            .ok_or_else(|| {
-                DeviceError::new(
-                    ErrorKind::FailedPrecondition,
-                    "this tensor was donated to an execution and can no longer be used",
-                )
-            })
+        self.source()?.submitted()
     }
 
     fn take(&self) -> Option<Held> {
@@ -206,6 +567,7 @@ impl Session {
             weights,
             tenant,
             max_read_bytes: u64::MAX,
+            launches: Launches::default(),
         }
     }
 
@@ -335,13 +697,15 @@ impl Session {
         Ok(c.remove(0))
     }
 
-    /// Reads a tensor back as dense row-major bytes.
+    /// Reads a tensor back as dense row-major bytes; an output of a launch is read once the
+    /// launch finished ([`wait`](Self::wait)).
     ///
     /// Errors: `permission-denied` for another session's handle; `failed-precondition` after
     /// donation; `resource-exhausted` naming `max-guest-memory` when the tensor is larger than
-    /// this session may read; plugin errors.
+    /// this session may read; the launch's error, naming it (as [`wait`](Self::wait)); plugin
+    /// errors.
     pub async fn read(&self, t: &TensorHandle) -> DeviceResult<Vec<u8>> {
-        let tensor = self.readable(t)?;
+        let tensor = self.readable(t).await?;
         self.device.read(&tensor).await
     }
 
@@ -353,7 +717,7 @@ impl Session {
     /// Errors: as [`read`](Self::read); `resource-exhausted` naming `max-device-bytes` when the
     /// tenant's transfers in flight leave no room for the copy ([`Tenant::charge_transfer`]).
     pub async fn read_shared(&self, t: &TensorHandle) -> DeviceResult<Arc<HostCopy>> {
-        let tensor = self.readable(t)?;
+        let tensor = self.readable(t).await?;
         let mut slot = t.host_copy.lock().await;
         if let Some(copy) = slot.upgrade() {
             return Ok(copy);
@@ -370,28 +734,32 @@ impl Session {
         Ok(copy)
     }
 
-    /// The tensor of `t`, if this session may read it.
-    fn readable(&self, t: &TensorHandle) -> DeviceResult<Arc<DeviceTensor>> {
+    /// The tensor of `t`, if this session may read it, once its launch finished.
+    async fn readable(&self, t: &TensorHandle) -> DeviceResult<Arc<DeviceTensor>> {
         self.owns(t.session)?;
-        let tensor = t.tensor()?;
-        if tensor.byte_size() > self.max_read_bytes {
+        t.source()?;
+        if t.byte_size() > self.max_read_bytes {
             return Err(DeviceError::new(
                 ErrorKind::ResourceExhausted,
                 format!(
                     "the tensor is {} bytes and cannot be read into guest memory of at most {} bytes (limit max-guest-memory)",
-                    tensor.byte_size(),
+                    t.byte_size(),
                     self.max_read_bytes
                 ),
             ));
         }
-        Ok(tensor)
+        self.wait(t).await?;
+        t.tensor()
     }
 
-    /// Copies a tensor to `device`; the copy is a new handle, charged to the tenant.
+    /// Copies a tensor to `device`; the copy is a new handle, charged to the tenant. An output
+    /// of a launch may be copied once the launch was submitted (PJRT orders the copy after
+    /// the execution).
     ///
     /// Errors: `permission-denied` for another session's handle; `failed-precondition` after
-    /// donation; `resource-exhausted` naming a limit; `not-found` for an unknown device;
-    /// plugin errors.
+    /// donation or while the tensor's launch is not submitted yet ([`wait`](Self::wait) for
+    /// it); the launch's error if it failed before submission; `resource-exhausted` naming a
+    /// limit; `not-found` for an unknown device; plugin errors.
     pub fn copy_to_device(&self, t: &TensorHandle, device: u32) -> DeviceResult<TensorHandle> {
         self.owns(t.session)?;
         let tensor = t.tensor()?;
@@ -436,33 +804,175 @@ impl Session {
     }
 
     /// Runs `exe` on `args`, donating the arguments whose positions are in `donate`; returns
-    /// one new handle per result.
+    /// one new handle per result once the device finished: [`launch`](Self::launch), then
+    /// [`wait`](Self::wait) for its outputs.
     ///
-    /// In order: the handles must belong to this session and be live; `donate` must name each
-    /// position at most once and no read-only tensor; the arguments must match the program
-    /// ([`crate::types::validate_args`]); the results are charged, crediting the donated
-    /// inputs, and so are the program's temporaries until the device is done with them
-    /// ([`DeviceExecutable::temp_bytes`]); then the execution waits for a slot and runs.
-    /// Donated handles are emptied only when the execution succeeds.
-    ///
-    /// Errors: `permission-denied` for another session's handle or a donated read-only tensor;
-    /// `failed-precondition` for a donated (or concurrently donated) argument or one on another
-    /// device; `invalid-argument` for a bad donate list or arguments that do not match;
-    /// `resource-exhausted` naming `max-live-tensors` or `max-device-bytes`;
-    /// `execution-failed` from the device.
+    /// Errors: as [`launch`](Self::launch) (donation is final once launched, even if the
+    /// execution then fails); the device's error, naming the launch (`execution-failed`).
     pub async fn execute(
         &self,
         exe: &ExecutableHandle,
         args: &[&TensorHandle],
         donate: &[u32],
     ) -> DeviceResult<Vec<TensorHandle>> {
+        let (launch, state) = self.launch_now(exe, args, donate)?;
+        self.finish(&state, &launch.outputs).await?;
+        Ok(launch.outputs)
+    }
+
+    /// Launches `exe` on `args`, donating the arguments whose positions are in `donate`, and
+    /// returns at once with one handle per result (dtype and dims of the executable's
+    /// outputs), while the device works; see the module docs on launches. Arguments may be
+    /// pending outputs of this session's earlier launches.
+    ///
+    /// In order: the handles must belong to this session and be live; `donate` must name each
+    /// position at most once and no read-only tensor; the arguments must match the program
+    /// (dtype, dims, device; a donated handle passed once); the launch is charged against
+    /// `max-pending-launches`, the results and the program's temporaries
+    /// ([`DeviceExecutable::temp_bytes`]) against the tenant's limits, crediting the donated
+    /// inputs. Then the donated handles are emptied (final), and the launch goes to the
+    /// session's submit queue. With launch blocking on ([`set_launch_blocking`](Self::set_launch_blocking)
+    /// or the host's [`DeviceService::with_launch_blocking`]) it returns only once the device
+    /// finished.
+    ///
+    /// Errors: `permission-denied` for another session's handle or a donated read-only tensor;
+    /// `failed-precondition` for a donated (or concurrently donated) argument or one on another
+    /// device; `invalid-argument` for a bad donate list or arguments that do not match;
+    /// `resource-exhausted` naming `max-pending-launches`, `max-live-tensors` or
+    /// `max-device-bytes`; `internal` outside a tokio runtime. In blocking mode also the
+    /// device's error, naming the launch (`execution-failed`). Otherwise the device's error
+    /// surfaces at the first [`wait`](Self::wait), [`read`](Self::read) or
+    /// [`wait_all`](Self::wait_all).
+    pub async fn launch(
+        &self,
+        exe: &ExecutableHandle,
+        args: &[&TensorHandle],
+        donate: &[u32],
+    ) -> DeviceResult<Launch> {
+        let (launch, state) = self.launch_now(exe, args, donate)?;
+        if self.launch_blocking() {
+            self.finish(&state, &launch.outputs).await?;
+        }
+        Ok(launch)
+    }
+
+    /// Makes every later [`launch`](Self::launch) of this session synchronous (`true`): it
+    /// returns only once the device finished, with the device's error if it failed: the
+    /// debugging mode of TorchTPU's `TORCH_TPU_LAUNCH_BLOCKING=1`. The host's switch
+    /// ([`DeviceService::with_launch_blocking`], `tpubox run/serve --launch-blocking`) turns it
+    /// on for every session, whatever this says.
+    pub fn set_launch_blocking(&self, on: bool) {
+        self.launches.blocking.store(on, Ordering::Relaxed);
+    }
+
+    /// Whether launches of this session are synchronous (its own switch or the host's).
+    pub fn launch_blocking(&self) -> bool {
+        self.launches.blocking.load(Ordering::Relaxed) || self.device.launch_blocking()
+    }
+
+    /// Waits until the launch whose output `t` is has finished (at once for a tensor with a
+    /// value). Cancel-safe: the launch goes on.
+    ///
+    /// Errors: `permission-denied` for another session's handle; `failed-precondition` after
+    /// donation; the launch's error, naming it (`launch <id> of program <fingerprint> failed:
+    /// ...`; kind `execution-failed`, or what the device's error maps to), at every wait.
+    pub async fn wait(&self, t: &TensorHandle) -> DeviceResult<()> {
+        self.owns(t.session)?;
+        if let Source::Pending(p) = t.source()? {
+            if let Err(e) = p.launch.wait().await {
+                p.launch.reported.store(true, Ordering::Relaxed);
+                return Err(e);
+            }
+            t.resolve();
+        }
+        Ok(())
+    }
+
+    /// Waits until every launch of this session made so far has finished. Cancel-safe.
+    ///
+    /// Errors: the error of the first (lowest id) failed launch that no wait, read or earlier
+    /// `wait_all` reported, naming it and how many others failed unreported; those are
+    /// reported by this call too.
+    pub async fn wait_all(&self) -> DeviceResult<()> {
+        let tracked: Vec<Arc<LaunchState>> = self.tracked().clone();
+        let mut first: Option<DeviceError> = None;
+        let mut others = 0u64;
+        for l in &tracked {
+            if let Err(e) = l.wait().await
+                && !l.reported.swap(true, Ordering::Relaxed)
+            {
+                match first {
+                    None => first = Some(e),
+                    Some(_) => others += 1,
+                }
+            }
+        }
+        self.prune();
+        match first {
+            None => Ok(()),
+            Some(mut e) => {
+                if others > 0 {
+                    e.message
+                        .push_str(&format!(" ({others} later launch(es) failed too)"));
+                }
+                Err(e)
+            }
+        }
+    }
+
+    fn tracked(&self) -> std::sync::MutexGuard<'_, Vec<Arc<LaunchState>>> {
+        self.launches
+            .tracked
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Forgets finished launches, keeping those failed unreported (at most one per pending
+    /// launch allowed: beyond that the oldest are forgotten, counted as reported).
+    fn prune(&self) {
+        let mut t = self.tracked();
+        t.retain(|l| !l.is_done() || (l.failed() && !l.reported.load(Ordering::Relaxed)));
+        let cap = self.tenant.limits().max_pending_launches.max(1) as usize;
+        let failed = t.iter().filter(|l| l.is_done()).count();
+        if failed > cap {
+            let mut drop_n = failed - cap;
+            t.retain(|l| {
+                if drop_n > 0 && l.is_done() {
+                    drop_n -= 1;
+                    false
+                } else {
+                    true
+                }
+            });
+        }
+    }
+
+    /// Waits for `state` and resolves `outputs`, reporting its failure.
+    async fn finish(&self, state: &LaunchState, outputs: &[TensorHandle]) -> DeviceResult<()> {
+        if let Err(e) = state.wait().await {
+            state.reported.store(true, Ordering::Relaxed);
+            return Err(e);
+        }
+        for o in outputs {
+            o.resolve();
+        }
+        Ok(())
+    }
+
+    /// [`launch`](Self::launch) without the blocking mode's wait.
+    fn launch_now(
+        &self,
+        exe: &ExecutableHandle,
+        args: &[&TensorHandle],
+        donate: &[u32],
+    ) -> DeviceResult<(Launch, Arc<LaunchState>)> {
         self.owns(exe.session)?;
         let donated = donation_mask(args.len(), donate)?;
-        let mut tensors = Vec::with_capacity(args.len());
+        let mut sources = Vec::with_capacity(args.len());
         for (i, (h, &d)) in args.iter().zip(&donated).enumerate() {
             self.owns(h.session)?;
-            let t = h
-                .tensor()
+            let s = h
+                .source()
                 .map_err(|e| DeviceError::new(e.kind, format!("argument {i}: {}", e.message)))?;
             if d && h.read_only {
                 return Err(DeviceError::new(
@@ -470,9 +980,15 @@ impl Session {
                     format!("argument {i} is a shared, read-only tensor and cannot be donated"),
                 ));
             }
-            tensors.push((t, d));
+            sources.push((s, d));
         }
-        let call = Call::new(Arc::clone(&exe.exe), tensors)?;
+        check_launch_args(&exe.exe, args, &donated)?;
+        let runtime = tokio::runtime::Handle::try_current().map_err(|_| {
+            DeviceError::new(
+                ErrorKind::Internal,
+                "a launch needs a tokio runtime for its submit queue",
+            )
+        })?;
         // Take the donated inputs out of their handles now, so no concurrent request of this
         // session can use them; they go back if anything below fails.
         let mut taken: Vec<(&TensorHandle, Held)> = Vec::new();
@@ -498,6 +1014,13 @@ impl Session {
                 }
             }
         }
+        let pending = match self.tenant.charge_launch() {
+            Ok(c) => c,
+            Err(e) => {
+                restore(taken);
+                return Err(e);
+            }
+        };
         let credit = taken.iter().map(|(_, h)| h.charged_bytes()).sum();
         let charged =
             self.tenant
@@ -509,23 +1032,77 @@ impl Session {
                 return Err(e);
             }
         };
-        let mut call = call;
-        // The temporaries are the device's until it finishes, even if this caller gives up.
-        call.hold_until_done(scratch);
-        match self.device.execute_for(&self.tenant, call).await {
-            Ok(outputs) => {
-                // The donated inputs' charges are returned here.
-                drop(taken);
-                Ok(outputs
-                    .into_iter()
-                    .zip(charges)
-                    .map(|(o, c)| self.owned_tensor(o, c))
-                    .collect())
-            }
-            Err(e) => {
-                restore(taken);
-                Err(e)
-            }
+        // From here on the launch happens: donation is final.
+        let id = NEXT_LAUNCH.fetch_add(1, Ordering::Relaxed);
+        let state = Arc::new(LaunchState::new(id, exe.exe.fingerprint()));
+        let outputs: Vec<Arc<PendingTensor>> = exe
+            .exe
+            .outputs()
+            .iter()
+            .map(|_| {
+                Arc::new(PendingTensor {
+                    launch: Arc::clone(&state),
+                    tensor: OnceLock::new(),
+                })
+            })
+            .collect();
+        let mut job_charges = vec![pending, scratch];
+        let mut kept = Vec::with_capacity(taken.len());
+        for (_, held) in taken {
+            job_charges.push(held.charge);
+            kept.push(held.source);
+        }
+        let job = Job {
+            launch: Arc::clone(&state),
+            exe: Arc::clone(&exe.exe),
+            args: sources,
+            outputs: outputs.iter().map(Arc::downgrade).collect(),
+            charges: job_charges,
+            donated: kept,
+        };
+        self.prune();
+        self.tracked().push(Arc::clone(&state));
+        self.enqueue(job, &runtime);
+        let handles = outputs
+            .into_iter()
+            .zip(exe.exe.outputs())
+            .zip(charges)
+            .map(|((p, spec), c)| {
+                TensorHandle::pending(self.id, spec.clone(), exe.exe.device(), p, c)
+            })
+            .collect();
+        Ok((
+            Launch {
+                id,
+                outputs: handles,
+            },
+            state,
+        ))
+    }
+
+    /// Puts `job` in the submit queue, starting its task at the first launch.
+    fn enqueue(&self, job: Job, runtime: &tokio::runtime::Handle) {
+        let mut q = self
+            .launches
+            .queue
+            .lock()
+            .unwrap_or_else(|p| p.into_inner());
+        let tx = q.get_or_insert_with(|| {
+            let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+            runtime.spawn(run_submit_queue(
+                Arc::clone(&self.device),
+                Arc::clone(&self.tenant),
+                rx,
+                Arc::clone(&self.launches.closed),
+            ));
+            tx
+        });
+        if let Err(tokio::sync::mpsc::error::SendError(job)) = tx.send(job) {
+            // The task is gone (its runtime shut down): fail the launch, returning its charges.
+            job.launch.publish(Err(DeviceError::new(
+                ErrorKind::Internal,
+                "the session's submit queue is gone (its runtime shut down)",
+            )));
         }
     }
 
@@ -546,6 +1123,60 @@ impl Session {
         let charge = self.charge_one(0)?;
         Ok(TensorHandle::new(self.id, tensor, true, charge))
     }
+}
+
+fn donated_error() -> DeviceError {
+    DeviceError::new(
+        ErrorKind::FailedPrecondition,
+        "this tensor was donated to an execution and can no longer be used",
+    )
+}
+
+/// Checks a launch's arguments against `exe`'s parameters by their specs (an argument may be
+/// pending): count, each argument's dtype, dims and device, and that a handle passed at two
+/// positions is donated at neither. The same checks and errors as
+/// [`crate::types::validate_args`].
+fn check_launch_args(
+    exe: &DeviceExecutable,
+    args: &[&TensorHandle],
+    donated: &[bool],
+) -> DeviceResult<()> {
+    if args.len() != exe.inputs().len() {
+        return Err(DeviceError::invalid(format!(
+            "the executable takes {} argument(s), got {}",
+            exe.inputs().len(),
+            args.len()
+        )));
+    }
+    for (i, (arg, want)) in args.iter().zip(exe.inputs()).enumerate() {
+        if &arg.spec != want {
+            return Err(DeviceError::invalid(format!(
+                "argument {i} is {} but the executable expects {}",
+                crate::types::format_spec(&arg.spec),
+                crate::types::format_spec(want)
+            )));
+        }
+        if arg.device != exe.device() {
+            return Err(DeviceError::new(
+                ErrorKind::FailedPrecondition,
+                format!(
+                    "argument {i} is on device {} but the executable runs on device {}; copy it first",
+                    arg.device,
+                    exe.device()
+                ),
+            ));
+        }
+    }
+    for (i, a) in args.iter().enumerate() {
+        for (j, b) in args.iter().enumerate().skip(i + 1) {
+            if std::ptr::eq(*a, *b) && (donated[i] || donated[j]) {
+                return Err(DeviceError::invalid(format!(
+                    "the same tensor is passed as arguments {i} and {j} and donated; a donated tensor may appear once"
+                )));
+            }
+        }
+    }
+    Ok(())
 }
 
 /// Which of `n` arguments `donate` names.

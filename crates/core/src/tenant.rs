@@ -28,6 +28,9 @@ use crate::error::{DeviceError, DeviceResult, ErrorKind};
 /// host copy, plus at most as much again in queued messages).
 pub const TRANSFER_POOL_MULTIPLE: u64 = 2;
 
+/// Default of [`TenantLimits::max_pending_launches`].
+pub const DEFAULT_MAX_PENDING_LAUNCHES: u64 = 256;
+
 /// Per-tenant limits. The defaults suit one trusted user; set them lower for untrusted guests.
 #[derive(Debug, Clone, PartialEq, Serialize)]
 pub struct TenantLimits {
@@ -54,6 +57,11 @@ pub struct TenantLimits {
     pub fuel: Option<u64>,
     /// What the tenant's programs may contain (checked on the compiled program).
     pub program_policy: ProgramPolicy,
+    /// Launches ([`crate::session::Session::launch`], and every execution, which is a launch
+    /// and a wait) not yet finished at once: queued for the device or running (default 256).
+    /// A launch beyond it is refused with `resource-exhausted` naming `max-pending-launches`:
+    /// the back-pressure that keeps a tenant that never waits from queueing without bound.
+    pub max_pending_launches: u64,
 }
 
 /// What an untrusted tenant's programs may contain. PJRT cannot cancel an execution, so a
@@ -115,6 +123,7 @@ impl Default for TenantLimits {
             max_call_time: Some(Duration::from_secs(300)),
             fuel: None,
             program_policy: ProgramPolicy::default(),
+            max_pending_launches: DEFAULT_MAX_PENDING_LAUNCHES,
         }
     }
 }
@@ -136,7 +145,9 @@ pub struct TenantUsage {
     pub compiles: u64,
     /// Executions finished.
     pub executions: u64,
-    /// Device time of those executions (submit to completion), in seconds.
+    /// Device time of those executions, in seconds: each billed from the later of its
+    /// submission and the previous completion on the device to its completion
+    /// ([`crate::scheduler`]).
     pub device_seconds: f64,
     /// Requests refused because a limit was reached.
     pub refused: u64,
@@ -145,6 +156,10 @@ pub struct TenantUsage {
     /// Host bytes held now for the tenant's transfers in flight: uploads being received,
     /// host copies of tensors being read, mapped memfds ([`Tenant::charge_transfer`]).
     pub transfer_bytes: u64,
+    /// Launches queued for the device or running now (charged at launch, returned when the
+    /// device finished or the launch failed before it was submitted; see
+    /// [`TenantLimits::max_pending_launches`]).
+    pub pending_launches: u64,
 }
 
 #[derive(Debug, Default)]
@@ -155,6 +170,7 @@ struct Held {
     peak_live_tensors: u64,
     live_executables: u64,
     transfer_bytes: u64,
+    pending_launches: u64,
     compile_times: VecDeque<Instant>,
 }
 
@@ -183,6 +199,8 @@ pub enum ChargeKind {
     /// Host bytes the daemon holds for a transfer in flight (an upload being received, a
     /// tensor's host copy being read, a mapped memfd); see [`Tenant::charge_transfer`].
     Transfer(u64),
+    /// A launch not yet finished ([`Tenant::charge_launch`]).
+    Launch,
 }
 
 /// A charge against a tenant's limits, returned when dropped.
@@ -203,6 +221,7 @@ impl Drop for Charge {
             ChargeKind::Executable => h.live_executables -= 1,
             ChargeKind::Scratch(bytes) => h.device_bytes -= bytes,
             ChargeKind::Transfer(bytes) => h.transfer_bytes -= bytes,
+            ChargeKind::Launch => h.pending_launches -= 1,
         }
     }
 }
@@ -254,6 +273,7 @@ impl Tenant {
             refused: self.refused.load(Ordering::Relaxed),
             executions_running: self.running.load(Ordering::Relaxed),
             transfer_bytes: h.transfer_bytes,
+            pending_launches: h.pending_launches,
         }
     }
 
@@ -460,6 +480,30 @@ impl Tenant {
         Ok(Charge {
             tenant: Arc::clone(self),
             kind: ChargeKind::Transfer(bytes),
+        })
+    }
+
+    /// Charges one launch until the returned charge is dropped (when the device finished it,
+    /// or it failed before it was submitted).
+    ///
+    /// Errors: `resource-exhausted` naming `max-pending-launches`.
+    pub fn charge_launch(self: &Arc<Self>) -> DeviceResult<Charge> {
+        let mut h = self.held.lock().expect("tenant lock");
+        if h.pending_launches >= self.limits.max_pending_launches {
+            let n = h.pending_launches;
+            drop(h);
+            return Err(self.refuse(
+                "max-pending-launches",
+                format!(
+                    "{n} launches are pending (queued or running), the most allowed; wait for some before launching more"
+                ),
+            ));
+        }
+        h.pending_launches += 1;
+        drop(h);
+        Ok(Charge {
+            tenant: Arc::clone(self),
+            kind: ChargeKind::Launch,
         })
     }
 

@@ -52,6 +52,50 @@ unsafe extern "C" fn segment_attention_handler(
     unsafe { handle(frame, segment_attention) }
 }
 
+/// Custom-call target of a **test-only** handler that fails every execution with
+/// `INTERNAL` ("tpubox_test_fail: this custom call fails on purpose"), whatever its operands
+/// (it writes nothing). Registered only by [`register_test_fail`], which a host calls only
+/// when asked (`tpubox_core::open::DeviceConfig::test_custom_calls`), and allowed in no
+/// tenant's program policy by default: tests use it to inject a failure at execution, after
+/// the program compiled and was launched.
+pub const TEST_FAIL: &str = "tpubox_test_fail";
+
+fn test_fail(_f: &pjrt::ffi::CallFrame<'_>) -> Result<(), pjrt::ffi::FfiError> {
+    Err(pjrt::ffi::FfiError::new(
+        pjrt::ErrorCode::Internal,
+        "tpubox_test_fail: this custom call fails on purpose (test-only)",
+    ))
+}
+
+/// # Safety
+/// Called by XLA with a valid call frame.
+unsafe extern "C" fn test_fail_handler(frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    // SAFETY: XLA passes its live call frame; `handle` reads it only as its docs say.
+    unsafe { handle(frame, test_fail) }
+}
+
+/// Per plugin path: the result of the first test-only registration.
+static TEST_DONE: Mutex<Option<HashMap<PathBuf, Result<(), String>>>> = Mutex::new(None);
+
+/// Registers the test-only [`TEST_FAIL`] handler with `plugin` for the platform `"cpu"`, once
+/// per process and plugin (later calls return the first result). Registration is
+/// process-wide: every client of the plugin in this process can then compile programs that
+/// call it (tenants still need it in their program policy's allowed custom calls).
+///
+/// Errors: the plugin has no FFI extension, or refuses the handler (its message).
+pub fn register_test_fail(plugin: &Plugin) -> Result<(), String> {
+    let mut done = TEST_DONE.lock().unwrap_or_else(|p| p.into_inner());
+    let done = done.get_or_insert_with(HashMap::new);
+    if let Some(r) = done.get(plugin.path()) {
+        return r.clone();
+    }
+    let r = plugin
+        .register_ffi_handler(TEST_FAIL, "cpu", test_fail_handler)
+        .map_err(|e| e.to_string());
+    done.insert(plugin.path().to_path_buf(), r.clone());
+    r
+}
+
 /// Per plugin path: the result of the first registration (registration is process-wide).
 static DONE: Mutex<Option<HashMap<PathBuf, Result<(), String>>>> = Mutex::new(None);
 

@@ -108,6 +108,8 @@ pub struct ModelLimits {
     pub max_call_seconds: Option<f64>,
     /// Guest linear memory, in MiB.
     pub max_guest_memory_mib: Option<u64>,
+    /// Launches queued for the device or running at once (default 256).
+    pub max_pending_launches: Option<u64>,
 }
 
 /// `[tpubox]`: what only tpubox has.
@@ -292,6 +294,9 @@ impl ModelConfig {
         }
         if let Some(m) = l.max_guest_memory_mib {
             t.max_guest_memory = usize::try_from(m.saturating_mul(1 << 20)).unwrap_or(usize::MAX);
+        }
+        if let Some(n) = l.max_pending_launches {
+            t.max_pending_launches = n;
         }
         t.max_call_time = Some(Duration::from_secs_f64(
             l.max_call_seconds.unwrap_or(60.0).clamp(0.001, 86_400.0),

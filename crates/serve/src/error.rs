@@ -104,13 +104,14 @@ impl ServeError {
 /// The tenant limit a `resource-exhausted` message names, for metrics labels.
 fn limit_named_in(message: &str) -> &'static str {
     // A name that another one starts with comes after it (`max-compile-workers`).
-    const LIMITS: [&str; 11] = [
+    const LIMITS: [&str; 12] = [
         "max-device-bytes",
         "max-live-tensors",
         "max-live-executables",
         "max-program-bytes",
         "max-compiles-per-minute",
         "max-guest-memory",
+        "max-pending-launches",
         "max-compile-seconds",
         "max-compile-memory",
         "max-compile-resident",

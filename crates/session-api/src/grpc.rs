@@ -15,7 +15,7 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::SessionAccess;
 use super::policy::RequestedLimits;
-use super::registry::{AccessError, LiveSession, Registry};
+use super::registry::{AccessError, CallArg, CallSpec, LiveSession, Registry};
 use tpubox_core::error::{DeviceError, ErrorKind};
 use tpubox_core::session::{ProgramFormat, TensorHandle};
 use tpubox_core::tenant::{TenantLimits, TenantUsage};
@@ -172,6 +172,7 @@ fn wire_limits(t: &TenantLimits, idle: Duration) -> Limits {
         max_call_seconds: t.max_call_time.map_or(0.0, |d| d.as_secs_f64()),
         max_guest_memory_bytes: t.max_guest_memory as u64,
         idle_timeout_seconds: idle.as_secs_f64(),
+        max_pending_launches: t.max_pending_launches,
     }
 }
 
@@ -191,6 +192,7 @@ fn requested(l: Option<Limits>) -> RequestedLimits {
         max_call_seconds: nzf(l.max_call_seconds),
         max_guest_memory_bytes: nz(l.max_guest_memory_bytes),
         idle_timeout_seconds: nzf(l.idle_timeout_seconds),
+        max_pending_launches: nz(l.max_pending_launches),
     }
 }
 
@@ -436,6 +438,7 @@ impl SessionRpc for Service {
             weight_sets: s.session().weight_sets(),
             components: self.component_names(),
             local_socket: self.local_socket(),
+            launch_blocking: s.session().launch_blocking(),
         }))
     }
 
@@ -619,6 +622,82 @@ impl SessionRpc for Service {
             .map(|(h, t)| tensor_info(*h, t))
             .collect();
         Ok(Response::new(ExecuteResponse { results }))
+    }
+
+    async fn call(&self, req: Request<CallRequest>) -> Result<Response<CallResponse>, Status> {
+        let (s, _active) = self.session(req.metadata())?;
+        let r = req.into_inner();
+        let mut arguments = Vec::with_capacity(r.arguments.len());
+        let mut inline = Vec::new();
+        for (i, a) in r.arguments.into_iter().enumerate() {
+            arguments.push(match a.argument {
+                Some(call_argument::Argument::Handle(h)) => CallArg::Handle(h),
+                Some(call_argument::Argument::Tensor(t)) => {
+                    let spec = t.spec.ok_or_else(|| {
+                        invalid(format!("argument {i}: an inline tensor needs its spec"))
+                    })?;
+                    inline.push(t.data);
+                    CallArg::Inline {
+                        ty: primitive(spec.dtype)
+                            .map_err(|e| invalid(format!("argument {i}: {}", e.message())))?,
+                        dims: spec.dims,
+                        device: t.device,
+                    }
+                }
+                None => {
+                    return Err(invalid(format!(
+                        "argument {i} is empty: a handle or an inline tensor"
+                    )));
+                }
+            });
+        }
+        let plan = s
+            .plan_call(CallSpec {
+                executable: r.executable,
+                arguments,
+                donate: r.donate,
+                fetch: r.fetch,
+                keep: r.keep,
+                free: r.free,
+                launch: r.launch,
+            })
+            .map_err(access_status)?;
+        let slices: Vec<&[u8]> = inline.iter().map(|b| b.as_ref()).collect();
+        let out = plan.run(&s, &slices).await.map_err(access_status)?;
+        let results = out
+            .results
+            .into_iter()
+            .map(|o| CallResult {
+                info: Some(tensor_info(o.handle, &o.tensor)),
+                fetched: o.data.is_some(),
+                // The bytes keep their transfer charge until the reply is encoded.
+                data: o.data.map(Bytes::from_owner).unwrap_or_default(),
+            })
+            .collect();
+        Ok(Response::new(CallResponse {
+            results,
+            freed: out.freed,
+            unknown: out.unknown,
+            launch_id: out.launch_id,
+        }))
+    }
+
+    async fn wait(&self, req: Request<WaitRequest>) -> Result<Response<WaitResponse>, Status> {
+        let (s, _active) = self.session(req.metadata())?;
+        let r = req.into_inner();
+        s.wait(&r.tensors, r.all).await.map_err(access_status)?;
+        Ok(Response::new(WaitResponse {}))
+    }
+
+    async fn set_launch_blocking(
+        &self,
+        req: Request<SetLaunchBlockingRequest>,
+    ) -> Result<Response<SetLaunchBlockingResponse>, Status> {
+        let (s, _active) = self.session(req.metadata())?;
+        s.session().set_launch_blocking(req.into_inner().on);
+        Ok(Response::new(SetLaunchBlockingResponse {
+            blocking: s.session().launch_blocking(),
+        }))
     }
 
     async fn open_weights(

@@ -17,6 +17,20 @@
 //!   "donate": [..]}` → `{"ok": {"results": [TENSOR_INFO, ..]}}`, as `Execute`;
 //! - `{"op": "free", "token": SESSION_TOKEN, "tensors": [..], "executables": [..]}` →
 //!   `{"ok": {"freed": N, "unknown": [..]}}`, as `Free`;
+//! - `{"op": "call", "token": SESSION_TOKEN, "executable": E, "arguments": [ARG, ..],
+//!   "donate": [..], "fetch": [..], "keep": [..], "free": [..]}`, as `Call` (one forward pass
+//!   in one round trip), where each `ARG` is `{"handle": N}` or an inline tensor
+//!   `{"dtype": "F32", "dims": [..], "device": 0}`. A call with inline arguments carries one
+//!   sealed memfd holding all their bytes, packed in argument order, each starting at the next
+//!   multiple of [`PACK_ALIGN`] (64) bytes after the previous one's end (the first at 0) →
+//!   `{"ok": {"results": [RESULT, ..], "freed": N, "unknown": [..]}}`, where `RESULT` is a
+//!   `TENSOR_INFO` (`handle` 0 when the result was not kept) with an `"offset"` when it was
+//!   fetched: the reply then carries one sealed memfd with the fetched results packed the same
+//!   way, and `offset` says where each starts, and `launch_id` the launch's id. With
+//!   `"launch": true` the call launches without waiting (as `Call`'s `launch`: no `fetch`, every
+//!   result a pending handle);
+//! - `{"op": "wait", "token": SESSION_TOKEN, "tensors": [..], "all": false}` → `{"ok": {}}`,
+//!   as `Wait`;
 //!
 //! where `TENSOR_INFO` is `{"handle", "dtype", "dims", "device", "byte_size", "read_only"}`,
 //! and a failure is `{"error": {"kind": KIND, "message": ...}}` with the kinds of the gRPC API.
@@ -25,16 +39,18 @@
 //! Only sealed memfds are taken (a FIFO or a file on a stalled mount could block the reader;
 //! an unsealed file could shrink under the daemon's map), and only the size the header
 //! declares is mapped and read, checked against the session's device-byte limit and charged to
-//! its tenant as a transfer in flight before the descriptor is looked at. Everything else goes
-//! through the same session layer calls as `PutTensor` and `GetTensor`.
+//! its tenant as a transfer in flight before the descriptor is looked at (for a call: each
+//! inline argument's size; the padding between them, under 64 bytes each, is not charged).
+//! Everything else goes through the same session layer calls as `PutTensor`, `GetTensor` and
+//! `Call`.
 //!
 //! Before a request's token is checked a connection costs the daemon little: the header is
 //! read into a buffer of the size it declares (at most [`MAX_HEADER_BYTES`]), and at most
-//! [`MAX_DESCRIPTORS_PER_REQUEST`] descriptor is held (a put needs exactly one). A request
-//! that attaches more is refused (`invalid-argument`): the extra descriptors are closed at
-//! once and the connection is ended (protection `local-socket-descriptors`); the limit is
-//! fixed, not a flag, because the protocol's one request that carries a descriptor carries
-//! exactly one. Failed accepts (the process out of descriptors, say) are retried after an
+//! [`MAX_DESCRIPTORS_PER_REQUEST`] descriptor is held (a put, or a call with inline arguments,
+//! needs exactly one). A request that attaches more is refused (`invalid-argument`): the extra
+//! descriptors are closed at once and the connection is ended (protection
+//! `local-socket-descriptors`); the limit is fixed, not a flag, because the protocol's requests
+//! that carry a descriptor carry exactly one (a call packs all its inline tensors in one). Failed accepts (the process out of descriptors, say) are retried after an
 //! exponential back-off (`tpubox_net::accept`, protection `accept-errors`), and connections
 //! count against the daemon's connection caps with every other door's (`--max-connections`,
 //! `--max-connections-per-peer`; one over a cap is closed at once). A request's header must
@@ -60,7 +76,7 @@ use serde_json::{Value, json};
 use tokio::io::Interest;
 use tokio::net::{UnixListener, UnixStream};
 
-use super::registry::{AccessError, Registry};
+use super::registry::{AccessError, CallArg, CallSpec, Registry};
 use tpubox_core::error::{DeviceError, ErrorKind};
 use tpubox_core::session::TensorHandle;
 
@@ -68,7 +84,8 @@ use tpubox_core::session::TensorHandle;
 pub const MAX_HEADER_BYTES: usize = 64 << 10;
 
 /// Most descriptors a connection holds for one request, before its token is checked: 1 (a
-/// put's memfd). More are closed as they arrive and the connection is ended.
+/// put's memfd, or the one memfd of a call's inline arguments). More are closed as they
+/// arrive and the connection is ended.
 pub const MAX_DESCRIPTORS_PER_REQUEST: usize = 1;
 
 /// How long the daemon waits to send the refusal of a request with too many descriptors
@@ -110,6 +127,88 @@ enum LocalRequest {
         #[serde(default)]
         executables: Vec<u64>,
     },
+    Call {
+        token: String,
+        executable: u64,
+        arguments: Vec<LocalArg>,
+        #[serde(default)]
+        donate: Vec<u32>,
+        #[serde(default)]
+        fetch: Vec<u32>,
+        #[serde(default)]
+        keep: Vec<u32>,
+        #[serde(default)]
+        free: Vec<u64>,
+        #[serde(default)]
+        launch: bool,
+    },
+    Wait {
+        token: String,
+        #[serde(default)]
+        tensors: Vec<u64>,
+        #[serde(default)]
+        all: bool,
+    },
+}
+
+/// One argument of a local call: `{"handle": N}` or `{"dtype", "dims", "device"?}`.
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct LocalArg {
+    #[serde(default)]
+    handle: Option<u64>,
+    #[serde(default)]
+    dtype: Option<String>,
+    #[serde(default)]
+    dims: Option<Vec<u64>>,
+    #[serde(default)]
+    device: Option<u32>,
+}
+
+/// Fetched results up to this many bytes in all are written to their memfd on the request's
+/// own task; larger ones on a blocking thread.
+const INLINE_WRITE_BYTES: usize = 64 << 10;
+
+/// Alignment of each tensor packed in a call's memfd, in bytes ([`packed`]).
+pub const PACK_ALIGN: usize = 64;
+
+/// Where tensors of `sizes` bytes start when packed one after another in a memfd, each at the
+/// next multiple of [`PACK_ALIGN`] (the first at 0), and the bytes they span in all.
+///
+/// Errors: `invalid-argument` when the total does not fit this host's address space.
+fn packed(sizes: &[usize]) -> Result<(Vec<usize>, usize), Failure> {
+    let mut offsets = Vec::with_capacity(sizes.len());
+    let mut end = 0usize;
+    for &n in sizes {
+        let at = end
+            .checked_next_multiple_of(PACK_ALIGN)
+            .ok_or_else(|| invalid("the packed tensors do not fit this host's address space"))?;
+        offsets.push(at);
+        end = at
+            .checked_add(n)
+            .ok_or_else(|| invalid("the packed tensors do not fit this host's address space"))?;
+    }
+    Ok((offsets, end))
+}
+
+/// A new memfd holding `parts` at `offsets`, sealed against writing, growing and shrinking.
+fn sealed_copy(parts: &[&[u8]], offsets: &[usize], len: usize) -> std::io::Result<OwnedFd> {
+    use rustix::fs::{MemfdFlags, SealFlags};
+    let fd = rustix::fs::memfd_create(
+        "tpubox-tensor",
+        MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
+    )?;
+    let file = std::fs::File::from(fd);
+    file.set_len(len as u64)?;
+    for (p, &at) in parts.iter().zip(offsets) {
+        file.write_all_at(p, at as u64)?;
+    }
+    let fd = OwnedFd::from(file);
+    rustix::fs::fcntl_add_seals(
+        &fd,
+        SealFlags::WRITE | SealFlags::GROW | SealFlags::SHRINK | SealFlags::SEAL,
+    )?;
+    Ok(fd)
 }
 
 /// A failed request: its kind (the names of the gRPC API) and message.
@@ -364,7 +463,7 @@ async fn connection(
                     ),
                 );
                 let e = invalid(format!(
-                    "a local request carries at most {MAX_DESCRIPTORS_PER_REQUEST} descriptor (a put's memfd); this one attached more, and the connection is closed"
+                    "a local request carries at most {MAX_DESCRIPTORS_PER_REQUEST} descriptor (a put's memfd, or a call's); this one attached more, and the connection is closed"
                 ));
                 let _ = tokio::time::timeout(REFUSAL_SEND_TIMEOUT, refuse(&stream, e)).await;
                 return Ok(());
@@ -387,7 +486,9 @@ fn no_fds(fds: &[OwnedFd]) -> Result<(), Failure> {
     if fds.is_empty() {
         Ok(())
     } else {
-        Err(invalid("only a put carries a descriptor"))
+        Err(invalid(
+            "only a put and a call with inline arguments carry a descriptor",
+        ))
     }
 }
 
@@ -449,6 +550,153 @@ async fn handle(
                 .collect();
             Ok((json!({ "results": results }), None))
         }
+        LocalRequest::Call {
+            token,
+            executable,
+            arguments,
+            donate,
+            fetch,
+            keep,
+            free,
+            launch,
+        } => {
+            let (s, _active) = registry.get(&token)?;
+            let mut args = Vec::with_capacity(arguments.len());
+            for (i, a) in arguments.into_iter().enumerate() {
+                args.push(match a {
+                    LocalArg {
+                        handle: Some(h),
+                        dtype: None,
+                        dims: None,
+                        device: None,
+                    } => CallArg::Handle(h),
+                    LocalArg {
+                        handle: None,
+                        dtype: Some(dtype),
+                        dims: Some(dims),
+                        device,
+                    } => CallArg::Inline {
+                        ty: PrimitiveType::from_name(&dtype.to_ascii_uppercase()).ok_or_else(
+                            || {
+                                invalid(format!(
+                                    "argument {i}: `{dtype}` is not a dtype tpubox supports"
+                                ))
+                            },
+                        )?,
+                        dims,
+                        device,
+                    },
+                    _ => {
+                        return Err(invalid(format!(
+                            "argument {i}: either {{\"handle\"}} or {{\"dtype\", \"dims\"}} (and \"device\")"
+                        )));
+                    }
+                });
+            }
+            // Admitted and charged before the descriptor is looked at.
+            let plan = s.plan_call(CallSpec {
+                executable,
+                arguments: args,
+                donate,
+                fetch,
+                keep,
+                free,
+                launch,
+            })?;
+            let sizes = plan.inline_sizes().to_vec();
+            let map = if sizes.is_empty() {
+                no_fds(&fds)?;
+                None
+            } else {
+                if fds.len() != 1 {
+                    return Err(invalid(format!(
+                        "a local call with inline arguments carries exactly one memfd with their data, this one {}",
+                        fds.len()
+                    )));
+                }
+                let (_, total) = packed(&sizes)?;
+                Some(
+                    pjrt::MappedFile::sealed_memfd(fds.remove(0), total).map_err(|e| {
+                        invalid(format!(
+                            "{e} (the inline arguments, packed at multiples of {PACK_ALIGN} bytes, span {total} bytes)"
+                        ))
+                    })?,
+                )
+            };
+            let (offsets, _) = packed(&sizes)?;
+            let slices: Vec<&[u8]> = match &map {
+                Some(m) => offsets
+                    .iter()
+                    .zip(&sizes)
+                    .map(|(&at, &n)| &m.as_slice()[at..at + n])
+                    .collect(),
+                None => Vec::new(),
+            };
+            let out = plan.run(&s, &slices).await?;
+            drop(slices);
+            drop(map);
+            let fetched: Vec<usize> = out
+                .results
+                .iter()
+                .filter_map(|o| o.data.as_ref().map(|d| d.as_ref().len()))
+                .collect();
+            let (offsets, total) = packed(&fetched)?;
+            let mut next = offsets.iter();
+            let results: Vec<Value> = out
+                .results
+                .iter()
+                .map(|o| {
+                    let mut v = info(o.handle, &o.tensor);
+                    if o.data.is_some() {
+                        v["offset"] = json!(next.next().copied().unwrap_or_default());
+                    }
+                    v
+                })
+                .collect();
+            let reply = json!({
+                "results": results,
+                "freed": out.freed,
+                "unknown": out.unknown,
+                "launch_id": out.launch_id,
+            });
+            if fetched.is_empty() {
+                return Ok((reply, None));
+            }
+            let write = move || {
+                let parts: Vec<&[u8]> = out
+                    .results
+                    .iter()
+                    .filter_map(|o| o.data.as_ref().map(|d| d.as_ref()))
+                    .collect();
+                sealed_copy(&parts, &offsets, total)
+            };
+            // A memfd is memory: writing a few pages never waits on a device, so small results
+            // skip the hop to a blocking thread (a tiny forward pass's reply).
+            let fd = if total <= INLINE_WRITE_BYTES {
+                write()
+            } else {
+                tokio::task::spawn_blocking(write)
+                    .await
+                    .map_err(|e| Failure(ErrorKind::Internal.as_str(), e.to_string()))?
+            }
+            .map_err(|e| {
+                Failure(
+                    ErrorKind::Internal.as_str(),
+                    format!("a memfd for the fetched results: {e}"),
+                )
+            })?;
+            Ok((reply, Some(fd)))
+        }
+        LocalRequest::Wait {
+            token,
+            tensors,
+            all,
+        } => {
+            no_fds(&fds)?;
+            let (s, _active) = registry.get(&token)?;
+            s.wait(&tensors, all).await?;
+            Ok((json!({}), None))
+        }
         LocalRequest::Free {
             token,
             tensors,
@@ -491,5 +739,21 @@ async fn handle(
             })?;
             Ok((info(handle, &t), Some(fd)))
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn packed_tensors_start_at_multiples_of_the_alignment() {
+        let (at, end) = packed(&[48, 32, 0, 8, 64]).ok().unwrap();
+        assert_eq!(at, vec![0, 64, 128, 128, 192]);
+        assert_eq!(end, 256);
+        assert_eq!(packed(&[]).ok().unwrap(), (vec![], 0));
+        // A total past the address space is refused, not wrapped.
+        let e = packed(&[usize::MAX - 10, 20]).err().unwrap();
+        assert_eq!(e.0, "invalid-argument");
     }
 }

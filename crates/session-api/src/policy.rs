@@ -33,6 +33,8 @@ pub struct SessionPolicy {
     /// A session ends after this long with no call and no attached client, in seconds
     /// (default 3600).
     pub idle_timeout_seconds: Option<f64>,
+    /// Launches of one session queued for the device or running at once (default 256).
+    pub max_pending_launches: Option<u64>,
     /// Skip the program policy (loops, host transfers, custom calls) for this tenant's
     /// programs (default false).
     #[serde(default)]
@@ -55,6 +57,7 @@ impl Default for SessionPolicy {
             max_call_seconds: None,
             max_guest_memory_mib: None,
             idle_timeout_seconds: None,
+            max_pending_launches: None,
             trusted: false,
         }
     }
@@ -91,6 +94,8 @@ pub struct RequestedLimits {
     pub max_guest_memory_bytes: Option<u64>,
     /// Idle timeout, seconds.
     pub idle_timeout_seconds: Option<f64>,
+    /// Pending launches.
+    pub max_pending_launches: Option<u64>,
 }
 
 fn mib(m: u64) -> u64 {
@@ -126,6 +131,9 @@ impl SessionPolicy {
         }
         if let Some(m) = self.max_guest_memory_mib {
             t.max_guest_memory = usize::try_from(mib(m)).unwrap_or(usize::MAX);
+        }
+        if let Some(n) = self.max_pending_launches {
+            t.max_pending_launches = n;
         }
         t.program_policy = ProgramPolicy {
             trusted: self.trusted,
@@ -212,6 +220,11 @@ impl SessionLimits {
             t.max_guest_memory as u64,
             r.max_guest_memory_bytes,
         )? as usize;
+        t.max_pending_launches = narrow(
+            "max-pending-launches",
+            t.max_pending_launches,
+            r.max_pending_launches,
+        )?;
         if let Some(s) = time("max-call-seconds", r.max_call_seconds)? {
             let have = t.max_call_time.map_or(f64::INFINITY, |d| d.as_secs_f64());
             t.max_call_time = Some(seconds(narrow("max-call-seconds", have, Some(s))?));

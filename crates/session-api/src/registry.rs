@@ -18,7 +18,7 @@ use super::policy::{RequestedLimits, SessionLimits, SessionPolicy};
 use tpubox_core::device::DeviceService;
 use tpubox_core::error::{DeviceError, DeviceResult, ErrorKind};
 use tpubox_core::session::{ExecutableHandle, Session, TensorHandle};
-use tpubox_core::tenant::{Tenant, TenantUsage};
+use tpubox_core::tenant::{Charge, Tenant, TenantUsage};
 use tpubox_core::weights::WeightRegistry;
 
 /// Source of handle numbers, shared by every session so that no number is valid in two.
@@ -180,6 +180,109 @@ impl LiveSession {
         outputs.into_iter().map(|o| self.insert_tensor(o)).collect()
     }
 
+    /// Admits a one-round-trip call (both front doors' `Call`), before any inline byte is
+    /// read into a tensor: looks the executable and the handle arguments up, checks the
+    /// `fetch` and `keep` positions, checks that the kept results fit the handle table
+    /// ([`admit_handles`](Self::admit_handles)), and charges the tenant, as transfers in
+    /// flight, for each inline argument's declared size ([`Session::admit_upload`], as
+    /// `PutTensor`) and for twice the fetched results' bytes (their host copies and the reply
+    /// that carries them, as `GetTensor`). The charges are held by the returned plan until the
+    /// call ends; [`CallPlan::run`] runs it.
+    ///
+    /// Errors: `not-found` for a handle this session does not have; `invalid-argument` for a
+    /// `fetch`/`keep` position out of range or listed twice, an inline tensor `admit_upload`
+    /// refuses, or fetched results larger than [`MAX_CALL_FETCH_BYTES`] in all;
+    /// `resource-exhausted` naming `max-live-tensors` or `max-device-bytes`.
+    pub fn plan_call(&self, call: CallSpec) -> AccessResult<CallPlan> {
+        let exe = self.executable(call.executable)?;
+        let outputs = exe.executable().outputs().len();
+        if call.launch && !call.fetch.is_empty() {
+            return Err(DeviceError::invalid(
+                "a launch fetches nothing (its results are pending handles): read them later, or call without `launch`",
+            )
+            .into());
+        }
+        let fetched = positions(outputs, &call.fetch, "fetch")?;
+        let kept_fetched = positions(outputs, &call.keep, "keep")?;
+        let kept: Vec<bool> = fetched
+            .iter()
+            .zip(&kept_fetched)
+            .map(|(&f, &k)| !f || k)
+            .collect();
+        let mut args = Vec::with_capacity(call.arguments.len());
+        let mut charges = Vec::new();
+        let mut inline_sizes = Vec::new();
+        for (i, a) in call.arguments.into_iter().enumerate() {
+            args.push(match a {
+                CallArg::Handle(h) => PlannedArg::Handle(self.tensor(h)?),
+                CallArg::Inline { ty, dims, device } => {
+                    let (bytes, charge) = self
+                        .session
+                        .admit_upload(ty, &dims, &format!("inline argument {i} of this Call"))
+                        .map_err(|e| {
+                            DeviceError::new(e.kind, format!("argument {i}: {}", e.message))
+                        })?;
+                    charges.push(charge);
+                    inline_sizes.push(bytes);
+                    PlannedArg::Inline {
+                        ty,
+                        dims,
+                        device,
+                        bytes,
+                    }
+                }
+            });
+        }
+        self.admit_handles(kept.iter().filter(|&&k| k).count())?;
+        let sizes = exe.executable().output_bytes();
+        let fetch_bytes = sizes
+            .iter()
+            .zip(&fetched)
+            .filter(|(_, f)| **f)
+            .fold(0u64, |a, (&b, _)| a.saturating_add(b));
+        if fetch_bytes > MAX_CALL_FETCH_BYTES {
+            return Err(DeviceError::invalid(format!(
+                "this Call fetches {fetch_bytes} bytes of results, more than one reply carries ({MAX_CALL_FETCH_BYTES} bytes); keep the large results and read them with GetTensor"
+            ))
+            .into());
+        }
+        let fetch_charge = self.tenant().charge_transfer(
+            fetch_bytes.saturating_mul(2),
+            "the fetched results of this Call (their host copies and the reply)",
+        )?;
+        Ok(CallPlan {
+            exe,
+            args,
+            inline_sizes,
+            donate: call.donate,
+            fetched,
+            kept,
+            free: call.free,
+            launch: call.launch,
+            _upload: charges,
+            fetch_charge: Arc::new(fetch_charge),
+        })
+    }
+
+    /// Waits for the launches that make the tensors of `tensors` ([`Session::wait`]), or, with
+    /// `all`, for every launch of the session so far ([`Session::wait_all`]).
+    ///
+    /// Errors: `not-found` for a handle this session does not have; as [`Session::wait`] and
+    /// [`Session::wait_all`] (a failed launch's error, naming it).
+    pub async fn wait(&self, tensors: &[u64], all: bool) -> AccessResult<()> {
+        let ts = tensors
+            .iter()
+            .map(|&h| self.tensor(h))
+            .collect::<Result<Vec<_>, _>>()?;
+        for t in &ts {
+            self.session.wait(t).await?;
+        }
+        if all {
+            self.session.wait_all().await?;
+        }
+        Ok(())
+    }
+
     /// Adds an executable; as [`insert_tensor`](Self::insert_tensor).
     pub fn insert_executable(&self, e: ExecutableHandle) -> AccessResult<u64> {
         let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
@@ -287,6 +390,230 @@ impl LiveSession {
     fn idle_for(&self, now: Instant) -> Option<Duration> {
         let l = lock(&self.live);
         (l.in_flight == 0 && l.attached == 0).then(|| now.saturating_duration_since(l.last_used))
+    }
+}
+
+/// Most bytes of results one `Call` fetches (256 MiB, a quarter of the reply size the session
+/// API encodes): larger results are kept and read with `GetTensor`, which streams them.
+pub const MAX_CALL_FETCH_BYTES: u64 = 256 << 20;
+
+/// Which of `n` positions `list` names.
+///
+/// Errors: `invalid-argument` for a position out of range or listed twice.
+fn positions(n: usize, list: &[u32], what: &str) -> AccessResult<Vec<bool>> {
+    let mut out = vec![false; n];
+    for &p in list {
+        let Some(slot) = out.get_mut(p as usize) else {
+            return Err(DeviceError::invalid(format!(
+                "{what} position {p} is out of range for {n} result(s)"
+            ))
+            .into());
+        };
+        if *slot {
+            return Err(
+                DeviceError::invalid(format!("{what} position {p} is listed twice")).into(),
+            );
+        }
+        *slot = true;
+    }
+    Ok(out)
+}
+
+/// One argument of a one-round-trip call ([`LiveSession::plan_call`]).
+#[derive(Debug, Clone)]
+pub enum CallArg {
+    /// A tensor handle of this session.
+    Handle(u64),
+    /// A fresh tensor whose bytes come with the call (given to [`CallPlan::run`]): its element
+    /// type, dims and device (default 0).
+    Inline {
+        /// Element type.
+        ty: pjrt::PrimitiveType,
+        /// Dims, outermost first.
+        dims: Vec<u64>,
+        /// Device index (default 0).
+        device: Option<u32>,
+    },
+}
+
+/// A one-round-trip call as a front door received it (the fields of `CallRequest`).
+#[derive(Debug, Clone, Default)]
+pub struct CallSpec {
+    /// The executable's handle.
+    pub executable: u64,
+    /// One per parameter, in order.
+    pub arguments: Vec<CallArg>,
+    /// Positions in `arguments` donated.
+    pub donate: Vec<u32>,
+    /// Positions of results whose bytes come back.
+    pub fetch: Vec<u32>,
+    /// Positions of fetched results also kept as handles (results not fetched always are).
+    pub keep: Vec<u32>,
+    /// Tensor handles freed after the execution succeeded (after the launch, with `launch`).
+    pub free: Vec<u64>,
+    /// Launch without waiting ([`Session::launch`]): every result a pending handle, nothing
+    /// fetched.
+    pub launch: bool,
+}
+
+#[derive(Debug)]
+enum PlannedArg {
+    Handle(Arc<TensorHandle>),
+    Inline {
+        ty: pjrt::PrimitiveType,
+        dims: Vec<u64>,
+        device: Option<u32>,
+        bytes: usize,
+    },
+}
+
+/// An admitted one-round-trip call ([`LiveSession::plan_call`]): holds its charges until it
+/// is run or dropped.
+#[derive(Debug)]
+pub struct CallPlan {
+    exe: Arc<ExecutableHandle>,
+    args: Vec<PlannedArg>,
+    inline_sizes: Vec<usize>,
+    donate: Vec<u32>,
+    fetched: Vec<bool>,
+    kept: Vec<bool>,
+    free: Vec<u64>,
+    launch: bool,
+    _upload: Vec<Charge>,
+    fetch_charge: Arc<Charge>,
+}
+
+/// The bytes of a fetched result, holding (a share of) their transfer charge until dropped:
+/// a front door hands them to the reply, which drops them once it is written.
+#[derive(Debug)]
+pub struct Fetched {
+    bytes: Vec<u8>,
+    _charge: Arc<Charge>,
+}
+
+impl AsRef<[u8]> for Fetched {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+/// One result of a one-round-trip call.
+#[derive(Debug)]
+pub struct CallOutput {
+    /// Its handle when kept, else 0 (never a handle).
+    pub handle: u64,
+    /// The tensor (its spec, device and size for the reply).
+    pub tensor: Arc<TensorHandle>,
+    /// Its bytes (dense, row-major, little-endian) when fetched.
+    pub data: Option<Fetched>,
+}
+
+/// What a one-round-trip call did.
+#[derive(Debug)]
+pub struct CallOutcome {
+    /// One per result, in order.
+    pub results: Vec<CallOutput>,
+    /// How many handles of `free` were freed.
+    pub freed: u32,
+    /// The handles of `free` this session does not have.
+    pub unknown: Vec<u64>,
+    /// The launch's id (0 unless the call was a launch).
+    pub launch_id: u64,
+}
+
+impl CallPlan {
+    /// The declared sizes of the inline arguments, in bytes, in argument order: what the front
+    /// door must hand [`run`](Self::run).
+    pub fn inline_sizes(&self) -> &[usize] {
+        &self.inline_sizes
+    }
+
+    /// Runs the call on `session` (the one that planned it): makes the inline tensors from
+    /// `inline` (one slice per inline argument, in order), executes
+    /// ([`Session::execute`]; [`Session::launch`] for a launch, which returns pending
+    /// handles at once), reads the fetched results, adds the kept ones to the handle
+    /// table and then frees `free`. On any error nothing is added or freed: the inline tensors
+    /// and the results are dropped with their charges.
+    ///
+    /// Errors: `invalid-argument` when a slice is not its argument's declared size (element
+    /// size × product of dims); as [`Session::tensor_from_bytes`], [`Session::execute`] and
+    /// [`Session::read`]; [`AccessError::Ended`].
+    pub async fn run(self, session: &LiveSession, inline: &[&[u8]]) -> AccessResult<CallOutcome> {
+        if inline.len() != self.inline_sizes.len() {
+            return Err(DeviceError::invalid(format!(
+                "{} inline tensors were declared and {} sent",
+                self.inline_sizes.len(),
+                inline.len()
+            ))
+            .into());
+        }
+        let s = &session.session;
+        let mut held = Vec::with_capacity(self.args.len());
+        let mut next = inline.iter();
+        for (i, a) in self.args.iter().enumerate() {
+            held.push(match a {
+                PlannedArg::Handle(h) => Arc::clone(h),
+                PlannedArg::Inline { ty, dims, device, bytes } => {
+                    let data = next.next().copied().unwrap_or_default();
+                    if data.len() != *bytes {
+                        return Err(DeviceError::invalid(format!(
+                            "argument {i}: a {ty} tensor of dims {dims:?} holds {bytes} bytes, {} were sent",
+                            data.len()
+                        ))
+                        .into());
+                    }
+                    let t = s
+                        .tensor_from_bytes(*ty, dims, data, *device)
+                        .map_err(|e| DeviceError::new(e.kind, format!("argument {i}: {}", e.message)))?;
+                    Arc::new(t)
+                }
+            });
+        }
+        let refs: Vec<&TensorHandle> = held.iter().map(|a| a.as_ref()).collect();
+        let (outputs, launch_id) = if self.launch {
+            let l = s.launch(&self.exe, &refs, &self.donate).await?;
+            (l.outputs, l.id)
+        } else {
+            (s.execute(&self.exe, &refs, &self.donate).await?, 0)
+        };
+        drop(refs);
+        drop(held);
+        let mut results = Vec::with_capacity(outputs.len());
+        for (i, o) in outputs.into_iter().enumerate() {
+            let data = if self.fetched[i] {
+                Some(Fetched {
+                    bytes: s.read(&o).await?,
+                    _charge: Arc::clone(&self.fetch_charge),
+                })
+            } else {
+                None
+            };
+            results.push((Arc::new(o), data));
+        }
+        let mut out = Vec::with_capacity(results.len());
+        for (i, (tensor, data)) in results.into_iter().enumerate() {
+            let handle = if self.kept[i] {
+                let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+                session.with_tables(|t| {
+                    t.tensors.insert(id, Arc::clone(&tensor));
+                })?;
+                id
+            } else {
+                0
+            };
+            out.push(CallOutput {
+                handle,
+                tensor,
+                data,
+            });
+        }
+        let (freed, unknown) = session.free(&self.free, &[])?;
+        Ok(CallOutcome {
+            results: out,
+            freed,
+            unknown,
+            launch_id,
+        })
     }
 }
 
@@ -598,4 +925,28 @@ pub fn spawn_reaper(registry: &Arc<Registry>) -> tokio::task::JoinHandle<()> {
             r.reap(Instant::now());
         }
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn kind(r: AccessResult<Vec<bool>>) -> String {
+        match r {
+            Err(AccessError::Device(e)) => e.kind.as_str().to_string(),
+            other => format!("{other:?}"),
+        }
+    }
+
+    #[test]
+    fn call_positions_are_checked() {
+        assert_eq!(
+            positions(3, &[2, 0], "fetch").ok().unwrap(),
+            vec![true, false, true]
+        );
+        assert_eq!(positions(0, &[], "keep").ok().unwrap(), Vec::<bool>::new());
+        assert_eq!(kind(positions(3, &[3], "fetch")), "invalid-argument");
+        assert_eq!(kind(positions(3, &[1, 1], "keep")), "invalid-argument");
+        assert_eq!(kind(positions(2, &[u32::MAX], "fetch")), "invalid-argument");
+    }
 }

@@ -43,6 +43,11 @@ pub struct HostConfig {
     pub cache: CacheConfig,
     /// Where tenants' programs are compiled: in a contained worker process, or in this one.
     pub compile_isolation: CompileIsolation,
+    /// Makes every launch of every guest synchronous (`tpubox run --launch-blocking`; see
+    /// [`DeviceConfig::launch_blocking`]).
+    pub launch_blocking: bool,
+    /// Registers the test-only failing custom call ([`DeviceConfig::test_custom_calls`]).
+    pub test_custom_calls: bool,
 }
 
 impl Default for HostConfig {
@@ -62,6 +67,8 @@ impl HostConfig {
             sandbox,
             cache: device.cache,
             compile_isolation: device.compile_isolation,
+            launch_blocking: device.launch_blocking,
+            test_custom_calls: device.test_custom_calls,
         }
     }
 
@@ -74,6 +81,8 @@ impl HostConfig {
             execution_slots: self.execution_slots,
             cache: self.cache.clone(),
             compile_isolation: self.compile_isolation.clone(),
+            launch_blocking: self.launch_blocking,
+            test_custom_calls: self.test_custom_calls,
         }
     }
 }

@@ -51,7 +51,7 @@ class TensorSpec(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_device_bytes", "max_live_tensors", "max_live_executables", "max_program_bytes", "max_compiles_per_minute", "max_call_seconds", "max_guest_memory_bytes", "idle_timeout_seconds")
+    __slots__ = ("max_device_bytes", "max_live_tensors", "max_live_executables", "max_program_bytes", "max_compiles_per_minute", "max_call_seconds", "max_guest_memory_bytes", "idle_timeout_seconds", "max_pending_launches")
     MAX_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_LIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
     MAX_LIVE_EXECUTABLES_FIELD_NUMBER: _ClassVar[int]
@@ -60,6 +60,7 @@ class Limits(_message.Message):
     MAX_CALL_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_GUEST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    MAX_PENDING_LAUNCHES_FIELD_NUMBER: _ClassVar[int]
     max_device_bytes: int
     max_live_tensors: int
     max_live_executables: int
@@ -68,7 +69,8 @@ class Limits(_message.Message):
     max_call_seconds: float
     max_guest_memory_bytes: int
     idle_timeout_seconds: float
-    def __init__(self, max_device_bytes: _Optional[int] = ..., max_live_tensors: _Optional[int] = ..., max_live_executables: _Optional[int] = ..., max_program_bytes: _Optional[int] = ..., max_compiles_per_minute: _Optional[int] = ..., max_call_seconds: _Optional[float] = ..., max_guest_memory_bytes: _Optional[int] = ..., idle_timeout_seconds: _Optional[float] = ...) -> None: ...
+    max_pending_launches: int
+    def __init__(self, max_device_bytes: _Optional[int] = ..., max_live_tensors: _Optional[int] = ..., max_live_executables: _Optional[int] = ..., max_program_bytes: _Optional[int] = ..., max_compiles_per_minute: _Optional[int] = ..., max_call_seconds: _Optional[float] = ..., max_guest_memory_bytes: _Optional[int] = ..., idle_timeout_seconds: _Optional[float] = ..., max_pending_launches: _Optional[int] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("limits", "end_on_disconnect", "label")
@@ -155,7 +157,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("session_id", "tenant", "limits", "platform", "usage", "weight_sets", "components", "local_socket")
+    __slots__ = ("session_id", "tenant", "limits", "platform", "usage", "weight_sets", "components", "local_socket", "launch_blocking")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +166,7 @@ class InfoResponse(_message.Message):
     WEIGHT_SETS_FIELD_NUMBER: _ClassVar[int]
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_BLOCKING_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     limits: Limits
@@ -172,7 +175,8 @@ class InfoResponse(_message.Message):
     weight_sets: _containers.RepeatedScalarFieldContainer[str]
     components: _containers.RepeatedScalarFieldContainer[str]
     local_socket: str
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., platform: _Optional[_Union[Platform, _Mapping]] = ..., usage: _Optional[_Union[UsageResponse, _Mapping]] = ..., weight_sets: _Optional[_Iterable[str]] = ..., components: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ...) -> None: ...
+    launch_blocking: bool
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., platform: _Optional[_Union[Platform, _Mapping]] = ..., usage: _Optional[_Union[UsageResponse, _Mapping]] = ..., weight_sets: _Optional[_Iterable[str]] = ..., components: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ..., launch_blocking: bool = ...) -> None: ...
 
 class PutTensorChunk(_message.Message):
     __slots__ = ("spec", "device", "data")
@@ -279,6 +283,88 @@ class ExecuteResponse(_message.Message):
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     results: _containers.RepeatedCompositeFieldContainer[TensorInfo]
     def __init__(self, results: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ...) -> None: ...
+
+class InlineTensor(_message.Message):
+    __slots__ = ("spec", "data", "device")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    spec: TensorSpec
+    data: bytes
+    device: int
+    def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., data: _Optional[bytes] = ..., device: _Optional[int] = ...) -> None: ...
+
+class CallArgument(_message.Message):
+    __slots__ = ("handle", "tensor")
+    HANDLE_FIELD_NUMBER: _ClassVar[int]
+    TENSOR_FIELD_NUMBER: _ClassVar[int]
+    handle: int
+    tensor: InlineTensor
+    def __init__(self, handle: _Optional[int] = ..., tensor: _Optional[_Union[InlineTensor, _Mapping]] = ...) -> None: ...
+
+class CallRequest(_message.Message):
+    __slots__ = ("executable", "arguments", "donate", "fetch", "keep", "free", "launch")
+    EXECUTABLE_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    DONATE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_FIELD_NUMBER: _ClassVar[int]
+    executable: int
+    arguments: _containers.RepeatedCompositeFieldContainer[CallArgument]
+    donate: _containers.RepeatedScalarFieldContainer[int]
+    fetch: _containers.RepeatedScalarFieldContainer[int]
+    keep: _containers.RepeatedScalarFieldContainer[int]
+    free: _containers.RepeatedScalarFieldContainer[int]
+    launch: bool
+    def __init__(self, executable: _Optional[int] = ..., arguments: _Optional[_Iterable[_Union[CallArgument, _Mapping]]] = ..., donate: _Optional[_Iterable[int]] = ..., fetch: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., free: _Optional[_Iterable[int]] = ..., launch: bool = ...) -> None: ...
+
+class CallResult(_message.Message):
+    __slots__ = ("info", "fetched", "data")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    info: TensorInfo
+    fetched: bool
+    data: bytes
+    def __init__(self, info: _Optional[_Union[TensorInfo, _Mapping]] = ..., fetched: bool = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class CallResponse(_message.Message):
+    __slots__ = ("results", "freed", "unknown", "launch_id")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    LAUNCH_ID_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[CallResult]
+    freed: int
+    unknown: _containers.RepeatedScalarFieldContainer[int]
+    launch_id: int
+    def __init__(self, results: _Optional[_Iterable[_Union[CallResult, _Mapping]]] = ..., freed: _Optional[int] = ..., unknown: _Optional[_Iterable[int]] = ..., launch_id: _Optional[int] = ...) -> None: ...
+
+class WaitRequest(_message.Message):
+    __slots__ = ("tensors", "all")
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    ALL_FIELD_NUMBER: _ClassVar[int]
+    tensors: _containers.RepeatedScalarFieldContainer[int]
+    all: bool
+    def __init__(self, tensors: _Optional[_Iterable[int]] = ..., all: bool = ...) -> None: ...
+
+class WaitResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class SetLaunchBlockingRequest(_message.Message):
+    __slots__ = ("on",)
+    ON_FIELD_NUMBER: _ClassVar[int]
+    on: bool
+    def __init__(self, on: bool = ...) -> None: ...
+
+class SetLaunchBlockingResponse(_message.Message):
+    __slots__ = ("blocking",)
+    BLOCKING_FIELD_NUMBER: _ClassVar[int]
+    blocking: bool
+    def __init__(self, blocking: bool = ...) -> None: ...
 
 class OpenWeightsRequest(_message.Message):
     __slots__ = ("name",)

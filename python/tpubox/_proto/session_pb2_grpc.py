@@ -79,6 +79,21 @@ class SessionStub(object):
                 request_serializer=tpubox_dot___proto_dot_session__pb2.ExecuteRequest.SerializeToString,
                 response_deserializer=tpubox_dot___proto_dot_session__pb2.ExecuteResponse.FromString,
                 _registered_method=True)
+        self.Call = channel.unary_unary(
+                '/tpubox.v1.Session/Call',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.CallRequest.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.CallResponse.FromString,
+                _registered_method=True)
+        self.Wait = channel.unary_unary(
+                '/tpubox.v1.Session/Wait',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.WaitRequest.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.WaitResponse.FromString,
+                _registered_method=True)
+        self.SetLaunchBlocking = channel.unary_unary(
+                '/tpubox.v1.Session/SetLaunchBlocking',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingRequest.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingResponse.FromString,
+                _registered_method=True)
         self.OpenWeights = channel.unary_unary(
                 '/tpubox.v1.Session/OpenWeights',
                 request_serializer=tpubox_dot___proto_dot_session__pb2.OpenWeightsRequest.SerializeToString,
@@ -183,6 +198,40 @@ class SessionServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Call(self, request, context):
+        """One forward pass in one round trip: an execution whose arguments may be fresh tensors sent
+        inline (their bytes in the request), whose results named in `fetch` come back in the
+        response (the others stay as handles), and which then frees the handles of `free`. Every
+        inline byte is admitted and charged as PutTensor's are, every fetched byte as GetTensor's,
+        before the execution. On failure the session is as it was: the inline tensors and any
+        results are dropped and nothing is freed. Errors: those of PutTensor (for an inline
+        argument), Execute and GetTensor, each with its kind; INVALID_ARGUMENT for a `fetch` or
+        `keep` position out of range or listed twice, and for fetched results larger in all than
+        `MAX_CALL_FETCH_BYTES` (256 MiB: read those with GetTensor).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def Wait(self, request, context):
+        """Waits for the launches (`CallRequest.launch`) that make the named tensors, or for every
+        launch of the session so far (`all`). Errors: NOT_FOUND for a handle this session does not
+        have, FAILED_PRECONDITION (donated), and a failed launch's error, named (`launch <id> of
+        program <fingerprint> failed: ...`; kind `execution-failed`, or the device error's kind).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def SetLaunchBlocking(self, request, context):
+        """Makes the session's launches synchronous (`on`), TorchTPU's `TORCH_TPU_LAUNCH_BLOCKING=1`
+        for debugging: a launch then returns only once the device finished, with its error. The
+        daemon's `--launch-blocking` turns it on for every session whatever this says.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def OpenWeights(self, request, context):
         """Opens a weight set the daemon holds (`tpubox serve --weights NAME=FILE`): one read-only
         handle per tensor, charged to nobody but counted as live tensors.
@@ -261,6 +310,21 @@ def add_SessionServicer_to_server(servicer, server):
                     servicer.Execute,
                     request_deserializer=tpubox_dot___proto_dot_session__pb2.ExecuteRequest.FromString,
                     response_serializer=tpubox_dot___proto_dot_session__pb2.ExecuteResponse.SerializeToString,
+            ),
+            'Call': grpc.unary_unary_rpc_method_handler(
+                    servicer.Call,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.CallRequest.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.CallResponse.SerializeToString,
+            ),
+            'Wait': grpc.unary_unary_rpc_method_handler(
+                    servicer.Wait,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.WaitRequest.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.WaitResponse.SerializeToString,
+            ),
+            'SetLaunchBlocking': grpc.unary_unary_rpc_method_handler(
+                    servicer.SetLaunchBlocking,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingRequest.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingResponse.SerializeToString,
             ),
             'OpenWeights': grpc.unary_unary_rpc_method_handler(
                     servicer.OpenWeights,
@@ -526,6 +590,87 @@ class Session(object):
             '/tpubox.v1.Session/Execute',
             tpubox_dot___proto_dot_session__pb2.ExecuteRequest.SerializeToString,
             tpubox_dot___proto_dot_session__pb2.ExecuteResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Call(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpubox.v1.Session/Call',
+            tpubox_dot___proto_dot_session__pb2.CallRequest.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.CallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Wait(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpubox.v1.Session/Wait',
+            tpubox_dot___proto_dot_session__pb2.WaitRequest.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.WaitResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def SetLaunchBlocking(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpubox.v1.Session/SetLaunchBlocking',
+            tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingRequest.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.SetLaunchBlockingResponse.FromString,
             options,
             channel_credentials,
             insecure,
