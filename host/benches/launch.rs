@@ -12,7 +12,7 @@ use tpubox_core::{PrimitiveType, Session, Tenant, TenantLimits};
 use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
 
 /// Trips of the long-running loop (a few element-wise ops over `f32[512,512]` per trip).
-const TRIPS: u64 = 400;
+const TRIPS: u64 = 800;
 /// Repetitions of each long measurement (median reported).
 const ROUNDS: usize = 5;
 /// Tiny executions per round for the per-call comparison.
