@@ -33,7 +33,7 @@ FFI_HEADER_DIR="$CACHE/headers/$FFI_HEADER_PKG-$FFI_HEADER_VER"
 # with underscores, $TARGET/wasm32-wasip2/release/serve_dtypes.wasm (see guest_wasm); command
 # guests keep the package name.
 SERVE_GUESTS=(serve-dtypes minilm-serve)
-GUESTS=(hello-matmul tpubox-probe tpubox-graph-ops minilm-embed "${SERVE_GUESTS[@]}")
+GUESTS=(hello-matmul tpubox-probe tpubox-graph-ops tpubox-wit-0-1-0 minilm-embed "${SERVE_GUESTS[@]}")
 
 # Tools for guests in C, Python and JavaScript (docs/guests/), installed once under $TOOLS.
 TOOLS="$CACHE/tools"
@@ -194,8 +194,8 @@ check_model_guest() {
   wasm="$(guest_wasm "$1")"
   [ -x "$wasm_tools" ] || return 0
   wit="$("$wasm_tools" component wit "$wasm")"
-  grep -q '^  export tpubox:device/model@0.1.0;' <<<"$wit" ||
-    { log "$wasm does not export tpubox:device/model@0.1.0"; return 1; }
+  grep -q '^  export tpubox:device/model@0.1.1;' <<<"$wit" ||
+    { log "$wasm does not export tpubox:device/model@0.1.1"; return 1; }
 }
 
 # All guests in one cargo run: separate runs unify features per guest, so the proc macros they

@@ -154,13 +154,65 @@ impl Executable {
         check_donate(args.len(), donate)?;
         let raw_args: Vec<&raw_types::Tensor> = args.iter().map(|t| t.as_raw()).collect();
         let outs = raw_client::execute(&self.raw, &raw_args, donate)?;
+        Ok(self.wrap_outputs(outs))
+    }
+
+    /// Launches the program like [`Executable::call_donating`] (`donate` may be empty), but
+    /// returns at once while the device works: the outputs are valued once the launch
+    /// finished ([`Tensor::wait`], [`wait_all`]; a read waits). They may be passed to later
+    /// launches at once; the host orders those after this one. Donation is final at launch.
+    ///
+    /// Errors: as for [`Executable::call_donating`], except the device's error
+    /// ([`ErrorKind::ExecutionFailed`](crate::ErrorKind::ExecutionFailed)), which surfaces at
+    /// the first wait or read of an output (or here, with [`set_launch_blocking`]);
+    /// [`ErrorKind::ResourceExhausted`](crate::ErrorKind::ResourceExhausted) naming
+    /// `max-pending-launches` when the guest already has that many launches pending.
+    pub fn launch(&self, args: &[&Tensor], donate: &[u32]) -> Result<Launch> {
+        check_arg_count(self.inputs().len(), args.len())?;
+        check_donate(args.len(), donate)?;
+        let raw_args: Vec<&raw_types::Tensor> = args.iter().map(|t| t.as_raw()).collect();
+        let (id, outs) = raw_client::launch(&self.raw, &raw_args, donate)?;
+        Ok(Launch {
+            id,
+            outputs: self.wrap_outputs(outs),
+        })
+    }
+
+    fn wrap_outputs(&self, outs: Vec<raw_types::Tensor>) -> Vec<Tensor> {
         let specs = self.outputs.get();
-        Ok(outs
-            .into_iter()
+        outs.into_iter()
             .enumerate()
             .map(|(i, raw)| Tensor::with_spec(raw, specs.and_then(|s| s.get(i)).cloned()))
-            .collect())
+            .collect()
     }
+}
+
+/// Waits until every launch of this guest so far has finished ([`Executable::launch`]).
+///
+/// Errors: the error of the first failed launch that no [`Tensor::wait`], read or earlier
+/// `wait_all` reported ([`ErrorKind::ExecutionFailed`](crate::ErrorKind::ExecutionFailed),
+/// naming the launch and how many others failed).
+pub fn wait_all() -> Result<()> {
+    Ok(raw_client::wait_all()?)
+}
+
+/// Makes this guest's later launches synchronous (`true`): [`Executable::launch`] returns only
+/// once the device finished, with the device's error, as TorchTPU's
+/// `TORCH_TPU_LAUNCH_BLOCKING=1` does. For debugging; the host may force it on for every guest
+/// (`tpubox run --launch-blocking`).
+pub fn set_launch_blocking(on: bool) {
+    raw_client::set_launch_blocking(on);
+}
+
+/// What [`Executable::launch`] returns: the launch's id and its outputs.
+#[derive(Debug)]
+pub struct Launch {
+    /// The launch's id, unique in the host; the launch's errors name it
+    /// (`launch <id> of program <fingerprint> failed: ...`).
+    pub id: u64,
+    /// One tensor per entry of [`Executable::outputs`], in order; the device may still be
+    /// computing them ([`Tensor::wait`]; reading one waits).
+    pub outputs: Vec<Tensor>,
 }
 
 fn check_arg_count(want: usize, got: usize) -> Result<()> {

@@ -2,7 +2,7 @@
 //! WebAssembly component.
 //!
 //! A tpubox host owns an accelerator (CPU, GPU or TPU) through PJRT and lends it to guest
-//! components built against the WIT world `tpubox:device/guest@0.1.0` (`wit/device.wit` in the
+//! components built against the WIT world `tpubox:device/guest@0.1.1` (`wit/device.wit` in the
 //! tpubox repository). This crate wraps the raw generated bindings (still reachable through
 //! [`bindings`]) in an ergonomic layer:
 //!
@@ -121,6 +121,8 @@ pub use model::bindings::export_model;
 
 pub use element::{Element, decode, encode};
 pub use error::{Error, Result, install_panic_hook};
-pub use executable::{Executable, compile_mlir, compile_mlir_bytecode};
+pub use executable::{
+    Executable, Launch, compile_mlir, compile_mlir_bytecode, set_launch_blocking, wait_all,
+};
 pub use platform::{devices, platform};
 pub use tensor::{Placement, Tensor};

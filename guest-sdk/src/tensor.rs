@@ -181,9 +181,21 @@ impl Tensor {
         self.raw.byte_size()
     }
 
-    /// Copies the tensor back into guest memory as row-major bytes in the host layout.
+    /// Waits until the launch computing this tensor ([`Executable::launch`](crate::Executable::launch))
+    /// has finished; at once for a tensor with a value.
     ///
-    /// Errors: [`ErrorKind::FailedPrecondition`] if the tensor was donated.
+    /// Errors: [`ErrorKind::FailedPrecondition`] if the tensor was donated; the launch's error
+    /// ([`ErrorKind::ExecutionFailed`], its message naming the launch's id and program
+    /// fingerprint) if the device failed, at every wait.
+    pub fn wait(&self) -> Result<()> {
+        Ok(crate::bindings::tpubox::device::client::wait(&self.raw)?)
+    }
+
+    /// Copies the tensor back into guest memory as row-major bytes in the host layout; an
+    /// output of a launch is read once the launch finished.
+    ///
+    /// Errors: [`ErrorKind::FailedPrecondition`] if the tensor was donated; the launch's error
+    /// ([`ErrorKind::ExecutionFailed`] naming it) if the device failed.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         Ok(self.raw.read()?)
     }

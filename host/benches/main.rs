@@ -4,6 +4,7 @@
 
 mod cache;
 mod isolation;
+mod launch;
 mod minilm;
 mod serve;
 mod sessions;
@@ -42,6 +43,11 @@ const BENCHES: &[(&str, &str, fn())] = &[
         "sessions",
         "the session API: tiny calls and large transfers",
         sessions::main,
+    ),
+    (
+        "launch",
+        "launch without waiting: launch vs wait of a long program, host and guest",
+        launch::main,
     ),
 ];
 

@@ -423,3 +423,131 @@ async fn donation_is_final_at_launch() {
     }
     nothing_held("launch-donor ends", &tenant).await;
 }
+
+// ---------------------------------------------------------------------------------------------
+// From guests: the probe's `launch` cases (WIT 0.1.1) and a guest built against WIT 0.1.0
+// ---------------------------------------------------------------------------------------------
+
+/// A Wasm host for the guest cases: in-process compiles (the test-only custom call is
+/// registered in this process only), the test-only custom call allowed by default.
+fn guest_host() -> tpubox_wasm::Host {
+    let mut config = crate::support::test_host_config();
+    config.compile_isolation.worker = None;
+    config.test_custom_calls = true;
+    config.cache.mode = CacheMode::Off;
+    config.sandbox.tenant_limits = limits(8);
+    tpubox_wasm::Host::new(config).expect("the host starts on the CPU plugin")
+}
+
+async fn run_guest(
+    host: &tpubox_wasm::Host,
+    component: &wasmtime::component::Component,
+    args: &[&str],
+    tenant: &Arc<Tenant>,
+) -> String {
+    let opts = tpubox_wasm::RunOptions {
+        args: args.iter().map(|a| a.to_string()).collect(),
+        capture_output: true,
+        stdin: Some(Vec::new()),
+        tenant: Some(Arc::clone(tenant)),
+        ..tpubox_wasm::RunOptions::default()
+    };
+    let o = host
+        .run(component, "guest", &opts)
+        .await
+        .unwrap_or_else(|e| panic!("{args:?}: {e:#}"));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(
+        o.exit_code,
+        0,
+        "{args:?}: {out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+fn line<'a>(out: &'a str, key: &str) -> &'a str {
+    out.lines()
+        .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix(": ")))
+        .unwrap_or_else(|| panic!("no `{key}:` line in {out:?}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guests_launch_wait_and_see_failures_naming_the_launch() {
+    let host = guest_host();
+    let probe = host
+        .load_component(&crate::support::wasm("tpubox-probe"))
+        .expect("probe loads");
+    let tenant = Tenant::new("guest-launch", limits(8));
+
+    let out = run_guest(&host, &probe, &["launch", "chain"], &tenant).await;
+    assert_eq!(
+        line(&out, "chain"),
+        "[32.0, -64.0, 16.0, 256.0] same-as-execute=true"
+    );
+    assert_eq!(line(&out, "chain-wait-all"), "ok");
+
+    // The failure surfaces at the first read, naming the launch.
+    let out = run_guest(&host, &probe, &["launch", "fail"], &tenant).await;
+    let launched = line(&out, "fail-launch");
+    let mut parts = launched.split(' ');
+    assert_eq!(parts.next(), Some("ok"), "{out}");
+    let (id, fingerprint) = (parts.next().unwrap(), parts.next().unwrap());
+    let read = line(&out, "fail-read");
+    let named = format!("execution-failed (launch {id} of program {fingerprint} failed: ");
+    assert!(read.starts_with(&named), "{read}");
+    assert!(line(&out, "fail-wait").starts_with(&named), "{out}");
+
+    // With the blocking switch, at the launch.
+    let out = run_guest(&host, &probe, &["launch", "blocking"], &tenant).await;
+    let fingerprint = line(&out, "fail-fingerprint");
+    let failed = line(&out, "fail-launch");
+    assert!(
+        failed.starts_with("execution-failed (launch ")
+            && failed.contains(&format!("of program {fingerprint} failed: ")),
+        "{out}"
+    );
+    nothing_held("the guest tenant after its runs", &tenant).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_that_never_waits_is_refused_at_max_pending_launches_and_leaks_nothing() {
+    let host = guest_host();
+    let probe = host
+        .load_component(&crate::support::wasm("tpubox-probe"))
+        .expect("probe loads");
+    let flooder = Tenant::new("guest-flooder", limits(8));
+    let holder = Tenant::new("guest-holder", limits(8));
+    // Every slot held: the flooder's launches stay queued whatever the machine's speed.
+    let held = futures_hold(host.device(), &holder).await;
+    let out = run_guest(&host, &probe, &["launch", "flood"], &flooder).await;
+    assert_eq!(line(&out, "flood-accepted"), "8", "{out}");
+    let refused = line(&out, "flood-refused");
+    assert!(
+        refused.starts_with("resource-exhausted (")
+            && refused.contains("max-pending-launches")
+            && refused.contains("guest-flooder"),
+        "{refused}"
+    );
+    drop(held);
+    // The guest ended with 8 launches pending: all released.
+    nothing_held("the flooder after its run ended", &flooder).await;
+    // And the host serves another tenant.
+    let other = Tenant::new("guest-other", limits(8));
+    let out = run_guest(&host, &probe, &["launch", "chain"], &other).await;
+    assert!(
+        line(&out, "chain").ends_with("same-as-execute=true"),
+        "{out}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_guest_built_against_wit_0_1_0_still_links_and_runs() {
+    let host = guest_host();
+    let old = host
+        .load_component(&crate::support::wasm("tpubox-wit-0-1-0"))
+        .expect("the 0.1.0 guest loads");
+    let tenant = Tenant::new("guest-0-1-0", limits(8));
+    let out = run_guest(&host, &old, &[], &tenant).await;
+    assert_eq!(line(&out, "wit-0-1-0"), "[2.0, -4.0, 1.0, 16.0]");
+}

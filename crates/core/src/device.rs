@@ -556,32 +556,50 @@ impl DeviceService {
         call: Call,
         on_done: impl FnOnce(DeviceResult<()>) + Send + 'static,
     ) -> DeviceResult<Vec<DeviceTensor>> {
-        let may_block = call.executable().program_facts().map_or(true, |f| {
-            !f.while_loops.is_empty() || !f.host_transfers.is_empty()
-        });
-        let svc = Arc::clone(self);
-        let start = move || -> DeviceResult<_> {
-            let (outputs, done) = svc.submit(call.executable(), &call.args())?;
-            let runtime = tokio::runtime::Handle::try_current().ok();
-            done.on_ready(move |status| {
-                drop(slot);
-                on_done(status.map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed)));
-                // Drop the arguments on the blocking pool rather than in the plugin's
-                // callback thread.
-                match runtime {
-                    Some(rt) => drop(rt.spawn_blocking(move || drop(call))),
-                    None => drop(call),
-                }
-            });
-            Ok(outputs)
-        };
-        if may_block {
-            tokio::task::spawn_blocking(start).await.map_err(|e| {
-                DeviceError::new(ErrorKind::Internal, format!("submitting failed: {e}"))
-            })?
-        } else {
-            start()
+        if !Self::may_block(&call) {
+            return self.submit_now(slot, call, on_done);
         }
+        let svc = Arc::clone(self);
+        tokio::task::spawn_blocking(move || svc.submit_now(slot, call, on_done))
+            .await
+            .map_err(|e| DeviceError::new(ErrorKind::Internal, format!("submitting failed: {e}")))?
+    }
+
+    /// Whether submitting `call` may keep the submitting thread for as long as the program
+    /// runs (on the CPU plugin: a `while` loop or a host transfer; see
+    /// [`submit_for`](Self::submit_for)). Such calls must not be submitted from an async thread.
+    pub fn may_block(call: &Call) -> bool {
+        call.executable().program_facts().map_or(true, |f| {
+            !f.while_loops.is_empty() || !f.host_transfers.is_empty()
+        })
+    }
+
+    /// [`submit_for`](Self::submit_for) on the calling thread, for a call that does not
+    /// [`may_block`](Self::may_block) (or from a thread that may block).
+    ///
+    /// Errors: as [`submit_for`](Self::submit_for).
+    pub fn submit_now(
+        &self,
+        slot: Slot,
+        call: Call,
+        on_done: impl FnOnce(DeviceResult<()>) + Send + 'static,
+    ) -> DeviceResult<Vec<DeviceTensor>> {
+        let (outputs, done) = self.submit(call.executable(), &call.args())?;
+        let runtime = tokio::runtime::Handle::try_current().ok();
+        done.on_ready(move |status| {
+            drop(slot);
+            on_done(status.map_err(|e| DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed)));
+            // Completed inside the submit call, on a thread of the runtime: drop the arguments
+            // here. On the plugin's callback thread: on the blocking pool instead.
+            if tokio::runtime::Handle::try_current().is_ok() {
+                drop(call);
+            } else if let Some(rt) = runtime {
+                drop(rt.spawn_blocking(move || drop(call)));
+            } else {
+                drop(call);
+            }
+        });
+        Ok(outputs)
     }
 
     /// Executes `exe` with borrowed arguments, donating those marked, and awaits completion.

@@ -72,6 +72,24 @@ impl FairShare {
         self.inner.slots
     }
 
+    /// A slot for `tenant` if one is free and nobody waits for one (the fast path of a launch
+    /// that nothing in its session's queue precedes); `None` otherwise.
+    pub fn try_acquire(&self, tenant: &Arc<Tenant>) -> Option<Slot> {
+        {
+            let mut q = self.inner.queue.lock().expect("scheduler lock");
+            if q.running >= self.inner.slots || !q.waiting.is_empty() {
+                return None;
+            }
+            q.running += 1;
+        }
+        tenant.execution_started();
+        Some(Slot {
+            share: Arc::clone(&self.inner),
+            tenant: Arc::clone(tenant),
+            start: Instant::now(),
+        })
+    }
+
     /// Waits for a slot for `tenant`. Cancel-safe: dropping the future gives up the place.
     pub async fn acquire(&self, tenant: &Arc<Tenant>) -> Slot {
         let rx = {

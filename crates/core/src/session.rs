@@ -53,6 +53,12 @@
 //!   are dropped with their charges, submitted ones keep their slot, arguments and charges
 //!   until the device finishes, then return them (tenant usage back to zero).
 //!
+//! **Fast path.** When nothing of the session is in its queue, every argument is submitted, the
+//! program cannot keep the submitting thread (no loop, no host transfer) and a fair-share slot
+//! is free with nobody waiting, `launch` submits on the caller's thread instead: the same order
+//! and fairness, without the queue task's cross-thread wake-ups (tens of microseconds per call
+//! on a busy 2-core machine; see docs/BENCHMARKS.md, spine).
+//!
 //! CPU plugins run cheap programs inside the submit call; the queue task submits programs
 //! with loops or host transfers from tokio's blocking pool ([`DeviceService::submit_for`]),
 //! so no shared async thread is held for as long as such a program runs.
@@ -122,6 +128,9 @@ struct Launches {
     tracked: Mutex<Vec<Arc<LaunchState>>>,
     /// [`Session::set_launch_blocking`].
     blocking: AtomicBool,
+    /// Launches in the submit queue not yet submitted (while 0, a launch may be submitted by
+    /// its caller: nothing of this session precedes it).
+    queued: Arc<AtomicU64>,
 }
 
 /// What a launch's output handles and waiters share.
@@ -289,6 +298,7 @@ async fn run_submit_queue(
     tenant: Arc<Tenant>,
     mut rx: tokio::sync::mpsc::UnboundedReceiver<Job>,
     closed: Arc<AtomicBool>,
+    queued: Arc<AtomicU64>,
 ) {
     while let Some(job) = rx.recv().await {
         if closed.load(Ordering::Acquire) {
@@ -296,9 +306,75 @@ async fn run_submit_queue(
                 ErrorKind::FailedPrecondition,
                 "the session ended before it was submitted",
             )));
-            continue;
+        } else {
+            submit_job(&device, &tenant, job).await;
         }
-        submit_job(&device, &tenant, job).await;
+        queued.fetch_sub(1, Ordering::AcqRel);
+    }
+}
+
+/// The call of a job whose arguments are all submitted; `None` (the launch failed, and says
+/// why) when one is the output of a launch that failed before submission.
+fn job_call(
+    launch: &LaunchState,
+    exe: Arc<DeviceExecutable>,
+    args: &[(Source, bool)],
+    donated: Vec<Source>,
+) -> Option<Call> {
+    let mut tensors = Vec::with_capacity(args.len());
+    for (i, (source, donate)) in args.iter().enumerate() {
+        match source.submitted() {
+            Ok(t) => tensors.push((t, *donate)),
+            Err(e) => {
+                launch.publish(Err(DeviceError::new(
+                    ErrorKind::ExecutionFailed,
+                    format!("argument {i}: {}", e.message),
+                )));
+                return None;
+            }
+        }
+    }
+    match Call::new(exe, tensors) {
+        Ok(mut call) => {
+            call.hold_until_done(donated);
+            Some(call)
+        }
+        Err(e) => {
+            launch.publish(Err(e));
+            None
+        }
+    }
+}
+
+/// The completion callback of a job: returns its charges, then ends the launch.
+fn job_done(
+    launch: &Arc<LaunchState>,
+    charges: Vec<Charge>,
+) -> impl FnOnce(DeviceResult<()>) + Send + 'static {
+    let done = Arc::clone(launch);
+    move |status| {
+        // Charges first, so that a waiter woken below sees the tenant's usage without them.
+        drop(charges);
+        done.completed(status);
+    }
+}
+
+/// Hands a submitted job's output buffers to the outputs still held, and marks it submitted.
+fn job_submitted(
+    launch: &LaunchState,
+    outputs: &[Weak<PendingTensor>],
+    submitted: DeviceResult<Vec<crate::types::DeviceTensor>>,
+) {
+    match submitted {
+        Ok(tensors) => {
+            for (slot, t) in outputs.iter().zip(tensors) {
+                if let Some(p) = slot.upgrade() {
+                    let _ = p.tensor.set(Arc::new(t));
+                }
+            }
+            launch.submitted();
+        }
+        Err(e) => launch.publish(Err(e)),
     }
 }
 
@@ -311,44 +387,14 @@ async fn submit_job(device: &Arc<DeviceService>, tenant: &Arc<Tenant>, job: Job)
         charges,
         donated,
     } = job;
-    let mut tensors = Vec::with_capacity(args.len());
-    for (i, (source, donate)) in args.into_iter().enumerate() {
-        match source.submitted() {
-            Ok(t) => tensors.push((t, donate)),
-            Err(e) => {
-                launch.publish(Err(DeviceError::new(
-                    ErrorKind::ExecutionFailed,
-                    format!("argument {i}: {}", e.message),
-                )));
-                return;
-            }
-        }
-    }
-    let mut call = match Call::new(exe, tensors) {
-        Ok(c) => c,
-        Err(e) => return launch.publish(Err(e)),
+    let Some(call) = job_call(&launch, exe, &args, donated) else {
+        return;
     };
-    call.hold_until_done(donated);
     let slot = device.scheduler().acquire(tenant).await;
-    let done = Arc::clone(&launch);
     let submitted = device
-        .submit_for(slot, call, move |status| {
-            // Charges first, so that a waiter woken below sees the tenant's usage without them.
-            drop(charges);
-            done.completed(status);
-        })
+        .submit_for(slot, call, job_done(&launch, charges))
         .await;
-    match submitted {
-        Ok(tensors) => {
-            for (slot, t) in outputs.iter().zip(tensors) {
-                if let Some(p) = slot.upgrade() {
-                    let _ = p.tensor.set(Arc::new(t));
-                }
-            }
-            launch.submitted();
-        }
-        Err(e) => launch.publish(Err(e)),
-    }
+    job_submitted(&launch, &outputs, submitted);
 }
 
 /// A session's handle to a device tensor.
@@ -1062,7 +1108,9 @@ impl Session {
         };
         self.prune();
         self.tracked().push(Arc::clone(&state));
-        self.enqueue(job, &runtime);
+        if let Some(job) = self.submit_here(job) {
+            self.enqueue(job, &runtime);
+        }
         let handles = outputs
             .into_iter()
             .zip(exe.exe.outputs())
@@ -1080,6 +1128,42 @@ impl Session {
         ))
     }
 
+    /// The fast path of a launch: submits `job` on the calling thread when nothing of this
+    /// session is in its submit queue, every argument is submitted, the program cannot keep
+    /// the thread ([`DeviceService::may_block`]) and a fair-share slot is free with nobody
+    /// waiting ([`crate::scheduler::FairShare::try_acquire`]). The same order and fairness as
+    /// the queue, without its task's cross-thread wake-ups. Returns the job when it must go to
+    /// the queue instead.
+    fn submit_here(&self, job: Job) -> Option<Job> {
+        if self.launches.queued.load(Ordering::Acquire) != 0
+            || job.args.iter().any(|(s, _)| s.submitted().is_err())
+        {
+            return Some(job);
+        }
+        let facts = job.exe.program_facts().ok();
+        if facts.is_none_or(|f| !f.while_loops.is_empty() || !f.host_transfers.is_empty()) {
+            return Some(job);
+        }
+        let Some(slot) = self.device.scheduler().try_acquire(&self.tenant) else {
+            return Some(job);
+        };
+        let Job {
+            launch,
+            exe,
+            args,
+            outputs,
+            charges,
+            donated,
+        } = job;
+        // A launch that fails here is published as failed: it is handled, like a submitted one.
+        let call = job_call(&launch, exe, &args, donated)?;
+        let submitted = self
+            .device
+            .submit_now(slot, call, job_done(&launch, charges));
+        job_submitted(&launch, &outputs, submitted);
+        None
+    }
+
     /// Puts `job` in the submit queue, starting its task at the first launch.
     fn enqueue(&self, job: Job, runtime: &tokio::runtime::Handle) {
         let mut q = self
@@ -1094,10 +1178,13 @@ impl Session {
                 Arc::clone(&self.tenant),
                 rx,
                 Arc::clone(&self.launches.closed),
+                Arc::clone(&self.launches.queued),
             ));
             tx
         });
+        self.launches.queued.fetch_add(1, Ordering::AcqRel);
         if let Err(tokio::sync::mpsc::error::SendError(job)) = tx.send(job) {
+            self.launches.queued.fetch_sub(1, Ordering::AcqRel);
             // The task is gone (its runtime shut down): fail the launch, returning its charges.
             job.launch.publish(Err(DeviceError::new(
                 ErrorKind::Internal,

@@ -342,6 +342,42 @@ impl client::Host for DeviceState {
         };
         outputs.into_iter().map(|o| self.push(o)).collect()
     }
+
+    async fn launch(
+        &mut self,
+        exe: Resource<ExecutableHandle>,
+        args: Vec<Resource<TensorHandle>>,
+        donate: Vec<u32>,
+    ) -> HostResult<(u64, Vec<Resource<TensorHandle>>)> {
+        let launch = {
+            let exe = self.table.get(&exe)?;
+            let args = args
+                .iter()
+                .map(|r| self.table.get(r))
+                .collect::<Result<Vec<_>, _>>()?;
+            self.session.launch(exe, &args, &donate).await?
+        };
+        let outputs = launch
+            .outputs
+            .into_iter()
+            .map(|o| self.push(o))
+            .collect::<HostResult<Vec<_>>>()?;
+        Ok((launch.id, outputs))
+    }
+
+    async fn wait(&mut self, t: Resource<TensorHandle>) -> HostResult<()> {
+        let t = self.table.get(&t)?;
+        Ok(self.session.wait(t).await?)
+    }
+
+    async fn wait_all(&mut self) -> HostResult<()> {
+        Ok(self.session.wait_all().await?)
+    }
+
+    async fn set_launch_blocking(&mut self, on: bool) -> wasmtime::Result<()> {
+        self.session.set_launch_blocking(on);
+        Ok(())
+    }
 }
 
 impl weights::Host for DeviceState {

@@ -14,10 +14,13 @@
 //! - `exec-loop N`: executes a scalar add N times with inputs kept on the device and prints the
 //!   guest-measured time (for the per-call benchmark).
 //! - `check NAME`: makes only the bad call `NAME` of `errors`.
+//! - `launch NAME [ARG]`: launches without waiting; see `launch.rs`. Used by
+//!   `tests/all/launch.rs` and the bench `launch`.
 //! - `abuse NAME [ARG]`: one misbehaviour (bombs, traps, forged handles, sandbox escapes); see
 //!   `abuse.rs`. Used by `tests/all/adversarial.rs`.
 
 mod abuse;
+mod launch;
 
 use tpubox_guest::bindings::tpubox::device::{client, types};
 use tpubox_guest::{Dtype, Tensor, compile_mlir};
@@ -289,9 +292,10 @@ fn main() {
         Some("donate") => donate(),
         Some("check") if args.len() == 3 => check(&args[2]),
         Some("abuse") if args.len() >= 3 => abuse::run(&args[2], args.get(3).map(String::as_str)),
+        Some("launch") if args.len() >= 3 => launch::run(&args[2], args.get(3).map(String::as_str)),
         _ => {
             eprintln!(
-                "usage: probe env|read PATH|loop|alloc MIB|errors|check NAME|abuse NAME [ARG]|donate|weights|noop|exec-loop N"
+                "usage: probe env|read PATH|loop|alloc MIB|errors|check NAME|abuse NAME [ARG]|launch NAME [ARG]|donate|weights|noop|exec-loop N"
             );
             std::process::exit(2);
         }
