@@ -5,6 +5,7 @@
 mod cache;
 mod isolation;
 mod minilm;
+mod optlevel;
 mod serve;
 mod sessions;
 mod spine;
@@ -32,6 +33,11 @@ const BENCHES: &[(&str, &str, fn())] = &[
         "isolation",
         "compile isolation: worker processes vs in process",
         isolation::main,
+    ),
+    (
+        "optlevel",
+        "compile time at XLA optimisation levels O0-O3",
+        optlevel::main,
     ),
     (
         "serve",

@@ -885,9 +885,7 @@ async fn run_job(shared: Arc<PoolShared>, mut job: Job) {
     };
     top_up(&shared);
     let answer = match worker {
-        Ok(w) => {
-            run_in_worker(&shared, w, job.code, job.ordinal, job.level, &mut job.reply).await
-        },
+        Ok(w) => run_in_worker(&shared, w, job.code, job.ordinal, job.level, &mut job.reply).await,
         Err(e) => Some(Err(e)),
     };
     if let Some(answer) = answer {

@@ -326,7 +326,10 @@ mod tests {
 
     #[test]
     fn optimization_level_adds_the_effort_level_and_the_backend_override() {
-        let default = CompileOptions::new().device_ordinal(0).encode(None).unwrap();
+        let default = CompileOptions::new()
+            .device_ordinal(0)
+            .encode(None)
+            .unwrap();
         assert_eq!(
             CompileOptions::new()
                 .device_ordinal(0)

@@ -285,7 +285,13 @@ mod tests {
             .device_ordinal(0)
             .to_bytes()
             .unwrap();
-        let k = cache_key(&ident(), "mlir", b"func.func @main() { return }", &options, 0);
+        let k = cache_key(
+            &ident(),
+            "mlir",
+            b"func.func @main() { return }",
+            &options,
+            0,
+        );
         assert_eq!(
             k.hex(),
             "cc1f1519f61515fa46dd521b6168dd99013494e1dddb1daa4703011403bfd897"

@@ -475,12 +475,7 @@ impl CompileCache {
         result
     }
 
-    async fn fill<C, Fut, L>(
-        &self,
-        key: CacheKey,
-        load: Arc<L>,
-        compile: C,
-    ) -> DeviceResult<Served>
+    async fn fill<C, Fut, L>(&self, key: CacheKey, load: Arc<L>, compile: C) -> DeviceResult<Served>
     where
         C: FnOnce() -> Fut,
         Fut: Future<Output = DeviceResult<Compiled>>,
