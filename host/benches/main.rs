@@ -6,6 +6,7 @@ mod cache;
 mod isolation;
 mod launch;
 mod minilm;
+mod optlevel;
 mod serve;
 mod sessions;
 mod spine;
@@ -33,6 +34,11 @@ const BENCHES: &[(&str, &str, fn())] = &[
         "isolation",
         "compile isolation: worker processes vs in process",
         isolation::main,
+    ),
+    (
+        "optlevel",
+        "compile time at XLA optimisation levels O0-O3",
+        optlevel::main,
     ),
     (
         "serve",

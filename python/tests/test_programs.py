@@ -169,3 +169,27 @@ def test_executables_free_and_context_managers(s):
     with pytest.raises(tpubox.NotFound):
         exe(np.ones((2, 2), np.float32), np.ones((2, 2), np.float32))
     assert s.usage().live_tensors == 0
+
+
+def test_optimization_level_and_tier(s):
+    # A program no other test compiles (the daemon's tier 1 holds it after the first of this
+    # test's transports); only compiles tier 1 does not serve are charged against
+    # max-compiles-per-minute.
+    program = AFFINE.replace("%t = stablehlo.tanh", "%t = stablehlo.logistic")
+    before = s.usage().compiles
+    exes = {level: s.compile(program, optimization_level=level) for level in ("O0", "O3")}
+    assert {e.tier for e in exes.values()} <= {"compiled", "disk", "memory"}, exes
+    charged = sum(e.tier != "memory" for e in exes.values())
+    x = np.array([[1, -2, 3, 0.5], [0, 1, -1, 2], [4, 0, 0, -3]], np.float32)
+    w = np.array([[0.5, -1], [2, 0.25], [-0.5, 1], [1, 1]], np.float32)
+    b = np.array([0.1, -0.2], np.float32)
+    want = 1 / (1 + np.exp(-(x.astype(np.float64) @ w + b)))
+    outs = {level: exe(x, w, b)[0].numpy() for level, exe in exes.items()}
+    for got in outs.values():
+        np.testing.assert_allclose(got, want, rtol=1e-6, atol=1e-7)
+    np.testing.assert_allclose(outs["O0"], outs["O3"], rtol=4 * np.finfo(np.float32).eps)
+    again = s.compile(program, optimization_level="O0")
+    assert again.tier == "memory"
+    assert s.usage().compiles == before + charged
+    with pytest.raises(ValueError, match="optimization_level"):
+        s.compile(program, optimization_level="O4")

@@ -237,6 +237,10 @@ class Executable(_Handle):
         result_bytes: device bytes of the results of one execution.
         temp_bytes: device bytes of the temporaries one execution holds.
         fingerprint: the program's compile-cache key (hex).
+        tier: which compile-cache tier served the compile: ``"memory"`` (tier 1, the daemon's
+            loaded executables; not charged against ``max-compiles-per-minute``), ``"disk"``
+            (tier 2), ``"remote"`` (tier 3), ``"compiled"`` (a cache miss) or
+            ``"compiled-without-cache"``; ``""`` from a daemon too old to say.
     """
 
     __slots__ = (
@@ -247,6 +251,7 @@ class Executable(_Handle):
         "result_bytes",
         "temp_bytes",
         "fingerprint",
+        "tier",
         "_freed",
         "__weakref__",
     )
@@ -261,6 +266,7 @@ class Executable(_Handle):
         self.result_bytes: int = resp.result_bytes
         self.temp_bytes: int = resp.temp_bytes
         self.fingerprint: str = resp.fingerprint
+        self.tier: str = resp.tier
         self._freed = False
 
     @property

@@ -96,6 +96,9 @@ def _launch_blocking_from_env(s: Session) -> Session:
 #: Deadline of control calls (Open, Info, Free, Usage, Close, ...), in seconds.
 DEFAULT_TIMEOUT = 30.0
 
+# TorchTPU's `xla_optimization_level` values (crates/pjrt OptimizationLevel).
+_OPTIMIZATION_LEVELS = ("O0", "O1", "O2", "O3")
+
 _FORMATS = {
     "auto": pb.CompileRequest.FORMAT_AUTO,
     "text": pb.CompileRequest.MLIR_TEXT,
@@ -619,9 +622,14 @@ class Session:
         format: str = "auto",
         *,
         device: int | None = None,
+        optimization_level: str | None = None,
         timeout: float | None = None,
     ) -> Executable:
         """Compiles a StableHLO program whose entry function is ``main``.
+
+        The returned executable's ``tier`` says which compile-cache tier served it; a compile
+        served from the daemon's memory (tier 1) is not charged against
+        ``max-compiles-per-minute``.
 
         Args:
             program: MLIR text (str), MLIR text or bytecode (bytes; e.g.
@@ -629,6 +637,9 @@ class Session:
             format: ``"auto"`` (bytecode when it starts with ``ML\\xefR``), ``"text"``,
                 ``"bytecode"``.
             device: the device index (default 0).
+            optimization_level: how hard XLA optimises, TorchTPU's ``xla_optimization_level``:
+                ``"O0"`` (fastest compile, for single ops) … ``"O3"`` (most optimisation, for
+                fused programs); default: the plugin's. Part of the compile-cache key.
             timeout: deadline in seconds (default none; the daemon bounds a compile with its
                 ``--max-compile-seconds``).
 
@@ -648,9 +659,16 @@ class Session:
             fmt = _FORMATS[format]
         except KeyError:
             raise ValueError(f"format must be one of {sorted(_FORMATS)}, not {format!r}") from None
+        if optimization_level is not None and optimization_level not in _OPTIMIZATION_LEVELS:
+            raise ValueError(
+                f"optimization_level must be one of {list(_OPTIMIZATION_LEVELS)}, "
+                f"not {optimization_level!r}"
+            )
         req = pb.CompileRequest(program=data, format=fmt)
         if device is not None:
             req.device = device
+        if optimization_level is not None:
+            req.optimization_level = optimization_level
         return Executable(self, self._unary("Compile", req, timeout))
 
     def run(

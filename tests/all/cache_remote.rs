@@ -229,6 +229,7 @@ async fn tier_3_answer_wins_the_race_against_a_slow_compile() {
     let got = cache
         .get_or_compile(
             key,
+            || Ok(()),
             move |entry| {
                 assert_eq!(entry.meta.inputs, vec![("F32".to_string(), vec![4])]);
                 Ok(Arc::clone(&loaded))
@@ -244,6 +245,8 @@ async fn tier_3_answer_wins_the_race_against_a_slow_compile() {
         )
         .await
         .unwrap();
+    assert_eq!(got.1, tpubox_core::CacheTier::Remote);
+    let got = got.0;
     assert!(Arc::ptr_eq(&got, &exe));
     assert!(
         !finished.load(Ordering::SeqCst),

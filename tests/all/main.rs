@@ -7,6 +7,7 @@
 mod adversarial;
 mod cache;
 mod cache_remote;
+mod compile_tiers;
 mod compile_workers;
 mod exec;
 mod fuzz_regressions;

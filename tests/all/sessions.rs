@@ -471,6 +471,45 @@ fn info_max_handle(r: &ExecuteResponse) -> u64 {
     r.results.iter().map(|t| t.handle).max().unwrap()
 }
 
+/// A compile says which cache tier served it, takes an optimisation level ("O0"–"O3") and
+/// refuses any other with `invalid-argument`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn compile_reports_its_tier_and_takes_an_optimization_level() {
+    let d = daemon().await;
+    let mut c = client(&d).await;
+    let s = open(&mut c, "bob-token", OpenRequest::default()).await;
+    let t = &s.session_token;
+    // A program no other test compiles, at O1: a cache miss the first time (this daemon's
+    // tier 2 may hold it from an earlier run of the test), tier 1 the second.
+    let program = ADD.replace("stablehlo.add", "stablehlo.subtract");
+    let compile = |level: &str| CompileRequest {
+        program: program.as_bytes().to_vec().into(),
+        optimization_level: level.to_string(),
+        ..Default::default()
+    };
+    let first = c
+        .compile(authed(compile("O1"), t))
+        .await
+        .unwrap()
+        .into_inner();
+    assert!(
+        ["compiled", "disk"].contains(&first.tier.as_str()),
+        "{}",
+        first.tier
+    );
+    let again = c
+        .compile(authed(compile("O1"), t))
+        .await
+        .unwrap()
+        .into_inner();
+    assert_eq!(again.tier, "memory");
+    for bad in ["O4", "o1", "fast"] {
+        let e = c.compile(authed(compile(bad), t)).await.unwrap_err();
+        assert_eq!(kind(&e).1, "invalid-argument", "{bad}");
+        assert!(e.message().contains("O0, O1, O2, O3"), "{bad}: {e:?}");
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn tokens_sessions_and_handles_are_isolated() {
     let d = daemon().await;
@@ -712,7 +751,7 @@ async fn malformed_puts_are_refused_with_their_kind() {
             CompileRequest {
                 program: ADD.as_bytes().to_vec().into(),
                 format: 9,
-                device: None,
+                ..Default::default()
             },
             t,
         ))

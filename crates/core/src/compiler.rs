@@ -36,7 +36,10 @@ use std::sync::atomic::{AtomicBool, AtomicU64, AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use pjrt::{Client, CompileOptions, LoadedExecutable, NamedValue, Plugin, Program, ProgramFormat};
+use pjrt::{
+    Client, CompileOptions, LoadedExecutable, NamedValue, OptimizationLevel, Plugin, Program,
+    ProgramFormat,
+};
 use serde::{Deserialize, Serialize};
 use tokio::io::BufReader;
 use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
@@ -297,6 +300,9 @@ struct Setup {
 struct Request {
     device_ordinal: i64,
     program_bytes: usize,
+    /// The optimisation level (`"O0"` … `"O3"`); absent for the plugin's default.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    optimization_level: Option<String>,
 }
 
 /// The program a worker compiles before it says `ready`, to set the compiler up.
@@ -620,12 +626,18 @@ impl Compiles {
         self.gate.acquire(tenant, limit, &self.counters).await
     }
 
-    /// Compiles `code` for device `ordinal` in a worker of the pool.
+    /// Compiles `code` for device `ordinal` at optimisation level `level` (`None`: the
+    /// plugin's default) in a worker of the pool.
     ///
     /// Errors: as [`run_in_worker`]; `internal` without workers.
-    pub(crate) async fn in_worker(&self, code: Vec<u8>, ordinal: i64) -> DeviceResult<Entry> {
+    pub(crate) async fn in_worker(
+        &self,
+        code: Vec<u8>,
+        ordinal: i64,
+        level: Option<OptimizationLevel>,
+    ) -> DeviceResult<Entry> {
         match &self.pool {
-            Some(pool) => pool.compile(code, ordinal).await,
+            Some(pool) => pool.compile(code, ordinal, level).await,
             None => Err(DeviceError::new(
                 ErrorKind::Internal,
                 "no compile workers are in use",
@@ -638,6 +650,7 @@ impl Compiles {
 struct Job {
     code: Vec<u8>,
     ordinal: i64,
+    level: Option<OptimizationLevel>,
     reply: oneshot::Sender<DeviceResult<Entry>>,
 }
 
@@ -731,13 +744,19 @@ impl WorkerPool {
         Ok(WorkerPool { jobs })
     }
 
-    async fn compile(&self, code: Vec<u8>, ordinal: i64) -> DeviceResult<Entry> {
+    async fn compile(
+        &self,
+        code: Vec<u8>,
+        ordinal: i64,
+        level: Option<OptimizationLevel>,
+    ) -> DeviceResult<Entry> {
         let internal = |m: &str| DeviceError::new(ErrorKind::Internal, m);
         let (reply, answer) = oneshot::channel();
         self.jobs
             .send(Job {
                 code,
                 ordinal,
+                level,
                 reply,
             })
             .map_err(|_| internal("the compile worker thread has stopped"))?;
@@ -866,7 +885,7 @@ async fn run_job(shared: Arc<PoolShared>, mut job: Job) {
     };
     top_up(&shared);
     let answer = match worker {
-        Ok(w) => run_in_worker(&shared, w, job.code, job.ordinal, &mut job.reply).await,
+        Ok(w) => run_in_worker(&shared, w, job.code, job.ordinal, job.level, &mut job.reply).await,
         Err(e) => Some(Err(e)),
     };
     if let Some(answer) = answer {
@@ -896,6 +915,7 @@ async fn run_in_worker(
     w: Idle,
     code: Vec<u8>,
     ordinal: i64,
+    level: Option<OptimizationLevel>,
     reply: &mut oneshot::Sender<DeviceResult<Entry>>,
 ) -> Option<DeviceResult<Entry>> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -918,6 +938,7 @@ async fn run_in_worker(
     let mut header = serde_json::to_vec(&Request {
         device_ordinal: ordinal,
         program_bytes,
+        optimization_level: level.map(|l| l.as_str().to_string()),
     })
     .expect("requests serialize");
     header.push(b'\n');
@@ -1200,7 +1221,7 @@ fn prepare_and_compile(setup: Setup) -> Result<(), String> {
     // program arrives. A fixed program: no tenant's state is involved.
     let plugin_path = setup.plugin.display().to_string();
     if setup.warm_up {
-        let _ = compile_for_worker(&client, &plugin_path, WARM_UP.as_bytes().to_vec(), 0);
+        let _ = compile_for_worker(&client, &plugin_path, WARM_UP.as_bytes().to_vec(), 0, None);
     }
     let mut out = std::io::stdout().lock();
     out.write_all(READY_LINE)
@@ -1212,7 +1233,12 @@ fn prepare_and_compile(setup: Setup) -> Result<(), String> {
         .lock()
         .read_exact(&mut code)
         .map_err(|e| format!("reading the program: {e}"))?;
-    let compiled = compile_for_worker(&client, &plugin_path, code, req.device_ordinal);
+    let level = match req.optimization_level.as_deref().map(str::parse) {
+        None => None,
+        Some(Ok(l)) => Some(l),
+        Some(Err(e)) => return Err(format!("reading the request: {e}")),
+    };
+    let compiled = compile_for_worker(&client, &plugin_path, code, req.device_ordinal, level);
     let (response, body) = match compiled {
         Ok(entry) => (
             Response::Compiled {
@@ -1288,8 +1314,11 @@ fn compile_for_worker(
     plugin_path: &str,
     code: Vec<u8>,
     device_ordinal: i64,
+    level: Option<OptimizationLevel>,
 ) -> DeviceResult<Entry> {
-    let compile_options = CompileOptions::new().device_ordinal(device_ordinal);
+    let compile_options = CompileOptions::new()
+        .device_ordinal(device_ordinal)
+        .optimization_level(level);
     let c = compile_program(client, plugin_path, code, &compile_options)?;
     let executable = c
         .exe

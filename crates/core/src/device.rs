@@ -10,9 +10,9 @@
 use std::sync::{Arc, OnceLock};
 use std::time::Instant;
 
-use pjrt::{Buffer, Client, CompileOptions, Device, NamedValue, PrimitiveType};
+use pjrt::{Buffer, Client, CompileOptions, Device, NamedValue, OptimizationLevel, PrimitiveType};
 
-use crate::cache::{CompileCache, Entry, PluginIdentity, cache_key};
+use crate::cache::{CacheTier, CompileCache, Entry, PluginIdentity, cache_key};
 use crate::compiler::{CompileIsolation, CompileStats, Compiles, WorkerTarget, compile_program};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
 use crate::scheduler::{FairShare, Slot};
@@ -32,6 +32,28 @@ pub const STUCK_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 
 /// Executions that run on the device at once by default (see [`DeviceService::with_execution_slots`]).
 pub const DEFAULT_EXECUTION_SLOTS: usize = 2;
+
+/// What a compile is for, beside the program: the target device and the optimisation level.
+/// Both are part of the compile-cache key; the default (device 0, no level) gives the same key
+/// as builds that had no optimisation level.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct CompileSettings {
+    /// Index of the device to compile for (default 0).
+    pub device: u32,
+    /// How hard XLA optimises ([`OptimizationLevel`], "O0"–"O3"); `None` (default) leaves the
+    /// plugin's defaults. Honoured in process and by compile workers alike.
+    pub optimization_level: Option<OptimizationLevel>,
+}
+
+/// A compiled executable and the cache tier that served it.
+#[derive(Debug, Clone)]
+pub struct CompileOutcome {
+    /// The executable.
+    pub exe: Arc<DeviceExecutable>,
+    /// Where it came from: tier 1 (memory), 2 (disk) or 3 (remote), a compile, or a compile
+    /// with no cache in front.
+    pub tier: CacheTier,
+}
 
 /// The process-wide owner of the PJRT client: creates tensors, compiles and executes, with
 /// validation in front of every PJRT call. Cheap to share (`Arc`), `Send + Sync`.
@@ -300,13 +322,15 @@ impl DeviceService {
         text: bool,
         device: u32,
     ) -> DeviceResult<Arc<DeviceExecutable>> {
-        self.compile_as(code, text, device, "").await
+        self.compile_as(code, text, device, "").await.map(|o| o.exe)
     }
 
     /// [`compile`](Self::compile) on behalf of tenant `tenant` (its name; `""` for the host's
-    /// own callers): a cache miss takes one of the tenant's compile slots, then one of the
-    /// host's ([`CompileIsolation::max_workers_per_tenant`], [`CompileIsolation::max_workers`]),
-    /// waiting at most `max_compile_time` for them.
+    /// own callers), reporting the cache tier that served it: a cache miss takes one of the
+    /// tenant's compile slots, then one of the host's
+    /// ([`CompileIsolation::max_workers_per_tenant`], [`CompileIsolation::max_workers`]),
+    /// waiting at most `max_compile_time` for them. No compile-rate limit is charged (see
+    /// [`compile_for`](Self::compile_for)).
     ///
     /// Errors: as [`compile`](Self::compile); `resource-exhausted` naming
     /// `max-compile-workers-per-tenant` or `max-compile-workers` when no slot came in time,
@@ -317,7 +341,57 @@ impl DeviceService {
         text: bool,
         device: u32,
         tenant: &str,
-    ) -> DeviceResult<Arc<DeviceExecutable>> {
+    ) -> DeviceResult<CompileOutcome> {
+        let settings = CompileSettings {
+            device,
+            optimization_level: None,
+        };
+        self.compile_inner(code, text, settings, tenant, None).await
+    }
+
+    /// [`compile_as`](Self::compile_as) with [`CompileSettings`] (device and optimisation
+    /// level).
+    ///
+    /// Errors: as [`compile_as`](Self::compile_as).
+    pub async fn compile_with(
+        self: &Arc<Self>,
+        code: Vec<u8>,
+        text: bool,
+        settings: CompileSettings,
+        tenant: &str,
+    ) -> DeviceResult<CompileOutcome> {
+        self.compile_inner(code, text, settings, tenant, None).await
+    }
+
+    /// [`compile_with`](Self::compile_with) on behalf of `tenant`, charging its compile rate
+    /// ([`Tenant::admit_compile_rate`]) unless the compile cache's tier 1 serves the request:
+    /// the charge is taken when tier 1 misses, before tiers 2 and 3 are read or a compile
+    /// starts (also when there is no cache, or the cache is off). The program-size limit is the
+    /// caller's to check first ([`Tenant::admit_program_size`]).
+    ///
+    /// Errors: as [`compile_as`](Self::compile_as); `resource-exhausted` naming
+    /// `max-compiles-per-minute`.
+    pub async fn compile_for(
+        self: &Arc<Self>,
+        code: Vec<u8>,
+        text: bool,
+        settings: CompileSettings,
+        tenant: &Tenant,
+    ) -> DeviceResult<CompileOutcome> {
+        self.compile_inner(code, text, settings, tenant.name(), Some(tenant))
+            .await
+    }
+
+    async fn compile_inner(
+        self: &Arc<Self>,
+        code: Vec<u8>,
+        text: bool,
+        settings: CompileSettings,
+        tenant: &str,
+        charge: Option<&Tenant>,
+    ) -> DeviceResult<CompileOutcome> {
+        let device = settings.device;
+        let admit = || charge.map_or(Ok(()), |t| t.admit_compile_rate());
         if code.is_empty() {
             return Err(DeviceError::invalid("the program is empty"));
         }
@@ -342,15 +416,21 @@ impl DeviceService {
         let device_id = self.device(device)?.id();
         // The ordinal is an index into the client's devices; the wrapper turns it into a
         // one-device assignment with that device's id.
-        let options = CompileOptions::new().device_ordinal(i64::from(device));
+        let options = CompileOptions::new()
+            .device_ordinal(i64::from(device))
+            .optimization_level(settings.optimization_level);
         let options_bytes = options
             .to_bytes()
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
         let Some(cache) = self.cache.clone() else {
+            admit()?;
             return self
                 .compile_somewhere(code, options, device, tenant)
                 .await
-                .map(|c| c.exe);
+                .map(|c| CompileOutcome {
+                    exe: c.exe,
+                    tier: CacheTier::CompiledWithoutCache,
+                });
         };
         let this = Arc::clone(self);
         let identity = tokio::task::spawn_blocking(move || this.identity().cloned())
@@ -360,13 +440,15 @@ impl DeviceService {
             })??;
         let key = cache_key(&identity, "mlir", &code, &options_bytes, device_id);
         let this = Arc::clone(self);
-        cache
+        let (exe, tier) = cache
             .get_or_compile(
                 key,
+                admit,
                 move |entry| this.load_entry(entry, device),
                 || self.compile_somewhere(code, options, device, tenant),
             )
-            .await
+            .await?;
+        Ok(CompileOutcome { exe, tier })
     }
 
     async fn compile_on_compile_thread(
@@ -461,7 +543,10 @@ impl DeviceService {
         if !self.compiles.uses_workers() {
             return self.compile_on_compile_thread(code, options, device).await;
         }
-        let entry = self.compiles.in_worker(code, i64::from(device)).await?;
+        let entry = self
+            .compiles
+            .in_worker(code, i64::from(device), options.optimization_level)
+            .await?;
         self.load_from_worker(entry, device).await
     }
 

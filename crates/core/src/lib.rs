@@ -42,9 +42,10 @@ pub mod tenant;
 pub mod types;
 pub mod weights;
 
-pub use device::{DeviceService, TensorSpec};
+pub use cache::CacheTier;
+pub use device::{CompileOutcome, CompileSettings, DeviceService, TensorSpec};
 pub use error::{DeviceError, ErrorKind};
 pub use open::{DeviceConfig, open_device};
-pub use pjrt::{NamedValue, PrimitiveType};
+pub use pjrt::{NamedValue, OptimizationLevel, PrimitiveType};
 pub use session::Session;
 pub use tenant::{Tenant, TenantLimits, TenantUsage};

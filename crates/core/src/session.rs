@@ -6,7 +6,9 @@
 //!
 //! - **charges**: every tensor and executable a tenant holds is charged to its [`Tenant`]
 //!   before the plugin allocates it, and credited back when the handle is dropped (or donated);
-//! - **compile admission**: program size and compile rate ([`Tenant::admit_compile`]);
+//! - **compile admission**: program size, checked first ([`Tenant::admit_program_size`]), and
+//!   compile rate, charged only when the compile cache's tier 1 does not serve the program
+//!   ([`Tenant::admit_compile_rate`]);
 //! - **handle checks**: a handle is used only by the session that made it, a donated tensor is
 //!   gone, a shared weight is read-only and can be neither donated nor overwritten;
 //! - **donation**: indices checked, inputs credited against the outputs' charge, and the donated
@@ -71,7 +73,8 @@ use std::sync::{Arc, Mutex, OnceLock, Weak};
 
 use pjrt::PrimitiveType;
 
-use crate::device::DeviceService;
+use crate::cache::CacheTier;
+use crate::device::{CompileSettings, DeviceService};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
 use crate::tenant::{Charge, ChargeKind, Tenant, TenantUsage};
 use crate::types::{
@@ -580,6 +583,7 @@ impl TensorHandle {
 pub struct ExecutableHandle {
     session: u64,
     exe: Arc<DeviceExecutable>,
+    tier: CacheTier,
     _charge: Charge,
 }
 
@@ -587,6 +591,12 @@ impl ExecutableHandle {
     /// The executable (parameter and result specs, device, fingerprint).
     pub fn executable(&self) -> &Arc<DeviceExecutable> {
         &self.exe
+    }
+
+    /// The compile-cache tier that served the compile that made this handle (memory, disk,
+    /// remote, compiled, or compiled without a cache).
+    pub fn tier(&self) -> CacheTier {
+        self.tier
     }
 }
 
@@ -814,27 +824,49 @@ impl Session {
         Ok(self.owned_tensor(copy, charge))
     }
 
-    /// Compiles a program for `device` (default 0): admitted against the tenant's program-size
-    /// and compile-rate limits, charged as a live executable, and checked once compiled: its
-    /// loops, host transfers and custom calls against the tenant's program policy, its results
-    /// and temporaries against `max-device-bytes`.
+    /// Compiles a program for `device` (default 0) at the plugin's default optimisation level:
+    /// [`compile_with`](Self::compile_with) with those [`CompileSettings`].
     ///
-    /// Errors: `resource-exhausted` naming `max-program-bytes`, `max-compiles-per-minute`,
-    /// `max-live-executables` or `max-device-bytes`; `permission-denied` naming the policy rule
-    /// ([`Tenant::admit_program`]); otherwise as [`DeviceService::compile`].
+    /// Errors: as [`compile_with`](Self::compile_with).
     pub async fn compile(
         &self,
         code: Vec<u8>,
         format: ProgramFormat,
         device: Option<u32>,
     ) -> DeviceResult<ExecutableHandle> {
-        self.tenant.admit_compile(code.len())?;
+        let settings = CompileSettings {
+            device: device.unwrap_or(0),
+            optimization_level: None,
+        };
+        self.compile_with(code, format, settings).await
+    }
+
+    /// Compiles a program as `settings` say (device, optimisation level). In order: the program
+    /// size is checked against `max-program-bytes`; a live executable is charged; the compile
+    /// cache is asked, and only when its tier 1 (this process's loaded executables) does not
+    /// hold the program is the tenant's compile rate charged (`max-compiles-per-minute`; a
+    /// tier-2 or tier-3 load counts, see [`Tenant::admit_compile_rate`]); once compiled, its
+    /// loops, host transfers and custom calls are checked against the tenant's program policy,
+    /// its results and temporaries against `max-device-bytes`. The handle reports which tier
+    /// served it ([`ExecutableHandle::tier`]).
+    ///
+    /// Errors: `resource-exhausted` naming `max-program-bytes`, `max-compiles-per-minute`,
+    /// `max-live-executables` or `max-device-bytes`; `permission-denied` naming the policy rule
+    /// ([`Tenant::admit_program`]); otherwise as [`DeviceService::compile_for`].
+    pub async fn compile_with(
+        &self,
+        code: Vec<u8>,
+        format: ProgramFormat,
+        settings: CompileSettings,
+    ) -> DeviceResult<ExecutableHandle> {
+        self.tenant.admit_program_size(code.len())?;
         let charge = self.tenant.charge_executable()?;
         let text = format == ProgramFormat::MlirText;
-        let exe = self
+        let outcome = self
             .device
-            .compile_as(code, text, device.unwrap_or(0), self.tenant.name())
+            .compile_for(code, text, settings, &self.tenant)
             .await?;
+        let (exe, tier) = (outcome.exe, outcome.tier);
         self.tenant.admit_program(exe.program_facts()?)?;
         let outputs = exe
             .output_bytes()
@@ -845,6 +877,7 @@ impl Session {
         Ok(ExecutableHandle {
             session: self.id,
             exe,
+            tier,
             _charge: charge,
         })
     }

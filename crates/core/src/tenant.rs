@@ -44,7 +44,9 @@ pub struct TenantLimits {
     pub max_live_executables: u64,
     /// Largest program accepted by `compile`, in bytes (default 64 MiB).
     pub max_program_bytes: usize,
-    /// `compile` calls in any 60-second window, cache hits included (default 600).
+    /// Compiles in any 60-second window that the compile cache's tier 1 did not serve: real
+    /// compiles and loads from tiers 2 and 3 count, tier-1 hits do not (default 600; see
+    /// [`Tenant::admit_compile_rate`]).
     pub max_compiles_per_minute: u32,
     /// Largest guest linear memory, in bytes (default 4 GiB; the sandbox's own cap also
     /// applies).
@@ -141,7 +143,7 @@ pub struct TenantUsage {
     pub peak_live_tensors: u64,
     /// Live executable handles now.
     pub live_executables: u64,
-    /// `compile` calls admitted.
+    /// Compiles charged against `max-compiles-per-minute` (those tier 1 did not serve).
     pub compiles: u64,
     /// Executions finished.
     pub executions: u64,
@@ -530,10 +532,21 @@ impl Tenant {
         })
     }
 
-    /// Admits one `compile` of a `program_bytes`-byte program.
+    /// Admits one compile of a `program_bytes`-byte program that is known to need real work:
+    /// [`admit_program_size`](Self::admit_program_size), then
+    /// [`admit_compile_rate`](Self::admit_compile_rate).
     ///
     /// Errors: `resource-exhausted` naming `max-program-bytes` or `max-compiles-per-minute`.
     pub fn admit_compile(&self, program_bytes: usize) -> DeviceResult<()> {
+        self.admit_program_size(program_bytes)?;
+        self.admit_compile_rate()
+    }
+
+    /// Checks a `program_bytes`-byte program against `max-program-bytes`, before anything is
+    /// done with it (every compile request, also one the compile cache's tier 1 will serve).
+    ///
+    /// Errors: `resource-exhausted` naming `max-program-bytes`.
+    pub fn admit_program_size(&self, program_bytes: usize) -> DeviceResult<()> {
         if program_bytes > self.limits.max_program_bytes {
             return Err(self.refuse(
                 "max-program-bytes",
@@ -543,6 +556,23 @@ impl Tenant {
                 ),
             ));
         }
+        Ok(())
+    }
+
+    /// Charges one compile against `max-compiles-per-minute` (a sliding window of 60 s) and
+    /// counts it in [`TenantUsage::compiles`].
+    ///
+    /// [`crate::session::Session::compile_with`] charges only requests that the compile
+    /// cache's tier 1 (this process's loaded executables) does not serve: a tier-1 hit costs
+    /// microseconds, so an eager guest that compiles the same small op again and again is not
+    /// throttled. Loads from tier 2 (disk) and tier 3 (remote) are charged like compiles: they
+    /// are real work (reading and deserializing an executable, milliseconds to hundreds of
+    /// milliseconds, on shared threads), and the charge must be taken before the lookup starts
+    /// (a refusal must reach only the tenant over its limit, not others waiting on the same
+    /// lookup), when it is not yet known which tier will answer.
+    ///
+    /// Errors: `resource-exhausted` naming `max-compiles-per-minute`.
+    pub fn admit_compile_rate(&self) -> DeviceResult<()> {
         let now = Instant::now();
         let mut h = self.held.lock().expect("tenant lock");
         while h

@@ -9,6 +9,25 @@
 //! `DeviceAssignmentProto { int32 replica_count = 1; int32 computation_count = 2;
 //! repeated ComputationDevice computation_devices = 3; }`,
 //! `ComputationDevice { repeated int64 replica_device_ids = 1; }`.
+//!
+//! The optimisation level ([`OptimizationLevel`]) uses two more fields of
+//! `compile_options.proto`: `ExecutableBuildOptionsProto { ExecutionOptions.EffortLevel
+//! optimization_level = 24; }` and `CompileOptionsProto { map<string, OptionOverrideProto>
+//! env_option_overrides = 7; }` with `OptionOverrideProto { oneof value { ... int64 int_field =
+//! 3; ... } }`, through which it sets `xla/xla.proto`'s `DebugOptions.xla_backend_optimization_level`
+//! (field 31, "numerical optimization level for the XLA compiler backend"; XLA's default is 3).
+//! The `EffortLevel` numbers (`EFFORT_UNKNOWN = 0`, `EFFORT_O0 = 9`, `EFFORT_O1 = 19`,
+//! `EFFORT_O2 = 29`, `EFFORT_O3 = 39`) were read from the proto descriptors embedded in both CPU
+//! plugins (`xla-cpu-pjrt` 0.0.1, `lammps-jax-pjrt-cpu` 0.11.2).
+//!
+//! Why the override and not `ExecutableBuildOptionsProto.debug_options` (field 3): XLA replaces
+//! its whole default `DebugOptions` with a `debug_options` message when one is present, so a
+//! message holding only `xla_backend_optimization_level` would zero every other debug option
+//! (the CPU thunk runtime, Eigen threading, ...). An option override is applied by name on top
+//! of the defaults (`CompileOptions::ApplyAllOptionOverrides`), which is what JAX's
+//! `compiler_options=` does.
+
+use std::collections::BTreeMap;
 
 use prost::Message;
 
@@ -19,6 +38,17 @@ use crate::error::{Error, Result};
 struct CompileOptionsProto {
     #[prost(message, optional, tag = "3")]
     executable_build_options: Option<ExecutableBuildOptionsProto>,
+    /// Debug options set by name on top of XLA's defaults.
+    #[prost(btree_map = "string, message", tag = "7")]
+    env_option_overrides: BTreeMap<String, OptionOverrideProto>,
+}
+
+/// `xla.OptionOverrideProto`; only the `int_field` member of its `value` oneof (a oneof with
+/// one member set encodes exactly like this optional field).
+#[derive(Clone, PartialEq, prost::Message)]
+struct OptionOverrideProto {
+    #[prost(int64, optional, tag = "3")]
+    int_field: Option<i64>,
 }
 
 /// `xla.ExecutableBuildOptionsProto`, only the fields this crate sets.
@@ -33,7 +63,89 @@ struct ExecutableBuildOptionsProto {
     num_partitions: i64,
     #[prost(message, optional, tag = "9")]
     device_assignment: Option<DeviceAssignmentProto>,
+    /// `ExecutionOptions.EffortLevel`; 0 (`EFFORT_UNKNOWN`, the backend's default) is omitted.
+    #[prost(int32, tag = "24")]
+    optimization_level: i32,
 }
+
+/// How hard XLA optimises a program, TorchTPU's `xla_optimization_level` ("O0"–"O3"): O0 for
+/// programs that run once or are tiny (an eager op), O3 for fused programs that run many times.
+///
+/// A level sets both `ExecutableBuildOptionsProto.optimization_level` (the `EffortLevel` of the
+/// same name; see the module docs for its source) and `DebugOptions.xla_backend_optimization_level`
+/// (0–3, the LLVM optimisation level on the CPU and GPU backends). On the XLA CPU plugins only the
+/// second changes compile time measurably (docs/BENCHMARKS.md, "Optimisation level"); the first is
+/// what TPU and GPU compilers read. Numerical results do not depend on the level: it changes how
+/// code is generated, not the HLO semantics.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, PartialOrd, Ord)]
+pub enum OptimizationLevel {
+    /// Least effort: fastest compile (`EFFORT_O0`, backend level 0).
+    O0,
+    /// `EFFORT_O1`, backend level 1.
+    O1,
+    /// `EFFORT_O2`, backend level 2.
+    O2,
+    /// Most effort (`EFFORT_O3`, backend level 3, XLA's default backend level).
+    O3,
+}
+
+impl OptimizationLevel {
+    /// Every level, lowest first.
+    pub const ALL: [OptimizationLevel; 4] = [
+        OptimizationLevel::O0,
+        OptimizationLevel::O1,
+        OptimizationLevel::O2,
+        OptimizationLevel::O3,
+    ];
+
+    /// TorchTPU's name: `"O0"` … `"O3"`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            OptimizationLevel::O0 => "O0",
+            OptimizationLevel::O1 => "O1",
+            OptimizationLevel::O2 => "O2",
+            OptimizationLevel::O3 => "O3",
+        }
+    }
+
+    /// 0–3: the value of `DebugOptions.xla_backend_optimization_level`.
+    pub fn backend_level(self) -> i64 {
+        self as i64
+    }
+
+    /// The `ExecutionOptions.EffortLevel` number (`EFFORT_O0` = 9, `EFFORT_O1` = 19,
+    /// `EFFORT_O2` = 29, `EFFORT_O3` = 39).
+    pub fn effort_level(self) -> i32 {
+        10 * (self as i32) + 9
+    }
+}
+
+impl std::fmt::Display for OptimizationLevel {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl std::str::FromStr for OptimizationLevel {
+    type Err = Error;
+
+    /// Parses `"O0"` … `"O3"` (exactly; TorchTPU's spelling).
+    ///
+    /// Errors: `InvalidArgument` naming the accepted values.
+    fn from_str(s: &str) -> Result<Self> {
+        Self::ALL
+            .into_iter()
+            .find(|l| l.as_str() == s)
+            .ok_or_else(|| {
+                Error::invalid_argument(format!(
+                    "unknown optimization level {s:?}; expected one of O0, O1, O2, O3"
+                ))
+            })
+    }
+}
+
+/// The `DebugOptions` field an [`OptimizationLevel`] overrides by name.
+const BACKEND_LEVEL_OPTION: &str = "xla_backend_optimization_level";
 
 /// `xla.DeviceAssignmentProto`.
 #[derive(Clone, PartialEq, prost::Message)]
@@ -70,6 +182,9 @@ pub struct CompileOptions {
     pub num_replicas: u32,
     /// Number of partitions (>= 1).
     pub num_partitions: u32,
+    /// How hard to optimise; `None` (the default) leaves the plugin's defaults and adds nothing
+    /// to the serialized options, so they are byte-identical to those of builds without it.
+    pub optimization_level: Option<OptimizationLevel>,
 }
 
 impl Default for CompileOptions {
@@ -78,6 +193,7 @@ impl Default for CompileOptions {
             device_ordinal: None,
             num_replicas: 1,
             num_partitions: 1,
+            optimization_level: None,
         }
     }
 }
@@ -105,6 +221,12 @@ impl CompileOptions {
     /// id in the device assignment; [`CompileOptions::to_bytes`] assumes id == ordinal).
     pub fn device_ordinal(mut self, d: i64) -> Self {
         self.device_ordinal = Some(d);
+        self
+    }
+
+    /// Sets the optimisation level (`None`: the plugin's default).
+    pub fn optimization_level(mut self, level: Option<OptimizationLevel>) -> Self {
+        self.optimization_level = level;
         self
     }
 
@@ -149,7 +271,20 @@ impl CompileOptions {
                 num_replicas: i64::from(self.num_replicas),
                 num_partitions: i64::from(self.num_partitions),
                 device_assignment,
+                optimization_level: self.optimization_level.map_or(0, |l| l.effort_level()),
             }),
+            env_option_overrides: self
+                .optimization_level
+                .map(|l| {
+                    (
+                        BACKEND_LEVEL_OPTION.to_string(),
+                        OptionOverrideProto {
+                            int_field: Some(l.backend_level()),
+                        },
+                    )
+                })
+                .into_iter()
+                .collect(),
         };
         Ok(proto.encode_to_vec())
     }
@@ -187,6 +322,69 @@ mod tests {
         );
         let b = CompileOptions::new().to_bytes().unwrap();
         assert_eq!(b[..2], [0x1a, 0x0f]);
+    }
+
+    #[test]
+    fn optimization_level_adds_the_effort_level_and_the_backend_override() {
+        let default = CompileOptions::new()
+            .device_ordinal(0)
+            .encode(None)
+            .unwrap();
+        assert_eq!(
+            CompileOptions::new()
+                .device_ordinal(0)
+                .optimization_level(None)
+                .encode(None)
+                .unwrap(),
+            default
+        );
+        let o1 = CompileOptions::new()
+            .device_ordinal(0)
+            .optimization_level(Some(OptimizationLevel::O1))
+            .encode(None)
+            .unwrap();
+        // executable_build_options { num_replicas: 1 num_partitions: 1 optimization_level: 19 }
+        // env_option_overrides { key: "xla_backend_optimization_level" value { int_field: 1 } }
+        let mut want = vec![0x1a, 0x07, 0x20, 0x01, 0x28, 0x01, 0xc0, 0x01, 19];
+        let key = b"xla_backend_optimization_level";
+        let entry_len = 2 + key.len() + 2 + 2;
+        want.extend([0x3a, entry_len as u8, 0x0a, key.len() as u8]);
+        want.extend(key);
+        want.extend([0x12, 0x02, 0x18, 0x01]);
+        assert_eq!(o1, want);
+        let levels: Vec<Vec<u8>> = OptimizationLevel::ALL
+            .iter()
+            .map(|&l| {
+                CompileOptions::new()
+                    .optimization_level(Some(l))
+                    .to_bytes()
+                    .unwrap()
+            })
+            .collect();
+        for (i, a) in levels.iter().enumerate() {
+            for b in &levels[i + 1..] {
+                assert_ne!(a, b);
+            }
+        }
+    }
+
+    #[test]
+    fn optimization_level_names_round_trip() {
+        for l in OptimizationLevel::ALL {
+            assert_eq!(l.as_str().parse::<OptimizationLevel>().unwrap(), l);
+        }
+        assert_eq!(
+            OptimizationLevel::ALL.map(|l| l.effort_level()),
+            [9, 19, 29, 39]
+        );
+        assert_eq!(
+            OptimizationLevel::ALL.map(|l| l.backend_level()),
+            [0, 1, 2, 3]
+        );
+        for bad in ["o1", "O4", "", "3"] {
+            let e = bad.parse::<OptimizationLevel>().unwrap_err();
+            assert_eq!(e.code, crate::ErrorCode::InvalidArgument, "{bad}");
+        }
     }
 
     #[test]

@@ -587,9 +587,20 @@ impl SessionRpc for Service {
             }
             Err(_) => return Err(invalid(format!("unknown program format {}", r.format))),
         };
+        let optimization_level = match r.optimization_level.as_str() {
+            "" => None,
+            name => Some(
+                name.parse::<tpubox_core::OptimizationLevel>()
+                    .map_err(|e| invalid(e.message))?,
+            ),
+        };
+        let settings = tpubox_core::CompileSettings {
+            device: r.device.unwrap_or(0),
+            optimization_level,
+        };
         let exe = s
             .session()
-            .compile(r.program.to_vec(), format, r.device)
+            .compile_with(r.program.to_vec(), format, settings)
             .await
             .map_err(device_status)?;
         let e = exe.executable();
@@ -600,6 +611,7 @@ impl SessionRpc for Service {
             result_bytes: e.output_bytes().iter().sum(),
             temp_bytes: e.temp_bytes(),
             fingerprint: e.fingerprint().to_string(),
+            tier: exe.tier().as_str().to_string(),
         };
         let id = s.insert_executable(exe).map_err(access_status)?;
         Ok(Response::new(CompileResponse {

@@ -235,7 +235,7 @@ class FreeResponse(_message.Message):
     def __init__(self, freed: _Optional[int] = ..., unknown: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompileRequest(_message.Message):
-    __slots__ = ("program", "format", "device")
+    __slots__ = ("program", "format", "device", "optimization_level")
     class Format(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FORMAT_AUTO: _ClassVar[CompileRequest.Format]
@@ -247,26 +247,30 @@ class CompileRequest(_message.Message):
     PROGRAM_FIELD_NUMBER: _ClassVar[int]
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
+    OPTIMIZATION_LEVEL_FIELD_NUMBER: _ClassVar[int]
     program: bytes
     format: CompileRequest.Format
     device: int
-    def __init__(self, program: _Optional[bytes] = ..., format: _Optional[_Union[CompileRequest.Format, str]] = ..., device: _Optional[int] = ...) -> None: ...
+    optimization_level: str
+    def __init__(self, program: _Optional[bytes] = ..., format: _Optional[_Union[CompileRequest.Format, str]] = ..., device: _Optional[int] = ..., optimization_level: _Optional[str] = ...) -> None: ...
 
 class CompileResponse(_message.Message):
-    __slots__ = ("executable", "parameters", "results", "result_bytes", "temp_bytes", "fingerprint")
+    __slots__ = ("executable", "parameters", "results", "result_bytes", "temp_bytes", "fingerprint", "tier")
     EXECUTABLE_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
     RESULT_BYTES_FIELD_NUMBER: _ClassVar[int]
     TEMP_BYTES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
+    TIER_FIELD_NUMBER: _ClassVar[int]
     executable: int
     parameters: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     results: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     result_bytes: int
     temp_bytes: int
     fingerprint: str
-    def __init__(self, executable: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., result_bytes: _Optional[int] = ..., temp_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ...) -> None: ...
+    tier: str
+    def __init__(self, executable: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., result_bytes: _Optional[int] = ..., temp_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("executable", "arguments", "donate")

@@ -276,6 +276,28 @@ mod tests {
         }
     }
 
+    /// The key of a fixed program, identity and the default compile options for device 0, as
+    /// computed before the optimisation level joined the compile options: entries written by
+    /// earlier builds must keep being found.
+    #[test]
+    fn default_options_key_is_unchanged() {
+        let options = pjrt::CompileOptions::new()
+            .device_ordinal(0)
+            .to_bytes()
+            .unwrap();
+        let k = cache_key(
+            &ident(),
+            "mlir",
+            b"func.func @main() { return }",
+            &options,
+            0,
+        );
+        assert_eq!(
+            k.hex(),
+            "cc1f1519f61515fa46dd521b6168dd99013494e1dddb1daa4703011403bfd897"
+        );
+    }
+
     #[test]
     fn hex_round_trips() {
         let k = cache_key(&ident(), "mlir", b"p", b"o", 0);

@@ -96,6 +96,55 @@ impl std::str::FromStr for CacheMode {
     }
 }
 
+/// Which cache tier served a compile request, or that it was compiled. Every compile reports
+/// one ([`crate::device::CompileOutcome`], the session API's `CompileResponse.tier`, the Python
+/// client's `Executable.tier`). Printed as its kebab-case name.
+///
+/// Tenants' compile-rate limit (`max-compiles-per-minute`) is charged for every tier but
+/// [`Memory`](CacheTier::Memory); see [`crate::tenant::Tenant::admit_compile_rate`].
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum CacheTier {
+    /// Tier 1: a loaded executable this process already held (microseconds).
+    Memory,
+    /// Tier 2: a serialized executable on the host's disk, deserialized (milliseconds).
+    Disk,
+    /// Tier 3: a serialized executable fetched from the remote store, deserialized.
+    Remote,
+    /// A cache miss: the program was compiled (and written to the tiers the mode allows).
+    Compiled,
+    /// Compiled with no cache in front (no cache configured, or mode `off`).
+    CompiledWithoutCache,
+}
+
+impl CacheTier {
+    /// Every tier, in the order above.
+    pub const ALL: [CacheTier; 5] = [
+        CacheTier::Memory,
+        CacheTier::Disk,
+        CacheTier::Remote,
+        CacheTier::Compiled,
+        CacheTier::CompiledWithoutCache,
+    ];
+
+    /// The kebab-case name: `memory`, `disk`, `remote`, `compiled`, `compiled-without-cache`.
+    pub fn as_str(self) -> &'static str {
+        match self {
+            CacheTier::Memory => "memory",
+            CacheTier::Disk => "disk",
+            CacheTier::Remote => "remote",
+            CacheTier::Compiled => "compiled",
+            CacheTier::CompiledWithoutCache => "compiled-without-cache",
+        }
+    }
+}
+
+impl std::fmt::Display for CacheTier {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
 /// Settings of a [`CompileCache`].
 #[derive(Debug, Clone)]
 pub struct CacheConfig {
@@ -197,7 +246,10 @@ struct Memory {
     clock: u64,
 }
 
-type Flight = Arc<tokio::sync::OnceCell<DeviceResult<Arc<DeviceExecutable>>>>;
+/// An executable and the tier that served it.
+type Served = (Arc<DeviceExecutable>, CacheTier);
+
+type Flight = Arc<tokio::sync::OnceCell<DeviceResult<Served>>>;
 
 /// The multi-tier compile cache; see the module docs. `Send + Sync`, shared through `Arc`.
 pub struct CompileCache {
@@ -357,33 +409,47 @@ impl CompileCache {
         }
     }
 
-    /// Returns the executable for `key`, from tier 1, else tier 2, else tier 3 raced against
-    /// running `compile` (first to finish wins) — once, however many callers ask for `key` at
-    /// the same time. Entries from tiers 2 and 3 are turned into executables by `load`, which
-    /// runs on tokio's blocking pool (deserializing can take hundreds of milliseconds).
+    /// Returns the executable for `key` and the tier that served it: from tier 1, else tier 2,
+    /// else tier 3 raced against running `compile` (first to finish wins) — once, however many
+    /// callers ask for `key` at the same time (those that wait for another caller's lookup get
+    /// its executable and its tier). Entries from tiers 2 and 3 are turned into executables by
+    /// `load`, which runs on tokio's blocking pool (deserializing can take hundreds of
+    /// milliseconds).
     ///
-    /// Errors: `compile`'s error; `not-found` on a miss in cache-only mode. A corrupt tier-2 or
-    /// tier-3 entry, an unreachable store, or an entry that fails to load is not an error: it is
-    /// logged (a corrupt tier-2 file is removed) and the program is compiled.
-    pub async fn get_or_compile<C, Fut, L>(
+    /// `admit` runs when tier 1 does not hold `key` (and in mode `off`), before anything else
+    /// is done for this caller: a caller's refusal (a tenant's compile-rate limit) therefore
+    /// reaches that caller only, never another caller waiting on the same lookup. A caller that
+    /// misses tier 1 just as another caller's lookup fills it is admitted and then served from
+    /// tier 1 (reported as [`CacheTier::Memory`]).
+    ///
+    /// Errors: `admit`'s error; `compile`'s error; `not-found` on a miss in cache-only mode. A
+    /// corrupt tier-2 or tier-3 entry, an unreachable store, or an entry that fails to load is
+    /// not an error: it is logged (a corrupt tier-2 file is removed) and the program is compiled.
+    pub async fn get_or_compile<A, C, Fut, L>(
         &self,
         key: CacheKey,
+        admit: A,
         load: L,
         compile: C,
-    ) -> DeviceResult<Arc<DeviceExecutable>>
+    ) -> DeviceResult<(Arc<DeviceExecutable>, CacheTier)>
     where
+        A: FnOnce() -> DeviceResult<()>,
         C: FnOnce() -> Fut,
         Fut: Future<Output = DeviceResult<Compiled>>,
         L: Fn(Entry) -> DeviceResult<Arc<DeviceExecutable>> + Send + Sync + 'static,
     {
         if self.config.mode == CacheMode::Off {
+            admit()?;
             self.compiles.fetch_add(1, Ordering::Relaxed);
-            return compile().await.map(|c| c.exe);
+            return compile()
+                .await
+                .map(|c| (c.exe, CacheTier::CompiledWithoutCache));
         }
         if let Some(exe) = self.memory_get(&key) {
             self.mem_counters.hits.fetch_add(1, Ordering::Relaxed);
-            return Ok(exe);
+            return Ok((exe, CacheTier::Memory));
         }
+        admit()?;
         let flight: Flight = {
             let mut f = self.flights.lock().expect("cache lock");
             Arc::clone(f.entry(key).or_default())
@@ -393,7 +459,7 @@ impl CompileCache {
                 // Another flight may have finished between our tier-1 check and joining.
                 if let Some(exe) = self.memory_get(&key) {
                     self.mem_counters.hits.fetch_add(1, Ordering::Relaxed);
-                    return Ok(exe);
+                    return Ok((exe, CacheTier::Memory));
                 }
                 self.mem_counters.misses.fetch_add(1, Ordering::Relaxed);
                 self.fill(key, Arc::new(load), compile).await
@@ -409,12 +475,7 @@ impl CompileCache {
         result
     }
 
-    async fn fill<C, Fut, L>(
-        &self,
-        key: CacheKey,
-        load: Arc<L>,
-        compile: C,
-    ) -> DeviceResult<Arc<DeviceExecutable>>
+    async fn fill<C, Fut, L>(&self, key: CacheKey, load: Arc<L>, compile: C) -> DeviceResult<Served>
     where
         C: FnOnce() -> Fut,
         Fut: Future<Output = DeviceResult<Compiled>>,
@@ -437,7 +498,7 @@ impl CompileCache {
                             };
                             on_disk(disk, move |d| d.record(delta)).await;
                             self.memory_put(key, Arc::clone(&exe), bytes, compile_ms);
-                            return Ok(exe);
+                            return Ok((exe, CacheTier::Disk));
                         }
                         Err(e) => {
                             tracing::warn!(target: "tpubox::cache", %key, error = %e, "tier-2 entry failed to load; recompiling");
@@ -461,7 +522,7 @@ impl CompileCache {
             if let Some(remote) = &self.remote {
                 let fetched = remote.get(&key).await;
                 if let Some(exe) = self.use_remote(key, fetched, &load).await {
-                    return Ok(exe);
+                    return Ok((exe, CacheTier::Remote));
                 }
             }
             return Err(DeviceError::new(
@@ -486,7 +547,7 @@ impl CompileCache {
                         if let Some(exe) = self.use_remote(key, fetched, &load).await {
                             // The compile already started on the blocking pool finishes there
                             // and its result is dropped.
-                            return Ok(exe);
+                            return Ok((exe, CacheTier::Remote));
                         }
                         compiling.await?
                     }
@@ -513,7 +574,7 @@ impl CompileCache {
             self.write_shared_tiers(key, entry, true).await;
         }
         self.memory_put(key, Arc::clone(&c.exe), bytes, c.compile_ms);
-        Ok(c.exe)
+        Ok((c.exe, CacheTier::Compiled))
     }
 
     /// Turns a tier-3 fetch into an executable, or logs why it could not and returns `None`.

@@ -110,8 +110,14 @@ pub fn run(name: &str, arg: Option<&str>) {
         "executable-bomb" => bomb(name, || client::compile(FMT, ADD.as_bytes(), OPTS)),
         "compile-rate" => {
             let first = add();
+            // Distinct programs (a comment makes each its own cache key): a compile the host's
+            // tier 1 serves is not charged against max-compiles-per-minute, so compiling ADD
+            // again would never be refused.
+            let mut n = 0u64;
             let err = loop {
-                if let Err(e) = client::compile(FMT, ADD.as_bytes(), OPTS) {
+                n += 1;
+                let program = format!("{ADD}\n// compile-rate {n}\n");
+                if let Err(e) = client::compile(FMT, program.as_bytes(), OPTS) {
                     break e;
                 }
             };
