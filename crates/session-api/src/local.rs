@@ -169,7 +169,7 @@ struct LocalArg {
 /// own task; larger ones on a blocking thread.
 const INLINE_WRITE_BYTES: usize = 64 << 10;
 
-/// Alignment of each tensor packed in a call's memfd, in bytes ([`packed`]).
+/// Alignment of each tensor packed in a call's memfd, in bytes.
 pub const PACK_ALIGN: usize = 64;
 
 /// Where tensors of `sizes` bytes start when packed one after another in a memfd, each at the
