@@ -966,7 +966,7 @@ async fn run_component_streams_output_and_charges_the_session() {
         .await
         .unwrap()
         .into_inner();
-    assert!(u.executions >= 2 && u.compiles >= 2, "{u:?}");
+    assert!(u.executions >= 2 && u.compiles >= 1, "{u:?}");
     assert_eq!(u.device_bytes, 0);
     // A guest that fails: its stderr and exit status come back.
     let mut events = c
