@@ -572,48 +572,6 @@ impl DeviceService {
         )))
     }
 
-    /// Runs a validated [`Call`] after waiting for an execution slot in the fair-share queue
-    /// ([`FairShare`]); the device time is charged to `tenant`.
-    ///
-    /// PJRT executions cannot be cancelled, so once the program is submitted the slot and the
-    /// argument tensors travel with the execution, not with the caller: they are released by
-    /// the device's completion callback. A caller that gives up (a guest stopped at its
-    /// deadline) cannot hand the slot to another tenant, or free an argument, while the device
-    /// is still busy. Waiting for the slot is cancel-safe. How the program is submitted:
-    /// [`submit_for`](Self::submit_for).
-    ///
-    /// Errors: `execution-failed` from the device; `internal` if the completion was lost.
-    pub async fn execute_for(
-        self: &Arc<Self>,
-        tenant: &Arc<Tenant>,
-        call: Call,
-    ) -> DeviceResult<Vec<DeviceTensor>> {
-        let slot = self.scheduler.acquire(tenant).await;
-        let (tx, rx) = tokio::sync::oneshot::channel();
-        let outputs = self
-            .submit_for(slot, call, move |status| {
-                let _ = tx.send(status);
-            })
-            .await?;
-        let mut rx = rx;
-        let finished = tokio::select! {
-            r = &mut rx => r,
-            () = tokio::time::sleep(STUCK_AFTER) => {
-                tracing::warn!(
-                    target: "tpubox::device",
-                    tenant = tenant.name(),
-                    seconds = STUCK_AFTER.as_secs(),
-                    "an execution is still running; PJRT cannot cancel it, so it keeps its slot until the device finishes (usage: executions_running)"
-                );
-                rx.await
-            }
-        };
-        finished.map_err(|_| {
-            DeviceError::new(ErrorKind::Internal, "the execution's completion was lost")
-        })??;
-        Ok(outputs)
-    }
-
     /// Submits a validated [`Call`] holding the execution slot `slot` (from
     /// [`FairShare::acquire`] on [`scheduler`](Self::scheduler)) and returns its outputs at
     /// once: PJRT hands out an execution's output buffers when it is submitted, ready when its
@@ -641,7 +599,7 @@ impl DeviceService {
         call: Call,
         on_done: impl FnOnce(DeviceResult<()>) + Send + 'static,
     ) -> DeviceResult<Vec<DeviceTensor>> {
-        if !Self::may_block(&call) {
+        if !Self::may_block(call.executable()) {
             return self.submit_now(slot, call, on_done);
         }
         let svc = Arc::clone(self);
@@ -650,11 +608,12 @@ impl DeviceService {
             .map_err(|e| DeviceError::new(ErrorKind::Internal, format!("submitting failed: {e}")))?
     }
 
-    /// Whether submitting `call` may keep the submitting thread for as long as the program
-    /// runs (on the CPU plugin: a `while` loop or a host transfer; see
-    /// [`submit_for`](Self::submit_for)). Such calls must not be submitted from an async thread.
-    pub fn may_block(call: &Call) -> bool {
-        call.executable().program_facts().map_or(true, |f| {
+    /// Whether submitting `exe` may keep the submitting thread for as long as the program
+    /// runs (on the CPU plugin: a `while` loop or a host transfer, or facts the plugin cannot
+    /// give; see [`submit_for`](Self::submit_for)). Such programs must not be submitted from
+    /// an async thread.
+    pub fn may_block(exe: &DeviceExecutable) -> bool {
+        exe.program_facts().map_or(true, |f| {
             !f.while_loops.is_empty() || !f.host_transfers.is_empty()
         })
     }

@@ -78,8 +78,8 @@ use crate::device::{CompileSettings, DeviceService};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
 use crate::tenant::{Charge, ChargeKind, Tenant, TenantUsage};
 use crate::types::{
-    Call, DeviceExecutable, DeviceInfo, DeviceTensor, PlatformInfo, TensorSpec, check_tensor_bytes,
-    dims_from_u64, spec_byte_size,
+    ArgSpec, Call, DeviceExecutable, DeviceInfo, DeviceTensor, PlatformInfo, TensorSpec,
+    check_tensor_bytes, dims_from_u64, spec_byte_size, validate_arg_specs,
 };
 use crate::weights::{WeightRegistry, WeightSet};
 
@@ -220,11 +220,30 @@ impl LaunchState {
         matches!(self.result.get(), Some(Err(_)))
     }
 
-    /// Waits until the launch is done; its error, if it failed.
+    /// Waits until the launch is done; its error, if it failed. A wait longer than
+    /// [`STUCK_AFTER`](crate::device::STUCK_AFTER) is logged once: PJRT cannot cancel an
+    /// execution, so it keeps its slot until the device finishes.
     async fn wait(&self) -> DeviceResult<()> {
         let mut rx = self.done.subscribe();
         // The sender lives in `self`, so this ends only when the launch is done.
-        let _ = rx.wait_for(|d| *d).await;
+        let done = async {
+            // The guard `wait_for` returns is dropped here, not held across an await.
+            let _ = rx.wait_for(|d| *d).await;
+        };
+        tokio::pin!(done);
+        tokio::select! {
+            () = &mut done => {}
+            () = tokio::time::sleep(crate::device::STUCK_AFTER) => {
+                tracing::warn!(
+                    target: "tpubox::device",
+                    launch = self.id,
+                    program = %self.fingerprint,
+                    seconds = crate::device::STUCK_AFTER.as_secs(),
+                    "a launch is still not finished; PJRT cannot cancel it, so it keeps its slot until the device finishes (usage: executions_running)"
+                );
+                done.await;
+            }
+        }
         self.result.get().cloned().unwrap_or_else(|| {
             Err(DeviceError::new(
                 ErrorKind::Internal,
@@ -283,6 +302,40 @@ struct Job {
     charges: Vec<Charge>,
     /// The donated inputs, kept until the device is done with them.
     donated: Vec<Source>,
+}
+
+impl Job {
+    /// The call to submit, the record of its submission and its completion callback; `None`
+    /// when the launch failed before submission (its error is published, its charges are
+    /// returned).
+    fn prepare(
+        self,
+    ) -> Option<(
+        Call,
+        Submission,
+        impl FnOnce(DeviceResult<()>) + Send + 'static,
+    )> {
+        let call = job_call(&self.launch, self.exe, &self.args, self.donated)?;
+        let on_done = job_done(&self.launch, self.charges);
+        let submission = Submission {
+            launch: self.launch,
+            outputs: self.outputs,
+        };
+        Some((call, submission, on_done))
+    }
+}
+
+/// A prepared launch's outputs, to be handed their buffers once it is submitted.
+struct Submission {
+    launch: Arc<LaunchState>,
+    outputs: Vec<Weak<PendingTensor>>,
+}
+
+impl Submission {
+    /// Records the submission's outcome ([`job_submitted`]).
+    fn record(self, submitted: DeviceResult<Vec<DeviceTensor>>) {
+        job_submitted(&self.launch, &self.outputs, submitted);
+    }
 }
 
 impl std::fmt::Debug for Job {
@@ -353,7 +406,7 @@ fn job_call(
 fn job_done(
     launch: &Arc<LaunchState>,
     charges: Vec<Charge>,
-) -> impl FnOnce(DeviceResult<()>) + Send + 'static {
+) -> impl FnOnce(DeviceResult<()>) + Send + 'static + use<> {
     let done = Arc::clone(launch);
     move |status| {
         // Charges first, so that a waiter woken below sees the tenant's usage without them.
@@ -366,7 +419,7 @@ fn job_done(
 fn job_submitted(
     launch: &LaunchState,
     outputs: &[Weak<PendingTensor>],
-    submitted: DeviceResult<Vec<crate::types::DeviceTensor>>,
+    submitted: DeviceResult<Vec<DeviceTensor>>,
 ) {
     match submitted {
         Ok(tensors) => {
@@ -382,22 +435,11 @@ fn job_submitted(
 }
 
 async fn submit_job(device: &Arc<DeviceService>, tenant: &Arc<Tenant>, job: Job) {
-    let Job {
-        launch,
-        exe,
-        args,
-        outputs,
-        charges,
-        donated,
-    } = job;
-    let Some(call) = job_call(&launch, exe, &args, donated) else {
+    let Some((call, submission, on_done)) = job.prepare() else {
         return;
     };
     let slot = device.scheduler().acquire(tenant).await;
-    let submitted = device
-        .submit_for(slot, call, job_done(&launch, charges))
-        .await;
-    job_submitted(&launch, &outputs, submitted);
+    submission.record(device.submit_for(slot, call, on_done).await);
 }
 
 /// A session's handle to a device tensor.
@@ -1173,27 +1215,15 @@ impl Session {
         {
             return Some(job);
         }
-        let facts = job.exe.program_facts().ok();
-        if facts.is_none_or(|f| !f.while_loops.is_empty() || !f.host_transfers.is_empty()) {
+        if DeviceService::may_block(&job.exe) {
             return Some(job);
         }
         let Some(slot) = self.device.scheduler().try_acquire(&self.tenant) else {
             return Some(job);
         };
-        let Job {
-            launch,
-            exe,
-            args,
-            outputs,
-            charges,
-            donated,
-        } = job;
         // A launch that fails here is published as failed: it is handled, like a submitted one.
-        let call = job_call(&launch, exe, &args, donated)?;
-        let submitted = self
-            .device
-            .submit_now(slot, call, job_done(&launch, charges));
-        job_submitted(&launch, &outputs, submitted);
+        let (call, submission, on_done) = job.prepare()?;
+        submission.record(self.device.submit_now(slot, call, on_done));
         None
     }
 
@@ -1253,69 +1283,51 @@ fn donated_error() -> DeviceError {
 }
 
 /// Checks a launch's arguments against `exe`'s parameters by their specs (an argument may be
-/// pending): count, each argument's dtype, dims and device, and that a handle passed at two
-/// positions is donated at neither. The same checks and errors as
-/// [`crate::types::validate_args`].
+/// pending), with [`crate::types::validate_arg_specs`]: the same checks and errors as
+/// [`crate::types::validate_args`], a handle standing for its tensor.
 fn check_launch_args(
     exe: &DeviceExecutable,
     args: &[&TensorHandle],
     donated: &[bool],
 ) -> DeviceResult<()> {
-    if args.len() != exe.inputs().len() {
-        return Err(DeviceError::invalid(format!(
-            "the executable takes {} argument(s), got {}",
-            exe.inputs().len(),
-            args.len()
-        )));
-    }
-    for (i, (arg, want)) in args.iter().zip(exe.inputs()).enumerate() {
-        if &arg.spec != want {
-            return Err(DeviceError::invalid(format!(
-                "argument {i} is {} but the executable expects {}",
-                crate::types::format_spec(&arg.spec),
-                crate::types::format_spec(want)
-            )));
-        }
-        if arg.device != exe.device() {
-            return Err(DeviceError::new(
-                ErrorKind::FailedPrecondition,
-                format!(
-                    "argument {i} is on device {} but the executable runs on device {}; copy it first",
-                    arg.device,
-                    exe.device()
-                ),
-            ));
-        }
-    }
-    for (i, a) in args.iter().enumerate() {
-        for (j, b) in args.iter().enumerate().skip(i + 1) {
-            if std::ptr::eq(*a, *b) && (donated[i] || donated[j]) {
-                return Err(DeviceError::invalid(format!(
-                    "the same tensor is passed as arguments {i} and {j} and donated; a donated tensor may appear once"
-                )));
-            }
-        }
-    }
-    Ok(())
+    let views: Vec<ArgSpec<'_>> = args
+        .iter()
+        .zip(donated)
+        .map(|(h, &donate)| ArgSpec {
+            spec: &h.spec,
+            device: h.device,
+            identity: std::ptr::from_ref::<TensorHandle>(h).cast(),
+            donate,
+        })
+        .collect();
+    validate_arg_specs(exe, &views)
 }
 
 /// Which of `n` arguments `donate` names.
 ///
 /// Errors: `invalid-argument` for an index out of range or listed twice.
 fn donation_mask(n: usize, donate: &[u32]) -> DeviceResult<Vec<bool>> {
-    let mut donated = vec![false; n];
-    for &d in donate {
-        let Some(slot) = donated.get_mut(d as usize) else {
+    position_mask(n, donate, "donate index", "argument(s)")
+}
+
+/// Which of `n` positions `list` names, for a front door's lists of positions (donated
+/// arguments, fetched results): `mask[i]` is whether `i` is listed. `what` names a listed
+/// position and `of` the `n` things in the errors ("donate index 5 is out of range for 3
+/// argument(s)").
+///
+/// Errors: `invalid-argument` for a position out of range or listed twice.
+pub fn position_mask(n: usize, list: &[u32], what: &str, of: &str) -> DeviceResult<Vec<bool>> {
+    let mut mask = vec![false; n];
+    for &p in list {
+        let Some(slot) = mask.get_mut(p as usize) else {
             return Err(DeviceError::invalid(format!(
-                "donate index {d} is out of range for {n} argument(s)"
+                "{what} {p} is out of range for {n} {of}"
             )));
         };
         if *slot {
-            return Err(DeviceError::invalid(format!(
-                "donate index {d} is listed twice"
-            )));
+            return Err(DeviceError::invalid(format!("{what} {p} is listed twice")));
         }
         *slot = true;
     }
-    Ok(donated)
+    Ok(mask)
 }

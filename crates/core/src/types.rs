@@ -283,6 +283,38 @@ pub struct Arg<'a> {
 /// Errors: `invalid-argument` for count, dtype or dims mismatches and double donation;
 /// `failed-precondition` for a tensor on another device than the executable's.
 pub fn validate_args(exe: &DeviceExecutable, args: &[Arg<'_>]) -> DeviceResult<()> {
+    let views: Vec<ArgSpec<'_>> = args
+        .iter()
+        .map(|a| ArgSpec {
+            spec: &a.tensor.spec,
+            device: a.tensor.device,
+            identity: std::ptr::from_ref(a.tensor).cast(),
+            donate: a.donate,
+        })
+        .collect();
+    validate_arg_specs(exe, &views)
+}
+
+/// What [`validate_arg_specs`] knows of one argument: enough to check it before its tensor
+/// exists (an output of a launch not yet submitted).
+#[derive(Debug, Clone, Copy)]
+pub struct ArgSpec<'a> {
+    /// Element type and dims.
+    pub spec: &'a TensorSpec,
+    /// Index of the device holding it.
+    pub device: u32,
+    /// Equal for two positions that pass the same tensor (its address; never dereferenced).
+    pub identity: *const (),
+    /// Whether it is donated.
+    pub donate: bool,
+}
+
+/// [`validate_args`] on argument specs: count, each argument's dtype, dims and device against
+/// `exe`'s parameters, and that an argument passed at two positions (equal
+/// [`ArgSpec::identity`]) is donated at neither.
+///
+/// Errors: as [`validate_args`].
+pub fn validate_arg_specs(exe: &DeviceExecutable, args: &[ArgSpec<'_>]) -> DeviceResult<()> {
     if args.len() != exe.inputs.len() {
         return Err(DeviceError::invalid(format!(
             "the executable takes {} argument(s), got {}",
@@ -291,27 +323,26 @@ pub fn validate_args(exe: &DeviceExecutable, args: &[Arg<'_>]) -> DeviceResult<(
         )));
     }
     for (i, (arg, want)) in args.iter().zip(&exe.inputs).enumerate() {
-        let got = &arg.tensor.spec;
-        if got != want {
+        if arg.spec != want {
             return Err(DeviceError::invalid(format!(
                 "argument {i} is {} but the executable expects {}",
-                format_spec(got),
+                format_spec(arg.spec),
                 format_spec(want)
             )));
         }
-        if arg.tensor.device != exe.device {
+        if arg.device != exe.device {
             return Err(DeviceError::new(
                 ErrorKind::FailedPrecondition,
                 format!(
                     "argument {i} is on device {} but the executable runs on device {}; copy it first",
-                    arg.tensor.device, exe.device
+                    arg.device, exe.device
                 ),
             ));
         }
     }
     for (i, a) in args.iter().enumerate() {
         for (j, b) in args.iter().enumerate().skip(i + 1) {
-            if std::ptr::eq(a.tensor, b.tensor) && (a.donate || b.donate) {
+            if a.identity == b.identity && (a.donate || b.donate) {
                 return Err(DeviceError::invalid(format!(
                     "the same tensor is passed as arguments {i} and {j} and donated; a donated tensor may appear once"
                 )));

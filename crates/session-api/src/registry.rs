@@ -17,7 +17,7 @@ use tokio::sync::watch;
 use super::policy::{RequestedLimits, SessionLimits, SessionPolicy};
 use tpubox_core::device::DeviceService;
 use tpubox_core::error::{DeviceError, DeviceResult, ErrorKind};
-use tpubox_core::session::{ExecutableHandle, Session, TensorHandle};
+use tpubox_core::session::{ExecutableHandle, Session, TensorHandle, position_mask};
 use tpubox_core::tenant::{Charge, Tenant, TenantUsage};
 use tpubox_core::weights::WeightRegistry;
 
@@ -397,26 +397,16 @@ impl LiveSession {
 /// API encodes): larger results are kept and read with `GetTensor`, which streams them.
 pub const MAX_CALL_FETCH_BYTES: u64 = 256 << 20;
 
-/// Which of `n` positions `list` names.
+/// Which of `n` results `list` names ([`tpubox_core::session::position_mask`]).
 ///
 /// Errors: `invalid-argument` for a position out of range or listed twice.
 fn positions(n: usize, list: &[u32], what: &str) -> AccessResult<Vec<bool>> {
-    let mut out = vec![false; n];
-    for &p in list {
-        let Some(slot) = out.get_mut(p as usize) else {
-            return Err(DeviceError::invalid(format!(
-                "{what} position {p} is out of range for {n} result(s)"
-            ))
-            .into());
-        };
-        if *slot {
-            return Err(
-                DeviceError::invalid(format!("{what} position {p} is listed twice")).into(),
-            );
-        }
-        *slot = true;
-    }
-    Ok(out)
+    Ok(position_mask(
+        n,
+        list,
+        &format!("{what} position"),
+        "result(s)",
+    )?)
 }
 
 /// One argument of a one-round-trip call ([`LiveSession::plan_call`]).
