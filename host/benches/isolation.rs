@@ -19,7 +19,7 @@ use tpubox_core::cache::{CacheConfig, CacheMode};
 use tpubox_core::compiler::CompileIsolation;
 
 /// `prestarted` workers kept idle (with `worker`).
-fn service(worker: bool, mode: CacheMode) -> Arc<DeviceService> {
+pub(crate) fn service(worker: bool, mode: CacheMode) -> Arc<DeviceService> {
     service_with(worker, 1, mode)
 }
 
@@ -41,12 +41,12 @@ fn service_with(worker: bool, prestarted: usize, mode: CacheMode) -> Arc<DeviceS
     .expect("the CPU plugin opens")
 }
 
-fn median(mut v: Vec<Duration>) -> Duration {
+pub(crate) fn median(mut v: Vec<Duration>) -> Duration {
     v.sort();
     v[v.len() / 2]
 }
 
-fn ms(d: Duration) -> f64 {
+pub(crate) fn ms(d: Duration) -> f64 {
     d.as_secs_f64() * 1e3
 }
 

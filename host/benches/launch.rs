@@ -48,10 +48,7 @@ const SCALAR_ADD: &str = r#"func.func public @main(%a: tensor<f32>, %b: tensor<f
 }
 "#;
 
-fn median(mut v: Vec<f64>) -> f64 {
-    v.sort_by(f64::total_cmp);
-    v[v.len() / 2]
-}
+use crate::spine::median;
 
 pub fn main() {
     let rt = tokio::runtime::Builder::new_multi_thread()

@@ -11,10 +11,8 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use pjrt::OptimizationLevel;
-use tpubox_core::DeviceConfig;
 use tpubox_core::DeviceService;
-use tpubox_core::cache::{CacheConfig, CacheMode};
-use tpubox_core::compiler::CompileIsolation;
+use tpubox_core::cache::CacheMode;
 use tpubox_core::device::{Arg, CompileSettings, DeviceExecutable, DeviceTensor};
 use tpubox_core::types::spec_byte_size;
 
@@ -60,30 +58,11 @@ pub fn mlp(b: usize, i: usize, h: usize) -> String {
     )
 }
 
+use crate::isolation::{median, ms};
+
+/// The CPU plugin, compiling in this process with the compile cache off (every compile runs).
 fn service() -> Arc<DeviceService> {
-    tpubox_core::open_device(&DeviceConfig {
-        cache: CacheConfig {
-            mode: CacheMode::Off,
-            disk_dir: None,
-            remote_url: None,
-            ..CacheConfig::default()
-        },
-        compile_isolation: CompileIsolation {
-            worker: None,
-            ..CompileIsolation::default()
-        },
-        ..DeviceConfig::default()
-    })
-    .expect("the CPU plugin opens")
-}
-
-fn median(mut v: Vec<Duration>) -> Duration {
-    v.sort();
-    v[v.len() / 2]
-}
-
-fn ms(d: Duration) -> f64 {
-    d.as_secs_f64() * 1e3
+    crate::isolation::service(false, CacheMode::Off)
 }
 
 /// Levels measured: the default (no level set), then O0–O3.

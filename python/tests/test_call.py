@@ -14,34 +14,11 @@ import ml_dtypes
 import numpy as np
 import pytest
 from conftest import ALICE, SMALL
+from test_programs import AFFINE, BF16_SCALE
 
 import tpubox
 from tpubox._proto import session_pb2 as pb
 from tpubox.errors import from_rpc_error
-
-# Two results of different dtypes: tanh(x·w + b) (f32), and its sign as i32.
-AFFINE = """
-func.func public @main(%x: tensor<3x4xf32>, %w: tensor<4x2xf32>, %b: tensor<2xf32>)
-    -> (tensor<3x2xf32>, tensor<3x2xi32>) {
-  %xw = stablehlo.dot_general %x, %w, contracting_dims = [1] x [0], precision = [HIGHEST, HIGHEST]
-      : (tensor<3x4xf32>, tensor<4x2xf32>) -> tensor<3x2xf32>
-  %bb = stablehlo.broadcast_in_dim %b, dims = [1] : (tensor<2xf32>) -> tensor<3x2xf32>
-  %y = stablehlo.add %xw, %bb : tensor<3x2xf32>
-  %t = stablehlo.tanh %y : tensor<3x2xf32>
-  %z = stablehlo.constant dense<0.0> : tensor<3x2xf32>
-  %p = stablehlo.compare GT, %t, %z : (tensor<3x2xf32>, tensor<3x2xf32>) -> tensor<3x2xi1>
-  %i = stablehlo.convert %p : (tensor<3x2xi1>) -> tensor<3x2xi32>
-  func.return %t, %i : tensor<3x2xf32>, tensor<3x2xi32>
-}
-"""
-
-BF16_SCALE = """
-func.func @main(%a: tensor<5xbf16>, %s: tensor<bf16>) -> tensor<5xbf16> {
-  %sb = stablehlo.broadcast_in_dim %s, dims = [] : (tensor<bf16>) -> tensor<5xbf16>
-  %0 = stablehlo.multiply %a, %sb : tensor<5xbf16>
-  func.return %0 : tensor<5xbf16>
-}
-"""
 
 ADD = """
 func.func @main(%a: tensor<4xf32>, %b: tensor<4xf32>) -> tensor<4xf32> {

@@ -15,7 +15,7 @@ func.func @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf32> {
 }
 """
 
-# Two results of different dtypes: x*y+x (f32), and argmax-like comparisons as i32.
+# Two results of different dtypes: tanh(x·w + b) (f32), and its sign as i32.
 AFFINE = """
 func.func public @main(%x: tensor<3x4xf32>, %w: tensor<4x2xf32>, %b: tensor<2xf32>)
     -> (tensor<3x2xf32>, tensor<3x2xi32>) {
