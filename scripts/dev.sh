@@ -44,7 +44,6 @@ ADAPTER_SHA="d3a1674fffec103c1d4367d4417a3bd5423cde3cfd56ff3b326b5fc72c0a8ebd"
 COMPONENTIZE_PY_VER="0.25.1"   # Python
 COMPONENTIZE_JS_VER="0.23.0"   # JavaScript; every npm package pinned in scripts/tools/componentize-js
 POLYGLOT_GUESTS=(c-mlp python-mlp js-mlp)
-SCCACHE_VER="0.19.0"           # the compiler cache of `lint` and `test` (setup_build_cache)
 
 log() { printf '\033[1m[dev.sh %4ds]\033[0m %s\n' "$SECONDS" "$*" >&2; }
 
@@ -386,36 +385,13 @@ fuzz() {
   log "crash inputs kept: $(find "fuzz/artifacts/$target" -name 'crash-*' 2>/dev/null | wc -l) (fuzz/artifacts/$target/)"
 }
 
-# A compiler cache for `lint` and `test` (and the demo, when it is already installed): what
-# rustc and cc produce for the dependencies (check-mode metadata for clippy and docs, release
-# objects for the tests), keyed by compiler, flags, environment and sources, is kept under
-# $CACHE/sccache, so a fresh clone compiles the project's own crates and takes the rest from the
-# cache. Crates from the registry hit across clones (their sources sit at the same path); the
-# workspace's own crates, binaries and proc macros are compiled every time. TPUBOX_SCCACHE=0
-# turns it off; a RUSTC_WRAPPER of the caller's own is kept.
-setup_build_cache() {
-  [ "${TPUBOX_SCCACHE:-1}" != 0 ] && [ -z "${RUSTC_WRAPPER:-}" ] || return 0
-  local dir="$TOOLS/sccache-$SCCACHE_VER"
-  if [ ! -x "$dir/bin/sccache" ]; then
-    [ "${1:-}" = install ] || return 0
-    install_cargo_tool sccache "$SCCACHE_VER" "$dir" sccache --no-default-features
-  fi
-  export SCCACHE_DIR="$CACHE/sccache" SCCACHE_CACHE_SIZE="${SCCACHE_CACHE_SIZE:-20G}"
-  if "$dir/bin/sccache" --start-server >/dev/null 2>&1 || "$dir/bin/sccache" --show-stats >/dev/null 2>&1; then
-    export RUSTC_WRAPPER="$dir/bin/sccache"
-    log "compiler cache: sccache $SCCACHE_VER in $SCCACHE_DIR"
-  else
-    log "sccache did not start; building without a compiler cache"
-  fi
-}
-
 cmd="${1:-}"
 case "$cmd" in
   setup) setup ;;
   polyglot) setup_system; setup_polyglot_tools; build_polyglot ;;
   demo)
     # Only what the demo uses: no guest toolchains for other languages, no test servers.
-    setup_core; setup_header; setup_build_cache; build_host --no-default-features
+    setup_core; setup_header; build_host --no-default-features
     "$TARGET/release/tpubox" setup cpu >/dev/null
     model="$("$TARGET/release/tpubox" setup minilm | sed -n 's/^minilm: //p')"
     build_guests minilm-embed
@@ -424,7 +400,6 @@ case "$cmd" in
       "$TARGET/wasm32-wasip2/release/minilm-embed.wasm" -- "${@:2}" </dev/null
     ;;
   test)
-    setup_build_cache install
     setup tests
     log "running the tests"
     TPUBOX_MOTO_SERVER="$MOTO_VENV/bin/moto_server" cargo test --release --workspace
@@ -454,7 +429,7 @@ case "$cmd" in
     ;;
   lint)
     # The gates CI runs besides the tests (.ci/run): formatting, clippy, docs; warnings fail.
-    setup_core; setup_header; setup_build_cache install
+    setup_core; setup_header
     log "cargo fmt --check"
     cargo fmt --all -- --check
     log "cargo clippy (warnings are errors)"
