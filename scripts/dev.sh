@@ -419,6 +419,9 @@ case "$cmd" in
     # Jupyter kernels (jupyter_client, ipykernel) started through the tpubox kernel provisioner.
     log "running the notebook tests (tests/notebook, pytest)"
     "$PYTHON_VENV/bin/python" -m pytest tests/notebook -q -p no:cacheprovider
+    # The scripts' own logic (CI's kept target dir).
+    log "running the scripts' tests (scripts/tests, pytest)"
+    "$SERVE_VENV/bin/python" -m pytest scripts/tests -q -p no:cacheprovider
     ;;
   python-proto)
     # python/tpubox/_proto from host/proto/tpubox/v1/session.proto; python/tests checks that
