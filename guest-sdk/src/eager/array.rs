@@ -71,7 +71,11 @@ impl fmt::Debug for Array {
             State::Pending { trace, .. } => format!("pending in trace {trace}"),
             State::Failed(_) => "failed".to_string(),
         };
-        write!(f, "Array({} from {}, {state})", self.node.spec, self.node.op)
+        write!(
+            f,
+            "Array({} from {}, {state})",
+            self.node.spec, self.node.op
+        )
     }
 }
 
@@ -81,7 +85,11 @@ pub(super) fn named(op: &str, error: Error) -> Error {
 }
 
 impl Array {
-    pub(super) fn with_state(spec: TensorSpec, op: impl Into<Cow<'static, str>>, state: State) -> Array {
+    pub(super) fn with_state(
+        spec: TensorSpec,
+        op: impl Into<Cow<'static, str>>,
+        state: State,
+    ) -> Array {
         Array {
             node: Rc::new(Node {
                 spec,
@@ -111,7 +119,12 @@ impl Array {
     /// is not the product of `dims`).
     pub fn from_slice<T: Element>(data: &[T], dims: &[u64]) -> Result<Array> {
         let t = Tensor::from_slice(data, dims)?;
-        Ok(Array::uploaded(t, TensorSpec::new(T::DTYPE, dims), true, "from_slice"))
+        Ok(Array::uploaded(
+            t,
+            TensorSpec::new(T::DTYPE, dims),
+            true,
+            "from_slice",
+        ))
     }
 
     /// A rank-0 array holding `value`. Errors: as for [`Tensor::scalar`].
@@ -177,7 +190,9 @@ impl Array {
     /// [`ErrorKind::InvalidArgument`] if the array does not hold exactly one element.
     pub fn to_scalar<T: Element>(&self) -> Result<T> {
         let r = self.ready()?;
-        r.tensor.to_scalar::<T>().map_err(|e| named(&self.node.op, e))
+        r.tensor
+            .to_scalar::<T>()
+            .map_err(|e| named(&self.node.op, e))
     }
 
     /// Waits until the array's value is computed (running its fused trace if needed).
@@ -237,7 +252,10 @@ impl Array {
         program::count_launch();
         let id = launch.id;
         let tensor = launch.outputs.into_iter().next().ok_or_else(|| {
-            Error::new(ErrorKind::Internal, format!("eager {name}: launch has no output"))
+            Error::new(
+                ErrorKind::Internal,
+                format!("eager {name}: launch has no output"),
+            )
         })?;
         if blocking {
             tensor.wait().map_err(|e| named(name, e))?;
@@ -363,7 +381,9 @@ impl Array {
     /// Compares element-wise with numpy broadcasting; the result is `pred`. Errors: as for
     /// [`Graph::compare`].
     pub fn compare(&self, other: &Array, dir: Compare) -> Result<Array> {
-        Array::apply("compare", &[self, other], move |g, v| g.compare(v[0], v[1], dir))
+        Array::apply("compare", &[self, other], move |g, v| {
+            g.compare(v[0], v[1], dir)
+        })
     }
 
     /// `self ? on_true : on_false` element-wise (`self` is `pred`), the three broadcast
@@ -447,7 +467,9 @@ impl Array {
     /// Broadcasts to `dims` with numpy rules. Errors: as for [`Graph::broadcast_to`].
     pub fn broadcast_to(&self, dims: &[u64]) -> Result<Array> {
         let dims = dims.to_vec();
-        Array::apply("broadcast_to", &[self], move |g, v| g.broadcast_to(v[0], &dims))
+        Array::apply("broadcast_to", &[self], move |g, v| {
+            g.broadcast_to(v[0], &dims)
+        })
     }
 
     /// Gather: rows of `self: [V, D...]` picked by integer `indices: [I...]`, giving

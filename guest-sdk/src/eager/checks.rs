@@ -28,7 +28,10 @@ pub(super) fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Result<Option<(usi
 pub(super) fn finite(node: &Node, ready: &Ready, context: &str) -> Result<()> {
     let bytes = ready.tensor.to_bytes().map_err(|e| named(&node.op, e))?;
     if let Some((i, x)) = first_non_finite(node.spec.dtype, &bytes)? {
-        let launch = ready.launch.map(|id| format!(", launch {id}")).unwrap_or_default();
+        let launch = ready
+            .launch
+            .map(|id| format!(", launch {id}"))
+            .unwrap_or_default();
         return Err(Error::new(
             ErrorKind::ExecutionFailed,
             format!(
@@ -44,7 +47,9 @@ pub(super) fn finite(node: &Node, ready: &Ready, context: &str) -> Result<()> {
 /// dtypes.
 pub(super) fn integers(dtype: Dtype, bytes: &[u8]) -> Result<Option<Vec<i128>>> {
     fn widen<T: Element + Into<i128>>(bytes: &[u8]) -> Result<Option<Vec<i128>>> {
-        Ok(Some(decode::<T>(bytes)?.into_iter().map(Into::into).collect()))
+        Ok(Some(
+            decode::<T>(bytes)?.into_iter().map(Into::into).collect(),
+        ))
     }
     match dtype {
         Dtype::S8 => widen::<i8>(bytes),

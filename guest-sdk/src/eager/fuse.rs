@@ -27,6 +27,9 @@ struct Trace {
     inputs: Vec<(Rc<Tensor>, bool)>,
     /// The arrays recorded, in order.
     nodes: Vec<Weak<Node>>,
+    /// With debug checks on, every array recorded, held so that each is an output of the step
+    /// and checked: the first non-finite one in recording order names the op that made it.
+    keep: Vec<Array>,
 }
 
 impl Trace {
@@ -41,6 +44,7 @@ impl Trace {
             graph: Graph::new(),
             inputs: Vec::new(),
             nodes: Vec::new(),
+            keep: Vec::new(),
         }
     }
 
@@ -54,9 +58,7 @@ impl Trace {
         {
             return params[i];
         }
-        let v = self
-            .graph
-            .parameter(r.tensor.dtype(), r.tensor.dims());
+        let v = self.graph.parameter(r.tensor.dtype(), r.tensor.dims());
         self.inputs.push((Rc::clone(&r.tensor), r.donatable));
         v
     }
@@ -116,6 +118,9 @@ pub(super) fn record(
             },
         );
         trace.nodes.push(Rc::downgrade(&array.node));
+        if debug_checks() {
+            trace.keep.push(array.clone());
+        }
         Ok((array, trace.nodes.len() >= max_fused_ops()))
     })?;
     if full {
@@ -145,7 +150,11 @@ pub(super) fn flush() -> Result<()> {
         })
         .collect();
     let ops: Vec<&str> = live.iter().map(|n| &*n.op).collect();
-    let what = format!("fused step ({} ops, outputs from {})", trace.nodes.len(), ops.join(", "));
+    let what = format!(
+        "fused step ({} ops, outputs from {})",
+        trace.nodes.len(),
+        ops.join(", ")
+    );
     let launched = (|| {
         let text = trace.graph.to_mlir(&outputs)?;
         let exe = program::executable(&text)?;

@@ -54,7 +54,10 @@ pub(super) fn env_on(value: Option<&str>) -> bool {
 }
 
 /// The mode the switches `TPUBOX_DEFER_AND_FUSE` and `TPUBOX_LAUNCH_BLOCKING` give.
-pub(super) fn mode_from_env(defer_and_fuse: Option<&str>, launch_blocking: Option<&str>) -> EagerMode {
+pub(super) fn mode_from_env(
+    defer_and_fuse: Option<&str>,
+    launch_blocking: Option<&str>,
+) -> EagerMode {
     if env_on(launch_blocking) {
         EagerMode::DeferNeverAndLaunchBlocking
     } else if env_on(defer_and_fuse) {

@@ -81,7 +81,10 @@ fn launch_blocking_wins_over_defer_and_fuse() {
     assert_eq!(mode_from_env(None, None), EagerMode::DeferNever);
     assert_eq!(mode_from_env(Some("0"), Some("")), EagerMode::DeferNever);
     assert_eq!(mode_from_env(Some("1"), None), EagerMode::DeferAndFuse);
-    assert_eq!(mode_from_env(Some("true"), Some("0")), EagerMode::DeferAndFuse);
+    assert_eq!(
+        mode_from_env(Some("true"), Some("0")),
+        EagerMode::DeferAndFuse
+    );
     assert_eq!(
         mode_from_env(Some("1"), Some("1")),
         EagerMode::DeferNeverAndLaunchBlocking
@@ -125,10 +128,18 @@ fn the_scanners_find_non_finite_floats_and_bad_indices() {
         first_non_finite(Dtype::Bf16, &h).unwrap(),
         Some((1, f64::INFINITY))
     );
-    assert_eq!(first_non_finite(Dtype::F32, &encode(&[0.0f32, -1.0])).unwrap(), None);
-    assert_eq!(first_non_finite(Dtype::S32, &encode(&[1i32])).unwrap(), None);
+    assert_eq!(
+        first_non_finite(Dtype::F32, &encode(&[0.0f32, -1.0])).unwrap(),
+        None
+    );
+    assert_eq!(
+        first_non_finite(Dtype::S32, &encode(&[1i32])).unwrap(),
+        None
+    );
 
-    let v = integers(Dtype::S32, &encode(&[0i32, 4, -1, 9])).unwrap().unwrap();
+    let v = integers(Dtype::S32, &encode(&[0i32, 4, -1, 9]))
+        .unwrap()
+        .unwrap();
     assert_eq!(first_out_of_range(&v, 5), Some((2, -1)));
     assert_eq!(first_out_of_range(&v[..2], 5), None);
     let v = integers(Dtype::U64, &encode(&[u64::MAX])).unwrap().unwrap();

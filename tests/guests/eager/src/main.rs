@@ -314,7 +314,10 @@ fn checks() -> Result<()> {
     let idx = Array::from_slice(&[1i32, 7], &[2])?;
     eager::set_debug_checks(true);
     report("checks-nan", neg.log().and_then(|a| a.to_vec::<f32>()));
-    report("checks-index", table.take(&idx).and_then(|a| a.to_vec::<f32>()));
+    report(
+        "checks-index",
+        table.take(&idx).and_then(|a| a.to_vec::<f32>()),
+    );
     // A NaN inside a chain: the op that made it is named, not the last one.
     report(
         "checks-nan-chain",
@@ -325,7 +328,10 @@ fn checks() -> Result<()> {
     );
     eager::set_debug_checks(false);
     // Without checks XLA clamps the index (row 4) and the NaN goes through.
-    report("unchecked-index", table.take(&idx).and_then(|a| a.to_vec::<f32>()));
+    report(
+        "unchecked-index",
+        table.take(&idx).and_then(|a| a.to_vec::<f32>()),
+    );
     report("unchecked-nan", neg.log().and_then(|a| a.to_vec::<f32>()));
     Ok(())
 }
@@ -346,9 +352,13 @@ fn fail() -> Result<()> {
     println!("fail-launch: {} {}", launch.id, exe.fingerprint());
     let out = launch.outputs.into_iter().next().expect("one output");
     let a = Array::from_tensor(out);
+    report("fail-read-input", a.to_vec::<f32>());
     let op = a.exp();
     println!("fail-op: {}", if op.is_ok() { "ok" } else { "error" });
-    report("fail-read", op.and_then(|y| y.mul(&y)).and_then(|z| z.to_vec::<f32>()));
+    report(
+        "fail-read",
+        op.and_then(|y| y.mul(&y)).and_then(|z| z.to_vec::<f32>()),
+    );
     Ok(())
 }
 
@@ -385,7 +395,9 @@ fn main() {
     let _guard = match mode {
         "never" => Some(eager::set_eager_mode(EagerMode::DeferNever)),
         "fuse" => Some(eager::set_eager_mode(EagerMode::DeferAndFuse)),
-        "blocking" => Some(eager::set_eager_mode(EagerMode::DeferNeverAndLaunchBlocking)),
+        "blocking" => Some(eager::set_eager_mode(
+            EagerMode::DeferNeverAndLaunchBlocking,
+        )),
         "env" | "graph" => None,
         m => panic!("unknown mode {m}"),
     };
@@ -413,7 +425,12 @@ fn main() {
                     let _g = eager::set_eager_mode(EagerMode::DeferNeverAndLaunchBlocking);
                     eager::eager_mode()
                 };
-                println!("scoped: {} {} {}", outer.name(), inner.name(), eager::eager_mode().name());
+                println!(
+                    "scoped: {} {} {}",
+                    outer.name(),
+                    inner.name(),
+                    eager::eager_mode().name()
+                );
                 Ok(())
             }
             (c, _) => panic!("unknown case {c}"),
