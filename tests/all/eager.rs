@@ -267,6 +267,13 @@ fn expected_values() -> BTreeMap<&'static str, Vec<f64>> {
     );
     let a = data(24, 12);
     want.insert("slice", vec![a[6], a[9], a[18], a[21]]);
+    want.insert(
+        "dynamic_slice",
+        [1usize, 2]
+            .iter()
+            .flat_map(|&r| a[r * 6 + 2..r * 6 + 5].to_vec())
+            .collect(),
+    );
     let mut cat = data(6, 13);
     cat.extend(data(3, 14));
     want.insert("concatenate", cat);
@@ -476,6 +483,13 @@ async fn debug_checks_name_the_op_of_a_nan_and_of_an_out_of_range_index() {
                 && e.contains("out of range 0..5"),
             "{mode}: {e}"
         );
+        let e = line(&l, "checks-dynamic-slice");
+        assert!(
+            e.starts_with(
+                "ERROR invalid-argument: debug check: eager dynamic_slice: start 3 of dim 0 is out of range 0..=2"
+            ),
+            "{mode}: {e}"
+        );
         // Without the checks, XLA clamps the index to the last row and the NaN goes through.
         let mut clamped = table[3..6].to_vec();
         clamped.extend_from_slice(&table[12..15]);
@@ -486,6 +500,18 @@ async fn debug_checks_name_the_op_of_a_nan_and_of_an_out_of_range_index() {
             &clamped,
         );
         assert_eq!(line(&l, "unchecked-nan"), "ok [0.0, NaN]", "{mode}");
+        // The start 3 of dim 0 clamped to 2: rows 2 and 3, columns 0..3.
+        let a = data(24, 12);
+        let clamped: Vec<f64> = [2usize, 3]
+            .iter()
+            .flat_map(|&r| a[r * 6..r * 6 + 3].to_vec())
+            .collect();
+        let ok = line(&l, "unchecked-dynamic-slice");
+        assert_close(
+            &format!("{mode} unchecked-dynamic-slice"),
+            ok.strip_prefix("ok ").unwrap_or(ok),
+            &clamped,
+        );
     }
     nothing_held("after the checks", &tenant).await;
 }

@@ -495,6 +495,39 @@ impl Array {
         Array::apply("slice", &[self], move |g, v| g.slice(v[0], &b, &e, &s))
     }
 
+    /// The block of dims `sizes` starting at the run-time indices `starts` (an integer array
+    /// `[rank]`, one start per dim; [`Graph::dynamic_slice`]). XLA clamps each start into
+    /// `0..=dim - size` silently; with debug checks on, the starts are read first and one out
+    /// of that range fails the op.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] if `starts` is not an integer `[rank]` array,
+    /// `sizes` does not have one entry per dim or a size exceeds its dim, or (debug checks)
+    /// for a start out of range, naming the op, the start and its dim.
+    pub fn dynamic_slice(&self, starts: &Array, sizes: &[u64]) -> Result<Array> {
+        let rank = self.dims().len();
+        if starts.dims() != [rank as u64] {
+            return Err(Error::invalid_argument(format!(
+                "dynamic_slice: starts must be [{rank}] (one per dim of {}), got {}",
+                self.spec(),
+                starts.spec()
+            )));
+        }
+        if debug_checks()
+            && sizes.len() == rank
+            && sizes.iter().zip(self.dims()).all(|(s, d)| s <= d)
+        {
+            let bounds: Vec<u64> = self.dims().iter().zip(sizes).map(|(d, s)| d - s).collect();
+            checks::starts_in_range("dynamic_slice", starts, &bounds, self.spec(), sizes)?;
+        }
+        let sizes = sizes.to_vec();
+        Array::apply("dynamic_slice", &[self, starts], move |g, v| {
+            let starts = (0..rank as u64)
+                .map(|i| g.reshape(g.slice(v[1], &[i], &[i + 1], &[1])?, &[]))
+                .collect::<Result<Vec<Value>>>()?;
+            g.dynamic_slice(v[0], &starts, &sizes)
+        })
+    }
+
     /// Joins `arrays` along `axis` (equal dtypes and ranks, equal dims but along `axis`); a
     /// single array is returned as is.
     ///

@@ -96,3 +96,29 @@ pub(super) fn indices_in_range(
     }
     Ok(())
 }
+
+/// Reads `starts` (waiting for them) and fails with [`ErrorKind::InvalidArgument`] naming `op`
+/// if start `i` is outside `0..=bounds[i]` (`bounds[i]` = dim minus size: the last start XLA
+/// would not clamp).
+pub(super) fn starts_in_range(
+    op: &str,
+    starts: &Array,
+    bounds: &[u64],
+    operand: &TensorSpec,
+    sizes: &[u64],
+) -> Result<()> {
+    let r = starts.ready()?;
+    let bytes = r.tensor.to_bytes().map_err(|e| named(starts.op(), e))?;
+    let Some(values) = integers(starts.dtype(), &bytes)? else {
+        return Ok(());
+    };
+    for (i, (&v, &b)) in values.iter().zip(bounds).enumerate() {
+        if first_out_of_range(&[v], b + 1).is_some() {
+            return Err(Error::invalid_argument(format!(
+                "debug check: eager {op}: start {v} of dim {i} is out of range 0..={b} for \
+                 sizes {sizes:?} of {operand} (XLA would clamp it silently)"
+            )));
+        }
+    }
+    Ok(())
+}

@@ -126,8 +126,9 @@ pub fn debug_checks() -> bool {
 /// costs a transfer to the guest and a wait, so it makes ops synchronous:
 ///
 /// * float results are read back and a NaN or infinity fails the op that made it;
-/// * the indices of a gather ([`Array::take`](super::Array::take)) are read before it runs,
-///   and one out of range (which XLA would clamp silently) fails the op.
+/// * the indices of a gather ([`Array::take`](super::Array::take)) and the starts of a
+///   [`Array::dynamic_slice`](super::Array::dynamic_slice) are read before it runs, and one
+///   out of range (which XLA would clamp silently) fails the op.
 ///
 /// In [`EagerMode::DeferAndFuse`] the NaN check runs on the outputs of each fused step and
 /// names the op that made the offending array. Errors are

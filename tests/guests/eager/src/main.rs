@@ -47,6 +47,7 @@ trait Backend {
     fn layer_norm(&mut self, x: &Self::V, g: &Self::V, b: &Self::V) -> Result<Self::V>;
     fn slice(&mut self, a: &Self::V, s: &[u64], l: &[u64], st: &[u64]) -> Result<Self::V>;
     fn concat(&mut self, xs: &[&Self::V], axis: u64) -> Result<Self::V>;
+    fn dynamic_slice(&mut self, a: &Self::V, starts: &Self::V, sizes: &[u64]) -> Result<Self::V>;
     /// Records an output to print as `name`.
     fn output(&mut self, name: &str, v: &Self::V);
     /// Prints the outputs recorded (reading them, or compiling and running the graph).
@@ -108,6 +109,9 @@ impl Backend for Eager {
     }
     fn concat(&mut self, xs: &[&Array], axis: u64) -> Result<Array> {
         Array::concatenate(xs, axis)
+    }
+    fn dynamic_slice(&mut self, a: &Array, starts: &Array, sizes: &[u64]) -> Result<Array> {
+        a.dynamic_slice(starts, sizes)
     }
     fn output(&mut self, name: &str, v: &Array) {
         self.outputs.push((name.to_string(), v.clone()));
@@ -185,6 +189,13 @@ impl Backend for Compiled {
         let xs: Vec<Value> = xs.iter().map(|&&v| v).collect();
         self.g.concatenate(&xs, axis)
     }
+    fn dynamic_slice(&mut self, a: &Value, starts: &Value, sizes: &[u64]) -> Result<Value> {
+        let g = &self.g;
+        let starts = (0..sizes.len() as u64)
+            .map(|i| g.reshape(g.slice(*starts, &[i], &[i + 1], &[1])?, &[]))
+            .collect::<Result<Vec<Value>>>()?;
+        g.dynamic_slice(*a, &starts, sizes)
+    }
     fn output(&mut self, name: &str, v: &Value) {
         self.outputs.push((name.to_string(), *v));
     }
@@ -253,6 +264,9 @@ fn values<B: Backend>(b: &mut B) -> Result<()> {
     let a = b.input(&data(24, 12), &[4, 6])?;
     let v = b.slice(&a, &[1, 0], &[4, 6], &[2, 3])?;
     b.output("slice", &v);
+    let starts = b.input(&[1i32, 2], &[2])?;
+    let v = b.dynamic_slice(&a, &starts, &[2, 3])?;
+    b.output("dynamic_slice", &v);
     let top = b.input(&data(6, 13), &[2, 3])?;
     let bottom = b.input(&data(3, 14), &[1, 3])?;
     let v = b.concat(&[&top, &bottom], 0)?;
@@ -318,6 +332,13 @@ fn checks() -> Result<()> {
         "checks-index",
         table.take(&idx).and_then(|a| a.to_vec::<f32>()),
     );
+    let a = Array::from_slice(&data(24, 12), &[4, 6])?;
+    let starts = Array::from_slice(&[3i32, 0], &[2])?;
+    report(
+        "checks-dynamic-slice",
+        a.dynamic_slice(&starts, &[2, 3])
+            .and_then(|a| a.to_vec::<f32>()),
+    );
     // A NaN inside a chain: the op that made it is named, not the last one.
     report(
         "checks-nan-chain",
@@ -331,6 +352,11 @@ fn checks() -> Result<()> {
     report(
         "unchecked-index",
         table.take(&idx).and_then(|a| a.to_vec::<f32>()),
+    );
+    report(
+        "unchecked-dynamic-slice",
+        a.dynamic_slice(&starts, &[2, 3])
+            .and_then(|a| a.to_vec::<f32>()),
     );
     report("unchecked-nan", neg.log().and_then(|a| a.to_vec::<f32>()));
     Ok(())
