@@ -17,6 +17,9 @@
 //!   `dot_general` with `jax.lax.dot_general`'s arguments and a precision setting, reductions,
 //!   gather, layer norm, softmax, GELU) with shape checks as the graph is built; ops nest
 //!   (`g.add(g.matmul(x, w, Precision::Highest)?, b)?`). It emits MLIR the host compiles.
+//! * [`eager`]: eager arrays in TorchTPU's three eager modes (`DEFER_NEVER`,
+//!   `DEFER_AND_FUSE`, `DEFER_NEVER_AND_LAUNCH_BLOCKING`): `x.matmul(&w)?.add(&b)?.gelu()?`,
+//!   [`eager::mark_step`], a scoped mode override, debug checks for NaN and bad indices.
 //! * [`weights`]: read-only weight sets the host loaded once (`tpubox run --weights
 //!   NAME=FILE.safetensors`), opened by name, device-resident, shared between guests.
 //! * [`platform`] and [`devices`]: what the host runs on.
@@ -108,6 +111,7 @@ mod platform;
 mod spec;
 mod tensor;
 
+pub mod eager;
 pub mod graph;
 pub mod model;
 pub mod weights;

@@ -9,6 +9,7 @@ mod cache;
 mod cache_remote;
 mod compile_tiers;
 mod compile_workers;
+mod eager;
 mod exec;
 mod fuzz_regressions;
 mod graph;

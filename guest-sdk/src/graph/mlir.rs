@@ -267,6 +267,10 @@ fn op_line(nodes: &[Node], index: u32, node: &Node) -> Option<String> {
                 "{r} = \"stablehlo.slice\"({args}) {{start_indices = {b}, limit_indices = {e}, strides = {st}}} : {sig}"
             )
         }
+        Op::DynamicSlice(sizes) => {
+            let ss = i64_array(sizes);
+            format!("{r} = \"stablehlo.dynamic_slice\"({args}) {{slice_sizes = {ss}}} : {sig}")
+        }
         Op::Concatenate(axis) => {
             format!("{r} = stablehlo.concatenate {args}, dim = {axis} : {sig}")
         }

@@ -308,6 +308,8 @@ enum Op {
         limit: Vec<u64>,
         strides: Vec<u64>,
     },
+    /// Operands: the value, then one scalar start index per dim. The slice sizes.
+    DynamicSlice(Vec<u64>),
     /// The concatenation axis.
     Concatenate(u64),
     /// `stablehlo.custom_call` of this target through the typed XLA FFI (`api_version = 4`),

@@ -461,6 +461,26 @@ impl Graph {
         Ok(self.push(out, op, &[a]))
     }
 
+    /// The block of `a` of dims `sizes` starting at run-time indices `starts` (one integer
+    /// scalar per dim, all of one dtype; `stablehlo.dynamic_slice`). A start is clamped into
+    /// `0..=dim - size` (XLA's semantics), not reported.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`] if `starts` or `sizes` does not have one entry
+    /// per dim, a start is not an integer scalar of the first one's dtype, or a size exceeds
+    /// its dim.
+    pub fn dynamic_slice(&self, a: Value, starts: &[Value], sizes: &[u64]) -> Result<Value> {
+        const OP: &str = "dynamic_slice";
+        let s = self.operand(OP, a)?;
+        let specs = starts
+            .iter()
+            .map(|&v| self.operand(OP, v))
+            .collect::<Result<Vec<_>>>()?;
+        let out = shape::dynamic_slice(&s, &specs, sizes)?;
+        let mut operands = vec![a];
+        operands.extend_from_slice(starts);
+        Ok(self.push(out, Op::DynamicSlice(sizes.to_vec()), &operands))
+    }
+
     /// Joins `values` along `axis`; all must have the same dtype and rank, and equal dims
     /// except along `axis`. A single value is returned as is.
     ///

@@ -389,6 +389,41 @@ pub(super) fn slice(
     Ok(TensorSpec::new(s.dtype, &dims))
 }
 
+/// The result of `dynamic_slice` of `s` at scalar integer `starts` (one per dim, one dtype)
+/// with `sizes`.
+pub(super) fn dynamic_slice(
+    s: &TensorSpec,
+    starts: &[TensorSpec],
+    sizes: &[u64],
+) -> Result<TensorSpec> {
+    const OP: &str = "dynamic_slice";
+    if starts.len() != s.rank() || sizes.len() != s.rank() {
+        return Err(invalid(
+            OP,
+            format!(
+                "{} start indices and sizes {sizes:?} need one entry per dim of {s}",
+                starts.len()
+            ),
+        ));
+    }
+    for (i, st) in starts.iter().enumerate() {
+        if st.rank() != 0 || !is_int(st.dtype) || st.dtype != starts[0].dtype {
+            return Err(invalid(
+                OP,
+                format!(
+                    "start index {i} must be an integer scalar of the first one's dtype, got {st} (operand {s})"
+                ),
+            ));
+        }
+    }
+    for (i, (&n, &d)) in sizes.iter().zip(&s.dims).enumerate() {
+        if n > d {
+            return Err(invalid(OP, format!("size {n} exceeds {s} dim {i} ({d})")));
+        }
+    }
+    Ok(TensorSpec::new(s.dtype, sizes))
+}
+
 /// The result of concatenating values of `specs` along `axis`.
 pub(super) fn concatenate(specs: &[TensorSpec], axis: u64) -> Result<TensorSpec> {
     const OP: &str = "concatenate";

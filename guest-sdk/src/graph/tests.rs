@@ -622,3 +622,28 @@ fn segment_attention_emits_the_host_custom_call_and_checks_its_operands() {
         &["segment_attention", "q must be f32 [R, S, H, D]"],
     );
 }
+
+#[test]
+fn dynamic_slice() {
+    let g = Graph::new();
+    let a = g.parameter(Dtype::F32, &[4, 6]);
+    let i = g.parameter(Dtype::S32, &[]);
+    let j = g.parameter(Dtype::S32, &[]);
+    let d = g.dynamic_slice(a, &[i, j], &[2, 3]).unwrap();
+    assert_eq!(g.dims(d), &[2, 3]);
+    let text = g.to_mlir(&[d]).unwrap();
+    assert!(text.contains(r#"%v3 = "stablehlo.dynamic_slice"(%v0, %v1, %v2) {slice_sizes = array<i64: 2, 3>} : (tensor<4x6xf32>, tensor<i32>, tensor<i32>) -> tensor<2x3xf32>"#), "{text}");
+    assert_msg(
+        g.dynamic_slice(a, &[i], &[2, 3]),
+        &["dynamic_slice: 1 start indices and sizes [2, 3] need one entry per dim of f32[4,6]"],
+    );
+    assert_msg(
+        g.dynamic_slice(a, &[i, j], &[5, 3]),
+        &["dynamic_slice: size 5 exceeds f32[4,6] dim 0 (4)"],
+    );
+    let f = g.parameter(Dtype::F32, &[]);
+    assert_msg(
+        g.dynamic_slice(a, &[i, f], &[2, 3]),
+        &["dynamic_slice: start index 1 must be an integer scalar"],
+    );
+}
