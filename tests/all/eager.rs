@@ -124,20 +124,19 @@ fn floats(s: &str) -> Vec<f64> {
 // Inputs (restated from the guest) and reference math in f64
 // ---------------------------------------------------------------------------------------------
 
-/// `n` values in [-2, 2) on a grid of 4/23, scrambled by `seed` (computed in f32, as the guest).
+/// The guest's inputs ([`crate::test_data::data`], computed in f32), as f64.
 fn data(n: usize, seed: u32) -> Vec<f64> {
-    (0..n as u32)
-        .map(|i| f64::from(((i * 37 + seed * 11) % 23) as f32 * (4.0 / 23.0) - 2.0))
+    crate::test_data::data(n, seed)
+        .into_iter()
+        .map(f64::from)
         .collect()
 }
 
-/// `n` values in [0.25, 2.25).
+/// The guest's positive inputs ([`crate::test_data::pos`]), as f64.
 fn pos(n: usize, seed: u32) -> Vec<f64> {
-    (0..n as u32)
-        .map(|i| {
-            let x = ((i * 37 + seed * 11) % 23) as f32 * (4.0 / 23.0) - 2.0;
-            f64::from(x.abs() + 0.25)
-        })
+    crate::test_data::pos(n, seed)
+        .into_iter()
+        .map(f64::from)
         .collect()
 }
 

@@ -39,17 +39,7 @@ async fn run_guest() -> String {
 // Inputs (restated from the guest) and reference math
 // ---------------------------------------------------------------------------------------------
 
-/// `n` values in [-2, 2) on a grid of 4/23, scrambled by `seed` (as in the guest, in f32).
-fn data(n: usize, seed: u32) -> Vec<f32> {
-    (0..n as u32)
-        .map(|i| ((i * 37 + seed * 11) % 23) as f32 * (4.0 / 23.0) - 2.0)
-        .collect()
-}
-
-/// `n` values in [0.25, 2.25).
-fn pos(n: usize, seed: u32) -> Vec<f32> {
-    data(n, seed).iter().map(|x| x.abs() + 0.25).collect()
-}
+use crate::test_data::{data, pos};
 
 fn scaled(xs: Vec<f32>, k: f32) -> Vec<f32> {
     xs.iter().map(|x| x * k).collect()

@@ -23,3 +23,5 @@ mod polyglot;
 mod sessions;
 mod support;
 mod templates;
+#[path = "../guests/test_data.rs"]
+mod test_data;

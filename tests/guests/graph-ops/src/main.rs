@@ -9,17 +9,9 @@
 use tpubox_guest::graph::{Compare, Graph, Precision, Value};
 use tpubox_guest::{Dtype, Element, Result, Tensor};
 
-/// `n` values in [-2, 2) on a grid of 4/23, scrambled by `seed`.
-fn data(n: usize, seed: u32) -> Vec<f32> {
-    (0..n as u32)
-        .map(|i| ((i * 37 + seed * 11) % 23) as f32 * (4.0 / 23.0) - 2.0)
-        .collect()
-}
-
-/// `n` values in [0.25, 2.25).
-fn pos(n: usize, seed: u32) -> Vec<f32> {
-    data(n, seed).iter().map(|x| x.abs() + 0.25).collect()
-}
+#[path = "../../test_data.rs"]
+mod test_data;
+use test_data::{data, pos};
 
 fn json<T: Copy>(xs: &[T], f: impl Fn(T) -> String) -> String {
     let items: Vec<String> = xs.iter().map(|&x| f(x)).collect();
