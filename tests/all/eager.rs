@@ -582,3 +582,84 @@ async fn a_guest_that_ends_with_launches_pending_leaks_nothing() {
     assert_values("after pending", &out);
     nothing_held("after the next run", &tenant).await;
 }
+
+/// The f64 references of the `bounded` case's item `i` of length `len`, by output name.
+fn expected_bounded(i: u32, len: usize) -> Vec<(&'static str, Vec<f64>)> {
+    let x = data(len, i);
+    let x2 = data(3 * len, i);
+    let max = x.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let chain: Vec<f64> = x.iter().map(|v| v.exp() * v + 0.5).collect();
+    vec![
+        ("sum", vec![x.iter().sum()]),
+        ("max", vec![max]),
+        ("softmax", softmax_rows(&x, len)),
+        ("chain-sum", vec![chain.iter().sum()]),
+        ("chain", chain),
+        (
+            "rows",
+            (0..3)
+                .map(|r| x2[r * len..(r + 1) * len].iter().sum())
+                .collect(),
+        ),
+        (
+            "cols",
+            (0..len)
+                .map(|c| (0..3).map(|r| x2[r * len + c]).sum())
+                .collect(),
+        ),
+    ]
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stream_of_bounded_lengths_compiles_one_program_per_bucket_with_exact_values() {
+    let g = Guest::new();
+    let tenant = Tenant::new("eager-bounded", limits());
+    for mode in ["fuse", "never"] {
+        let out = g.run(&[mode, "bounded"], &[], &tenant).await;
+        let got = lines(&out);
+        for i in 0..200u32 {
+            let len = floats(line(&got, &format!("bounded-{i}-len")))[0] as usize;
+            assert!((1..=100).contains(&len), "{out}");
+            for (name, want) in expected_bounded(i, len) {
+                let key = format!("bounded-{i}-{name}");
+                assert_close(
+                    &format!("{mode} {key} (length {len})"),
+                    line(&got, &key),
+                    &want,
+                );
+            }
+        }
+        let c = floats(line(&got, "bounded-compiles"));
+        let (compiles, buckets, lengths, ops) = (c[0], c[1], c[2], c[3]);
+        eprintln!("{mode}: {compiles} compiles for {lengths} lengths in {buckets} buckets");
+        // Lengths 1..=100: buckets 1, 2, 4, ..., 64, 100.
+        assert!(buckets <= 8.0 && lengths > buckets, "{out}");
+        if mode == "fuse" {
+            assert!(
+                compiles <= buckets,
+                "{compiles} fused programs for {buckets} buckets"
+            );
+        } else {
+            assert!(
+                compiles <= buckets * ops,
+                "{compiles} programs for {buckets} buckets"
+            );
+        }
+        for op in ["matmul", "reshape", "add"] {
+            let l = line(
+                &got,
+                &format!("bounded-error-{}", if op == "add" { "static" } else { op }),
+            );
+            assert!(
+                l.starts_with("ERROR") && l.contains(op) && l.contains("dynamic"),
+                "{op}: {l}"
+            );
+        }
+        assert_eq!(
+            line(&got, "bounded-dims"),
+            "ok ([8], [5], Some((0, 5)))",
+            "{out}"
+        );
+    }
+    nothing_held("after the bounded runs", &tenant).await;
+}

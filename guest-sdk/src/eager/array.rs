@@ -5,6 +5,7 @@ use std::cell::RefCell;
 use std::fmt;
 use std::rc::Rc;
 
+use super::bounded::Dynamic;
 use super::mode::{EagerMode, debug_checks, eager_mode};
 use super::{checks, fuse, program};
 use crate::graph::{Compare, Graph, Precision, Value};
@@ -37,6 +38,8 @@ pub(super) struct Node {
     /// The op that made the array (`from_slice` for uploads).
     pub(super) op: Cow<'static, str>,
     pub(super) state: RefCell<State>,
+    /// The dynamic axis, for a bounded array ([`Array::from_slice_bounded`]).
+    pub(super) dynamic: RefCell<Option<Dynamic>>,
 }
 
 /// Where an array's value is.
@@ -95,6 +98,7 @@ impl Array {
                 spec,
                 op: op.into(),
                 state: RefCell::new(state),
+                dynamic: RefCell::new(None),
             }),
         }
     }
@@ -183,12 +187,27 @@ impl Array {
     /// [`ErrorKind::ExecutionFailed`], naming the launch), prefixed with the op.
     pub fn to_vec<T: Element>(&self) -> Result<Vec<T>> {
         let r = self.ready()?;
-        r.tensor.to_vec::<T>().map_err(|e| named(&self.node.op, e))
+        let data = r
+            .tensor
+            .to_vec::<T>()
+            .map_err(|e| named(&self.node.op, e))?;
+        Ok(self.unpad(data))
     }
 
     /// Reads a one-element array as a value of `T`. Errors: as for [`Array::to_vec`], plus
     /// [`ErrorKind::InvalidArgument`] if the array does not hold exactly one element.
     pub fn to_scalar<T: Element>(&self) -> Result<T> {
+        if self.dynamic_axis().is_some() {
+            let v = self.to_vec::<T>()?;
+            return match v[..] {
+                [x] => Ok(x),
+                _ => Err(Error::invalid_argument(format!(
+                    "to_scalar: {} elements (true dims {:?}), not one",
+                    v.len(),
+                    self.logical_dims()
+                ))),
+            };
+        }
         let r = self.ready()?;
         r.tensor
             .to_scalar::<T>()
@@ -218,7 +237,19 @@ impl Array {
 
     /// Runs the op `name` on `operands` in the current mode; `build` adds it to a graph whose
     /// values for the operands it is given, and returns the result.
+    ///
+    /// Fails naming the op if an operand has a dynamic axis (ops that handle one call
+    /// [`Array::apply_any`]).
     pub(super) fn apply<F>(name: &'static str, operands: &[&Array], build: F) -> Result<Array>
+    where
+        F: Fn(&Graph, &[Value]) -> Result<Value>,
+    {
+        Array::no_dynamic(name, operands)?;
+        Array::apply_any(name, operands, build)
+    }
+
+    /// [`Array::apply`] without the check for dynamic axes.
+    pub(super) fn apply_any<F>(name: &'static str, operands: &[&Array], build: F) -> Result<Array>
     where
         F: Fn(&Graph, &[Value]) -> Result<Value>,
     {
@@ -281,107 +312,107 @@ impl Array {
     /// Errors: [`ErrorKind::InvalidArgument`] if the dtypes differ or the shapes do not
     /// broadcast; device errors as for [`Array::to_vec`].
     pub fn add(&self, other: &Array) -> Result<Array> {
-        Array::apply("add", &[self, other], |g, v| g.add(v[0], v[1]))
+        Array::elementwise("add", &[self, other], |g, v| g.add(v[0], v[1]))
     }
 
     /// `self - other`, element-wise with numpy broadcasting. Errors: as for [`Array::add`].
     pub fn sub(&self, other: &Array) -> Result<Array> {
-        Array::apply("sub", &[self, other], |g, v| g.sub(v[0], v[1]))
+        Array::elementwise("sub", &[self, other], |g, v| g.sub(v[0], v[1]))
     }
 
     /// `self * other`, element-wise with numpy broadcasting. Errors: as for [`Array::add`].
     pub fn mul(&self, other: &Array) -> Result<Array> {
-        Array::apply("mul", &[self, other], |g, v| g.mul(v[0], v[1]))
+        Array::elementwise("mul", &[self, other], |g, v| g.mul(v[0], v[1]))
     }
 
     /// `self / other`, element-wise with numpy broadcasting (integers truncate toward zero).
     /// Errors: as for [`Array::add`].
     pub fn div(&self, other: &Array) -> Result<Array> {
-        Array::apply("div", &[self, other], |g, v| g.div(v[0], v[1]))
+        Array::elementwise("div", &[self, other], |g, v| g.div(v[0], v[1]))
     }
 
     /// Element-wise maximum with numpy broadcasting (NaN propagates). Errors: as for
     /// [`Array::add`].
     pub fn maximum(&self, other: &Array) -> Result<Array> {
-        Array::apply("maximum", &[self, other], |g, v| g.maximum(v[0], v[1]))
+        Array::elementwise("maximum", &[self, other], |g, v| g.maximum(v[0], v[1]))
     }
 
     /// Element-wise minimum with numpy broadcasting (NaN propagates). Errors: as for
     /// [`Array::add`].
     pub fn minimum(&self, other: &Array) -> Result<Array> {
-        Array::apply("minimum", &[self, other], |g, v| g.minimum(v[0], v[1]))
+        Array::elementwise("minimum", &[self, other], |g, v| g.minimum(v[0], v[1]))
     }
 
     /// `self` raised to the power `other`, element-wise with numpy broadcasting. Errors: as
     /// for [`Array::add`].
     pub fn pow(&self, other: &Array) -> Result<Array> {
-        Array::apply("pow", &[self, other], |g, v| g.pow(v[0], v[1]))
+        Array::elementwise("pow", &[self, other], |g, v| g.pow(v[0], v[1]))
     }
 
     /// `-self`. Errors: [`ErrorKind::InvalidArgument`] unless a float or signed integer.
     pub fn neg(&self) -> Result<Array> {
-        Array::apply("neg", &[self], |g, v| g.neg(v[0]))
+        Array::elementwise("neg", &[self], |g, v| g.neg(v[0]))
     }
 
     /// `|self|`. Errors: [`ErrorKind::InvalidArgument`] unless a float or signed integer.
     pub fn abs(&self) -> Result<Array> {
-        Array::apply("abs", &[self], |g, v| g.abs(v[0]))
+        Array::elementwise("abs", &[self], |g, v| g.abs(v[0]))
     }
 
     /// `e^self`. Errors: [`ErrorKind::InvalidArgument`] unless a float.
     pub fn exp(&self) -> Result<Array> {
-        Array::apply("exp", &[self], |g, v| g.exp(v[0]))
+        Array::elementwise("exp", &[self], |g, v| g.exp(v[0]))
     }
 
     /// Natural logarithm (NaN below 0, `-inf` at 0). Errors: [`ErrorKind::InvalidArgument`]
     /// unless a float.
     pub fn log(&self) -> Result<Array> {
-        Array::apply("log", &[self], |g, v| g.log(v[0]))
+        Array::elementwise("log", &[self], |g, v| g.log(v[0]))
     }
 
     /// Hyperbolic tangent. Errors: [`ErrorKind::InvalidArgument`] unless a float.
     pub fn tanh(&self) -> Result<Array> {
-        Array::apply("tanh", &[self], |g, v| g.tanh(v[0]))
+        Array::elementwise("tanh", &[self], |g, v| g.tanh(v[0]))
     }
 
     /// Square root. Errors: [`ErrorKind::InvalidArgument`] unless a float.
     pub fn sqrt(&self) -> Result<Array> {
-        Array::apply("sqrt", &[self], |g, v| g.sqrt(v[0]))
+        Array::elementwise("sqrt", &[self], |g, v| g.sqrt(v[0]))
     }
 
     /// `1 / sqrt(self)`. Errors: [`ErrorKind::InvalidArgument`] unless a float.
     pub fn rsqrt(&self) -> Result<Array> {
-        Array::apply("rsqrt", &[self], |g, v| g.rsqrt(v[0]))
+        Array::elementwise("rsqrt", &[self], |g, v| g.rsqrt(v[0]))
     }
 
     /// The error function ([`Graph::erf`]). Errors: [`ErrorKind::InvalidArgument`] unless a
     /// float.
     pub fn erf(&self) -> Result<Array> {
-        Array::apply("erf", &[self], |g, v| g.erf(v[0]))
+        Array::elementwise("erf", &[self], |g, v| g.erf(v[0]))
     }
 
     /// The logistic sigmoid `1 / (1 + e^-x)`. Errors: [`ErrorKind::InvalidArgument`] unless a
     /// float.
     pub fn logistic(&self) -> Result<Array> {
-        Array::apply("logistic", &[self], |g, v| g.logistic(v[0]))
+        Array::elementwise("logistic", &[self], |g, v| g.logistic(v[0]))
     }
 
     /// GELU, exact erf form ([`Graph::gelu`]). Errors: [`ErrorKind::InvalidArgument`] unless
     /// a float.
     pub fn gelu(&self) -> Result<Array> {
-        Array::apply("gelu", &[self], |g, v| g.gelu(v[0]))
+        Array::elementwise("gelu", &[self], |g, v| g.gelu(v[0]))
     }
 
     /// Converts element-wise to `to` ([`Graph::convert`]); the array itself if it is already
     /// of dtype `to`. Errors: [`ErrorKind::InvalidArgument`] for complex → real.
     pub fn convert(&self, to: Dtype) -> Result<Array> {
-        Array::apply("convert", &[self], move |g, v| g.convert(v[0], to))
+        Array::elementwise("convert", &[self], move |g, v| g.convert(v[0], to))
     }
 
     /// Compares element-wise with numpy broadcasting; the result is `pred`. Errors: as for
     /// [`Graph::compare`].
     pub fn compare(&self, other: &Array, dir: Compare) -> Result<Array> {
-        Array::apply("compare", &[self, other], move |g, v| {
+        Array::elementwise("compare", &[self, other], move |g, v| {
             g.compare(v[0], v[1], dir)
         })
     }
@@ -389,7 +420,7 @@ impl Array {
     /// `self ? on_true : on_false` element-wise (`self` is `pred`), the three broadcast
     /// together. Errors: as for [`Graph::select`].
     pub fn select(&self, on_true: &Array, on_false: &Array) -> Result<Array> {
-        Array::apply("select", &[self, on_true, on_false], |g, v| {
+        Array::elementwise("select", &[self, on_true, on_false], |g, v| {
             g.select(v[0], v[1], v[2])
         })
     }
@@ -419,20 +450,24 @@ impl Array {
     /// axis out of range or repeated.
     pub fn sum(&self, axes: &[u64]) -> Result<Array> {
         let axes = axes.to_vec();
-        Array::apply("sum", &[self], move |g, v| g.reduce_sum(v[0], &axes))
+        self.reduction("sum", &axes.clone(), 0.0, move |g, v| {
+            g.reduce_sum(v, &axes)
+        })
     }
 
     /// Maximum over `axes`, which are removed (`-inf` for an empty float reduction). Errors:
     /// as for [`Array::sum`].
     pub fn max(&self, axes: &[u64]) -> Result<Array> {
         let axes = axes.to_vec();
-        Array::apply("max", &[self], move |g, v| g.reduce_max(v[0], &axes))
+        self.reduction("max", &axes.clone(), f32::NEG_INFINITY, move |g, v| {
+            g.reduce_max(v, &axes)
+        })
     }
 
     /// Softmax along `axis` ([`Graph::softmax`]). Errors: [`ErrorKind::InvalidArgument`]
     /// unless a float with `axis` in range.
     pub fn softmax(&self, axis: u64) -> Result<Array> {
-        Array::apply("softmax", &[self], move |g, v| g.softmax(v[0], axis))
+        self.softmax_bounded(axis)
     }
 
     /// Layer normalisation over the last axis ([`Graph::layer_norm`]): `self: [..., D]`,

@@ -41,8 +41,20 @@
 //! program text, across tenants) and once per guest thread is it even sent to the host: the
 //! SDK keeps the executables by text ([`stats`] counts compiles and hits). A fused step is
 //! keyed by its text too, which depends on the trace's structure, not on the data.
+//!
+//! # Bounded shapes
+//!
+//! [`Array::from_slice_bounded`] (TorchTPU's `mark_dynamic(t, axis, 1, max)`) makes an array
+//! whose axis `axis` has a true length `len <= max`, stored padded with zeros to [`bucket`]
+//! `(len, max)` (the powers of two below `max`, then `max`: [`buckets`]), its length kept by
+//! the SDK and uploaded as an `s32[]` scalar. Element-wise ops keep the dynamic axis;
+//! [`Array::sum`], [`Array::max`] and [`Array::softmax`] over it mask the padding (0, `-inf`,
+//! `-inf`) with an iota compared to that scalar, so one program per bucket serves every length
+//! in it; [`Array::to_vec`] returns the true elements. Any other op on a dynamic array fails
+//! with [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the op.
 
 mod array;
+mod bounded;
 mod checks;
 mod fuse;
 mod mode;
@@ -51,6 +63,7 @@ mod program;
 mod tests;
 
 pub use array::Array;
+pub use bounded::{bucket, buckets};
 pub use fuse::{max_fused_ops, set_max_fused_ops};
 pub use mode::{EagerMode, ModeGuard, debug_checks, eager_mode, set_debug_checks, set_eager_mode};
 pub use program::EagerStats;

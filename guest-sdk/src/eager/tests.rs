@@ -146,3 +146,81 @@ fn the_scanners_find_non_finite_floats_and_bad_indices() {
     assert_eq!(first_out_of_range(&v, 5), Some((0, i128::from(u64::MAX))));
     assert_eq!(integers(Dtype::F32, &encode(&[1.0f32])).unwrap(), None);
 }
+
+#[test]
+fn buckets_are_powers_of_two_capped_at_the_maximum() {
+    assert_eq!(buckets(100), [1, 2, 4, 8, 16, 32, 64, 100]);
+    assert_eq!(buckets(64), [1, 2, 4, 8, 16, 32, 64]);
+    assert_eq!(buckets(1), [1]);
+    assert!(buckets(0).is_empty());
+    assert_eq!(bucket(1, 100).unwrap(), 1);
+    assert_eq!(bucket(3, 100).unwrap(), 4);
+    assert_eq!(bucket(64, 100).unwrap(), 64);
+    assert_eq!(bucket(65, 100).unwrap(), 100);
+    assert_eq!(bucket(100, 100).unwrap(), 100);
+    for max in 1..300 {
+        let bs = buckets(max);
+        for len in 1..=max {
+            let b = bucket(len, max).unwrap();
+            assert!(
+                b >= len && b <= max && bs.contains(&b),
+                "len {len} max {max}"
+            );
+        }
+    }
+    for (len, max) in [(0, 10), (11, 10), (1, 1 << 40)] {
+        assert_eq!(
+            bucket(len, max).unwrap_err().kind(),
+            ErrorKind::InvalidArgument
+        );
+    }
+}
+
+#[test]
+fn padding_along_an_axis_and_back() {
+    use super::bounded::{pad_axis, unpad_axis};
+    // [2, 3] padded along axis 1 to 4, and along axis 0 to 4.
+    let x = [1, 2, 3, 4, 5, 6];
+    let p = pad_axis(&x, &[2, 3], 1, 4, 0);
+    assert_eq!(p, [1, 2, 3, 0, 4, 5, 6, 0]);
+    assert_eq!(unpad_axis(&p, &[2, 4], 1, 3), x);
+    let p = pad_axis(&x, &[2, 3], 0, 4, 0);
+    assert_eq!(p, [1, 2, 3, 4, 5, 6, 0, 0, 0, 0, 0, 0]);
+    assert_eq!(unpad_axis(&p, &[4, 3], 0, 2), x);
+}
+
+#[test]
+fn element_wise_ops_carry_the_dynamic_axis_through_broadcasting() {
+    use super::bounded::propagate;
+    // Dynamic axis 0 of a [8] and a static [3, 1]: the result [3, 8] has it at 1.
+    assert_eq!(
+        propagate("add", &[&[8], &[3, 1]], &[Some((0, 5)), None]).unwrap(),
+        Some((1, 5))
+    );
+    assert_eq!(
+        propagate("add", &[&[8], &[]], &[Some((0, 5)), None]).unwrap(),
+        Some((0, 5))
+    );
+    assert_eq!(
+        propagate("add", &[&[8], &[8]], &[None, None]).unwrap(),
+        None
+    );
+    // A static operand spanning the padded axis, or two different lengths: errors.
+    let e = propagate("mul", &[&[8], &[8]], &[Some((0, 5)), None]).unwrap_err();
+    assert_eq!(e.kind(), ErrorKind::InvalidArgument);
+    assert!(e.message().contains("mul"), "{}", e.message());
+    let e = propagate("add", &[&[8], &[8]], &[Some((0, 5)), Some((0, 6))]).unwrap_err();
+    assert!(e.message().contains("add"), "{}", e.message());
+}
+
+#[test]
+fn a_masked_reduction_prints_the_same_text_for_every_length_of_a_bucket() {
+    use super::bounded::masked;
+    // The length is a parameter (s32[]), so the program is the bucket's.
+    let specs = [f32s(&[2, 8]), TensorSpec::new(Dtype::S32, &[])];
+    let sum = |g: &Graph, v: &[Value]| g.reduce_sum(masked(g, v[0], v[1], 1, 0.0)?, &[1]);
+    let t = text(&specs, &sum);
+    assert!(t.contains("stablehlo.iota"), "{t}");
+    assert!(t.contains("stablehlo.select"), "{t}");
+    assert_eq!(t, text(&specs, &sum));
+}

@@ -10,7 +10,8 @@
 //! and CASE `values` (default: every op on fixed inputs), `repeat` (one MLP step three times:
 //! caching and donation), `checks` (debug checks: a NaN, an out-of-range index), `fail` (a
 //! launch that fails on the device, read through an eager op), `pending` (ends with launches
-//! pending and a trace recorded). The first line is always `mode: NAME`; the last `stats: ...`.
+//! pending and a trace recorded), `bounded` (a stream of bounded-shape inputs). The first
+//! line is always `mode: NAME`; the last `stats: ...`.
 //!
 //! The inputs come from [`data`] and [`pos`], restated in `tests/all/eager.rs`, which computes
 //! the expected values independently.
@@ -354,6 +355,73 @@ fn checks() -> Result<()> {
     Ok(())
 }
 
+/// The maximum length of [`bounded`]'s stream.
+const BOUNDED_MAX: u64 = 100;
+
+/// Bounded shapes: a stream of 200 lengths in `1..=BOUNDED_MAX` (a fixed LCG), each input
+/// `data(len, i)` as `f32[len]` (axis 0 dynamic) and `data(3 * len, i)` as `f32[3, len]` (axis
+/// 1 dynamic). Prints, per item `i`, `bounded-i-len`, then `sum`, `max`, `softmax`, `chain`
+/// (`exp(x) * x + 0.5`), `chain-sum`, `rows` (sum of the 2-D input over its dynamic axis),
+/// `cols` (over its static axis); then `bounded-compiles: [compiles, buckets used, distinct
+/// lengths, distinct programs per bucket in DEFER_NEVER]` and `bounded-error-*` lines for ops that refuse a dynamic axis.
+fn bounded() -> Result<()> {
+    let before = eager::stats().compiles;
+    let half = Array::scalar(0.5f32)?;
+    let mut state = 0x2545_f491u64;
+    let mut used = std::collections::BTreeSet::new();
+    let mut lens = std::collections::BTreeSet::new();
+    for i in 0..200u32 {
+        state = state
+            .wrapping_mul(6364136223846793005)
+            .wrapping_add(1442695040888963407);
+        let len = (state >> 33) % BOUNDED_MAX + 1;
+        used.insert(eager::bucket(len, BOUNDED_MAX)?);
+        lens.insert(len);
+        let x = Array::from_slice_bounded(&data(len as usize, i), &[len], 0, BOUNDED_MAX)?;
+        let x2 = Array::from_slice_bounded(&data(3 * len as usize, i), &[3, len], 1, BOUNDED_MAX)?;
+        let sum = x.sum(&[0])?;
+        let max = x.max(&[0])?;
+        let softmax = x.softmax(0)?;
+        let chain = x.exp()?.mul(&x)?.add(&half)?;
+        let chain_sum = chain.sum(&[0])?;
+        let rows = x2.sum(&[1])?;
+        let cols = x2.sum(&[0])?;
+        println!("bounded-{i}-len: [{len}]");
+        for (name, a) in [
+            ("sum", &sum),
+            ("max", &max),
+            ("softmax", &softmax),
+            ("chain", &chain),
+            ("chain-sum", &chain_sum),
+            ("rows", &rows),
+            ("cols", &cols),
+        ] {
+            println!("bounded-{i}-{name}: {}", json(&a.to_vec::<f32>()?));
+        }
+    }
+    println!(
+        "bounded-compiles: [{}, {}, {}, {}]",
+        eager::stats().compiles - before,
+        used.len(),
+        lens.len(),
+        8
+    );
+    let x = Array::from_slice_bounded(&data(5, 0), &[5], 0, BOUNDED_MAX)?;
+    let x2 = Array::from_slice_bounded(&data(15, 0), &[3, 5], 1, BOUNDED_MAX)?;
+    let w = Array::from_slice(&data(8 * 2, 1), &[8, 2])?;
+    report("bounded-error-matmul", x2.matmul(&w));
+    report("bounded-error-reshape", x.reshape(&[2, 4]));
+    report(
+        "bounded-error-static",
+        x.add(&Array::from_slice(&data(8, 2), &[8])?),
+    );
+    report(
+        "bounded-dims",
+        Ok((x.dims().to_vec(), x.logical_dims(), x.dynamic_axis())),
+    );
+    Ok(())
+}
+
 /// `f32[4] -> f32[4]` that fails on the device (the host's test-only custom call).
 const FAIL: &str = r#"func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {
   %r = stablehlo.custom_call @tpubox_test_fail(%a) {api_version = 4 : i32} : (tensor<4xf32>) -> tensor<4xf32>
@@ -437,6 +505,7 @@ fn main() {
             ("checks", _) => checks(),
             ("fail", _) => fail(),
             ("pending", _) => pending(),
+            ("bounded", _) => bounded(),
             ("scoped", _) => {
                 let outer = eager::eager_mode();
                 let inner = {
