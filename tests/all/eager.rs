@@ -655,6 +655,21 @@ async fn a_stream_of_bounded_lengths_compiles_one_program_per_bucket_with_exact_
                 "{op}: {l}"
             );
         }
+        let x = data(5, 3);
+        assert_close(
+            "mark sum",
+            line(&got, "bounded-mark-sum"),
+            &[x.iter().sum()],
+        );
+        assert_close(
+            "mark softmax",
+            line(&got, "bounded-mark-softmax"),
+            &softmax_rows(&x, 5),
+        );
+        let l = line(&got, "bounded-error-mark");
+        assert!(l.starts_with("ERROR") && l.contains("mark_dynamic"), "{l}");
+        let l = line(&got, "bounded-error-bucket");
+        assert!(l.starts_with("ERROR") && l.contains("bucket 8"), "{l}");
         assert_eq!(
             line(&got, "bounded-dims"),
             "ok ([8], [5], Some((0, 5)))",

@@ -12,7 +12,7 @@
 //! `s32[]` device scalar uploaded with the data: the masks of reductions compare an iota with
 //! that scalar, so a program's text depends on the bucket only, not on the length.
 
-use super::array::Array;
+use super::array::{Array, State};
 use crate::graph::{Compare, Graph, Value};
 use crate::{Dtype, Element, Error, Result};
 
@@ -181,6 +181,42 @@ impl Array {
             len_array,
         }));
         Ok(array)
+    }
+
+    /// This array with axis `axis` marked dynamic, of true length `len` and maximum `max`,
+    /// for an array that is already padded (`dims[axis]` is [`bucket`]`(len, max)`, e.g. a
+    /// tensor from [`Array::from_tensor`]): the entries past `len` may hold anything, as no op
+    /// reads them. Uploads the length as an `s32[]` scalar; in
+    /// [`EagerMode::DeferAndFuse`](super::EagerMode::DeferAndFuse) it runs the pending trace
+    /// first if the array is still recorded.
+    ///
+    /// Errors: [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) if the array
+    /// already has a dynamic axis, `axis` is out of range, `len` is not in `1..=max` or
+    /// `dims[axis]` is not its bucket; those of running the trace.
+    pub fn mark_dynamic(&self, axis: u64, len: u64, max: u64) -> Result<Array> {
+        Array::no_dynamic("mark_dynamic", &[self])?;
+        let Some(&size) = self.dims().get(axis as usize) else {
+            return Err(Error::invalid_argument(format!(
+                "mark_dynamic: axis {axis} out of range for {}",
+                self.spec()
+            )));
+        };
+        let b = bucket(len, max)?;
+        if size != b {
+            return Err(Error::invalid_argument(format!(
+                "mark_dynamic: axis {axis} of {} has size {size}, not the bucket {b} of length \
+                 {len} (max {max}); pad it first or use Array::from_slice_bounded",
+                self.spec()
+            )));
+        }
+        let ready = self.ready()?;
+        let out = Array::with_state(self.spec().clone(), "mark_dynamic", State::Ready(ready));
+        out.set_dynamic(Some(Dynamic {
+            axis,
+            len,
+            len_array: Array::from_slice(&[len as i32], &[])?,
+        }));
+        Ok(out)
     }
 
     /// The dynamic axis and its true length, if the array has one

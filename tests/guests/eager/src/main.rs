@@ -410,6 +410,24 @@ fn bounded() -> Result<()> {
     let x2 = Array::from_slice_bounded(&data(15, 0), &[3, 5], 1, BOUNDED_MAX)?;
     let w = Array::from_slice(&data(8 * 2, 1), &[8, 2])?;
     report("bounded-error-matmul", x2.matmul(&w));
+    // An already padded array (garbage past the length) marked dynamic.
+    let mut padded = data(5, 3);
+    padded.extend([1e30f32, -1e30, 7.0]);
+    let marked = Array::from_slice(&padded, &[8])?.mark_dynamic(0, 5, BOUNDED_MAX)?;
+    println!(
+        "bounded-mark-sum: {}",
+        json(&marked.sum(&[0])?.to_vec::<f32>()?)
+    );
+    println!(
+        "bounded-mark-softmax: {}",
+        json(&marked.softmax(0)?.to_vec::<f32>()?)
+    );
+    report("bounded-error-mark", marked.mark_dynamic(0, 5, BOUNDED_MAX));
+    report(
+        "bounded-error-bucket",
+        x2.sum(&[0])
+            .and_then(|_| Array::from_slice(&[0f32; 6], &[6])?.mark_dynamic(0, 5, BOUNDED_MAX)),
+    );
     report("bounded-error-reshape", x.reshape(&[2, 4]));
     report(
         "bounded-error-static",
