@@ -666,6 +666,15 @@ async fn a_stream_of_bounded_lengths_compiles_one_program_per_bucket_with_exact_
             line(&got, "bounded-mark-softmax"),
             &softmax_rows(&x, 5),
         );
+        let logs: f64 = pos(5, 1).iter().map(|v| v.ln()).sum();
+        let l = line(&got, "bounded-checks-padding");
+        assert_close(
+            "checks padding",
+            l.strip_prefix("ok ").unwrap_or(l),
+            &[logs],
+        );
+        let l = line(&got, "bounded-checks-nan");
+        assert!(l.starts_with("ERROR") && l.contains("log"), "{l}");
         let l = line(&got, "bounded-error-mark");
         assert!(l.starts_with("ERROR") && l.contains("mark_dynamic"), "{l}");
         let l = line(&got, "bounded-error-bucket");

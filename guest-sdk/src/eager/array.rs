@@ -245,18 +245,26 @@ impl Array {
         F: Fn(&Graph, &[Value]) -> Result<Value>,
     {
         Array::no_dynamic(name, operands)?;
-        Array::apply_any(name, operands, build)
+        Array::apply_any(name, operands, None, build)
     }
 
-    /// [`Array::apply`] without the check for dynamic axes.
-    pub(super) fn apply_any<F>(name: &'static str, operands: &[&Array], build: F) -> Result<Array>
+    /// [`Array::apply`] without the check for dynamic axes; the result gets the dynamic axis
+    /// `out_dyn` (before the debug checks read it, so that they skip its padding).
+    pub(super) fn apply_any<F>(
+        name: &'static str,
+        operands: &[&Array],
+        out_dyn: Option<Dynamic>,
+        build: F,
+    ) -> Result<Array>
     where
         F: Fn(&Graph, &[Value]) -> Result<Value>,
     {
         match eager_mode() {
-            EagerMode::DeferAndFuse => fuse::record(name, operands, &build),
-            EagerMode::DeferNever => Array::run_one(name, operands, &build, false),
-            EagerMode::DeferNeverAndLaunchBlocking => Array::run_one(name, operands, &build, true),
+            EagerMode::DeferAndFuse => fuse::record(name, operands, out_dyn, &build),
+            EagerMode::DeferNever => Array::run_one(name, operands, out_dyn, &build, false),
+            EagerMode::DeferNeverAndLaunchBlocking => {
+                Array::run_one(name, operands, out_dyn, &build, true)
+            }
         }
     }
 
@@ -264,6 +272,7 @@ impl Array {
     fn run_one(
         name: &'static str,
         operands: &[&Array],
+        out_dyn: Option<Dynamic>,
         build: &dyn Fn(&Graph, &[Value]) -> Result<Value>,
         blocking: bool,
     ) -> Result<Array> {
@@ -297,6 +306,7 @@ impl Array {
             launch: Some(id),
         };
         let out = Array::with_state(spec, name, State::Ready(ready.clone()));
+        out.set_dynamic(out_dyn);
         if debug_checks() {
             checks::finite(&out.node, &ready, "")?;
         }

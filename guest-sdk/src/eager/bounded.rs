@@ -262,26 +262,22 @@ impl Array {
     {
         let dyns: Vec<Option<Dynamic>> = operands.iter().map(|a| a.dynamic()).collect();
         if dyns.iter().all(Option::is_none) {
-            return Array::apply_any(name, operands, build);
+            return Array::apply_any(name, operands, None, build);
         }
         let dims: Vec<&[u64]> = operands.iter().map(|a| a.dims()).collect();
         let axes: Vec<Option<(u64, u64)>> = dyns
             .iter()
             .map(|d| d.as_ref().map(|d| (d.axis, d.len)))
             .collect();
-        let out_dyn = propagate(name, &dims, &axes)?;
-        let out = Array::apply_any(name, operands, build)?;
-        if let Some((axis, len)) = out_dyn {
-            let len_array = dyns.iter().flatten().next().map(|d| d.len_array.clone());
-            if let Some(len_array) = len_array {
-                out.set_dynamic(Some(Dynamic {
-                    axis,
-                    len,
-                    len_array,
-                }));
-            }
-        }
-        Ok(out)
+        let out_dyn = propagate(name, &dims, &axes)?.and_then(|(axis, len)| {
+            let d = dyns.iter().flatten().next()?;
+            Some(Dynamic {
+                axis,
+                len,
+                len_array: d.len_array.clone(),
+            })
+        });
+        Array::apply_any(name, operands, out_dyn, build)
     }
 
     /// A reduction `name` over `axes` that fills the padding with `fill` first when the
@@ -297,7 +293,7 @@ impl Array {
         F: Fn(&Graph, Value) -> Result<Value> + 'static,
     {
         let Some(d) = self.dynamic() else {
-            return Array::apply_any(name, &[self], move |g, v| build(g, v[0]));
+            return Array::apply_any(name, &[self], None, move |g, v| build(g, v[0]));
         };
         if axes.contains(&d.axis) {
             if name == "max"
@@ -313,31 +309,31 @@ impl Array {
                 )));
             }
             let axis = d.axis;
-            return Array::apply_any(name, &[self, &d.len_array], move |g, v| {
+            return Array::apply_any(name, &[self, &d.len_array], None, move |g, v| {
                 build(g, masked(g, v[0], v[1], axis, fill)?)
             });
         }
-        let out = Array::apply_any(name, &[self], move |g, v| build(g, v[0]))?;
         let axis = d.axis - axes.iter().filter(|&&a| a < d.axis).count() as u64;
-        out.set_dynamic(Some(Dynamic { axis, ..d }));
-        Ok(out)
+        let out_dyn = Some(Dynamic { axis, ..d });
+        Array::apply_any(name, &[self], out_dyn, move |g, v| build(g, v[0]))
     }
 
     /// Softmax along `axis` with the padding of a dynamic `axis` masked with `-inf` (so it
     /// gets probability 0); the result keeps the dynamic axis.
     pub(super) fn softmax_bounded(&self, axis: u64) -> Result<Array> {
         let Some(d) = self.dynamic() else {
-            return Array::apply_any("softmax", &[self], move |g, v| g.softmax(v[0], axis));
+            return Array::apply_any("softmax", &[self], None, move |g, v| g.softmax(v[0], axis));
         };
-        let out = if d.axis == axis {
-            Array::apply_any("softmax", &[self, &d.len_array], move |g, v| {
+        if d.axis == axis {
+            let len = d.len_array.clone();
+            Array::apply_any("softmax", &[self, &len], Some(d), move |g, v| {
                 g.softmax(masked(g, v[0], v[1], axis, f32::NEG_INFINITY)?, axis)
-            })?
+            })
         } else {
-            Array::apply_any("softmax", &[self], move |g, v| g.softmax(v[0], axis))?
-        };
-        out.set_dynamic(Some(d));
-        Ok(out)
+            Array::apply_any("softmax", &[self], Some(d), move |g, v| {
+                g.softmax(v[0], axis)
+            })
+        }
     }
 
     /// The true elements of a dynamic array read back as `data` of its padded dims.

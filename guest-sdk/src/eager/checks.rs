@@ -2,6 +2,7 @@
 //! silently, read back and reported naming the op.
 
 use super::array::{Array, Node, Ready, named};
+use super::bounded::unpad_axis;
 use crate::{Dtype, Element, Error, ErrorKind, Result, TensorSpec, decode};
 
 /// The first element of `bytes` (host layout of `dtype`) that is not finite: (position, value
@@ -32,7 +33,13 @@ pub(super) fn finite(node: &Node, ready: &Ready, context: &str) -> Result<()> {
     ) {
         return Ok(());
     }
-    let bytes = ready.tensor.to_bytes().map_err(|e| named(&node.op, e))?;
+    let mut bytes = ready.tensor.to_bytes().map_err(|e| named(&node.op, e))?;
+    if let Some(d) = &*node.dynamic.borrow() {
+        // Only the true elements: the padding may hold anything (log(0), ...).
+        let size = node.spec.dtype.size_bytes();
+        let elems: Vec<&[u8]> = bytes.chunks(size).collect();
+        bytes = unpad_axis(&elems, &node.spec.dims, d.axis as usize, d.len).concat();
+    }
     if let Some((i, x)) = first_non_finite(node.spec.dtype, &bytes)? {
         let launch = ready
             .launch

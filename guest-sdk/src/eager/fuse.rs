@@ -12,6 +12,7 @@ use std::cell::{Cell, RefCell};
 use std::rc::{Rc, Weak};
 
 use super::array::{Array, Node, Ready, State, named};
+use super::bounded::Dynamic;
 use super::mode::debug_checks;
 use super::{checks, program};
 use crate::graph::{Graph, Value};
@@ -81,10 +82,12 @@ pub fn set_max_fused_ops(n: usize) {
     MAX_FUSED_OPS.with(|m| m.set(n.max(1)));
 }
 
-/// Records the op `name` on `operands` in the trace.
+/// Records the op `name` on `operands` in the trace; the result gets the dynamic axis
+/// `out_dyn`.
 pub(super) fn record(
     name: &'static str,
     operands: &[&Array],
+    out_dyn: Option<Dynamic>,
     build: &dyn Fn(&Graph, &[Value]) -> Result<Value>,
 ) -> Result<Array> {
     let (out, full) = TRACE.with(|cell| -> Result<(Array, bool)> {
@@ -117,6 +120,7 @@ pub(super) fn record(
                 value: out,
             },
         );
+        array.set_dynamic(out_dyn.clone());
         trace.nodes.push(Rc::downgrade(&array.node));
         if debug_checks() {
             trace.keep.push(array.clone());

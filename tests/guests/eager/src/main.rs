@@ -433,6 +433,23 @@ fn bounded() -> Result<()> {
         "bounded-error-static",
         x.add(&Array::from_slice(&data(8, 2), &[8])?),
     );
+    // Debug checks read the true elements only: log of the zero padding (-inf) is not an
+    // error; a NaN within the length is, in each mode.
+    eager::set_debug_checks(true);
+    let p = Array::from_slice_bounded(&pos(5, 1), &[5], 0, BOUNDED_MAX)?;
+    report(
+        "bounded-checks-padding",
+        p.log()
+            .and_then(|l| l.sum(&[0]))
+            .and_then(|s| s.to_vec::<f32>()),
+    );
+    report(
+        "bounded-checks-nan",
+        x.log()
+            .and_then(|l| l.sum(&[0]))
+            .and_then(|s| s.to_vec::<f32>()),
+    );
+    eager::set_debug_checks(false);
     report(
         "bounded-dims",
         Ok((x.dims().to_vec(), x.logical_dims(), x.dynamic_axis())),
