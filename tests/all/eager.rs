@@ -614,7 +614,7 @@ fn expected_bounded(i: u32, len: usize) -> Vec<(&'static str, Vec<f64>)> {
 async fn a_stream_of_bounded_lengths_compiles_one_program_per_bucket_with_exact_values() {
     let g = Guest::new();
     let tenant = Tenant::new("eager-bounded", limits());
-    for mode in ["fuse", "never"] {
+    for mode in ["fuse", "never", "blocking"] {
         let out = g.run(&[mode, "bounded"], &[], &tenant).await;
         let got = lines(&out);
         for i in 0..200u32 {

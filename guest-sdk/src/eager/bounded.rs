@@ -3,8 +3,8 @@
 //! bucket, so that a stream of different lengths runs a handful of programs.
 //!
 //! Buckets are the powers of two below `max`, then `max` itself ([`bucket`], [`buckets`]):
-//! a stream of lengths `1..=max` compiles at most `log2(max) + 2` programs per op (DEFER_NEVER)
-//! or per fused step (DEFER_AND_FUSE). TorchTPU's fixed `bucket_size` (default 128) gives one
+//! a stream of lengths `1..=max` compiles at most `buckets(max).len()` (`ceil(log2(max)) + 1`)
+//! programs per op (DEFER_NEVER) or per fused step (DEFER_AND_FUSE). TorchTPU's fixed `bucket_size` (default 128) gives one
 //! bucket per 128 elements; powers of two keep the count logarithmic in `max` and the
 //! padding below half the array.
 //!

@@ -50,7 +50,8 @@
 //! the SDK and uploaded as an `s32[]` scalar. Element-wise ops keep the dynamic axis;
 //! [`Array::sum`], [`Array::max`] and [`Array::softmax`] over it mask the padding (0, `-inf`,
 //! `-inf`) with an iota compared to that scalar, so one program per bucket serves every length
-//! in it; [`Array::to_vec`] returns the true elements. Any other op on a dynamic array fails
+//! in it; [`Array::to_vec`] returns the true elements. [`Array::mark_dynamic`] marks an
+//! array that is already padded to its bucket. Any other op on a dynamic array fails
 //! with [`ErrorKind::InvalidArgument`](crate::ErrorKind::InvalidArgument) naming the op.
 
 mod array;
