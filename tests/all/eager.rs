@@ -324,6 +324,17 @@ fn assert_values(what: &str, out: &str) {
     }
 }
 
+/// Asserts the `repeat<i>` lines of `l` (mode `mode`) against `want[i]`.
+fn assert_repeats(mode: &str, l: &BTreeMap<String, String>, want: &[Vec<f64>]) {
+    for (i, w) in want.iter().enumerate() {
+        assert_close(
+            &format!("{mode} repeat{i}"),
+            line(l, &format!("repeat{i}")),
+            w,
+        );
+    }
+}
+
 /// The `stats:` line's counters.
 fn stats(l: &str) -> BTreeMap<String, u64> {
     l.split(' ')
@@ -421,13 +432,7 @@ async fn a_repeated_step_compiles_once_donates_its_input_and_ops_hit_the_cache_a
     let fuse = Tenant::new("eager-fuse", limits());
     let out = g.run(&["fuse", "repeat"], &[], &fuse).await;
     let l = lines(&out);
-    for (i, w) in want.iter().enumerate() {
-        assert_close(
-            &format!("fuse repeat{i}"),
-            line(&l, &format!("repeat{i}")),
-            w,
-        );
-    }
+    assert_repeats("fuse", &l, &want);
     // One fused program for the three steps: compiled once; x (held by no array at the
     // step) donated each time, w and b (still held) never.
     let s = stats(line(&l, "repeat-stats"));
@@ -443,13 +448,7 @@ async fn a_repeated_step_compiles_once_donates_its_input_and_ops_hit_the_cache_a
     let first = Tenant::new("eager-first", limits());
     let out = g.run(&["never", "repeat"], &[], &first).await;
     let l = lines(&out);
-    for (i, w) in want.iter().enumerate() {
-        assert_close(
-            &format!("never repeat{i}"),
-            line(&l, &format!("repeat{i}")),
-            w,
-        );
-    }
+    assert_repeats("never", &l, &want);
     // matmul, add, gelu: each compiled once by the guest, then served from its own cache.
     let s = stats(line(&l, "repeat-stats"));
     let got = [

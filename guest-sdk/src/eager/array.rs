@@ -277,11 +277,10 @@ impl Array {
         blocking: bool,
     ) -> Result<Array> {
         let specs: Vec<&TensorSpec> = operands.iter().map(|a| a.spec()).collect();
-        let one = match program::one_op(&specs, build)? {
+        let (text, spec) = match program::one_op(&specs, build)? {
             program::OneOp::Operand(i) => return Ok(operands[i].clone()),
             program::OneOp::Program { text, spec } => (text, spec),
         };
-        let (text, spec) = one;
         let readies = operands
             .iter()
             .map(|a| a.ready())

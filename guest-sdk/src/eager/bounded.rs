@@ -13,7 +13,7 @@
 //! that scalar, so a program's text depends on the bucket only, not on the length.
 
 use super::array::{Array, State};
-use crate::graph::{Compare, Graph, Value};
+use crate::graph::{Compare, Graph, Value, is_float};
 use crate::{Dtype, Element, Error, Result};
 
 /// The dynamic axis of an array: its index, its true length and the device scalar holding
@@ -296,15 +296,10 @@ impl Array {
             return Array::apply_any(name, &[self], None, move |g, v| build(g, v[0]));
         };
         if axes.contains(&d.axis) {
-            if name == "max"
-                && !matches!(
-                    self.dtype(),
-                    Dtype::F16 | Dtype::Bf16 | Dtype::F32 | Dtype::F64
-                )
-            {
+            if !fill.is_finite() && !is_float(self.dtype()) {
                 return Err(Error::invalid_argument(format!(
-                    "max: over a dynamic axis needs a float array (its padding is masked with \
-                     -inf), got {}",
+                    "{name}: over a dynamic axis needs a float array (its padding is masked \
+                     with {fill}), got {}",
                     self.spec()
                 )));
             }

@@ -3,6 +3,7 @@
 
 use super::array::{Array, Node, Ready, named};
 use super::bounded::unpad_axis;
+use crate::graph::is_float;
 use crate::{Dtype, Element, Error, ErrorKind, Result, TensorSpec, decode};
 
 /// The first element of `bytes` (host layout of `dtype`) that is not finite: (position, value
@@ -27,10 +28,7 @@ pub(super) fn first_non_finite(dtype: Dtype, bytes: &[u8]) -> Result<Option<(usi
 /// Fails if the float array `node` (whose tensor is `ready`) holds a NaN or an infinity.
 /// `context` is added after the op's name (`" in a fused step"`).
 pub(super) fn finite(node: &Node, ready: &Ready, context: &str) -> Result<()> {
-    if !matches!(
-        node.spec.dtype,
-        Dtype::F16 | Dtype::Bf16 | Dtype::F32 | Dtype::F64
-    ) {
+    if !is_float(node.spec.dtype) {
         return Ok(());
     }
     let mut bytes = ready.tensor.to_bytes().map_err(|e| named(&node.op, e))?;

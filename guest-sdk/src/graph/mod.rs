@@ -70,6 +70,7 @@ mod tests;
 
 pub use mlir::{mlir_element_type, mlir_type};
 pub use nn::SEGMENT_ATTENTION;
+pub(crate) use shape::is_float;
 
 static NEXT_GRAPH_ID: AtomicU32 = AtomicU32::new(1);
 

@@ -5,7 +5,7 @@
 use super::{Binary, Compare, Reduction, Unary, invalid};
 use crate::{Dtype, Result, TensorSpec};
 
-pub(super) fn is_float(d: Dtype) -> bool {
+pub(crate) fn is_float(d: Dtype) -> bool {
     matches!(d, Dtype::F16 | Dtype::Bf16 | Dtype::F32 | Dtype::F64)
 }
 
