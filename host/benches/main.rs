@@ -3,6 +3,7 @@
 //! its tables (recorded in `docs/BENCHMARKS.md`).
 
 mod cache;
+mod eager;
 mod isolation;
 mod launch;
 mod minilm;
@@ -49,6 +50,11 @@ const BENCHES: &[(&str, &str, fn())] = &[
         "sessions",
         "the session API: tiny calls and large transfers",
         sessions::main,
+    ),
+    (
+        "eager",
+        "the eager modes and a compiled graph side by side (guest-timed)",
+        eager::main,
     ),
     (
         "launch",

@@ -277,15 +277,15 @@ impl Array {
         blocking: bool,
     ) -> Result<Array> {
         let specs: Vec<&TensorSpec> = operands.iter().map(|a| a.spec()).collect();
-        let (text, spec) = match program::one_op(&specs, build)? {
+        let (graph, value, spec) = match program::one_op(&specs, build)? {
             program::OneOp::Operand(i) => return Ok(operands[i].clone()),
-            program::OneOp::Program { text, spec } => (text, spec),
+            program::OneOp::Program { graph, out, spec } => (graph, out, spec),
         };
         let readies = operands
             .iter()
             .map(|a| a.ready())
             .collect::<Result<Vec<Ready>>>()?;
-        let exe = program::executable(&text).map_err(|e| named(name, e))?;
+        let exe = program::executable(&graph, &[value]).map_err(|e| named(name, e))?;
         let args: Vec<&Tensor> = readies.iter().map(|r| &*r.tensor).collect();
         let launch = exe.launch(&args, &[]).map_err(|e| named(name, e))?;
         program::count_launch();

@@ -153,15 +153,17 @@ pub(super) fn flush() -> Result<()> {
             _ => unreachable!("only flush gives a recorded array a value"),
         })
         .collect();
-    let ops: Vec<&str> = live.iter().map(|n| &*n.op).collect();
-    let what = format!(
-        "fused step ({} ops, outputs from {})",
-        trace.nodes.len(),
-        ops.join(", ")
-    );
+    // Formatted only for an error: a step that runs pays nothing for it.
+    let what = || {
+        let ops: Vec<&str> = live.iter().map(|n| &*n.op).collect();
+        format!(
+            "fused step ({} ops, outputs from {})",
+            trace.nodes.len(),
+            ops.join(", ")
+        )
+    };
     let launched = (|| {
-        let text = trace.graph.to_mlir(&outputs)?;
-        let exe = program::executable(&text)?;
+        let exe = program::executable(&trace.graph, &outputs)?;
         // An input no array holds any more (only the trace does) is donated.
         let donate: Vec<u32> = (0u32..)
             .zip(&trace.inputs)
@@ -180,7 +182,7 @@ pub(super) fn flush() -> Result<()> {
     let launch = match launched {
         Ok(l) => l,
         Err(e) => {
-            let e = named(&what, e);
+            let e = named(&what(), e);
             for n in &live {
                 *n.state.borrow_mut() = State::Failed(e.clone());
             }

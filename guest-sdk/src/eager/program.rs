@@ -4,13 +4,15 @@
 //! one parameter per operand; the graph prints values by their position, so the same op,
 //! attributes and operand specs always give byte-identical text. The host's compile cache is
 //! keyed by that text, so the program is compiled once for every tenant; this module also keeps
-//! a map from text to [`Executable`] so that a repeated op does not even ask the host.
+//! the executables by the graph's structure (what the text is printed from, compared without
+//! printing it: [`Graph::structure_hash`]), so that a repeated op or fused step neither asks
+//! the host nor prints its text.
 
 use std::cell::{Cell, RefCell};
 use std::collections::HashMap;
 use std::rc::Rc;
 
-use crate::graph::{Graph, Value};
+use crate::graph::{Graph, Structure, Value};
 use crate::{Executable, Result, TensorSpec, compile_mlir};
 
 /// Most executables kept by the guest-side cache; it is emptied when full.
@@ -20,8 +22,12 @@ const MAX_CACHED: usize = 1024;
 pub(super) enum OneOp {
     /// The op returns operand `i` itself (a reshape to the same dims, ...): nothing to run.
     Operand(usize),
-    /// The canonical program and the spec of its one result.
-    Program { text: String, spec: TensorSpec },
+    /// The canonical program (`graph`, returning `out`) and the spec of its one result.
+    Program {
+        graph: Graph,
+        out: Value,
+        spec: TensorSpec,
+    },
 }
 
 /// The canonical program of one op on operands of `specs` (built by `build`), checking the
@@ -42,8 +48,9 @@ pub(super) fn one_op(
         return Ok(OneOp::Operand(i));
     }
     Ok(OneOp::Program {
-        text: g.to_mlir(&[out])?,
         spec: g.spec(out),
+        graph: g,
+        out,
     })
 }
 
@@ -63,8 +70,16 @@ pub struct EagerStats {
     pub donated: u64,
 }
 
+/// One executable of the guest-side cache and the structure it was compiled from.
+struct Cached {
+    structure: Structure,
+    exe: Rc<Executable>,
+}
+
 thread_local! {
-    static CACHE: RefCell<HashMap<String, Rc<Executable>>> = RefCell::new(HashMap::new());
+    /// By [`Graph::structure_hash`]; entries with equal hashes side by side.
+    static CACHE: RefCell<HashMap<u64, Vec<Cached>>> = RefCell::new(HashMap::new());
+    static CACHED: Cell<usize> = const { Cell::new(0) };
     static STATS: Cell<EagerStats> = Cell::new(EagerStats::default());
 }
 
@@ -84,22 +99,38 @@ pub(super) fn count_launch() {
     update_stats(|s| s.launches += 1);
 }
 
-/// The executable of `text`, from the guest-side cache or compiled by the host.
+/// The executable of `graph` returning `outputs`, from the guest-side cache (found by the
+/// graph's structure, without printing its text) or compiled by the host.
 ///
-/// Errors: as for [`compile_mlir`].
-pub(super) fn executable(text: &str) -> Result<Rc<Executable>> {
-    if let Some(exe) = CACHE.with(|c| c.borrow().get(text).cloned()) {
+/// Errors: as for [`Graph::compile`].
+pub(super) fn executable(graph: &Graph, outputs: &[Value]) -> Result<Rc<Executable>> {
+    let hash = graph.structure_hash(outputs)?;
+    let hit = CACHE.with(|c| {
+        c.borrow().get(&hash).and_then(|entries| {
+            entries
+                .iter()
+                .find(|e| graph.has_structure(outputs, &e.structure))
+                .map(|e| Rc::clone(&e.exe))
+        })
+    });
+    if let Some(exe) = hit {
         update_stats(|s| s.cache_hits += 1);
         return Ok(exe);
     }
-    let exe = Rc::new(compile_mlir(text)?);
+    let exe = Rc::new(compile_mlir(&graph.to_mlir(outputs)?)?);
     update_stats(|s| s.compiles += 1);
+    let structure = graph.structure(outputs)?;
     CACHE.with(|c| {
         let mut c = c.borrow_mut();
-        if c.len() >= MAX_CACHED {
+        if CACHED.with(Cell::get) >= MAX_CACHED {
             c.clear();
+            CACHED.with(|n| n.set(0));
         }
-        c.insert(text.to_string(), Rc::clone(&exe));
+        c.entry(hash).or_default().push(Cached {
+            structure,
+            exe: Rc::clone(&exe),
+        });
+        CACHED.with(|n| n.set(n.get() + 1));
     });
     Ok(exe)
 }

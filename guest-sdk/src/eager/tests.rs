@@ -12,7 +12,7 @@ use crate::{Dtype, ErrorKind, TensorSpec, encode};
 fn text(specs: &[TensorSpec], build: &dyn Fn(&Graph, &[Value]) -> Result<Value>) -> String {
     let specs: Vec<&TensorSpec> = specs.iter().collect();
     match one_op(&specs, build).expect("op builds") {
-        OneOp::Program { text, .. } => text,
+        OneOp::Program { graph, out, .. } => graph.to_mlir(&[out]).expect("prints"),
         OneOp::Operand(i) => panic!("op returned operand {i}"),
     }
 }
@@ -223,4 +223,41 @@ fn a_masked_reduction_prints_the_same_text_for_every_length_of_a_bucket() {
     assert!(t.contains("stablehlo.iota"), "{t}");
     assert!(t.contains("stablehlo.select"), "{t}");
     assert_eq!(t, text(&specs, &sum));
+}
+
+#[test]
+fn equal_structures_hash_equal_and_compare_equal_without_printing() {
+    let build = |axis: u64, eps: f32| {
+        let g = Graph::new();
+        let x = g.parameter(Dtype::F32, &[4, 8]);
+        let gamma = g.parameter(Dtype::F32, &[8]);
+        let beta = g.parameter(Dtype::F32, &[8]);
+        let y = g.layer_norm(x, gamma, beta, eps).unwrap();
+        let out = g.reduce_sum(y, &[axis]).unwrap();
+        (g, out)
+    };
+    let (a, a_out) = build(0, 1e-5);
+    let (b, b_out) = build(0, 1e-5);
+    let s = a.structure(&[a_out]).unwrap();
+    assert_eq!(
+        a.structure_hash(&[a_out]).unwrap(),
+        b.structure_hash(&[b_out]).unwrap()
+    );
+    assert!(b.has_structure(&[b_out], &s));
+    assert_eq!(a.to_mlir(&[a_out]).unwrap(), b.to_mlir(&[b_out]).unwrap());
+    // An attribute (the axis, the epsilon constant), the outputs or a value of another graph
+    // make it another structure.
+    for (c, c_out) in [build(1, 1e-5), build(0, 1e-4)] {
+        assert_ne!(
+            a.structure_hash(&[a_out]).unwrap(),
+            c.structure_hash(&[c_out]).unwrap()
+        );
+        assert!(!c.has_structure(&[c_out], &s));
+    }
+    assert!(!b.has_structure(&[b_out, b_out], &s));
+    assert!(!b.has_structure(&[a_out], &s));
+    assert_eq!(
+        b.structure_hash(&[a_out]).unwrap_err().kind(),
+        ErrorKind::InvalidArgument
+    );
 }

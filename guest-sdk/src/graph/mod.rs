@@ -153,7 +153,7 @@ impl Compare {
 }
 
 /// An element-wise binary op.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Binary {
     Add,
     Sub,
@@ -198,7 +198,7 @@ impl Binary {
 }
 
 /// An element-wise unary op.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Unary {
     Neg,
     Abs,
@@ -249,7 +249,7 @@ impl Unary {
 }
 
 /// A reduction over some axes.
-#[derive(Clone, Copy, Debug)]
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
 enum Reduction {
     Sum,
     Max,
@@ -274,6 +274,7 @@ impl Reduction {
 }
 
 /// What defines a node: the op and its attributes (operands are [`Node::operands`]).
+#[derive(Clone, PartialEq, Eq, Hash)]
 enum Op {
     /// A parameter of `@main`; no operands.
     Parameter,
@@ -320,10 +321,22 @@ enum Op {
 
 /// One value of the graph: its spec, the op that defines it and the op's operands (indices of
 /// earlier nodes).
+#[derive(Clone, PartialEq, Eq, Hash)]
 struct Node {
     spec: TensorSpec,
     op: Op,
     operands: Vec<u32>,
+}
+
+/// Everything [`Graph::to_mlir`] prints a function from: the nodes, the parameters and the
+/// outputs. Two graphs with equal structures print byte-identical text, so a structure can key
+/// a cache of executables without printing the text ([`Graph::structure_hash`],
+/// [`Graph::has_structure`]).
+#[derive(Clone, PartialEq, Eq, Hash)]
+pub(crate) struct Structure {
+    nodes: Vec<Node>,
+    params: Vec<u32>,
+    outputs: Vec<u32>,
 }
 
 /// The mutable part of a [`Graph`].
@@ -429,16 +442,63 @@ impl Graph {
     /// Errors: [`ErrorKind::InvalidArgument`] if `outputs` is empty or holds a value of
     /// another graph.
     pub fn to_mlir(&self, outputs: &[Value]) -> Result<String> {
-        const OP: &str = "to_mlir";
-        if outputs.is_empty() {
-            return Err(invalid(OP, "needs at least one output"));
-        }
-        for &v in outputs {
-            self.operand(OP, v)?;
-        }
-        let outputs: Vec<u32> = outputs.iter().map(|v| v.index).collect();
+        let outputs = self.output_indices("to_mlir", outputs)?;
         let state = self.state.borrow();
         Ok(mlir::function(&state.nodes, &state.params, &outputs))
+    }
+
+    /// The indices of `outputs`, checked to be values of this graph (`op` names the caller in
+    /// the error).
+    fn output_indices(&self, op: &str, outputs: &[Value]) -> Result<Vec<u32>> {
+        if outputs.is_empty() {
+            return Err(invalid(op, "needs at least one output"));
+        }
+        outputs
+            .iter()
+            .map(|&v| self.operand(op, v).map(|_| v.index))
+            .collect()
+    }
+
+    /// A hash of the function [`Graph::to_mlir`] would print for `outputs`, computed from the
+    /// graph's structure without printing it: equal for graphs that print equal text. A hit
+    /// must be confirmed with [`Graph::has_structure`].
+    ///
+    /// Errors: as for [`Graph::to_mlir`].
+    pub(crate) fn structure_hash(&self, outputs: &[Value]) -> Result<u64> {
+        use std::hash::{Hash, Hasher};
+        let outputs = self.output_indices("structure_hash", outputs)?;
+        let state = self.state.borrow();
+        let mut h = std::collections::hash_map::DefaultHasher::new();
+        state.nodes.hash(&mut h);
+        state.params.hash(&mut h);
+        outputs.hash(&mut h);
+        Ok(h.finish())
+    }
+
+    /// Whether the function for `outputs` is the one `s` was taken from
+    /// ([`Graph::structure`]); `false` for outputs of another graph.
+    pub(crate) fn has_structure(&self, outputs: &[Value], s: &Structure) -> bool {
+        let state = self.state.borrow();
+        state.nodes == s.nodes
+            && state.params == s.params
+            && outputs.len() == s.outputs.len()
+            && outputs
+                .iter()
+                .zip(&s.outputs)
+                .all(|(v, &i)| v.graph == self.id && v.index == i)
+    }
+
+    /// A copy of the structure of the function for `outputs`.
+    ///
+    /// Errors: as for [`Graph::to_mlir`].
+    pub(crate) fn structure(&self, outputs: &[Value]) -> Result<Structure> {
+        let outputs = self.output_indices("structure", outputs)?;
+        let state = self.state.borrow();
+        Ok(Structure {
+            nodes: state.nodes.clone(),
+            params: state.params.clone(),
+            outputs,
+        })
     }
 
     /// Compiles the graph ([`Graph::to_mlir`], then [`compile_mlir`]) for device 0. The

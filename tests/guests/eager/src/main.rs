@@ -10,7 +10,8 @@
 //! and CASE `values` (default: every op on fixed inputs), `repeat` (one MLP step three times:
 //! caching and donation), `checks` (debug checks: a NaN, an out-of-range index), `fail` (a
 //! launch that fails on the device, read through an eager op), `pending` (ends with launches
-//! pending and a trace recorded), `bounded` (a stream of bounded-shape inputs). The first
+//! pending and a trace recorded), `bounded` (a stream of bounded-shape inputs); or `bench
+//! WORKLOAD STEPS` (the eager benchmark's workloads, timed: see [`bench`]). The first
 //! line is always `mode: NAME`; the last `stats: ...`.
 //!
 //! The inputs come from [`data`] and [`pos`], restated in `tests/all/eager.rs`, which computes
@@ -20,6 +21,7 @@ use tpubox_guest::eager::{self, Array, EagerMode};
 use tpubox_guest::graph::{Graph, Precision, Value};
 use tpubox_guest::{Element, Result, Tensor, compile_mlir};
 
+mod bench;
 #[path = "../../test_data.rs"]
 mod test_data;
 use test_data::{data, pos};
@@ -41,6 +43,10 @@ trait Backend {
     fn slice(&mut self, a: &Self::V, s: &[u64], l: &[u64], st: &[u64]) -> Result<Self::V>;
     fn concat(&mut self, xs: &[&Self::V], axis: u64) -> Result<Self::V>;
     fn dynamic_slice(&mut self, a: &Self::V, starts: &Self::V, sizes: &[u64]) -> Result<Self::V>;
+    fn reshape(&mut self, a: &Self::V, dims: &[u64]) -> Result<Self::V>;
+    fn transpose(&mut self, a: &Self::V, permutation: &[u64]) -> Result<Self::V>;
+    /// A value already on the device (a weight of the host's weight set).
+    fn tensor(&mut self, t: Tensor) -> Result<Self::V>;
     /// Records an output to print as `name`.
     fn output(&mut self, name: &str, v: &Self::V);
     /// Prints the outputs recorded (reading them, or compiling and running the graph).
@@ -105,6 +111,15 @@ impl Backend for Eager {
     }
     fn dynamic_slice(&mut self, a: &Array, starts: &Array, sizes: &[u64]) -> Result<Array> {
         a.dynamic_slice(starts, sizes)
+    }
+    fn reshape(&mut self, a: &Array, dims: &[u64]) -> Result<Array> {
+        a.reshape(dims)
+    }
+    fn transpose(&mut self, a: &Array, permutation: &[u64]) -> Result<Array> {
+        a.transpose(permutation)
+    }
+    fn tensor(&mut self, t: Tensor) -> Result<Array> {
+        Ok(Array::from_tensor(t))
     }
     fn output(&mut self, name: &str, v: &Array) {
         self.outputs.push((name.to_string(), v.clone()));
@@ -188,6 +203,17 @@ impl Backend for Compiled {
             .map(|i| g.reshape(g.slice(*starts, &[i], &[i + 1], &[1])?, &[]))
             .collect::<Result<Vec<Value>>>()?;
         g.dynamic_slice(*a, &starts, sizes)
+    }
+    fn reshape(&mut self, a: &Value, dims: &[u64]) -> Result<Value> {
+        self.g.reshape(*a, dims)
+    }
+    fn transpose(&mut self, a: &Value, permutation: &[u64]) -> Result<Value> {
+        self.g.transpose(*a, permutation)
+    }
+    fn tensor(&mut self, t: Tensor) -> Result<Value> {
+        let spec = t.spec().clone();
+        self.args.push(t);
+        Ok(self.g.parameter(spec.dtype, &spec.dims))
     }
     fn output(&mut self, name: &str, v: &Value) {
         self.outputs.push((name.to_string(), *v));
@@ -527,6 +553,14 @@ fn main() {
     } else {
         println!("mode: {}", eager::eager_mode().name());
         println!("debug-checks: {}", eager::debug_checks());
+    }
+    if cases.first() == Some(&"bench") {
+        let workload = cases.get(1).copied().unwrap_or("chain");
+        let steps = cases.get(2).and_then(|s| s.parse().ok()).unwrap_or(10);
+        if let Err(e) = bench::bench(mode, workload, steps) {
+            println!("bench: ERROR {e}");
+        }
+        return;
     }
     for case in cases {
         let r = match (case, mode) {
