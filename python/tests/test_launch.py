@@ -169,7 +169,9 @@ def test_pending_launches_are_bounded(daemon):
             except tpubox.ResourceExhausted as e:
                 assert "max-pending-launches" in str(e)
                 refused += 1
+        assert s.usage().pending_launches <= 2
         s.wait_all()
+        assert s.usage().pending_launches == 0
         for o in outs:
             np.testing.assert_allclose(o.numpy(), np.tanh(np.ones((64, 64))), rtol=1e-6)
         s.free(*outs)
@@ -193,7 +195,12 @@ def test_a_session_that_ends_with_launches_pending(daemon):
     deadline = time.monotonic() + 60
     while True:
         u = tpubox.tenant_usage(daemon.unix, BOB)
-        if u.sessions == 0 and u.usage.device_bytes == 0 and u.usage.live_tensors == 0:
+        if (
+            u.sessions == 0
+            and u.usage.device_bytes == 0
+            and u.usage.live_tensors == 0
+            and u.usage.pending_launches == 0
+        ):
             break
         assert time.monotonic() < deadline, u
         time.sleep(0.05)

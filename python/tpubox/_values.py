@@ -109,6 +109,11 @@ class Usage:
         executions: executions.
         device_seconds: device time used by executions.
         refused: requests refused over a limit.
+        pending_launches: launches queued for the device or running now (charged at launch
+            against ``max_pending_launches``, returned when the device finished).
+        executions_running: executions holding an execution slot now.
+        transfer_bytes: host bytes the daemon holds now for transfers in flight.
+        peak_live_tensors: the most tensor handles held at once.
     """
 
     device_bytes: int = 0
@@ -119,6 +124,10 @@ class Usage:
     executions: int = 0
     device_seconds: float = 0.0
     refused: int = 0
+    pending_launches: int = 0
+    executions_running: int = 0
+    transfer_bytes: int = 0
+    peak_live_tensors: int = 0
 
     @staticmethod
     def _from_pb(m: pb.UsageResponse) -> Usage:

@@ -477,6 +477,31 @@ async fn a_repeated_step_compiles_once_donates_its_input_and_ops_hit_the_cache_a
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_trace_longer_than_the_threshold_runs_in_steps_with_the_same_values() {
+    let g = Guest::new();
+    let mut want = data(6, 30);
+    for i in 0..20 {
+        for v in &mut want {
+            *v = if i % 2 == 0 { v.tanh() } else { *v + 0.5 };
+        }
+    }
+    let tenant = Tenant::new("eager-threshold", limits());
+    // DEFER_AND_FUSE with max_fused_ops 8: 20 ops run as 8 + 8 when the trace fills, then 4
+    // at the read; the other modes launch each op.
+    for (mode, counts) in [("fuse", [3, 3]), ("never", [0, 20]), ("blocking", [0, 20])] {
+        let out = g.run(&[mode, "threshold"], &[], &tenant).await;
+        let l = lines(&out);
+        assert_close(&format!("{mode} threshold"), line(&l, "threshold"), &want);
+        let got: Vec<u64> = floats(line(&l, "threshold-stats"))
+            .into_iter()
+            .map(|x| x as u64)
+            .collect();
+        assert_eq!(got, counts, "{mode}: {out}");
+    }
+    nothing_held("after the threshold runs", &tenant).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn debug_checks_name_the_op_of_a_nan_and_of_an_out_of_range_index() {
     let g = Guest::new();
     let tenant = Tenant::new("eager-checks", limits());

@@ -206,6 +206,10 @@ fn wire_usage(u: &TenantUsage) -> UsageResponse {
         executions: u.executions,
         device_seconds: u.device_seconds,
         refused: u.refused,
+        pending_launches: u.pending_launches,
+        executions_running: u.executions_running,
+        transfer_bytes: u.transfer_bytes,
+        peak_live_tensors: u.peak_live_tensors,
     }
 }
 

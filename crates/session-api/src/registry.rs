@@ -901,6 +901,7 @@ pub fn add_usage(a: &mut TenantUsage, b: &TenantUsage) {
     a.refused += b.refused;
     a.executions_running += b.executions_running;
     a.transfer_bytes += b.transfer_bytes;
+    a.pending_launches += b.pending_launches;
 }
 
 /// Ends idle sessions once a second while `registry` is alive.

@@ -427,7 +427,7 @@ class UsageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class UsageResponse(_message.Message):
-    __slots__ = ("device_bytes", "peak_device_bytes", "live_tensors", "live_executables", "compiles", "executions", "device_seconds", "refused")
+    __slots__ = ("device_bytes", "peak_device_bytes", "live_tensors", "live_executables", "compiles", "executions", "device_seconds", "refused", "pending_launches", "executions_running", "transfer_bytes", "peak_live_tensors")
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -436,6 +436,10 @@ class UsageResponse(_message.Message):
     EXECUTIONS_FIELD_NUMBER: _ClassVar[int]
     DEVICE_SECONDS_FIELD_NUMBER: _ClassVar[int]
     REFUSED_FIELD_NUMBER: _ClassVar[int]
+    PENDING_LAUNCHES_FIELD_NUMBER: _ClassVar[int]
+    EXECUTIONS_RUNNING_FIELD_NUMBER: _ClassVar[int]
+    TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_LIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
     device_bytes: int
     peak_device_bytes: int
     live_tensors: int
@@ -444,7 +448,11 @@ class UsageResponse(_message.Message):
     executions: int
     device_seconds: float
     refused: int
-    def __init__(self, device_bytes: _Optional[int] = ..., peak_device_bytes: _Optional[int] = ..., live_tensors: _Optional[int] = ..., live_executables: _Optional[int] = ..., compiles: _Optional[int] = ..., executions: _Optional[int] = ..., device_seconds: _Optional[float] = ..., refused: _Optional[int] = ...) -> None: ...
+    pending_launches: int
+    executions_running: int
+    transfer_bytes: int
+    peak_live_tensors: int
+    def __init__(self, device_bytes: _Optional[int] = ..., peak_device_bytes: _Optional[int] = ..., live_tensors: _Optional[int] = ..., live_executables: _Optional[int] = ..., compiles: _Optional[int] = ..., executions: _Optional[int] = ..., device_seconds: _Optional[float] = ..., refused: _Optional[int] = ..., pending_launches: _Optional[int] = ..., executions_running: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., peak_live_tensors: _Optional[int] = ...) -> None: ...
 
 class TenantUsageRequest(_message.Message):
     __slots__ = ()

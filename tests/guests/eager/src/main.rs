@@ -8,7 +8,7 @@
 //! - `graph`: every case as one `Graph::compile`d program.
 //!
 //! and CASE `values` (default: every op on fixed inputs), `repeat` (one MLP step three times:
-//! caching and donation), `checks` (debug checks: a NaN, an out-of-range index), `fail` (a
+//! caching and donation), `threshold` (a trace longer than the fused-op threshold), `checks` (debug checks: a NaN, an out-of-range index), `fail` (a
 //! launch that fails on the device, read through an eager op), `pending` (ends with launches
 //! pending and a trace recorded), `bounded` (a stream of bounded-shape inputs); or `bench
 //! WORKLOAD STEPS` (the eager benchmark's workloads, timed: see [`bench`]). The first
@@ -333,6 +333,31 @@ fn repeat() -> Result<()> {
     Ok(())
 }
 
+/// The size threshold: with [`eager::set_max_fused_ops`] at 8, a chain of 20 ops (`tanh`,
+/// then `+ 0.5`, alternating) on `data(6, 30)` runs as three fused steps, two when the trace
+/// fills and one at the read. Prints `threshold` (the values) and `threshold-stats: [fused
+/// steps, launches]`.
+fn threshold() -> Result<()> {
+    let before = eager::stats();
+    let old = eager::max_fused_ops();
+    eager::set_max_fused_ops(8);
+    let half = Array::scalar(0.5f32)?;
+    let mut x = Array::from_slice(&data(6, 30), &[2, 3])?;
+    for i in 0..20 {
+        x = if i % 2 == 0 { x.tanh()? } else { x.add(&half)? };
+    }
+    let v = x.to_vec::<f32>();
+    eager::set_max_fused_ops(old);
+    println!("threshold: {}", json(&v?));
+    let s = eager::stats();
+    println!(
+        "threshold-stats: [{}, {}]",
+        s.fused_steps - before.fused_steps,
+        s.launches - before.launches
+    );
+    Ok(())
+}
+
 fn report<T: std::fmt::Debug>(name: &str, r: Result<T>) {
     match r {
         Ok(v) => println!("{name}: ok {v:?}"),
@@ -571,6 +596,7 @@ fn main() {
             }),
             ("values", _) => values(&mut Eager::default()),
             ("repeat", _) => repeat(),
+            ("threshold", _) => threshold(),
             ("checks", _) => checks(),
             ("fail", _) => fail(),
             ("pending", _) => pending(),
