@@ -35,7 +35,7 @@ const WORKLOADS: [(&str, &str, usize); 7] = [
 ];
 
 /// Rounds of every (workload, mode) run.
-const ROUNDS: usize = 3;
+const ROUNDS: usize = 5;
 
 /// One `bench:` line, parsed, with the run's peak device bytes.
 struct Row {
