@@ -22,6 +22,7 @@ Needs the ``jax`` extra (``pip install 'tpubox[jax]'``).
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import threading
 import weakref
@@ -36,6 +37,25 @@ from .errors import Internal, Unsupported
 from .session import Executable, Session, Tensor
 
 __all__ = ["jit", "JitFunction", "device_get", "device_put", "jax_platform"]
+
+_LOCATIONS_LOCK = threading.Lock()
+
+
+@contextlib.contextmanager
+def _without_source_locations() -> Any:
+    """Exports inside this context carry no Python source locations (file names and lines;
+    ``jax_traceback_in_locations_limit`` 0): a notebook cell's file name holds its kernel's
+    process id, so with them the same cell in another kernel, or after a restart, would be
+    another program and compile again. Op names (``loc("jit(f)/tanh")``) stay; they depend
+    only on the function. The setting is process-wide, restored on exit."""
+    with _LOCATIONS_LOCK:
+        old = jax.config.jax_traceback_in_locations_limit
+        jax.config.update("jax_traceback_in_locations_limit", 0)
+        try:
+            yield
+        finally:
+            jax.config.update("jax_traceback_in_locations_limit", old)
+
 
 # PJRT platform names (what the daemon reports) -> jax.export platform names.
 _PLATFORMS = {
@@ -198,7 +218,10 @@ class JitFunction:
         platform = jax_platform(session)
         name = getattr(fun, "__name__", "function")
         try:
-            exp = jax_export.export(jax.jit(bound), platforms=[platform])(dyn_args_sds, dyn_kw_sds)
+            with _without_source_locations():
+                exp = jax_export.export(jax.jit(bound), platforms=[platform])(
+                    dyn_args_sds, dyn_kw_sds
+                )
         except NotImplementedError as e:
             raise Unsupported(
                 "unsupported", f"tpubox.jax.jit({name}): jax.export cannot export it: {e}"

@@ -165,6 +165,65 @@ async fn memory_hits_are_not_charged_but_distinct_programs_are() {
     assert_eq!(key_files(dir.path()).len(), LIMIT as usize);
 }
 
+/// [`MIXED`] with source locations as a notebook cell's export prints them: file `file`, and
+/// alias numbers shifted by `shift`.
+fn mixed_with_locations(file: &str, shift: u32) -> Vec<u8> {
+    let mut out = format!("#loc{} = loc(\"x\")\n", 1 + shift);
+    for (i, line) in MIXED.trim().lines().enumerate() {
+        let line = line.replace("%x: tensor<4xf32>", "%x: tensor<4xf32> loc(\"x\")");
+        if line.trim_start().starts_with('%') || line.trim_start().starts_with("return") {
+            out += &format!("{line} loc(#loc{})\n", 2 + shift + i as u32);
+        } else if line.trim() == "}" {
+            out += &format!("{line} loc(#loc)\n");
+        } else {
+            out += &format!("{line}\n");
+        }
+    }
+    out += "#loc = loc(unknown)\n";
+    for i in 0..MIXED.trim().lines().count() as u32 {
+        out += &format!(
+            "#loc{} = loc(fused[\"jit(f)/op\", \"{file}\":{i}:4])\n",
+            2 + shift + i
+        );
+    }
+    out.into_bytes()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn text_that_differs_only_in_source_locations_compiles_once() {
+    let svc = service(None, CacheMode::ReadWrite, None);
+    let (a, b) = (session(&svc, 10), session(&svc, 10));
+    let cell_a = mixed_with_locations("/tmp/ipykernel_4711/1234.py", 0);
+    let cell_b = mixed_with_locations("/tmp/ipykernel_815/99.py", 7);
+    assert_ne!(cell_a, cell_b);
+    let ha = a
+        .compile(cell_a, ProgramFormat::MlirText, None)
+        .await
+        .unwrap();
+    assert_eq!(ha.tier(), CacheTier::Compiled);
+    // Another tenant's cell, and the program as printed without any locations: the same key.
+    let bare = format!("{}\n", MIXED.trim()).into_bytes();
+    for (s, code) in [(&b, cell_b), (&b, bare)] {
+        let h = s
+            .compile(code, ProgramFormat::MlirText, None)
+            .await
+            .unwrap();
+        assert_eq!(h.tier(), CacheTier::Memory);
+        assert_eq!(h.executable().fingerprint(), ha.executable().fingerprint());
+    }
+    assert_eq!((a.usage().compiles, b.usage().compiles), (1, 0));
+    // Same numbers as the program compiled from text without locations.
+    let x: Vec<f64> = INPUT.iter().map(|&v| f64::from(v)).collect();
+    let got = run(&svc, ha.executable()).await;
+    for (g, v) in got.iter().zip(&x) {
+        let want = ((v.exp() * 0.5 + v.sin()).tanh()) / (1.0 + v * v);
+        assert!(
+            (f64::from(*g) - want).abs() <= 1e-6 + 1e-6 * want.abs(),
+            "{got:?}"
+        );
+    }
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_program_size_is_checked_before_tier_1() {
     let svc = service(None, CacheMode::ReadWrite, None);

@@ -157,6 +157,25 @@ def test_tensors_live_across_cells(kernel_a, daemon):
     pytest.handle_a = int(handle)  # for the isolation test
 
 
+def test_the_same_cell_in_two_kernels_compiles_once(kernel_a, kernel_b):
+    # Each kernel's cell has its own file name (it holds the kernel's pid); tpubox.jax exports
+    # without source locations, so the second kernel's program is the first one's bytes and
+    # the daemon's in-memory tier serves it: nothing is charged to the second session.
+    cell = """
+        import numpy as np, jax.numpy as jnp, tpubox, tpubox.jax
+        s = tpubox.connect()
+        def cell_fn(x, y):
+            return jnp.tanh(x @ y) * 0.8125 + 0.1875
+        before = s.usage().compiles
+        out = tpubox.jax.jit(cell_fn)(np.full((8, 8), 0.5, np.float32), np.eye(8, dtype=np.float32))
+        want = np.tanh(np.full((8, 8), 0.5)) * 0.8125 + 0.1875
+        np.testing.assert_allclose(out.numpy(), want, rtol=1e-6)
+        print("charged", s.usage().compiles - before)
+        """
+    assert kernel_a.ok(cell).split() == ["charged", "1"]
+    assert kernel_b.ok(cell).split() == ["charged", "0"]
+
+
 def test_kernel_environment_hides_accelerators(kernel_a, kernel_b):
     for k in (kernel_a, kernel_b):
         env = json.loads(k.ok("import os, json; print(json.dumps(dict(os.environ)))"))

@@ -31,6 +31,7 @@ pub mod compiler;
 pub mod device;
 pub mod error;
 pub mod exec;
+pub mod mlir_text;
 pub mod npy;
 pub mod open;
 pub mod plugin;

@@ -884,7 +884,9 @@ impl Session {
     }
 
     /// Compiles a program as `settings` say (device, optimisation level). In order: the program
-    /// size is checked against `max-program-bytes`; a live executable is charged; the compile
+    /// size is checked against `max-program-bytes`; a live executable is charged; MLIR text
+    /// loses its source locations ([`crate::mlir_text::strip_locations`]: the same program
+    /// from another notebook cell or file is the same text); the compile
     /// cache is asked, and only when its tier 1 (this process's loaded executables) does not
     /// hold the program is the tenant's compile rate charged (`max-compiles-per-minute`; a
     /// tier-2 or tier-3 load counts, see [`Tenant::admit_compile_rate`]); once compiled, its
@@ -904,6 +906,16 @@ impl Session {
         self.tenant.admit_program_size(code.len())?;
         let charge = self.tenant.charge_executable()?;
         let text = format == ProgramFormat::MlirText;
+        // Source locations (a notebook cell's file name, a line) make the same program
+        // different text; without them it compiles once (crate::mlir_text).
+        let stripped = match std::str::from_utf8(&code).ok().filter(|_| text) {
+            Some(t) => match crate::mlir_text::strip_locations(t) {
+                std::borrow::Cow::Owned(s) => Some(s.into_bytes()),
+                std::borrow::Cow::Borrowed(_) => None,
+            },
+            None => None,
+        };
+        let code = stripped.unwrap_or(code);
         let outcome = self
             .device
             .compile_for(code, text, settings, &self.tenant)
