@@ -4,6 +4,7 @@ codec, output sinks, the kernelspec command's parsing."""
 from __future__ import annotations
 
 import io
+import os
 
 import grpc
 import numpy as np
@@ -37,6 +38,43 @@ def test_limits_coerce():
     assert isinstance(lim.max_call_seconds, float)
     with pytest.raises(ValueError, match="unknown limits"):
         tpubox.Limits.coerce({"max_device_mib": 1})
+    # Byte limits take the units the kernelspec's --limit takes.
+    lim = tpubox.Limits.coerce({"max_device_bytes": "8MiB", "max_program_bytes": "1.5 KiB"})
+    assert (lim.max_device_bytes, lim.max_program_bytes) == (8 << 20, 1536)
+    with pytest.raises(ValueError, match="max_device_bytes: 'lots' is not a size"):
+        tpubox.Limits.coerce({"max_device_bytes": "lots"})
+    with pytest.raises(ValueError):
+        tpubox.Limits.coerce({"max_live_tensors": "8MiB"})
+
+
+def test_a_socket_this_user_cannot_open_is_permission_denied(tmp_path, monkeypatch):
+    sock = tmp_path / "session.sock"
+    sock.touch(mode=0o600)
+    # Another user's 0600 socket: os.access says no (faked: the tests may run as root).
+    real_access = os.access
+    monkeypatch.setattr(
+        os, "access", lambda p, m: False if os.fspath(p) == str(sock) else real_access(p, m)
+    )
+    for address in (f"unix:{sock}", str(sock)):
+        e = errors.from_rpc_error(
+            FakeRpcError(grpc.StatusCode.UNAVAILABLE, "connect: Permission denied"),
+            address,
+            "Open",
+        )
+        assert type(e) is tpubox.PermissionDenied, e
+        assert str(sock) in str(e) and "mode 0600" in str(e) and "TCP" in str(e)
+    # A socket that is not there, or open to this user, stays Unavailable.
+    monkeypatch.setattr(os, "access", real_access)
+    for address in (f"unix:{sock}", f"unix:{tmp_path}/missing.sock", "127.0.0.1:1"):
+        e = errors.from_rpc_error(FakeRpcError(grpc.StatusCode.UNAVAILABLE, "refused"), address, "Open")
+        assert type(e) is tpubox.Unavailable, e
+
+
+def test_run_of_a_missing_wasm_file_says_file_not_found():
+    s = object.__new__(tpubox.Session)  # no daemon: the path is checked before any call
+    for path in ("path/that/does/not/exist.wasm", "missing.wasm", "./x/y"):
+        with pytest.raises(FileNotFoundError, match="no such component file"):
+            tpubox.Session.run(s, path)
 
 
 class FakeRpcError(grpc.RpcError):

@@ -6,6 +6,7 @@ and make no calls.
 
 from __future__ import annotations
 
+import re
 from dataclasses import dataclass, field, fields
 from typing import Any, Mapping
 
@@ -36,6 +37,24 @@ class TensorSpec:
 
     def __repr__(self) -> str:
         return f"TensorSpec(shape={self.shape}, dtype={self.dtype})"
+
+
+_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
+_UNITS = {"": 1, "b": 1}
+for _i, _p in enumerate("kmgt", start=1):
+    for _suffix in (f"{_p}", f"{_p}b", f"{_p}ib", f"{_p}i"):
+        _UNITS[_suffix] = 1024**_i
+
+
+def parse_size(value: int | str) -> int:
+    """A byte count: an int, or a string with an optional unit (``"64MiB"``, ``"4G"``,
+    ``"1.5 GiB"``: powers of 1024). ValueError for anything else."""
+    if isinstance(value, int):
+        return value
+    m = _SIZE.match(str(value))
+    if not m:
+        raise ValueError(f"{value!r} is not a size (e.g. 1073741824, 64MiB)")
+    return int(float(m.group(1)) * _UNITS[(m.group(2) or "").lower()])
 
 
 @dataclass(frozen=True)
@@ -71,7 +90,8 @@ class Limits:
     @staticmethod
     def coerce(value: Limits | Mapping[str, Any] | None) -> Limits:
         """VALUE as Limits: a Limits, a dict of its fields (unknown keys: ValueError), or None
-        (all 0: the tenant's)."""
+        (all 0: the tenant's). Byte limits take a size with a unit too (``"64MiB"``,
+        :func:`parse_size`)."""
         if value is None:
             return Limits()
         if isinstance(value, Limits):
@@ -84,7 +104,15 @@ class Limits:
         for f in fields(Limits):
             if f.name in value:
                 v = value[f.name]
-                kw[f.name] = float(v) if f.type in ("float", float) else int(v)
+                if f.type in ("float", float):
+                    kw[f.name] = float(v)
+                elif f.name.endswith("_bytes"):
+                    try:
+                        kw[f.name] = parse_size(v)
+                    except ValueError as e:
+                        raise ValueError(f"limit {f.name}: {e}") from None
+                else:
+                    kw[f.name] = int(v)
         return Limits(**kw)
 
     def _to_pb(self) -> pb.Limits:

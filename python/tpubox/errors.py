@@ -9,6 +9,7 @@ the message (``max-device-bytes``, ``max-live-tensors``, ...) and in ``limit``.
 
 from __future__ import annotations
 
+import os
 import re
 from typing import Any
 
@@ -200,8 +201,33 @@ def error(kind: str, message: str, code: grpc.StatusCode | None = None) -> Tpubo
     return _BY_KIND.get(kind, TpuboxError)(kind, message, code)
 
 
+def _socket_denied(address: str) -> str | None:
+    """Why this user cannot use the Unix socket ADDRESS names (it exists but is not readable
+    and writable), or None (not a Unix socket, not there, or open to this user)."""
+    a = str(address).strip()
+    if a.startswith("unix:"):
+        a = a[len("unix:") :]
+    elif not a.startswith(("/", "./", "../", "~")):
+        return None
+    path = os.path.abspath(os.path.expanduser(a))
+    try:
+        st = os.stat(path)
+    except OSError:
+        return None
+    if os.access(path, os.R_OK | os.W_OK):
+        return None
+    return (
+        f"the tpubox daemon's socket {path} is not open to this user (mode "
+        f"{st.st_mode & 0o777:04o}, owner uid {st.st_uid}, group gid {st.st_gid}; this process "
+        f"runs as uid {os.getuid()}): run as the daemon's user or a member of the socket's "
+        "group, or connect over TCP"
+    )
+
+
 def from_rpc_error(e: grpc.RpcError, address: str, call: str) -> TpuboxError:
-    """The :class:`TpuboxError` for a failed gRPC call CALL to the daemon at ADDRESS."""
+    """The :class:`TpuboxError` for a failed gRPC call CALL to the daemon at ADDRESS. A call
+    that could not reach a Unix socket this user may not open is :class:`PermissionDenied`,
+    not :class:`Unavailable`."""
     code = e.code() if hasattr(e, "code") else None
     details = (e.details() if hasattr(e, "details") else None) or str(e)
     kind: str | None = None
@@ -215,6 +241,9 @@ def from_rpc_error(e: grpc.RpcError, address: str, call: str) -> TpuboxError:
     if kind is None:
         kind = _BY_CODE.get(code, "internal") if code is not None else "internal"
     if kind == "unavailable":
+        denied = _socket_denied(address)
+        if denied is not None:
+            return error("permission-denied", f"{denied} ({call}: {details})", code)
         message = f"the tpubox daemon at {address} is not reachable ({call}): {details}"
     elif kind == "deadline-exceeded":
         message = f"{call} at {address} did not finish in time: {details}"

@@ -16,25 +16,18 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import re
 import sys
 import tempfile
 from dataclasses import fields
 from pathlib import Path
 from typing import Any, Sequence
 
+from ._values import parse_size
 from .session import Limits
 
 __all__ = ["kernel_json", "install", "main", "parse_limit"]
 
 PROVISIONER_NAME = "tpubox-provisioner"
-
-_SIZE = re.compile(r"^\s*([0-9]+(?:\.[0-9]+)?)\s*([KMGT]i?B?|B)?\s*$", re.IGNORECASE)
-_UNITS = {"": 1, "b": 1}
-for _i, _p in enumerate("kmgt", start=1):
-    for _suffix in (f"{_p}", f"{_p}b", f"{_p}ib", f"{_p}i"):
-        _UNITS[_suffix] = 1024**_i
-
 
 def parse_limit(text: str) -> tuple[str, int | float]:
     """``NAME=VALUE`` of a :class:`tpubox.Limits` field. Byte limits take a unit (``64MiB``,
@@ -47,11 +40,10 @@ def parse_limit(text: str) -> tuple[str, int | float]:
     if known[name].type in ("float", float):
         return name, float(value)
     if name.endswith("_bytes"):
-        m = _SIZE.match(value)
-        if not m:
-            raise ValueError(f"--limit {name}: {value!r} is not a size (e.g. 1073741824, 64MiB)")
-        unit = (m.group(2) or "").lower()
-        return name, int(float(m.group(1)) * _UNITS[unit])
+        try:
+            return name, parse_size(value)
+        except ValueError as e:
+            raise ValueError(f"--limit {name}: {e}") from None
     return name, int(value)
 
 

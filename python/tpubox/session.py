@@ -21,6 +21,7 @@ from __future__ import annotations
 import atexit
 import collections
 import contextlib
+import errno
 import os
 import sys
 import threading
@@ -700,8 +701,9 @@ class Session:
             and all of stdout and stderr.
 
         Raises:
-            tpubox.NotFound: an unknown component name; tpubox.InvalidArgument: bytes that are
-            not a component. A guest that fails or traps is not an error: see ``exit_code`` and
+            tpubox.NotFound: an unknown component name; FileNotFoundError: a path (ending in
+            ``.wasm`` or holding a ``/``) to a file that does not exist; tpubox.InvalidArgument:
+            bytes that are not a component. A guest that fails or traps is not an error: see ``exit_code`` and
             ``error``. Ctrl-C (KeyboardInterrupt) cancels the run.
         """
         req = pb.RunComponentRequest(
@@ -715,6 +717,11 @@ class Session:
             isinstance(component, str) and os.path.isfile(component)
         ):
             req.wasm = Path(component).read_bytes()
+        elif isinstance(component, str) and (
+            component.endswith(".wasm") or "/" in component or os.sep in component
+        ):
+            # A path (it names a file, not a component the daemon offers) that is not there.
+            raise FileNotFoundError(errno.ENOENT, "no such component file", component)
         elif isinstance(component, str):
             req.name = component
         else:
