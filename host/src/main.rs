@@ -648,6 +648,8 @@ async fn run(args: RunArgs) -> Result<bool> {
             ..Default::default()
         },
         max_pending_launches: args.max_pending_launches,
+        // One guest per run: nobody of its own to share the slots with.
+        max_running_executions: u64::MAX,
     };
     config.sandbox = SandboxConfig {
         max_guest_memory: args.max_memory_mib << 20,

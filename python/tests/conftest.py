@@ -30,6 +30,7 @@ SMALL = "carol-token"  # 1 MiB of device memory
 NO_SESSIONS = "dave-token"  # no [tenant.session]: may not open sessions
 FEW = "erin-token"  # at most 2 sessions at once
 EXITS = "frank-token"  # used only by the tests of sessions whose process goes away
+BUDGET = "grace-token"  # 4 MiB per session, 6 MiB for all her sessions together
 
 TENANTS = {
     # alice also reads /metrics.
@@ -43,6 +44,7 @@ TENANTS = {
     "dave": {"token": NO_SESSIONS, "session": None},
     "erin": {"token": FEW, "session": {"max_sessions": 2}},
     "frank": {"token": EXITS, "session": {"max_device_mib": 64}},
+    "grace": {"token": BUDGET, "session": {"max_device_mib": 4, "tenant_max_device_mib": 6}},
 }
 
 _DAEMON: Daemon | None = None

@@ -11,7 +11,7 @@ import time
 
 import numpy as np
 import pytest
-from conftest import ALICE, BOB, EXITS, FEW, NO_SESSIONS
+from conftest import ALICE, BOB, BUDGET, EXITS, FEW, NO_SESSIONS, SMALL
 
 import tpubox
 
@@ -293,6 +293,34 @@ def test_max_sessions(daemon):
     b.close()
     c.close()
     assert tpubox.tenant_usage(daemon.unix, FEW).sessions == 0
+
+
+def test_a_tenants_sessions_share_its_device_budget(daemon):
+    # grace: 4 MiB per session, 6 MiB for all of her sessions together.
+    mib = 1 << 20
+    with tpubox.connect(daemon.unix, BUDGET) as a, tpubox.connect(daemon.tcp, BUDGET) as b:
+        x = a.tensor(np.zeros(3 * mib, np.uint8))
+        y = b.tensor(np.zeros(3 * mib, np.uint8))
+        # Within b's own 4 MiB, over grace's 6.
+        with pytest.raises(tpubox.ResourceExhausted) as e:
+            b.tensor(np.zeros(mib, np.uint8))
+        assert e.value.limit == "max-device-bytes"
+        assert "tenant `grace` (all its sessions together)" in str(e.value), e.value
+        # Over a's own 4 MiB: the message says the session.
+        with pytest.raises(tpubox.ResourceExhausted, match="this session") as e:
+            a.tensor(np.zeros(2 * mib, np.uint8))
+        assert e.value.limit == "max-device-bytes"
+        x.free()
+        z = b.tensor(np.ones(mib, np.uint8))
+        assert tpubox.tenant_usage(daemon.unix, BUDGET).usage.device_bytes == 4 * mib
+        assert int(z.numpy().sum()) == mib and y.shape == (3 * mib,)
+    # Without tenant_max_device_mib the tenant's sessions together get one session's worth:
+    # carol's second session cannot double her 1 MiB.
+    with tpubox.connect(daemon.unix, SMALL) as a, tpubox.connect(daemon.unix, SMALL) as b:
+        held = a.tensor(np.zeros(600_000, np.uint8))
+        with pytest.raises(tpubox.ResourceExhausted, match="all its sessions together"):
+            b.tensor(np.zeros(600_000, np.uint8))
+        held.free()
 
 
 def test_unreachable_daemon_is_unavailable_at_once(tmp_path):

@@ -56,6 +56,7 @@ fn limits() -> TenantLimits {
         fuel: None,
         program_policy: Default::default(),
         max_pending_launches: 64,
+        max_running_executions: u64::MAX,
     }
 }
 

@@ -1776,6 +1776,19 @@ const LIMITS: &[LimitRow] = &[
         model: Some("max_pending_launches"),
         cli: Some("--max-pending-launches"),
     },
+    // Slots of the device's execution queue a tenant's executions hold at once: the
+    // scheduler waits (it refuses nothing), and only a budget's value is set (below).
+    LimitRow {
+        key: "max_running_executions",
+        session_only: false,
+        unit: Unit::Count,
+        name: Some("max-running-executions"),
+        refused: false,
+        wire: None,
+        policy: None,
+        model: None,
+        cli: None,
+    },
     // `SessionLimits::idle_timeout`: how long a session may sit unused, a limit of the session
     // itself, not of what its tenant holds.
     LimitRow {
@@ -1799,6 +1812,31 @@ const LIMITS: &[LimitRow] = &[
         refused: true,
         wire: None,
         policy: Some("max_sessions"),
+        model: None,
+        cli: None,
+    },
+    // The tenant's budget, all its sessions together (`SessionPolicy::budget_limits`): rules of
+    // the tokens file about the tenant, like `max_sessions`; a refusal names
+    // `max-device-bytes`, which says whose it was.
+    LimitRow {
+        key: "tenant_max_device_mib",
+        session_only: true,
+        unit: Unit::Bytes,
+        name: None,
+        refused: false,
+        wire: None,
+        policy: Some("tenant_max_device_mib"),
+        model: None,
+        cli: None,
+    },
+    LimitRow {
+        key: "tenant_max_running_executions",
+        session_only: true,
+        unit: Unit::Count,
+        name: None,
+        refused: false,
+        wire: None,
+        policy: Some("tenant_max_running_executions"),
         model: None,
         cli: None,
     },
@@ -2183,8 +2221,11 @@ fn tenant_limits() {
             &format!("`{prefix}FIELD` in `{marker}`"),
         );
         let m = map_of(assigned.iter().map(|(f, t, _)| (f.clone(), t.clone())));
-        // `max_sessions` is checked where a session opens, not turned into a limit.
-        let rows = LIMITS.iter().filter(|l| l.key != "max_sessions");
+        // `max_sessions` is checked where a session opens, not turned into a limit; the
+        // `tenant_` keys set the tenant's budget (checked below), not a session's limits.
+        let rows = LIMITS
+            .iter()
+            .filter(|l| l.key != "max_sessions" && !l.key.starts_with("tenant_"));
         let want = map_of(rows.filter_map(|l| Some((column(l)?.to_string(), l.key.to_string()))));
         r.maps(
             "key → the limit it sets",
@@ -2204,6 +2245,26 @@ fn tenant_limits() {
             }
         }
     }
+
+    // The tenant's budget: `budget_limits` turns the `tenant_` keys into the budget's limits.
+    let marker = "pub fn budget_limits(";
+    let assigned = limit_assignments(policy.block(marker), "self.");
+    let assigned = found(assigned, &policy.path, "`self.FIELD` in `budget_limits`");
+    let m = map_of(assigned.iter().map(|(f, t, _)| (f.clone(), t.clone())));
+    let want = map_of(
+        [
+            ("tenant_max_device_mib", "max_device_bytes"),
+            ("tenant_max_running_executions", "max_running_executions"),
+        ]
+        .map(|(k, v)| (k.to_string(), v.to_string())),
+    );
+    r.maps(
+        "key → the budget limit it sets",
+        &format!("{HERE} (the budget's keys)"),
+        &want,
+        &policy.label(marker),
+        &m,
+    );
 
     // The Python client's `Limits` (wherever python/tpubox defines it): the wire names and
     // types, and the limit names its docs give.

@@ -17,12 +17,30 @@
 //! launches thousands of programs waits for slots like everyone else (and is stopped at
 //! `max-pending-launches` before that), and the tenant with the least device time goes
 //! first among those waiting.
+//!
+//! **Tenants, not sessions.** A tenant with a budget ([`Tenant::with_budget`]: every session
+//! of the session API has one, shared by all sessions of its token's tenant) is counted as
+//! its budget: fair-share order by the budget's device time, and at most the budget's
+//! `max_running_executions` slots held at once by all of them together. A waiter over that cap
+//! keeps its place but is passed over until one of its tenant's executions finishes, so a
+//! tenant with many clients cannot hold every slot while another tenant waits.
 
-use std::collections::BTreeMap;
+use std::collections::{BTreeMap, HashMap};
 use std::sync::{Arc, Mutex};
 use std::time::Instant;
 
 use crate::tenant::Tenant;
+
+/// A tenant as the scheduler counts it: its share identity ([`Tenant::share_identity`]), by
+/// address.
+fn key(t: &Arc<Tenant>) -> usize {
+    Arc::as_ptr(t.share_identity()) as usize
+}
+
+/// Whether `identity` (a share identity) may take another slot, holding `held` already.
+fn under_cap(identity: &Tenant, held: usize) -> bool {
+    (held as u64) < identity.limits().max_running_executions.max(1)
+}
 
 #[derive(Debug, Default)]
 struct Queue {
@@ -30,8 +48,51 @@ struct Queue {
     seq: u64,
     /// When the last execution on this device finished (see the module docs on billing).
     last_completion: Option<Instant>,
-    /// Waiters by (device time used so far in ns, arrival order).
-    waiting: BTreeMap<(u64, u64), tokio::sync::oneshot::Sender<()>>,
+    /// Waiters by (device time their share identity used so far in ns, arrival order), with
+    /// that identity.
+    waiting: BTreeMap<(u64, u64), (tokio::sync::oneshot::Sender<()>, Arc<Tenant>)>,
+    /// Slots held now, by share identity ([`key`]); identities holding none are absent.
+    held: HashMap<usize, usize>,
+}
+
+impl Queue {
+    fn held_by(&self, identity: &Arc<Tenant>) -> usize {
+        self.held
+            .get(&(Arc::as_ptr(identity) as usize))
+            .copied()
+            .unwrap_or(0)
+    }
+
+    /// Takes a slot for `identity` if one is free, nobody eligible waits ahead and the
+    /// identity is under its cap.
+    fn try_take(&mut self, slots: usize, identity: &Arc<Tenant>) -> bool {
+        if self.running >= slots
+            || !under_cap(identity, self.held_by(identity))
+            || self
+                .waiting
+                .values()
+                .any(|(_, w)| under_cap(w, self.held_by(w)))
+        {
+            return false;
+        }
+        self.take(identity);
+        true
+    }
+
+    fn take(&mut self, identity: &Arc<Tenant>) {
+        self.running += 1;
+        *self.held.entry(Arc::as_ptr(identity) as usize).or_insert(0) += 1;
+    }
+
+    fn give_back(&mut self, identity_key: usize) {
+        self.running -= 1;
+        if let Some(n) = self.held.get_mut(&identity_key) {
+            *n -= 1;
+            if *n == 0 {
+                self.held.remove(&identity_key);
+            }
+        }
+    }
 }
 
 /// Fair sharing of one device's execution slots between tenants; see the module docs.
@@ -77,10 +138,9 @@ impl FairShare {
     pub fn try_acquire(&self, tenant: &Arc<Tenant>) -> Option<Slot> {
         {
             let mut q = self.inner.queue.lock().expect("scheduler lock");
-            if q.running >= self.inner.slots || !q.waiting.is_empty() {
+            if !q.try_take(self.inner.slots, tenant.share_identity()) {
                 return None;
             }
-            q.running += 1;
         }
         tenant.execution_started();
         Some(Slot {
@@ -94,17 +154,18 @@ impl FairShare {
     pub async fn acquire(&self, tenant: &Arc<Tenant>) -> Slot {
         let rx = {
             let mut q = self.inner.queue.lock().expect("scheduler lock");
-            if q.running < self.inner.slots && q.waiting.is_empty() {
-                q.running += 1;
+            let identity = tenant.share_identity();
+            if q.try_take(self.inner.slots, identity) {
                 None
             } else {
                 let (tx, rx) = tokio::sync::oneshot::channel();
                 q.seq += 1;
-                let key = (tenant.device_ns(), q.seq);
-                q.waiting.insert(key, tx);
+                let key = (identity.device_ns(), q.seq);
+                q.waiting.insert(key, (tx, Arc::clone(identity)));
                 Some(WaitGuard {
                     share: &self.inner,
                     key,
+                    identity: Arc::as_ptr(identity) as usize,
                     rx,
                     granted: false,
                 })
@@ -125,15 +186,24 @@ impl FairShare {
 }
 
 impl Inner {
-    fn release(&self) {
+    /// Returns a slot of share identity `identity_key` and grants free slots to the waiters
+    /// first in line whose identity is under its cap (a capped identity's waiters keep their
+    /// place until one of its slots is returned).
+    fn release(&self, identity_key: usize) {
         let mut q = self.queue.lock().expect("scheduler lock");
-        q.running -= 1;
+        q.give_back(identity_key);
         while q.running < self.slots {
-            let Some((_, tx)) = q.waiting.pop_first() else {
+            let Some(key) = q
+                .waiting
+                .iter()
+                .find(|(_, (_, w))| under_cap(w, q.held_by(w)))
+                .map(|(k, _)| *k)
+            else {
                 break;
             };
+            let (tx, identity) = q.waiting.remove(&key).expect("found above");
             if tx.send(()).is_ok() {
-                q.running += 1;
+                q.take(&identity);
             }
         }
     }
@@ -143,6 +213,7 @@ impl Inner {
 struct WaitGuard<'a> {
     share: &'a Inner,
     key: (u64, u64),
+    identity: usize,
     rx: tokio::sync::oneshot::Receiver<()>,
     granted: bool,
 }
@@ -158,7 +229,7 @@ impl Drop for WaitGuard<'_> {
         };
         if !removed && self.rx.try_recv().is_ok() {
             // Granted after we were cancelled: hand the slot on.
-            self.share.release();
+            self.share.release(self.identity);
         }
     }
 }
@@ -174,7 +245,7 @@ impl Drop for Slot {
         };
         self.tenant
             .record_execution(now.saturating_duration_since(from));
-        self.share.release();
+        self.share.release(key(&self.tenant));
     }
 }
 
@@ -222,5 +293,50 @@ mod tests {
         let _again = tokio::time::timeout(Duration::from_secs(5), share.acquire(&t))
             .await
             .expect("slot is free again");
+    }
+
+    #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+    async fn one_tenants_sessions_together_stay_under_its_cap_and_another_tenant_gets_a_slot() {
+        let share = Arc::new(FairShare::new(2));
+        let budget = Tenant::new_budget(
+            "alice",
+            TenantLimits {
+                max_running_executions: 1,
+                ..TenantLimits::default()
+            },
+        );
+        let a1 = Tenant::with_budget("alice", TenantLimits::default(), Arc::clone(&budget));
+        let a2 = Tenant::with_budget("alice", TenantLimits::default(), Arc::clone(&budget));
+        let bob = Tenant::new("bob", TenantLimits::default());
+        let first = share.try_acquire(&a1).expect("a free slot");
+        // A slot is free, but alice's sessions together hold her one.
+        assert!(share.try_acquire(&a2).is_none());
+        let (tx, rx) = tokio::sync::oneshot::channel();
+        let waiter = {
+            let (share, a2) = (Arc::clone(&share), Arc::clone(&a2));
+            tokio::spawn(async move {
+                let slot = share.acquire(&a2).await;
+                tx.send(()).unwrap();
+                slot
+            })
+        };
+        tokio::time::sleep(Duration::from_millis(50)).await;
+        // Alice's waiter is over her cap: it does not stop bob from taking the free slot.
+        let b = share.try_acquire(&bob).expect("bob gets the free slot");
+        assert_eq!(budget.usage().executions_running, 1);
+        drop(b);
+        assert!(!waiter.is_finished());
+        // Alice's execution finishes: her waiting session gets the slot.
+        drop(first);
+        tokio::time::timeout(Duration::from_secs(5), rx)
+            .await
+            .expect("granted")
+            .unwrap();
+        let second = waiter.await.unwrap();
+        assert_eq!(budget.usage().executions, 1);
+        assert_eq!(budget.usage().executions_running, 1);
+        drop(second);
+        assert_eq!(budget.usage().executions, 2);
+        assert_eq!(a1.usage().executions + a2.usage().executions, 2);
     }
 }

@@ -64,6 +64,12 @@ pub struct TenantLimits {
     /// A launch beyond it is refused with `resource-exhausted` naming `max-pending-launches`:
     /// the back-pressure that keeps a tenant that never waits from queueing without bound.
     pub max_pending_launches: u64,
+    /// Executions of the tenant holding one of the device's execution slots at once
+    /// (default `u64::MAX`: as many as there are slots). Counted on the tenant that the
+    /// scheduler shares the device between: a session's budget tenant
+    /// ([`Tenant::with_budget`]), so that one tenant's sessions together cannot take every
+    /// slot while another tenant waits ([`crate::scheduler`]).
+    pub max_running_executions: u64,
 }
 
 /// What an untrusted tenant's programs may contain. PJRT cannot cancel an execution, so a
@@ -126,6 +132,7 @@ impl Default for TenantLimits {
             fuel: None,
             program_policy: ProgramPolicy::default(),
             max_pending_launches: DEFAULT_MAX_PENDING_LAUNCHES,
+            max_running_executions: u64::MAX,
         }
     }
 }
@@ -177,10 +184,19 @@ struct Held {
 }
 
 /// One tenant: a name, its limits and its usage. Shared through `Arc`.
+///
+/// A tenant may have a **budget**: another `Tenant` that stands for all of one identity's
+/// accounting tenants together (the session API gives every session a tenant of its own with
+/// the per-session limits, and all sessions of one token's tenant one budget). Device bytes
+/// are charged to both and must fit both; executions, device time and the scheduler's fair
+/// share count on the budget too.
 #[derive(Debug)]
 pub struct Tenant {
     name: String,
     limits: TenantLimits,
+    budget: Option<Arc<Tenant>>,
+    /// Whether this tenant is some tenants' budget (error messages say "all its sessions").
+    is_budget: bool,
     held: Mutex<Held>,
     compiles: AtomicU64,
     executions: AtomicU64,
@@ -214,6 +230,11 @@ pub struct Charge {
 
 impl Drop for Charge {
     fn drop(&mut self) {
+        if let (Some(b), ChargeKind::Tensor(bytes) | ChargeKind::Scratch(bytes)) =
+            (&self.tenant.budget, self.kind)
+        {
+            b.held.lock().expect("tenant lock").device_bytes -= bytes;
+        }
         let mut h = self.tenant.held.lock().expect("tenant lock");
         match self.kind {
             ChargeKind::Tensor(bytes) => {
@@ -238,9 +259,47 @@ impl Charge {
 impl Tenant {
     /// A new tenant with nothing held.
     pub fn new(name: impl Into<String>, limits: TenantLimits) -> Arc<Self> {
+        Tenant::make(name.into(), limits, None, false)
+    }
+
+    /// A budget: the tenant that all of one identity's accounting tenants are charged to as
+    /// well ([`Tenant::with_budget`]); of its limits, `max_device_bytes` and
+    /// `max_running_executions` apply to them together.
+    pub fn new_budget(name: impl Into<String>, limits: TenantLimits) -> Arc<Self> {
+        Tenant::make(name.into(), limits, None, true)
+    }
+
+    /// A new accounting tenant with its own `limits`, whose device bytes are also charged to
+    /// `budget` (and must fit it) and whose executions and device time also count there.
+    pub fn with_budget(
+        name: impl Into<String>,
+        limits: TenantLimits,
+        budget: Arc<Tenant>,
+    ) -> Arc<Self> {
+        Tenant::make(name.into(), limits, Some(budget), false)
+    }
+
+    /// The budget this tenant is charged to as well, if any.
+    pub fn budget(&self) -> Option<&Arc<Tenant>> {
+        self.budget.as_ref()
+    }
+
+    /// The tenant the device's fair share counts: the budget, or this tenant.
+    pub(crate) fn share_identity(self: &Arc<Self>) -> &Arc<Tenant> {
+        self.budget.as_ref().unwrap_or(self)
+    }
+
+    fn make(
+        name: String,
+        limits: TenantLimits,
+        budget: Option<Arc<Tenant>>,
+        is_budget: bool,
+    ) -> Arc<Self> {
         Arc::new(Tenant {
-            name: name.into(),
+            name,
             limits,
+            budget,
+            is_budget,
             held: Mutex::new(Held::default()),
             compiles: AtomicU64::new(0),
             executions: AtomicU64::new(0),
@@ -281,9 +340,16 @@ impl Tenant {
 
     fn refuse(&self, limit: &str, message: String) -> DeviceError {
         self.refused.fetch_add(1, Ordering::Relaxed);
+        let who = if self.is_budget {
+            format!("tenant `{}` (all its sessions together)", self.name)
+        } else if self.budget.is_some() {
+            format!("tenant `{}`, this session", self.name)
+        } else {
+            format!("tenant `{}`", self.name)
+        };
         DeviceError::new(
             ErrorKind::ResourceExhausted,
-            format!("tenant `{}`: {message} (limit {limit})", self.name),
+            format!("{who}: {message} (limit {limit})"),
         )
     }
 
@@ -347,6 +413,29 @@ impl Tenant {
                     self.limits.max_device_bytes
                 ),
             ));
+        }
+        if let Some(b) = &self.budget {
+            // Lock order: an accounting tenant, then its budget (a budget has none).
+            let mut bh = b.held.lock().expect("tenant lock");
+            let b_after = bh
+                .device_bytes
+                .saturating_sub(credit_bytes)
+                .saturating_add(total);
+            if b_after > b.limits.max_device_bytes {
+                let held = bh.device_bytes;
+                drop(bh);
+                drop(h);
+                self.refused.fetch_add(1, Ordering::Relaxed);
+                return Err(b.refuse(
+                    "max-device-bytes",
+                    format!(
+                        "its sessions hold {held} device bytes, {total} more would exceed {}",
+                        b.limits.max_device_bytes
+                    ),
+                ));
+            }
+            bh.device_bytes += total;
+            bh.peak_device_bytes = bh.peak_device_bytes.max(b_after);
         }
         h.live_tensors += count;
         h.peak_live_tensors = h.peak_live_tensors.max(h.live_tensors);
@@ -617,17 +706,23 @@ impl Tenant {
         self.device_ns.load(Ordering::Relaxed)
     }
 
-    /// Counts an execution that got a slot and has not finished.
+    /// Counts an execution that got a slot and has not finished (on the budget too).
     pub(crate) fn execution_started(&self) {
         self.running.fetch_add(1, Ordering::Relaxed);
+        if let Some(b) = &self.budget {
+            b.execution_started();
+        }
     }
 
-    /// Counts one finished execution that kept the device for `took`.
+    /// Counts one finished execution that kept the device for `took` (on the budget too).
     pub(crate) fn record_execution(&self, took: Duration) {
         self.running.fetch_sub(1, Ordering::Relaxed);
         self.executions.fetch_add(1, Ordering::Relaxed);
         self.device_ns
             .fetch_add(took.as_nanos() as u64, Ordering::Relaxed);
+        if let Some(b) = &self.budget {
+            b.record_execution(took);
+        }
     }
 }
 
@@ -781,5 +876,57 @@ mod tests {
             .unwrap_err();
         assert!(e.message.contains("lapack_sgetrf_ffi"), "{}", e.message);
         assert_eq!(default_custom_calls().len(), 54);
+    }
+
+    #[test]
+    fn a_budget_holds_the_device_bytes_of_all_its_sessions() {
+        let budget = Tenant::new_budget("alice", small());
+        let s1 = Tenant::with_budget(
+            "alice",
+            TenantLimits {
+                max_device_bytes: 800,
+                ..small()
+            },
+            Arc::clone(&budget),
+        );
+        let s2 = Tenant::with_budget(
+            "alice",
+            TenantLimits {
+                max_device_bytes: 800,
+                ..small()
+            },
+            Arc::clone(&budget),
+        );
+        let held = s1.charge_tensors(&[600], 0).unwrap();
+        // Within its session's 800, over the tenant's 1000 with the other session's 600.
+        let e = s2.charge_tensors(&[600], 0).unwrap_err();
+        assert_eq!(e.kind, ErrorKind::ResourceExhausted);
+        assert!(
+            e.message.starts_with("tenant `alice` (all its sessions together): its sessions hold 600 device bytes, 600 more would exceed 1000 (limit max-device-bytes)"),
+            "{}",
+            e.message
+        );
+        assert_eq!((s2.usage().refused, s2.usage().device_bytes), (1, 0));
+        // A session's own limit names the session.
+        let e = s1.charge_tensors(&[300], 0).unwrap_err();
+        assert!(
+            e.message.starts_with("tenant `alice`, this session: "),
+            "{}",
+            e.message
+        );
+        // Donated bytes are credited on both; dropping a charge returns it to both.
+        let c = s2.charge_tensors(&[600], 600).unwrap();
+        drop(held);
+        assert_eq!(budget.usage().device_bytes, 600);
+        assert_eq!(budget.usage().peak_device_bytes, 600);
+        drop(c);
+        assert_eq!(
+            (
+                budget.usage().device_bytes,
+                s1.usage().device_bytes,
+                s2.usage().device_bytes
+            ),
+            (0, 0, 0)
+        );
     }
 }

@@ -39,6 +39,14 @@ pub struct SessionPolicy {
     /// programs (default false).
     #[serde(default)]
     pub trusted: bool,
+    /// Device memory all of the tenant's sessions (and the guests they run) may hold
+    /// together, in MiB (default: `max_device_mib`, so that opening more sessions does not
+    /// multiply the tenant's memory).
+    pub tenant_max_device_mib: Option<u64>,
+    /// Executions of all of the tenant's sessions holding one of the device's execution
+    /// slots at once (default: one fewer than the device has, at least 1, so that one tenant
+    /// cannot hold every slot while another waits).
+    pub tenant_max_running_executions: Option<u64>,
 }
 
 fn default_max_sessions() -> u32 {
@@ -59,6 +67,8 @@ impl Default for SessionPolicy {
             idle_timeout_seconds: None,
             max_pending_launches: None,
             trusted: false,
+            tenant_max_device_mib: None,
+            tenant_max_running_executions: None,
         }
     }
 }
@@ -147,6 +157,25 @@ impl SessionPolicy {
         }
     }
 
+    /// The limits of the tenant's budget (all its sessions together, [`Tenant::new_budget`](tpubox_core::tenant::Tenant::new_budget))
+    /// on a device with `slots` execution slots: `tenant_max_device_mib` (default
+    /// `max_device_mib`'s value) and `tenant_max_running_executions` (default `slots - 1`, at
+    /// least 1); the other limits stay per session.
+    pub fn budget_limits(&self, slots: usize) -> TenantLimits {
+        let mut t = TenantLimits {
+            max_device_bytes: SessionPolicy::limits(self).tenant.max_device_bytes,
+            max_running_executions: (slots as u64).saturating_sub(1).max(1),
+            ..TenantLimits::default()
+        };
+        if let Some(m) = self.tenant_max_device_mib {
+            t.max_device_bytes = mib(m);
+        }
+        if let Some(n) = self.tenant_max_running_executions {
+            t.max_running_executions = n.max(1);
+        }
+        t
+    }
+
     /// Checks the table's values (the tokens file is refused at start-up otherwise).
     ///
     /// Errors: a message naming the field: `max_sessions` 0, a time that is not positive and
@@ -164,6 +193,9 @@ impl SessionPolicy {
             if v.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
                 return Err(format!("{name} must be a positive number of seconds"));
             }
+        }
+        if self.tenant_max_running_executions == Some(0) {
+            return Err("tenant_max_running_executions must be at least 1".into());
         }
         Ok(())
     }

@@ -653,6 +653,9 @@ pub struct Registry {
     sessions: Mutex<HashMap<[u8; 32], Arc<LiveSession>>>,
     ended: Mutex<EndedTokens>,
     tenants_seen: Mutex<BTreeSet<String>>,
+    /// Each tenant's budget (all its sessions together), made at its first session and made
+    /// again when its policy's budget limits change.
+    budgets: Mutex<HashMap<String, Arc<Tenant>>>,
     stopping: Mutex<Option<String>>,
 }
 
@@ -680,6 +683,7 @@ impl Registry {
             sessions: Mutex::new(HashMap::new()),
             ended: Mutex::new(Default::default()),
             tenants_seen: Mutex::new(BTreeSet::new()),
+            budgets: Mutex::new(HashMap::new()),
             stopping: Mutex::new(None),
         })
     }
@@ -692,6 +696,22 @@ impl Registry {
     /// The shared weight sets.
     pub fn weights(&self) -> &Arc<WeightRegistry> {
         &self.weights
+    }
+
+    /// `grant`'s tenant's budget: all its sessions together hold at most
+    /// [`SessionPolicy::budget_limits`] (device bytes, execution slots).
+    pub fn budget(&self, grant: &OpenGrant) -> Arc<Tenant> {
+        let want = grant.policy.budget_limits(self.device.scheduler().slots());
+        let mut budgets = lock(&self.budgets);
+        match budgets.get(&grant.tenant) {
+            Some(b) if *b.limits() == want => Arc::clone(b),
+            _ => {
+                // New, or its limits changed: sessions opened before keep the old budget.
+                let b = Tenant::new_budget(grant.tenant.clone(), want);
+                budgets.insert(grant.tenant.clone(), Arc::clone(&b));
+                b
+            }
+        }
     }
 
     /// Opens a session for `grant`'s tenant; returns it and its token (64 hex digits from
@@ -728,7 +748,8 @@ impl Registry {
                 ),
             ));
         }
-        let tenant = Tenant::new(grant.tenant.clone(), limits.tenant.clone());
+        let budget = self.budget(grant);
+        let tenant = Tenant::with_budget(grant.tenant.clone(), limits.tenant.clone(), budget);
         let session = Session::new(Arc::clone(&self.device), Arc::clone(&self.weights), tenant);
         let label: String = label.chars().take(200).collect();
         let live = Arc::new(LiveSession {
