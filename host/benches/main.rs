@@ -2,6 +2,7 @@
 //! --bench all -- NAME...` runs the named ones in order; with no name it lists them. Each prints
 //! its tables (recorded in `docs/BENCHMARKS.md`).
 
+mod budget;
 mod cache;
 mod eager;
 mod isolation;
@@ -50,6 +51,11 @@ const BENCHES: &[(&str, &str, fn())] = &[
         "sessions",
         "the session API: tiny calls and large transfers",
         sessions::main,
+    ),
+    (
+        "budget",
+        "per-tenant budgets: a tenant's tiny calls beside another tenant's two heavy clients",
+        budget::main,
     ),
     (
         "eager",
