@@ -323,6 +323,59 @@ def test_a_tenants_sessions_share_its_device_budget(daemon):
         held.free()
 
 
+def test_sighup_reloads_the_tokens_file_without_ending_sessions(own_daemon):
+    import signal
+
+    from tpubox_daemon import tokens_toml
+
+    d = own_daemon
+    bob = tpubox.connect(d.unix, BOB)
+    x = bob.tensor(np.arange(4, dtype=np.float32))
+    erin = tpubox.connect(d.unix, FEW)
+    with pytest.raises(tpubox.Unauthenticated):
+        tpubox.connect(d.unix, "henry-token")
+
+    def hup_and_wait(tenants, line):
+        (d.root / "tokens.toml").write_text(tokens_toml(tenants))
+        before = d.log().count(line)
+        d.proc.send_signal(signal.SIGHUP)
+        deadline = time.monotonic() + 30
+        while d.log().count(line) == before:
+            assert d.proc.poll() is None, d.log()[-2000:]
+            assert time.monotonic() < deadline, d.log()[-2000:]
+            time.sleep(0.05)
+
+    # henry is added, erin removed, bob's limits change.
+    tenants = {k: v for k, v in d.tenants.items() if k != "erin"}
+    tenants["henry"] = {"token": "henry-token", "session": {}}
+    tenants["bob"] = {"token": BOB, "session": {"max_device_mib": 2}}
+    hup_and_wait(tenants, "SIGHUP: tokens file reloaded")
+    with tpubox.connect(d.unix, "henry-token") as henry:
+        assert henry.tenant == "henry"
+    # bob's live session goes on with its tensor and its old limits; a new one gets the new.
+    np.testing.assert_array_equal(x.numpy(), np.arange(4, dtype=np.float32))
+    assert bob.limits.max_device_bytes != 2 << 20
+    with tpubox.connect(d.unix, BOB) as bob2:
+        assert bob2.limits.max_device_bytes == 2 << 20
+    # erin's session ended, and her token opens nothing any more.
+    with pytest.raises((tpubox.SessionEnded, tpubox.Unauthenticated)):
+        erin.usage()
+    with pytest.raises(tpubox.Unauthenticated):
+        tpubox.connect(d.unix, FEW)
+    # A broken file is reported and the one in use kept.
+    (d.root / "tokens.toml").write_text("[[tenant]]\nname = 'x'\ntokens = [")
+    before = d.log().count("was not reloaded")
+    d.proc.send_signal(signal.SIGHUP)
+    deadline = time.monotonic() + 30
+    while d.log().count("was not reloaded") == before:
+        assert time.monotonic() < deadline, d.log()[-2000:]
+        time.sleep(0.05)
+    with tpubox.connect(d.unix, "henry-token") as henry:
+        assert henry.tenant == "henry"
+    assert bob.usage().live_tensors == 1
+    bob.close()
+
+
 def test_unreachable_daemon_is_unavailable_at_once(tmp_path):
     for address in (f"unix:{tmp_path}/nothing.sock", "127.0.0.1:1"):
         t0 = time.monotonic()

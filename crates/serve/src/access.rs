@@ -3,9 +3,9 @@
 //! doors ask [`Access::admit`] and nothing else decides.
 
 use std::collections::HashMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicU64, Ordering};
-use std::sync::{Arc, Mutex};
+use std::sync::{Arc, Mutex, RwLock};
 use std::time::Instant;
 
 use anyhow::{Context, Result, bail};
@@ -21,7 +21,7 @@ use tpubox_session_api::registry::{AccessError, AccessResult, OpenGrant};
 pub const DEFAULT_MAX_IN_FLIGHT: u32 = 64;
 
 /// One `[[tenant]]` of the tokens file.
-#[derive(Debug, Clone, Deserialize)]
+#[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct TenantEntry {
     /// The tenant's name (metrics labels, logs).
@@ -133,13 +133,33 @@ impl Drop for Admission {
     }
 }
 
-/// The tenants of a server and their tokens.
+/// The tenants of a server and their tokens: one version of the tokens file.
 #[derive(Debug)]
-pub struct Access {
+struct Tokens {
     by_token: HashMap<String, Arc<RequestTenant>>,
     tenants: Vec<Arc<RequestTenant>>,
     /// Without a tokens file: everyone is this tenant.
     anonymous: Option<Arc<RequestTenant>>,
+}
+
+/// The tenants of a server and their tokens, from the tokens file, which
+/// [`Access::reload`] reads again while the server runs (SIGHUP).
+#[derive(Debug)]
+pub struct Access {
+    tokens: RwLock<Arc<Tokens>>,
+    /// The tokens file (`None`: no authentication, [`Access::open`]).
+    path: Option<PathBuf>,
+}
+
+/// What a [`Access::reload`] changed, by tenant name.
+#[derive(Debug, Default, Clone, PartialEq, Eq)]
+pub struct Reload {
+    /// Tenants the new file adds.
+    pub added: Vec<String>,
+    /// Tenants it no longer has (their sessions are to end).
+    pub removed: Vec<String>,
+    /// Tenants whose entry changed (new sessions and requests get the new values).
+    pub changed: Vec<String>,
 }
 
 impl Access {
@@ -157,9 +177,12 @@ impl Access {
             session: Some(SessionPolicy::default()),
         });
         Access {
-            by_token: HashMap::new(),
-            tenants: vec![Arc::clone(&t)],
-            anonymous: Some(t),
+            tokens: RwLock::new(Arc::new(Tokens {
+                by_token: HashMap::new(),
+                tenants: vec![Arc::clone(&t)],
+                anonymous: Some(t),
+            })),
+            path: None,
         }
     }
 
@@ -168,6 +191,51 @@ impl Access {
     /// Errors: the file does not read or parse; a token given twice, an empty token, a
     /// tenant name given twice, a rate that is not positive.
     pub fn from_file(path: &Path) -> Result<Self> {
+        Ok(Access {
+            tokens: RwLock::new(Arc::new(Access::read(path, &[])?)),
+            path: Some(path.to_path_buf()),
+        })
+    }
+
+    /// Reads the tokens file again and uses it from now on; a tenant whose entry is
+    /// unchanged keeps its counters (requests in flight, rate bucket). A file that does not
+    /// read or check is refused and the one in use kept.
+    ///
+    /// Errors: no tokens file ([`Access::open`]); as [`Access::from_file`].
+    pub fn reload(&self) -> Result<Reload> {
+        let Some(path) = &self.path else {
+            bail!("this server has no tokens file to reload (it runs without --tokens)");
+        };
+        let old = self.current();
+        let new = Access::read(path, &old.tenants)?;
+        let name = |t: &Arc<RequestTenant>| t.entry.name.clone();
+        let find =
+            |ts: &[Arc<RequestTenant>], n: &str| ts.iter().find(|t| t.entry.name == n).cloned();
+        let mut r = Reload::default();
+        for t in &new.tenants {
+            match find(&old.tenants, &t.entry.name) {
+                None => r.added.push(name(t)),
+                Some(o) if !Arc::ptr_eq(&o, t) => r.changed.push(name(t)),
+                Some(_) => {}
+            }
+        }
+        r.removed = old
+            .tenants
+            .iter()
+            .filter(|t| find(&new.tenants, &t.entry.name).is_none())
+            .map(name)
+            .collect();
+        *self.tokens.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
+        Ok(r)
+    }
+
+    fn current(&self) -> Arc<Tokens> {
+        Arc::clone(&self.tokens.read().unwrap_or_else(|p| p.into_inner()))
+    }
+
+    /// Parses and checks the tokens file; tenants of `keep` whose entry is unchanged are
+    /// reused as they are.
+    fn read(path: &Path, keep: &[Arc<RequestTenant>]) -> Result<Tokens> {
         let text = std::fs::read_to_string(path)
             .with_context(|| format!("reading the tokens file {}", path.display()))?;
         let file: TokensFile =
@@ -197,7 +265,10 @@ impl Access {
                     entry.name
                 );
             }
-            let t = RequestTenant::new(entry);
+            let t = match keep.iter().find(|k| k.entry == entry) {
+                Some(k) => Arc::clone(k),
+                None => RequestTenant::new(entry),
+            };
             for tok in &t.entry.tokens {
                 if tok.is_empty() {
                     bail!(
@@ -216,16 +287,16 @@ impl Access {
             }
             tenants.push(t);
         }
-        Ok(Access {
+        Ok(Tokens {
             by_token,
             tenants,
             anonymous: None,
         })
     }
 
-    /// Every tenant.
-    pub fn tenants(&self) -> &[Arc<RequestTenant>] {
-        &self.tenants
+    /// Every tenant (of the tokens file in use now).
+    pub fn tenants(&self) -> Vec<Arc<RequestTenant>> {
+        self.current().tenants.clone()
     }
 
     /// Who is calling: the tenant of `authorization` (the header's or the gRPC metadata's
@@ -233,7 +304,8 @@ impl Access {
     ///
     /// Errors: unauthenticated when there is no token or an unknown one.
     pub fn identify(&self, authorization: Option<&str>) -> ServeResult<Arc<RequestTenant>> {
-        if let Some(t) = &self.anonymous {
+        let tokens = self.current();
+        if let Some(t) = &tokens.anonymous {
             return Ok(Arc::clone(t));
         }
         let Some(value) = authorization else {
@@ -252,7 +324,8 @@ impl Access {
                 ));
             }
         };
-        self.by_token
+        tokens
+            .by_token
             .get(token)
             .cloned()
             .ok_or_else(|| ServeError::new(ServeErrorKind::Unauthenticated, "unknown bearer token"))

@@ -618,6 +618,10 @@ pub async fn run(
             stopped(sessions_stop_rx),
         ))
     });
+    // SIGHUP reads the tokens file again: new tenants may connect at once, removed ones'
+    // sessions end, changed limits apply to new sessions; a bad file is logged and the one in
+    // use kept.
+    let reloader = tokio::spawn(reload_on_hangup(Arc::clone(&access), Arc::clone(&registry)));
     let exit_on_error = config.exit_on_error;
     let loader = {
         let s = Arc::clone(&server);
@@ -667,6 +671,7 @@ pub async fn run(
     });
     server.begin_shutdown();
     loader.abort();
+    reloader.abort();
     let drained = server.drain(config.drain).await;
     if !drained {
         tracing::warn!(
@@ -730,6 +735,39 @@ pub fn check_anonymous_exposure(config: &ServeConfig) -> Result<()> {
         "refusing to serve {} without --tokens: every caller would be tenant `anonymous`. Give a tokens file (docs/SERVING.md), bind loopback, or pass --allow-anonymous-network",
         exposed.join(" and ")
     )
+}
+
+/// Reloads `access` from its tokens file at each SIGHUP ([`Access::reload`]) and ends the
+/// sessions of tenants the new file no longer has.
+async fn reload_on_hangup(access: Arc<Access>, registry: Arc<Registry>) {
+    let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::warn!("no SIGHUP handler ({e}): the tokens file cannot be reloaded");
+            return;
+        }
+    };
+    while hup.recv().await.is_some() {
+        match access.reload() {
+            Ok(r) => {
+                let mut ended = 0;
+                for t in &r.removed {
+                    ended +=
+                        registry.close_tenant(t, "its tenant was removed from the tokens file");
+                }
+                tracing::info!(
+                    added = ?r.added,
+                    removed = ?r.removed,
+                    changed = ?r.changed,
+                    sessions_ended = ended,
+                    "SIGHUP: tokens file reloaded"
+                );
+            }
+            Err(e) => tracing::error!(
+                "SIGHUP: the tokens file was not reloaded, the one in use stays: {e:#}"
+            ),
+        }
+    }
 }
 
 /// Resolves on SIGTERM or Ctrl-C (SIGINT).

@@ -870,6 +870,21 @@ impl Registry {
         idle.len()
     }
 
+    /// Ends every session of `tenant` with `reason` (its tokens-file entry is gone); returns
+    /// how many.
+    pub fn close_tenant(&self, tenant: &str, reason: &str) -> usize {
+        let of: Vec<Arc<LiveSession>> = lock(&self.sessions)
+            .values()
+            .filter(|s| s.tenant_name == tenant)
+            .cloned()
+            .collect();
+        for s in &of {
+            self.close(s, reason);
+        }
+        lock(&self.budgets).remove(tenant);
+        of.len()
+    }
+
     /// Refuses new sessions from now on and ends every session with `reason`.
     pub fn close_all(&self, reason: &str) {
         *lock(&self.stopping) = Some(reason.to_string());
