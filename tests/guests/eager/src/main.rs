@@ -11,7 +11,7 @@
 //! caching and donation), `threshold` (a trace longer than the fused-op threshold), `checks` (debug checks: a NaN, an out-of-range index), `fail` (a
 //! launch that fails on the device, read through an eager op), `pending` (ends with launches
 //! pending and a trace recorded), `bounded` (a stream of bounded-shape inputs); or `bench
-//! WORKLOAD STEPS` (the eager benchmark's workloads, timed: see [`bench`]). The first
+//! WORKLOAD STEPS` (the eager benchmark's workloads, timed: see [`mod@bench`]). The first
 //! line is always `mode: NAME`; the last `stats: ...`.
 //!
 //! The inputs come from [`data`] and [`pos`], restated in `tests/all/eager.rs`, which computes
