@@ -195,6 +195,7 @@ impl Workload for Encoder {
 }
 
 /// What one run measured.
+#[derive(Default)]
 struct Timings {
     first_ms: f64,
     steps_ms: Vec<f64>,
@@ -219,14 +220,7 @@ fn run_eager(w: &impl Workload, steps: usize) -> Result<Timings> {
     let dims = w.input_dims();
     let input = data(dims.iter().product::<u64>() as usize, 7);
     let s0 = eager::stats();
-    let mut t = Timings {
-        first_ms: 0.0,
-        steps_ms: Vec::new(),
-        compiles_first: 0,
-        compiles_after: 0,
-        launches_after: 0,
-        checksum: 0.0,
-    };
+    let mut t = Timings::default();
     let mut s1 = s0;
     for i in 0..steps {
         let start = Instant::now();
@@ -279,12 +273,9 @@ fn run_graph(w: &impl Workload, steps: usize) -> Result<Timings> {
     let dims = w.input_dims();
     let input = data(dims.iter().product::<u64>() as usize, 7);
     let mut t = Timings {
-        first_ms: 0.0,
-        steps_ms: Vec::new(),
         compiles_first: 1,
-        compiles_after: 0,
         launches_after: (steps as u64).saturating_sub(1),
-        checksum: 0.0,
+        ..Timings::default()
     };
     let mut exe: Option<Executable> = None;
     for i in 0..steps {
@@ -327,31 +318,13 @@ fn stream_lengths(n: usize) -> Vec<u64> {
 /// The stream on bounded eager arrays; one "step" per input.
 fn stream_eager(n: usize) -> Result<Timings> {
     let s0 = eager::stats();
-    let mut t = Timings {
-        first_ms: 0.0,
-        steps_ms: Vec::new(),
-        compiles_first: 0,
-        compiles_after: 0,
-        launches_after: 0,
-        checksum: 0.0,
-    };
+    let mut t = Timings::default();
     let mut s1 = s0;
     for (i, len) in stream_lengths(n).into_iter().enumerate() {
         let start = Instant::now();
         let x = Array::from_slice_bounded(&data(len as usize, i as u32), &[len], 0, STREAM_MAX)?;
-        let t0 = Instant::now();
         let y = x.softmax(0)?.mul(&x)?.sum(&[0])?;
-        let t1 = Instant::now();
-        eager::mark_step()?;
-        let t2 = Instant::now();
         let v = y.to_scalar::<f32>()?;
-        eprintln!(
-            "PROF upload={}us record={}us flush={}us read={}us",
-            (t0 - start).as_micros(),
-            (t1 - t0).as_micros(),
-            (t2 - t1).as_micros(),
-            t2.elapsed().as_micros()
-        );
         let took = ms(start);
         if i == 0 {
             t.first_ms = took;
@@ -373,12 +346,8 @@ fn stream_eager(n: usize) -> Result<Timings> {
 fn stream_graph(n: usize) -> Result<Timings> {
     let mut programs: HashMap<u64, Executable> = HashMap::new();
     let mut t = Timings {
-        first_ms: 0.0,
-        steps_ms: Vec::new(),
-        compiles_first: 0,
-        compiles_after: 0,
         launches_after: (n as u64).saturating_sub(1),
-        checksum: 0.0,
+        ..Timings::default()
     };
     for (i, len) in stream_lengths(n).into_iter().enumerate() {
         let start = Instant::now();
