@@ -190,6 +190,45 @@ def test_metrics_show_the_tenant(daemon, alice):
     assert gauge("tpubox_tenant_device_bytes") == 1 << 16
     t.free()
     assert gauge("tpubox_tenant_device_bytes") == 0
+    # Per-tenant totals over all of alice's sessions: an execution, its device time, a compile
+    # the cache did not serve, a refusal.
+    before = {
+        k: gauge(k) or 0.0
+        for k in (
+            "tpubox_tenant_executions_total",
+            "tpubox_tenant_device_seconds_total",
+            "tpubox_tenant_compiles_total",
+            "tpubox_tenant_refusals_total",
+        )
+    }
+    exe = alice.compile(
+        "func.func @main(%a: tensor<3xf32>) -> tensor<3xf32> {\n"
+        "  %c = stablehlo.constant dense<2.71828> : tensor<3xf32>\n"
+        "  %0 = stablehlo.multiply %a, %c : tensor<3xf32>\n"
+        "  func.return %0 : tensor<3xf32>\n}\n"
+    )
+    exe.call(np.ones(3, np.float32))
+    # A loop XLA cannot bound: refused by the program policy, which counts as a refusal.
+    with pytest.raises(tpubox.PermissionDenied, match="unbounded-loop"):
+        alice.compile(
+            "func.func @main(%a: tensor<f32>) -> tensor<f32> {\n"
+            "  %one = stablehlo.constant dense<1.0> : tensor<f32>\n"
+            "  %w = stablehlo.while(%v = %a) : tensor<f32>\n"
+            "    cond {\n"
+            "      %p = stablehlo.compare GT, %v, %one : (tensor<f32>, tensor<f32>) -> tensor<i1>\n"
+            "      stablehlo.return %p : tensor<i1>\n"
+            "    } do {\n"
+            "      %n = stablehlo.add %v, %one : tensor<f32>\n"
+            "      stablehlo.return %n : tensor<f32>\n"
+            "    }\n"
+            "  func.return %w : tensor<f32>\n}\n"
+        )
+    after = {k: gauge(k) for k in before}
+    assert after["tpubox_tenant_executions_total"] == before["tpubox_tenant_executions_total"] + 1
+    assert after["tpubox_tenant_device_seconds_total"] > before["tpubox_tenant_device_seconds_total"]
+    # Both programs compiled (the policy checks the compiled program).
+    assert after["tpubox_tenant_compiles_total"] == before["tpubox_tenant_compiles_total"] + 2
+    assert after["tpubox_tenant_refusals_total"] >= before["tpubox_tenant_refusals_total"] + 1
 
 
 def _child(code: str, **env: str) -> subprocess.Popen:

@@ -338,8 +338,16 @@ impl Tenant {
         }
     }
 
-    fn refuse(&self, limit: &str, message: String) -> DeviceError {
+    /// Counts a refusal on this tenant and its budget.
+    fn count_refusal(&self) {
         self.refused.fetch_add(1, Ordering::Relaxed);
+        if let Some(b) = &self.budget {
+            b.refused.fetch_add(1, Ordering::Relaxed);
+        }
+    }
+
+    fn refuse(&self, limit: &str, message: String) -> DeviceError {
+        self.count_refusal();
         let who = if self.is_budget {
             format!("tenant `{}` (all its sessions together)", self.name)
         } else if self.budget.is_some() {
@@ -425,6 +433,7 @@ impl Tenant {
                 let held = bh.device_bytes;
                 drop(bh);
                 drop(h);
+                // Counted on the budget by its own refusal.
                 self.refused.fetch_add(1, Ordering::Relaxed);
                 return Err(b.refuse(
                     "max-device-bytes",
@@ -485,7 +494,7 @@ impl Tenant {
             return Ok(());
         }
         let deny = |rule: &str, message: String| {
-            self.refused.fetch_add(1, Ordering::Relaxed);
+            self.count_refusal();
             DeviceError::new(
                 ErrorKind::PermissionDenied,
                 format!(
@@ -698,6 +707,9 @@ impl Tenant {
         }
         h.compile_times.push_back(now);
         self.compiles.fetch_add(1, Ordering::Relaxed);
+        if let Some(b) = &self.budget {
+            b.compiles.fetch_add(1, Ordering::Relaxed);
+        }
         Ok(())
     }
 

@@ -388,8 +388,12 @@ impl Server {
     /// The metrics text.
     pub fn metrics_text(&self) -> String {
         let cache = self.device.cache().map(|c| c.stats());
-        self.metrics
-            .render(&self.ready_models(), cache, &self.sessions.tenants())
+        self.metrics.render(
+            &self.ready_models(),
+            cache,
+            &self.sessions.tenants(),
+            &self.sessions.budgets(),
+        )
     }
 
     /// Starts shutting down: readiness turns false and new inference requests are refused.

@@ -2,7 +2,9 @@
 //! dashboards work), and tpubox's own for the compile cache, tenants' device bytes and refused
 //! requests. Rendered in the Prometheus text format for `GET /metrics`.
 
-use prometheus::{Encoder, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder};
+use prometheus::{
+    CounterVec, Encoder, IntCounterVec, IntGauge, IntGaugeVec, Opts, Registry, TextEncoder,
+};
 
 use super::model::{Model, VERSION};
 use tpubox_core::cache::CacheStats;
@@ -23,6 +25,10 @@ pub struct Metrics {
     compiles: IntCounterVec,
     device_bytes: IntGaugeVec,
     refused: IntCounterVec,
+    tenant_executions: IntCounterVec,
+    tenant_device_seconds: CounterVec,
+    tenant_compiles: IntCounterVec,
+    tenant_refusals: IntCounterVec,
     sessions: IntGaugeVec,
     protections: IntCounterVec,
     instances: IntGaugeVec,
@@ -152,6 +158,36 @@ impl Metrics {
                 "Requests refused by a limit",
                 &["tenant", "limit"],
             ),
+            tenant_executions: counter(
+                &r,
+                "tpubox_tenant_executions_total",
+                "Executions of a tenant (a model's tenant, or all of a tenant's sessions since its first)",
+                &["tenant"],
+            ),
+            tenant_device_seconds: {
+                let c = CounterVec::new(
+                    Opts::new(
+                        "tpubox_tenant_device_seconds_total",
+                        "Device time of a tenant's executions, seconds (billed as docs/SECURITY.md says)",
+                    ),
+                    &["tenant"],
+                )
+                .expect("a valid metric");
+                r.register(Box::new(c.clone())).expect("a unique metric");
+                c
+            },
+            tenant_compiles: counter(
+                &r,
+                "tpubox_tenant_compiles_total",
+                "Compiles charged to a tenant (those the compile cache's tier 1 did not serve)",
+                &["tenant"],
+            ),
+            tenant_refusals: counter(
+                &r,
+                "tpubox_tenant_refusals_total",
+                "Calls of a tenant refused by one of its limits or its program policy (the limit is in the error)",
+                &["tenant"],
+            ),
             registry: r,
         }
     }
@@ -192,7 +228,28 @@ impl Metrics {
         models: &[std::sync::Arc<Model>],
         cache: Option<CacheStats>,
         sessions: &[(String, u32, TenantUsage)],
+        budgets: &[(String, TenantUsage)],
     ) -> String {
+        // Per-tenant totals: the session tenants' budgets and the models' tenants, copied at
+        // each scrape from the counters the tenants keep.
+        let totals = budgets
+            .iter()
+            .map(|(n, u)| (n.as_str(), u.clone()))
+            .chain(models.iter().map(|m| (m.tenant.name(), m.tenant.usage())));
+        for (tenant, u) in totals {
+            for (c, v) in [
+                (&self.tenant_executions, u.executions),
+                (&self.tenant_compiles, u.compiles),
+                (&self.tenant_refusals, u.refused),
+            ] {
+                let m = c.with_label_values(&[tenant]);
+                m.reset();
+                m.inc_by(v);
+            }
+            let m = self.tenant_device_seconds.with_label_values(&[tenant]);
+            m.reset();
+            m.inc_by(u.device_seconds);
+        }
         // A tenant's device bytes: its model's (a model tenant is named after its model) and
         // its sessions', summed.
         let mut bytes: std::collections::BTreeMap<&str, u64> = Default::default();

@@ -894,6 +894,17 @@ impl Registry {
         }
     }
 
+    /// Every tenant's budget usage since its first session (its sessions' executions, device
+    /// time, compiles and refusals counted for good; bytes and slots held now), by tenant name.
+    pub fn budgets(&self) -> Vec<(String, TenantUsage)> {
+        let mut v: Vec<(String, TenantUsage)> = lock(&self.budgets)
+            .iter()
+            .map(|(n, b)| (n.clone(), b.usage()))
+            .collect();
+        v.sort_by(|a, b| a.0.cmp(&b.0));
+        v
+    }
+
     /// Live sessions, in no order.
     pub fn sessions(&self) -> Vec<Arc<LiveSession>> {
         lock(&self.sessions).values().cloned().collect()
