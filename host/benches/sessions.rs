@@ -334,6 +334,8 @@ pub fn main() {
         let socket = dir.path().join("tpubox.sock");
         let api = SessionApiConfig {
             socket: Some(socket.clone()),
+            socket_mode: None,
+            socket_group: None,
             tcp: Some("127.0.0.1:0".parse().unwrap()),
             components: None,
             max_message_bytes: 128 << 20,

@@ -232,6 +232,14 @@ struct ServeArgs {
     /// may without --tokens). See docs/NOTEBOOKS.md.
     #[arg(long, value_name = "PATH")]
     session_socket: Option<PathBuf>,
+    /// Mode of the session socket (octal, at most 0666; default 0600: the daemon's user only).
+    /// With --session-socket-group and 0660, that group's users (notebook kernels running as
+    /// other Unix users) may connect; every call still needs a token.
+    #[arg(long, value_name = "MODE", value_parser = parse_socket_mode)]
+    session_socket_mode: Option<u32>,
+    /// Group (name or gid) the session socket is given.
+    #[arg(long, value_name = "GROUP", value_parser = parse_group)]
+    session_socket_group: Option<u32>,
     /// Serve the session API on this TCP port (on --host), with or without --session-socket;
     /// 0 picks a free one (logged).
     #[arg(long, value_name = "PORT")]
@@ -321,6 +329,8 @@ async fn serve(args: ServeArgs) -> Result<bool> {
         strict_readiness: args.strict_readiness,
         sessions: tpubox_session_api::SessionApiConfig {
             socket: args.session_socket,
+            socket_mode: args.session_socket_mode,
+            socket_group: args.session_socket_group,
             tcp: args
                 .session_port
                 .map(|p| std::net::SocketAddr::new(args.host, p)),
@@ -630,6 +640,37 @@ fn positive_seconds(s: &str) -> Result<f64, String> {
         Ok(v) if v > 0.0 && v.is_finite() => Ok(v),
         _ => Err(format!("expected a positive number of seconds, got {s:?}")),
     }
+}
+
+/// `--session-socket-mode`: an octal mode such as `0660`.
+fn parse_socket_mode(s: &str) -> Result<u32, String> {
+    match u32::from_str_radix(s.trim_start_matches("0o"), 8) {
+        Ok(m) if m & !0o666 == 0 => Ok(m),
+        Ok(m) => Err(format!(
+            "{m:04o}: only read and write bits (at most 0666) make sense for a socket"
+        )),
+        Err(_) => Err(format!("expected an octal mode such as 0660, got {s:?}")),
+    }
+}
+
+/// `--session-socket-group`: a gid, or a group name looked up in /etc/group.
+fn parse_group(s: &str) -> Result<u32, String> {
+    if let Ok(gid) = s.parse::<u32>() {
+        return Ok(gid);
+    }
+    let groups = std::fs::read_to_string("/etc/group")
+        .map_err(|e| format!("cannot read /etc/group to look up group {s:?}: {e}"))?;
+    groups
+        .lines()
+        .filter_map(|l| {
+            let mut f = l.split(':');
+            let name = f.next()?;
+            let gid = f.nth(1)?.parse::<u32>().ok()?;
+            Some((name, gid))
+        })
+        .find(|(name, _)| *name == s)
+        .map(|(_, gid)| gid)
+        .ok_or_else(|| format!("no group {s:?} in /etc/group (give a gid instead)"))
 }
 
 async fn run(args: RunArgs) -> Result<bool> {

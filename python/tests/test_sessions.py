@@ -9,9 +9,12 @@ import sys
 import textwrap
 import time
 
+from pathlib import Path
+
 import numpy as np
 import pytest
 from conftest import ALICE, BOB, BUDGET, EXITS, FEW, NO_SESSIONS, SMALL
+from tpubox_daemon import Daemon, binary
 
 import tpubox
 
@@ -413,6 +416,31 @@ def test_sighup_reloads_the_tokens_file_without_ending_sessions(own_daemon):
         assert henry.tenant == "henry"
     assert bob.usage().live_tensors == 1
     bob.close()
+
+
+def test_socket_mode_and_group_options(tmp_path):
+    import grp
+    import stat
+
+    from conftest import TENANTS
+
+    group = grp.getgrnam("users") if "users" in {g.gr_name for g in grp.getgrall()} else None
+    gid = group.gr_gid if group else os.getgid()
+    args = ("--session-socket-mode", "0660", "--session-socket-group", group.gr_name if group else str(gid))
+    with Daemon(tmp_path / "d", TENANTS, extra_args=args) as d:
+        for path in (d.socket_path, Path(str(d.socket_path) + ".local")):
+            st = os.stat(path)
+            assert stat.S_IMODE(st.st_mode) == 0o660 and st.st_gid == gid, (path, oct(st.st_mode))
+        with tpubox.connect(d.unix, BOB) as s:
+            assert s.tenant == "bob"
+    # A mode with more than read and write bits is refused before anything starts.
+    r = subprocess.run(
+        [str(binary()), "serve", "--session-socket", str(tmp_path / "x.sock"), "--session-socket-mode", "0777"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
+    assert r.returncode != 0 and "at most 0666" in r.stderr, r.stderr
 
 
 def test_unreachable_daemon_is_unavailable_at_once(tmp_path):

@@ -73,6 +73,8 @@ async fn daemon() -> Daemon {
     .unwrap();
     let config = SessionApiConfig {
         socket: Some(dir.path().join("tpubox.sock")),
+        socket_mode: None,
+        socket_group: None,
         tcp: Some("127.0.0.1:0".parse().unwrap()),
         components: Some(components),
         max_message_bytes: 64 << 20,

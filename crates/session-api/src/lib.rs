@@ -52,9 +52,15 @@ pub trait SessionAccess: Send + Sync {
 /// Where the session API listens and what it offers.
 #[derive(Debug, Clone, Default)]
 pub struct SessionApiConfig {
-    /// A Unix socket to create (mode 0600; an existing socket file is replaced), and beside
-    /// it the local socket `PATH.local` ([`local`]).
+    /// A Unix socket to create (mode [`socket_mode`](Self::socket_mode); an existing socket
+    /// file is replaced), and beside it the local socket `PATH.local` ([`local`]).
     pub socket: Option<PathBuf>,
+    /// The sockets' file mode (`None`: 0600, the daemon's user only). Who may connect is who
+    /// may write the socket; every call still needs a token.
+    pub socket_mode: Option<u32>,
+    /// The group the sockets are given (a gid), so that a mode of 0660 lets that group's
+    /// users (kernels running as other Unix users) connect.
+    pub socket_group: Option<u32>,
     /// A TCP address.
     pub tcp: Option<SocketAddr>,
     /// A directory of components `RunComponent` runs by name (`DIR/NAME.wasm`).
@@ -86,7 +92,11 @@ impl Listeners {
         let (unix, local) = match &config.socket {
             Some(p) => {
                 let b = local::local_path(p);
-                (Some((bind_unix(p)?, p.clone())), Some((bind_unix(&b)?, b)))
+                let (mode, group) = (config.socket_mode.unwrap_or(0o600), config.socket_group);
+                (
+                    Some((bind_unix(p, mode, group)?, p.clone())),
+                    Some((bind_unix(&b, mode, group)?, b)),
+                )
             }
             None => (None, None),
         };
@@ -112,9 +122,21 @@ impl Listeners {
     }
 }
 
-/// Binds a Unix socket at `p` with mode 0600, replacing a stale socket file.
-fn bind_unix(p: &std::path::Path) -> Result<tokio::net::UnixListener> {
+/// Binds a Unix socket at `p` with `mode` (and group `group`), replacing a stale socket file.
+///
+/// Errors: a mode with bits outside 0666 (execute or special bits), a path that exists and is
+/// not a socket, binding, setting the mode or group.
+fn bind_unix(
+    p: &std::path::Path,
+    mode: u32,
+    group: Option<u32>,
+) -> Result<tokio::net::UnixListener> {
     use std::os::unix::fs::{FileTypeExt, PermissionsExt};
+    if mode & !0o666 != 0 {
+        anyhow::bail!(
+            "--session-socket-mode {mode:04o}: only read and write bits (at most 0666) make sense for a socket"
+        );
+    }
     if let Ok(m) = std::fs::symlink_metadata(p) {
         if !m.file_type().is_socket() {
             anyhow::bail!(
@@ -127,7 +149,17 @@ fn bind_unix(p: &std::path::Path) -> Result<tokio::net::UnixListener> {
     }
     let l = tokio::net::UnixListener::bind(p)
         .with_context(|| format!("binding the session socket {}", p.display()))?;
-    std::fs::set_permissions(p, std::fs::Permissions::from_mode(0o600))
+    // The group first: until the mode is set the socket is the daemon's user's only (the
+    // umask's default), never open to a group it is not yet given to.
+    if let Some(gid) = group {
+        std::os::unix::fs::chown(p, None, Some(gid)).with_context(|| {
+            format!(
+                "giving {} to group {gid} (--session-socket-group)",
+                p.display()
+            )
+        })?;
+    }
+    std::fs::set_permissions(p, std::fs::Permissions::from_mode(mode))
         .with_context(|| format!("setting the mode of {}", p.display()))?;
     Ok(l)
 }

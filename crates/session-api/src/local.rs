@@ -3,7 +3,7 @@
 //! (execute, free) skip HTTP/2: a round trip from Python is about 60 µs here against 130-220 µs
 //! through grpcio (docs/BENCHMARKS.md).
 //!
-//! Beside `--session-socket PATH` the daemon listens on `PATH.local` (mode 0600). A client sends
+//! Beside `--session-socket PATH` the daemon listens on `PATH.local` (the same mode and group). A client sends
 //! a request as one message: a 4-byte little-endian length, then that many bytes of JSON, with
 //! file descriptors attached (`SCM_RIGHTS`); the reply has the same form. The requests:
 //!
