@@ -171,6 +171,7 @@ def test_the_same_cell_in_two_kernels_compiles_once(kernel_a, kernel_b):
         want = np.tanh(np.full((8, 8), 0.5)) * 0.8125 + 0.1875
         np.testing.assert_allclose(out.numpy(), want, rtol=1e-6)
         print("charged", s.usage().compiles - before)
+        out.free()  # the module's later tests expect the kernels to hold nothing
         """
     assert kernel_a.ok(cell).split() == ["charged", "1"]
     assert kernel_b.ok(cell).split() == ["charged", "0"]
