@@ -421,7 +421,7 @@ _EXPORT_DTYPES = {
 def _export_dtype(dtype: Any, what: str) -> tuple[str, str]:
     name = np.dtype(dtype).name
     if name not in _EXPORT_DTYPES:
-        raise Unsupported(f"tpubox.jax.export_model: {what} has dtype {name}, which the protocol lacks")
+        raise Unsupported("unsupported", f"tpubox.jax.export_model: {what} has dtype {name}, which the protocol lacks")
     return _EXPORT_DTYPES[name]
 
 
@@ -576,11 +576,11 @@ def export_model(
             *w_specs, *[arg_spec(x, b) for x in example_args]
         )
         if exp.ordered_effects or exp.unordered_effects:
-            raise Unsupported("tpubox.jax.export_model: the function has effects (callbacks, prints)")
+            raise Unsupported("unsupported", "tpubox.jax.export_model: the function has effects (callbacks, prints)")
         if exp.nr_devices != 1:
-            raise Unsupported("tpubox.jax.export_model: the function uses more than one device")
+            raise Unsupported("unsupported", "tpubox.jax.export_model: the function uses more than one device")
         if len(exp.in_avals) != n_w + len(example_args):
-            raise Internal("tpubox.jax.export_model: jax.export dropped parameters despite keep_unused")
+            raise Internal("internal", "tpubox.jax.export_model: jax.export dropped parameters despite keep_unused")
         exports.append((b, exp))
 
     shape_kind = out_def_holder[0]
