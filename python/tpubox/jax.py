@@ -447,7 +447,7 @@ def write_safetensors(path: Any, tensors: dict[str, np.ndarray]) -> None:
     blobs = []
     offset = 0
     for name in sorted(tensors):
-        a = np.ascontiguousarray(tensors[name])
+        a = np.asarray(tensors[name], order="C")  # (ascontiguousarray makes a 0-d array 1-d)
         st, _ = _export_dtype(a.dtype, f"weight {name!r}")
         data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
         header[name] = {"dtype": st, "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}

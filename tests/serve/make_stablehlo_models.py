@@ -12,6 +12,9 @@ programs are exported for the CPU plugin.
                      self-attention, layer norms, GELU feed-forward, mean pooling):
                      ids INT32[8] -> embedding FP32[16], hidden FP32[8,16]; buckets 1, 2, 4
     repo/broken_*/   copies of mlp, each broken in one way (see BROKEN in the test)
+    repo/loop/       doubles x until it passes a threshold: a `while` XLA cannot bound, which
+                     the default program policy refuses; repo/loop_trusted/ is the same export
+                     with `[tpubox.limits] trusted = true`
 """
 
 from __future__ import annotations
@@ -140,6 +143,18 @@ def main(out: Path) -> None:
         batch_sizes=[1, 2, 4], input_names=["ids"], max_queue_delay_microseconds=20000,
     )  # fmt: skip
     broken_copies(repo, mp)
+
+    def loop(p, x):
+        def body(v):
+            return v * p["factor"] + 1.0
+
+        return {"y": jax.lax.while_loop(lambda v: jnp.max(v) < 100.0, body, x)}
+
+    tj.export_model(loop, {"factor": np.float32(2.0)}, [np.zeros((1, 2), np.float32)], repo, "loop",
+                    batch_sizes=[2], input_names=["x"])  # fmt: skip
+    shutil.copytree(repo / "loop", repo / "loop_trusted")
+    c = (repo / "loop" / "config.toml").read_text().replace('name = "loop"', 'name = "loop_trusted"')
+    (repo / "loop_trusted" / "config.toml").write_text(c + "\n[tpubox.limits]\ntrusted = true\n")
 
     x = rng.standard_normal((16, D_IN)).astype(np.float32)
     ids = rng.integers(0, VOCAB, (6, SEQ)).astype(np.int32)
