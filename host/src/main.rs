@@ -119,7 +119,9 @@ enum Cmd {
     /// field names: max_batch_size, input, output, instance_group, dynamic_batching, and a
     /// [tpubox] section for the component, the files granted at /model, weights and limits)
     /// and `model.wasm` (or `1/model.wasm`, or [tpubox] component), a component built for the
-    /// `served-model` world of wit/model.wit. Models load in the background; readiness
+    /// `served-model` world of wit/model.wit; or, with a [tpubox.stablehlo] table, exported
+    /// StableHLO programs (one per batch size) and weights.safetensors, run with no component
+    /// (`tpubox model check DIR` checks one). Models load in the background; readiness
     /// (`/v2/health/ready`) is false until they have. With --tokens, requests need
     /// `Authorization: Bearer TOKEN` and are admitted per tenant (models, max_in_flight,
     /// max_requests_per_second, repository_control). SIGTERM makes readiness false and new
@@ -308,8 +310,13 @@ fn restart_with_malloc_tunables() {
 }
 
 #[cfg(not(feature = "serve"))]
-async fn model_command(_action: ModelAction) -> Result<bool> {
-    bail!("this tpubox was built without `tpubox serve` (cargo feature `serve`)")
+async fn model_command(action: ModelAction) -> Result<bool> {
+    let ModelAction::Check { device, dir } = action;
+    let _ = &device;
+    bail!(
+        "cannot check {}: this tpubox was built without `tpubox serve` (cargo feature `serve`)",
+        dir.display()
+    )
 }
 
 #[cfg(feature = "serve")]

@@ -390,7 +390,7 @@ pub fn triton_json(
     let mut v = json!({
         "name": name,
         "platform": "tpubox",
-        "backend": "tpubox",
+        "backend": if config.tpubox.stablehlo.is_some() { "stablehlo" } else { "tpubox" },
         "max_batch_size": max_batch_size,
         "input": tensors(inputs),
         "output": tensors(outputs),
@@ -464,6 +464,28 @@ max_device_mib = 16
             let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
             assert!(e.contains("unknown field"), "{typo}: {e}");
         }
+        // The program policy of the model's tenant: default, lifted, widened.
+        std::fs::write(m.join("config.toml"), "").unwrap();
+        let p = ModelConfig::load(&m)
+            .unwrap()
+            .tenant_limits()
+            .program_policy;
+        assert!(!p.trusted);
+        assert_eq!(
+            p.allowed_custom_calls,
+            tpubox_core::tenant::default_custom_calls()
+        );
+        std::fs::write(
+            m.join("config.toml"),
+            "[tpubox.limits]\ntrusted = true\nallowed_custom_calls = [\"my_target\"]",
+        )
+        .unwrap();
+        let p = ModelConfig::load(&m)
+            .unwrap()
+            .tenant_limits()
+            .program_policy;
+        assert!(p.trusted);
+        assert_eq!(p.allowed_custom_calls.last().unwrap(), "my_target");
         // Triton fields with no meaning here are accepted.
         std::fs::write(
             m.join("config.toml"),

@@ -155,7 +155,12 @@ impl Kind {
         }
     }
 
-    async fn instance(&self, ctx: &LoadContext, name: &str, tenant: &Arc<Tenant>) -> Result<Runner> {
+    async fn instance(
+        &self,
+        ctx: &LoadContext,
+        name: &str,
+        tenant: &Arc<Tenant>,
+    ) -> Result<Runner> {
         Ok(match self {
             Kind::Guest { component, opts } => Runner::Guest(
                 Instance::new(
@@ -614,7 +619,11 @@ impl Worker {
         while let Some(batch) = self.queue.next_batch().await {
             let inst = match &mut instance {
                 Some(i) => i,
-                None => match self.kind.instance(&self.ctx, &self.name, &self.tenant).await {
+                None => match self
+                    .kind
+                    .instance(&self.ctx, &self.name, &self.tenant)
+                    .await
+                {
                     Ok(i) => {
                         let i = i.counted_in(self.ctx.metrics.instances_of(&self.name));
                         self.stats.instance_restarts.fetch_add(1, Ordering::Relaxed);

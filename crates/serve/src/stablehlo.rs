@@ -216,8 +216,9 @@ impl Plan {
                     p.file.display()
                 ),
             };
-            let code = std::fs::read(&path)
-                .with_context(|| format!("program {}: reading {}", p.file.display(), path.display()))?;
+            let code = std::fs::read(&path).with_context(|| {
+                format!("program {}: reading {}", p.file.display(), path.display())
+            })?;
             let format = if code.starts_with(b"ML\xefR") {
                 ProgramFormat::MlirBytecode
             } else {
@@ -247,9 +248,9 @@ impl Plan {
         let largest = buckets.last().map_or(0, |b| b.batch);
         let max_batch_size = match config.max_batch_size {
             Some(0) => 0,
-            Some(m) if u64::from(m) > largest => bail!(
-                "max_batch_size {m} is larger than the largest program batch size, {largest}"
-            ),
+            Some(m) if u64::from(m) > largest => {
+                bail!("max_batch_size {m} is larger than the largest program batch size, {largest}")
+            }
             Some(m) => m,
             None => u32::try_from(largest).context("the largest batch size is over 2^32")?,
         };
@@ -328,7 +329,12 @@ impl Plan {
     /// against its output.
     ///
     /// Errors: a message naming the program's file and the parameter or result.
-    pub fn check_program(&self, bucket: &Bucket, inputs: &[TensorSpec], outputs: &[TensorSpec]) -> Result<()> {
+    pub fn check_program(
+        &self,
+        bucket: &Bucket,
+        inputs: &[TensorSpec],
+        outputs: &[TensorSpec],
+    ) -> Result<()> {
         let file = bucket.file.display();
         if inputs.len() != self.params.len() {
             bail!(
@@ -419,14 +425,23 @@ impl Plan {
         let unused: Vec<&str> = self
             .weights
             .keys()
-            .filter(|w| !self.params.iter().any(|p| matches!(p, Param::Weight(n) if n == *w)))
+            .filter(|w| {
+                !self
+                    .params
+                    .iter()
+                    .any(|p| matches!(p, Param::Weight(n) if n == *w))
+            })
             .map(String::as_str)
             .collect();
         if !unused.is_empty() {
             bail!(
                 "{}: weight(s) {} are no parameter of the program (extra weight; [tpubox.stablehlo] parameters names the weights it takes)",
                 self.weights_file.display(),
-                unused.iter().map(|w| format!("`{w}`")).collect::<Vec<_>>().join(", ")
+                unused
+                    .iter()
+                    .map(|w| format!("`{w}`"))
+                    .collect::<Vec<_>>()
+                    .join(", ")
             );
         }
         Ok(())
@@ -460,7 +475,10 @@ pub fn read_weight_header(path: &Path) -> Result<BTreeMap<String, WeightInfo>> {
     let map = pjrt::MappedFile::open(path)
         .map_err(|e| anyhow::anyhow!("weights {}: {e}", path.display()))?;
     let st = SafeTensors::deserialize(map.as_slice()).map_err(|e| {
-        anyhow::anyhow!("weights {}: not a valid safetensors file: {e}", path.display())
+        anyhow::anyhow!(
+            "weights {}: not a valid safetensors file: {e}",
+            path.display()
+        )
     })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
@@ -633,7 +651,10 @@ impl NativeInstance {
                 data,
             });
         }
-        Ok(outputs.into_iter().map(|o| o.expect("every output is a result")).collect())
+        Ok(outputs
+            .into_iter()
+            .map(|o| o.expect("every output is a result"))
+            .collect())
     }
 }
 
@@ -791,12 +812,14 @@ file = "b2.mlir"
         };
         let e = err(&[spec(&[2, 4])], &[spec(&[2, 3])]);
         assert!(
-            e.starts_with("b2.mlir: the program has 1 parameters") && e.contains("parameter count mismatch"),
+            e.starts_with("b2.mlir: the program has 1 parameters")
+                && e.contains("parameter count mismatch"),
             "{e}"
         );
         let e = err(&[spec(&[4, 4]), spec(&[2, 4])], &[spec(&[2, 3])]);
         assert!(
-            e.starts_with("b2.mlir: parameter 0 (weight `w`) is f32[4,4]") && e.contains("shape mismatch"),
+            e.starts_with("b2.mlir: parameter 0 (weight `w`) is f32[4,4]")
+                && e.contains("shape mismatch"),
             "{e}"
         );
         let bf = TensorSpec {
@@ -810,10 +833,14 @@ file = "b2.mlir"
         );
         let e = err(&[spec(&[4, 3]), spec(&[8, 4])], &[spec(&[2, 3])]);
         assert!(
-            e.contains("parameter 1 (input `x`)") && e.contains("for batch size 2 (shape mismatch)"),
+            e.contains("parameter 1 (input `x`)")
+                && e.contains("for batch size 2 (shape mismatch)"),
             "{e}"
         );
-        let e = err(&[spec(&[4, 3]), spec(&[2, 4])], &[spec(&[2, 3]), spec(&[2, 3])]);
+        let e = err(
+            &[spec(&[4, 3]), spec(&[2, 4])],
+            &[spec(&[2, 3]), spec(&[2, 3])],
+        );
         assert!(e.contains("result count mismatch"), "{e}");
         let e = err(&[spec(&[4, 3]), spec(&[2, 4])], &[spec(&[2, 5])]);
         assert!(
@@ -822,14 +849,20 @@ file = "b2.mlir"
         );
         let e = format!("{:#}", p.check_unused_weights().unwrap_err());
         assert!(
-            e.contains("weights.safetensors") && e.contains("`unused`") && e.contains("extra weight"),
+            e.contains("weights.safetensors")
+                && e.contains("`unused`")
+                && e.contains("extra weight"),
             "{e}"
         );
         let p = read(CONFIG, &[("v", &[4, 3])]).unwrap();
         let e = format!(
             "{:#}",
-            p.check_program(&p.buckets[0], &[spec(&[4, 3]), spec(&[2, 4])], &[spec(&[2, 3])])
-                .unwrap_err()
+            p.check_program(
+                &p.buckets[0],
+                &[spec(&[4, 3]), spec(&[2, 4])],
+                &[spec(&[2, 3])]
+            )
+            .unwrap_err()
         );
         assert!(
             e.contains("parameter 0 is weight `w`") && e.contains("missing weight"),
@@ -878,7 +911,10 @@ file = "b2.mlir"
                 "input `x` has dims [-1]",
             ),
             (
-                CONFIG.replace("data_type = \"TYPE_FP32\"\ndims = [4]", "data_type = \"TYPE_STRING\"\ndims = [4]"),
+                CONFIG.replace(
+                    "data_type = \"TYPE_FP32\"\ndims = [4]",
+                    "data_type = \"TYPE_STRING\"\ndims = [4]",
+                ),
                 "input `x` is TYPE_STRING",
             ),
             (
@@ -886,7 +922,10 @@ file = "b2.mlir"
                 "program gone.mlir: reading",
             ),
             (
-                CONFIG.replace("[tpubox.stablehlo]", "[tpubox.stablehlo]\nweights = \"nope.safetensors\""),
+                CONFIG.replace(
+                    "[tpubox.stablehlo]",
+                    "[tpubox.stablehlo]\nweights = \"nope.safetensors\"",
+                ),
                 "nope.safetensors",
             ),
         ] {
