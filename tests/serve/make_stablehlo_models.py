@@ -10,7 +10,10 @@ programs are exported for the CPU plugin.
     repo/mlp/        a 2-layer MLP, x FP32[4] -> logits FP32[3], prob FP32[3]; buckets 1, 4, 8
     repo/encoder/    a one-layer transformer encoder (token and position embeddings, 2-head
                      self-attention, layer norms, GELU feed-forward, mean pooling):
-                     ids INT32[8] -> embedding FP32[16], hidden FP32[8,16]; buckets 1, 2, 4
+                     ids INT32[8] -> embedding FP32[16], hidden FP32[8,16]; buckets 1, 2, 4;
+                     two instances
+    repo/flat/       no batch dimension (max_batch_size = 0): a FP32[2,4] -> y FP32[2,8] = a @ w,
+                     total FP32[] = sum(a)
     repo/broken_*/   copies of mlp, each broken in one way (see BROKEN in the test)
     repo/loop/       doubles x until it passes a threshold: a `while` XLA cannot bound, which
                      the default program policy refuses; repo/loop_trusted/ is the same export
@@ -141,7 +144,12 @@ def main(out: Path) -> None:
     tj.export_model(
         encoder, ep, [np.zeros((1, SEQ), np.int32)], repo, "encoder",
         batch_sizes=[1, 2, 4], input_names=["ids"], max_queue_delay_microseconds=20000,
+        instance_count=2,
     )  # fmt: skip
+    # No batch dimension: one program, exported for the shapes as they are.
+    tj.export_model(lambda p, a: (a @ p["w"], a.sum()), {"w": mp["dense1"]["w"]},
+                    [np.zeros((2, D_IN), np.float32)], repo, "flat", batch_sizes=None,
+                    input_names=["a"], output_names=["y", "total"])  # fmt: skip
     broken_copies(repo, mp)
 
     def loop(p, x):

@@ -11,6 +11,7 @@ must fail their loads with a message naming the file and the parameter while the
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -371,3 +372,42 @@ def test_trusted_lifts_the_program_policy(http):
     while want.max() < 100.0:
         want = want * 2.0 + 1.0
     np.testing.assert_array_equal(got, want)
+
+
+def _weights(path: Path) -> dict[str, np.ndarray]:
+    """A safetensors file of F32 tensors, read with NumPy."""
+    raw = path.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + n])
+    return {
+        k: np.frombuffer(raw[8 + n + h["data_offsets"][0] : 8 + n + h["data_offsets"][1]], np.float32).reshape(
+            h["shape"]
+        )
+        for k, h in header.items()
+        if k != "__metadata__"
+    }
+
+
+def test_a_model_without_batch_dimension(http, grpc, srv, ref):
+    """`flat` (max_batch_size = 0): one program, shapes as exported, nothing padded."""
+    w = _weights(srv.repo / "flat" / "weights.safetensors")["w"]
+    a = ref["mlp_x"][:2]
+    inp = httpclient.InferInput("a", [2, 4], "FP32")
+    inp.set_data_from_numpy(a)
+    r = http.infer("flat", [inp])
+    y, total = r.as_numpy("y"), r.as_numpy("total")
+    assert y.shape == (2, 8) and total.shape == ()
+    _close(y, a @ w, "y")
+    _close(total, np.float32(a.sum(dtype=np.float64)), "total")
+    g = grpcclient.InferInput("a", [2, 4], "FP32")
+    g.set_data_from_numpy(a)
+    r2 = grpc.infer("flat", [g], client_timeout=T)
+    np.testing.assert_array_equal(r2.as_numpy("y"), y)
+    m = http.get_model_metadata("flat")
+    assert [(i["name"], i["shape"]) for i in m["inputs"]] == [("a", [2, 4])]
+    for shape in ([1, 4], [2, 4, 1], [4]):
+        bad = httpclient.InferInput("a", shape, "FP32")
+        bad.set_data_from_numpy(np.zeros(shape, np.float32))
+        with pytest.raises(InferenceServerException) as e:
+            http.infer("flat", [bad])
+        assert e.value.status() == "400", (shape, e.value)
