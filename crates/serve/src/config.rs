@@ -197,7 +197,8 @@ pub struct ModelConfig {
     /// The model's name; must equal its directory's name when given.
     #[serde(default)]
     pub name: Option<String>,
-    /// Triton's `platform`/`backend`: accepted and ignored.
+    /// Triton's `platform`/`backend`: accepted and ignored, except that `"stablehlo"` needs a
+    /// `[tpubox.stablehlo]` table.
     #[serde(default)]
     pub platform: Option<String>,
     /// See [`ModelConfig::platform`].
@@ -272,6 +273,15 @@ impl ModelConfig {
         {
             bail!(
                 "{}: name `{name}` differs from the directory's name `{dir_name}`",
+                path.display()
+            );
+        }
+        let says_stablehlo = [&config.platform, &config.backend]
+            .iter()
+            .any(|f| f.as_deref() == Some("stablehlo"));
+        if says_stablehlo && config.tpubox.stablehlo.is_none() {
+            bail!(
+                "{}: backend/platform \"stablehlo\" needs a [tpubox.stablehlo] table (the programs, the weights, the parameter and result mapping; tpubox.jax.export_model writes it)",
                 path.display()
             );
         }
@@ -464,6 +474,9 @@ max_device_mib = 16
             let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
             assert!(e.contains("unknown field"), "{typo}: {e}");
         }
+        std::fs::write(m.join("config.toml"), "backend = \"stablehlo\"").unwrap();
+        let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
+        assert!(e.contains("needs a [tpubox.stablehlo] table"), "{e}");
         // The program policy of the model's tenant: default, lifted, widened.
         std::fs::write(m.join("config.toml"), "").unwrap();
         let p = ModelConfig::load(&m)
