@@ -35,7 +35,15 @@ from . import session as _session
 from .errors import Internal, Unsupported
 from .session import Executable, Session, Tensor
 
-__all__ = ["jit", "JitFunction", "device_get", "device_put", "jax_platform", "export_model", "write_safetensors"]
+__all__ = [
+    "jit",
+    "JitFunction",
+    "device_get",
+    "device_put",
+    "jax_platform",
+    "export_model",
+    "write_safetensors",
+]
 
 # PJRT platform names (what the daemon reports) -> jax.export platform names.
 _PLATFORMS = {
@@ -421,7 +429,10 @@ _EXPORT_DTYPES = {
 def _export_dtype(dtype: Any, what: str) -> tuple[str, str]:
     name = np.dtype(dtype).name
     if name not in _EXPORT_DTYPES:
-        raise Unsupported("unsupported", f"tpubox.jax.export_model: {what} has dtype {name}, which the protocol lacks")
+        raise Unsupported(
+            "unsupported",
+            f"tpubox.jax.export_model: {what} has dtype {name}, which the protocol lacks",
+        )
     return _EXPORT_DTYPES[name]
 
 
@@ -450,7 +461,8 @@ def write_safetensors(path: Any, tensors: dict[str, np.ndarray]) -> None:
         a = np.asarray(tensors[name], order="C")  # (ascontiguousarray makes a 0-d array 1-d)
         st, _ = _export_dtype(a.dtype, f"weight {name!r}")
         data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-        header[name] = {"dtype": st, "shape": list(a.shape), "data_offsets": [offset, offset + len(data)]}
+        end = offset + len(data)
+        header[name] = {"dtype": st, "shape": list(a.shape), "data_offsets": [offset, end]}
         blobs.append(data)
         offset += len(data)
     h = _json.dumps(header, separators=(",", ":")).encode()
@@ -530,10 +542,13 @@ def export_model(
     if batched and (not sizes or sizes[0] < 1):
         raise ValueError("tpubox.jax.export_model: batch sizes must be at least 1")
     example_args = list(example_args)
-    in_names = list(input_names) if input_names is not None else [f"input_{i}" for i in range(len(example_args))]
+    if input_names is None:
+        input_names = [f"input_{i}" for i in range(len(example_args))]
+    in_names = list(input_names)
     if len(in_names) != len(example_args):
         raise ValueError(
-            f"tpubox.jax.export_model: {len(in_names)} input names for {len(example_args)} example args"
+            f"tpubox.jax.export_model: {len(in_names)} input names for "
+            f"{len(example_args)} example args"
         )
     if len(set(in_names)) != len(in_names):
         raise ValueError("tpubox.jax.export_model: input names repeat")
@@ -565,7 +580,9 @@ def export_model(
         dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
         if b is not None:
             if not shape:
-                raise ValueError("tpubox.jax.export_model: an example arg without a batch dimension")
+                raise ValueError(
+                    "tpubox.jax.export_model: an example arg without a batch dimension"
+                )
             shape = (b,) + shape[1:]
         return jax.ShapeDtypeStruct(shape, dtype)
 
@@ -576,11 +593,19 @@ def export_model(
             *w_specs, *[arg_spec(x, b) for x in example_args]
         )
         if exp.ordered_effects or exp.unordered_effects:
-            raise Unsupported("unsupported", "tpubox.jax.export_model: the function has effects (callbacks, prints)")
+            raise Unsupported(
+                "unsupported",
+                "tpubox.jax.export_model: the function has effects (callbacks, prints)",
+            )
         if exp.nr_devices != 1:
-            raise Unsupported("unsupported", "tpubox.jax.export_model: the function uses more than one device")
+            raise Unsupported(
+                "unsupported", "tpubox.jax.export_model: the function uses more than one device"
+            )
         if len(exp.in_avals) != n_w + len(example_args):
-            raise Internal("internal", "tpubox.jax.export_model: jax.export dropped parameters despite keep_unused")
+            raise Internal(
+                "internal",
+                "tpubox.jax.export_model: jax.export dropped parameters despite keep_unused",
+            )
         exports.append((b, exp))
 
     shape_kind = out_def_holder[0]
@@ -588,11 +613,13 @@ def export_model(
         out_names = list(shape_kind)
     else:
         n_out = len(exports[0][1].out_avals)
-        out_names = (
-            list(output_names) if output_names is not None else [f"output_{i}" for i in range(n_out)]
-        )
+        if output_names is None:
+            output_names = [f"output_{i}" for i in range(n_out)]
+        out_names = list(output_names)
         if len(out_names) != n_out:
-            raise ValueError(f"tpubox.jax.export_model: {len(out_names)} output names for {n_out} outputs")
+            raise ValueError(
+                f"tpubox.jax.export_model: {len(out_names)} output names for {n_out} outputs"
+            )
 
     def dims(aval: Any, b: int | None, what: str) -> list[int]:
         shape = [int(d) for d in aval.shape]
@@ -637,7 +664,8 @@ def export_model(
     ]
     for what, tensors in (("input", inputs), ("output", outputs)):
         for n, t, d in tensors:
-            lines += [f"[[{what}]]", f"name = {_toml_str(n)}", f'data_type = "{t}"', f"dims = {d}", ""]
+            lines += [f"[[{what}]]", f"name = {_toml_str(n)}", f'data_type = "{t}"']
+            lines += [f"dims = {d}", ""]
     lines += ["[[instance_group]]", f"count = {int(instance_count)}", ""]
     if batched and dynamic_batching:
         lines += [
