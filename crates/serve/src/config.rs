@@ -112,12 +112,9 @@ pub struct ModelLimits {
     pub max_pending_launches: Option<u64>,
     /// Skip the program policy for the model's programs (default `false`: no unbounded
     /// `while`, at most 1,048,576 loop trips, no host transfers, only the default custom
-    /// calls). For models whose programs the operator trusts.
+    /// calls, [`tpubox_core::tenant::default_custom_calls`]). For models whose programs the
+    /// operator trusts.
     pub trusted: Option<bool>,
-    /// Custom-call targets the model's programs may use beyond the default ones
-    /// ([`tpubox_core::tenant::default_custom_calls`]).
-    #[serde(default)]
-    pub allowed_custom_calls: Vec<String>,
 }
 
 /// Where one parameter of a StableHLO model's program comes from
@@ -365,9 +362,6 @@ impl ModelConfig {
         if let Some(trusted) = l.trusted {
             t.program_policy.trusted = trusted;
         }
-        t.program_policy
-            .allowed_custom_calls
-            .extend(l.allowed_custom_calls.iter().cloned());
         t.max_call_time = Some(Duration::from_secs_f64(
             l.max_call_seconds.unwrap_or(60.0).clamp(0.001, 86_400.0),
         ));
@@ -488,17 +482,12 @@ max_device_mib = 16
             p.allowed_custom_calls,
             tpubox_core::tenant::default_custom_calls()
         );
-        std::fs::write(
-            m.join("config.toml"),
-            "[tpubox.limits]\ntrusted = true\nallowed_custom_calls = [\"my_target\"]",
-        )
-        .unwrap();
+        std::fs::write(m.join("config.toml"), "[tpubox.limits]\ntrusted = true").unwrap();
         let p = ModelConfig::load(&m)
             .unwrap()
             .tenant_limits()
             .program_policy;
         assert!(p.trusted);
-        assert_eq!(p.allowed_custom_calls.last().unwrap(), "my_target");
         // Triton fields with no meaning here are accepted.
         std::fs::write(
             m.join("config.toml"),
