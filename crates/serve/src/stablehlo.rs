@@ -527,7 +527,9 @@ impl NativeInstance {
     /// An instance from a session in which [`Plan::compile`] compiled `exes`; opens the
     /// weights of the set [`Plan::weight_set`] (already loaded) read-only.
     ///
-    /// Errors: the weight set or a weight is missing; `max-live-tensors`.
+    /// Errors: the weight set or a weight is missing; `max-live-tensors`; a weight of the
+    /// loaded set whose dtype or dims are not the file's now (the set was loaded before the
+    /// file changed: a set is loaded once per daemon).
     pub fn from_compiled(
         plan: Arc<Plan>,
         session: Session,
@@ -542,6 +544,20 @@ impl NativeInstance {
                 Param::Input(_) => Ok(None),
             })
             .collect::<Result<Vec<_>, DeviceError>>()?;
+        for (p, h) in plan.params.iter().zip(&weights) {
+            if let (Param::Weight(w), Some(h)) = (p, h) {
+                let info = &plan.weights[w];
+                if h.spec().ty != info.ty || h.spec().dims != info.dims {
+                    bail!(
+                        "weight set `{}` holds `{w}` as {}, {} has it as {} now: the set was loaded before the file changed, and a weight set is loaded once per daemon (restart, or name the changed weights with a new weight_set)",
+                        plan.weight_set,
+                        tpubox_core::types::format_spec(h.spec()),
+                        plan.weights_file.display(),
+                        spec_text(info.ty, &info.dims)
+                    );
+                }
+            }
+        }
         Ok(NativeInstance {
             plan,
             session,
