@@ -119,7 +119,9 @@ enum Cmd {
     /// field names: max_batch_size, input, output, instance_group, dynamic_batching, and a
     /// [tpubox] section for the component, the files granted at /model, weights and limits)
     /// and `model.wasm` (or `1/model.wasm`, or [tpubox] component), a component built for the
-    /// `served-model` world of wit/model.wit. Models load in the background; readiness
+    /// `served-model` world of wit/model.wit; or, with a [tpubox.stablehlo] table, exported
+    /// StableHLO programs (one per batch size) and weights.safetensors, run with no component
+    /// (`tpubox model check DIR` checks one). Models load in the background; readiness
     /// (`/v2/health/ready`) is false until they have. With --tokens, requests need
     /// `Authorization: Bearer TOKEN` and are admitted per tenant (models, max_in_flight,
     /// max_requests_per_second, repository_control). SIGTERM makes readiness false and new
@@ -132,6 +134,11 @@ enum Cmd {
     /// components (--components), per tenant with the [tenant.session] limits of the tokens
     /// file. --model-repository is then optional. See docs/NOTEBOOKS.md.
     Serve(ServeArgs),
+    /// Check model directories of a repository before serving them.
+    Model {
+        #[command(subcommand)]
+        action: ModelAction,
+    },
     /// Write a new guest project: a small softmax guest in LANG, with the tpubox:device WIT
     /// package vendored under wit/ (and, for Rust, the guest SDK under tpubox-guest/), that
     /// builds with one command (`cargo build --release`, or `sh build.sh`) outside this
@@ -156,6 +163,23 @@ enum Cmd {
     /// host starts this to contain the compiler; see `tpubox_core::compiler`).
     #[command(hide = true)]
     CompileWorker,
+}
+
+#[derive(Subcommand)]
+enum ModelAction {
+    /// Check a StableHLO model directory (config.toml with [tpubox.stablehlo], the programs,
+    /// weights.safetensors) as `tpubox serve` loads it: compile each program with the model's
+    /// program policy and limits, and check its parameters and results against the weights
+    /// and the declared inputs and outputs. Prints one line per program; on a problem, the
+    /// message names the file and the parameter (missing or extra weight, dtype, shape or
+    /// parameter count mismatch, an unreadable program, symbolic shapes) and the exit status
+    /// is 1.
+    Check {
+        #[command(flatten)]
+        device: DeviceArgs,
+        /// The model directory (`REPOSITORY/NAME`).
+        dir: PathBuf,
+    },
 }
 
 #[derive(Args)]
@@ -290,6 +314,42 @@ fn restart_with_malloc_tunables() {
             .env("GLIBC_TUNABLES", value)
             .exec();
         tracing::debug!("could not restart with GLIBC_TUNABLES={TUNABLE}: {err}");
+    }
+}
+
+#[cfg(not(feature = "serve"))]
+async fn model_command(action: ModelAction) -> Result<bool> {
+    let ModelAction::Check { device, dir } = action;
+    let _ = &device;
+    bail!(
+        "cannot check {}: this tpubox was built without `tpubox serve` (cargo feature `serve`)",
+        dir.display()
+    )
+}
+
+#[cfg(feature = "serve")]
+async fn model_command(action: ModelAction) -> Result<bool> {
+    match action {
+        ModelAction::Check { device, dir } => {
+            let svc = device.open()?;
+            let report = tpubox_serve::stablehlo::check_dir(&svc, &dir).await;
+            if let Some(cache) = svc.cache() {
+                cache.flush_uploads().await;
+            }
+            match report {
+                Ok(report) => {
+                    for line in report.lines {
+                        println!("{line}");
+                    }
+                    println!("{}: ok", dir.display());
+                    Ok(true)
+                }
+                Err(e) => {
+                    eprintln!("tpubox model check: {}: {e:#}", dir.display());
+                    Ok(false)
+                }
+            }
+        }
     }
 }
 
@@ -842,6 +902,7 @@ async fn main_inner(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Cmd::Serve(args) => serve(args).await,
+        Cmd::Model { action } => model_command(action).await,
         Cmd::CompileWorker => unreachable!("handled before the runtime starts"),
         Cmd::Cache { action, cache } => cache_command(action, &cache).await,
         Cmd::Exec {

@@ -36,7 +36,15 @@ from . import session as _session
 from .errors import Internal, Unsupported
 from .session import Executable, Session, Tensor
 
-__all__ = ["jit", "JitFunction", "device_get", "device_put", "jax_platform"]
+__all__ = [
+    "jit",
+    "JitFunction",
+    "device_get",
+    "device_put",
+    "jax_platform",
+    "export_model",
+    "write_safetensors",
+]
 
 _LOCATIONS_LOCK = threading.Lock()
 
@@ -418,3 +426,288 @@ def device_put(tree: Any, session: Session | None = None) -> Any:
         return s.tensor(a)
 
     return jax.tree_util.tree_map(put, tree)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exporting a model for `tpubox serve`'s model repository (docs/SERVING.md, "StableHLO models").
+
+# NumPy dtype name -> (safetensors dtype, Triton data_type).
+_EXPORT_DTYPES = {
+    "bool": ("BOOL", "TYPE_BOOL"),
+    "uint8": ("U8", "TYPE_UINT8"),
+    "uint16": ("U16", "TYPE_UINT16"),
+    "uint32": ("U32", "TYPE_UINT32"),
+    "uint64": ("U64", "TYPE_UINT64"),
+    "int8": ("I8", "TYPE_INT8"),
+    "int16": ("I16", "TYPE_INT16"),
+    "int32": ("I32", "TYPE_INT32"),
+    "int64": ("I64", "TYPE_INT64"),
+    "float16": ("F16", "TYPE_FP16"),
+    "bfloat16": ("BF16", "TYPE_BF16"),
+    "float32": ("F32", "TYPE_FP32"),
+    "float64": ("F64", "TYPE_FP64"),
+}
+
+
+def _export_dtype(dtype: Any, what: str) -> tuple[str, str]:
+    name = np.dtype(dtype).name
+    if name not in _EXPORT_DTYPES:
+        raise Unsupported(
+            "unsupported",
+            f"tpubox.jax.export_model: {what} has dtype {name}, which the protocol lacks",
+        )
+    return _EXPORT_DTYPES[name]
+
+
+def _path_name(path: Any) -> str:
+    """A weight's name from its pytree path: keys joined by '/' (``dense1/w``, ``layers/0/b``)."""
+    parts = []
+    for k in path:
+        for attr in ("key", "idx", "name"):
+            if hasattr(k, attr):
+                parts.append(str(getattr(k, attr)))
+                break
+        else:
+            parts.append(str(k))
+    return "/".join(parts) or "param"
+
+
+def write_safetensors(path: Any, tensors: dict[str, np.ndarray]) -> None:
+    """Writes TENSORS (name -> array) to PATH in the safetensors format (little-endian, C
+    order, names sorted), with NumPy only."""
+    import json as _json
+
+    header: dict[str, Any] = {}
+    blobs = []
+    offset = 0
+    for name in sorted(tensors):
+        a = np.asarray(tensors[name], order="C")  # (ascontiguousarray makes a 0-d array 1-d)
+        st, _ = _export_dtype(a.dtype, f"weight {name!r}")
+        data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
+        end = offset + len(data)
+        header[name] = {"dtype": st, "shape": list(a.shape), "data_offsets": [offset, end]}
+        blobs.append(data)
+        offset += len(data)
+    h = _json.dumps(header, separators=(",", ":")).encode()
+    h += b" " * (-len(h) % 8)
+    with open(path, "wb") as f:
+        f.write(len(h).to_bytes(8, "little"))
+        f.write(h)
+        for b in blobs:
+            f.write(b)
+
+
+def _toml_str(s: str) -> str:
+    import json as _json
+
+    return _json.dumps(s)
+
+
+def export_model(
+    fn: Callable[..., Any],
+    params: Any,
+    example_args: Sequence[Any],
+    repo: Any,
+    name: str,
+    batch_sizes: Sequence[int] | None = (1, 2, 4, 8),
+    *,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    platform: str = "cpu",
+    instance_count: int = 1,
+    max_queue_delay_microseconds: int = 1000,
+    dynamic_batching: bool = True,
+) -> Any:
+    """Exports ``fn(params, *args)`` as a StableHLO model that ``tpubox serve`` serves from the
+    model repository REPO without a guest: writes ``REPO/NAME/`` with one program per batch
+    size (``model.b{N}.mlirbc``: ``jax.export``'s portable VHLO bytecode), the weights
+    (``weights.safetensors``, one tensor per leaf of PARAMS, named by its path: ``dense1/w``)
+    and ``config.toml`` (Triton's field names, and the ``[tpubox.stablehlo]`` table mapping
+    the programs' parameters to weights and inputs, their results to outputs).
+
+    Args:
+        fn: JAX-traceable, ``fn(params, *args)``; returns an array, a tuple/list of arrays or a
+            dict of arrays (the dict's keys name the outputs). Every output has the batch
+            dimension first when BATCH_SIZES is given.
+        params: a pytree of arrays: the weights, shared by every request.
+        example_args: one array (or ``jax.ShapeDtypeStruct``) per input, batch dimension
+            first; only their shapes after the batch dimension and dtypes are used (float64
+            becomes float32 unless ``jax_enable_x64``). With ``batch_sizes=None`` the shapes
+            are exported as they are, for a model without a batch dimension.
+        repo: the model repository directory (created if missing).
+        name: the model's name, its directory under REPO (must not exist yet, or be empty).
+        batch_sizes: the batch sizes to export a program for (the buckets a merged batch is
+            padded up to); the largest is the model's ``max_batch_size``. ``None``: no batch
+            dimension (``max_batch_size = 0``, one program).
+        input_names: the inputs' names (default ``input_0``, ``input_1``, ...).
+        output_names: the outputs' names for a tuple/list or single result (default
+            ``output_0``, ...); a dict result uses its keys.
+        platform: the ``jax.export`` platform of the serving device: ``cpu``, ``cuda``,
+            ``tpu``.
+        instance_count: instances of the model (``[[instance_group]] count``).
+        max_queue_delay_microseconds: how long a request waits for others to batch with.
+        dynamic_batching: write a ``[dynamic_batching]`` table (batching models only).
+
+    Returns:
+        The model directory (a ``pathlib.Path``).
+
+    Raises:
+        ValueError: a bad name, batch size, argument count, an existing non-empty directory,
+            an output without the batch dimension.
+        tpubox.Unsupported: a dtype the protocol lacks, effects, more than one device.
+    """
+    import pathlib
+
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"tpubox.jax.export_model: {name!r} cannot name a model directory")
+    batched = batch_sizes is not None
+    sizes = sorted({int(b) for b in batch_sizes}) if batched else [None]
+    if batched and (not sizes or sizes[0] < 1):
+        raise ValueError("tpubox.jax.export_model: batch sizes must be at least 1")
+    example_args = list(example_args)
+    if input_names is None:
+        input_names = [f"input_{i}" for i in range(len(example_args))]
+    in_names = list(input_names)
+    if len(in_names) != len(example_args):
+        raise ValueError(
+            f"tpubox.jax.export_model: {len(in_names)} input names for "
+            f"{len(example_args)} example args"
+        )
+    if len(set(in_names)) != len(in_names):
+        raise ValueError("tpubox.jax.export_model: input names repeat")
+    leaves_with_path, params_def = jax.tree_util.tree_flatten_with_path(params)
+    weight_names = [_path_name(p) for p, _ in leaves_with_path]
+    if len(set(weight_names)) != len(weight_names):
+        raise ValueError(f"tpubox.jax.export_model: two weights have the same name: {weight_names}")
+    weight_leaves = [np.asarray(leaf) for _, leaf in leaves_with_path]
+    n_w = len(weight_leaves)
+
+    out_keys: list[str] | None = None
+    out_def_holder: list[Any] = []
+
+    def flat_fn(*flat: Any) -> Any:
+        p = jax.tree_util.tree_unflatten(params_def, flat[:n_w])
+        out = fn(p, *flat[n_w:])
+        if isinstance(out, dict):
+            keys = sorted(out)
+            out_def_holder.append(keys)
+            return tuple(out[k] for k in keys)
+        if isinstance(out, (tuple, list)):
+            out_def_holder.append(len(out))
+            return tuple(out)
+        out_def_holder.append(None)
+        return (out,)
+
+    def arg_spec(x: Any, b: int | None) -> Any:
+        shape = tuple(np.shape(x)) if not hasattr(x, "shape") else tuple(x.shape)
+        dtype = x.dtype if hasattr(x, "dtype") else np.asarray(x).dtype
+        if b is not None:
+            if not shape:
+                raise ValueError(
+                    "tpubox.jax.export_model: an example arg without a batch dimension"
+                )
+            shape = (b,) + shape[1:]
+        return jax.ShapeDtypeStruct(shape, dtype)
+
+    w_specs = [jax.ShapeDtypeStruct(w.shape, w.dtype) for w in weight_leaves]
+    exports = []
+    for b in sizes:
+        exp = jax_export.export(jax.jit(flat_fn, keep_unused=True), platforms=[platform])(
+            *w_specs, *[arg_spec(x, b) for x in example_args]
+        )
+        if exp.ordered_effects or exp.unordered_effects:
+            raise Unsupported(
+                "unsupported",
+                "tpubox.jax.export_model: the function has effects (callbacks, prints)",
+            )
+        if exp.nr_devices != 1:
+            raise Unsupported(
+                "unsupported", "tpubox.jax.export_model: the function uses more than one device"
+            )
+        if len(exp.in_avals) != n_w + len(example_args):
+            raise Internal(
+                "internal",
+                "tpubox.jax.export_model: jax.export dropped parameters despite keep_unused",
+            )
+        exports.append((b, exp))
+
+    shape_kind = out_def_holder[0]
+    if isinstance(shape_kind, list):
+        out_names = list(shape_kind)
+    else:
+        n_out = len(exports[0][1].out_avals)
+        if output_names is None:
+            output_names = [f"output_{i}" for i in range(n_out)]
+        out_names = list(output_names)
+        if len(out_names) != n_out:
+            raise ValueError(
+                f"tpubox.jax.export_model: {len(out_names)} output names for {n_out} outputs"
+            )
+
+    def dims(aval: Any, b: int | None, what: str) -> list[int]:
+        shape = [int(d) for d in aval.shape]
+        if b is None:
+            return shape
+        if not shape or shape[0] != b:
+            raise ValueError(
+                f"tpubox.jax.export_model: {what} has shape {tuple(shape)} for batch size {b}: "
+                "every input and output needs the batch dimension first"
+            )
+        return shape[1:]
+
+    b0, exp0 = exports[0]
+    in_avals = exp0.in_avals[n_w:]
+    inputs = [
+        (n, _export_dtype(a.dtype, f"input {n!r}")[1], dims(a, b0, f"input {n!r}"))
+        for n, a in zip(in_names, in_avals)
+    ]
+    outputs = [
+        (n, _export_dtype(a.dtype, f"output {n!r}")[1], dims(a, b0, f"output {n!r}"))
+        for n, a in zip(out_names, exp0.out_avals)
+    ]
+    for b, exp in exports[1:]:
+        for n, a in zip(out_names, exp.out_avals):
+            dims(a, b, f"output {n!r}")
+
+    model_dir = pathlib.Path(repo) / name
+    if model_dir.exists() and any(model_dir.iterdir()):
+        raise ValueError(f"tpubox.jax.export_model: {model_dir} exists and is not empty")
+    model_dir.mkdir(parents=True, exist_ok=True)
+    weight_dtypes = [a.dtype for a in exp0.in_avals[:n_w]]
+    write_safetensors(
+        model_dir / "weights.safetensors",
+        {n: np.asarray(w, dtype=d) for n, w, d in zip(weight_names, weight_leaves, weight_dtypes)},
+    )
+    lines = [
+        "# Written by tpubox.jax.export_model: a StableHLO model (docs/SERVING.md).",
+        f"name = {_toml_str(name)}",
+        'backend = "stablehlo"',
+        f"max_batch_size = {sizes[-1] if batched else 0}",
+        "",
+    ]
+    for what, tensors in (("input", inputs), ("output", outputs)):
+        for n, t, d in tensors:
+            lines += [f"[[{what}]]", f"name = {_toml_str(n)}", f'data_type = "{t}"']
+            lines += [f"dims = {d}", ""]
+    lines += ["[[instance_group]]", f"count = {int(instance_count)}", ""]
+    if batched and dynamic_batching:
+        lines += [
+            "[dynamic_batching]",
+            f"max_queue_delay_microseconds = {int(max_queue_delay_microseconds)}",
+            "",
+        ]
+    lines += ["[tpubox.stablehlo]", 'weights = "weights.safetensors"']
+    params_toml = [f"{{ weight = {_toml_str(n)} }}" for n in weight_names]
+    params_toml += [f"{{ input = {_toml_str(n)} }}" for n in in_names]
+    lines.append("parameters = [\n  " + ",\n  ".join(params_toml) + ",\n]")
+    lines.append("results = [" + ", ".join(_toml_str(n) for n in out_names) + "]")
+    lines.append("")
+    for b, exp in exports:
+        file = f"model.b{b}.mlirbc" if b is not None else "model.mlirbc"
+        (model_dir / file).write_bytes(bytes(exp.mlir_module_serialized))
+        lines += ["[[tpubox.stablehlo.program]]"]
+        if b is not None:
+            lines.append(f"batch_size = {b}")
+        lines += [f'file = "{file}"', ""]
+    (model_dir / "config.toml").write_text("\n".join(lines))
+    return model_dir

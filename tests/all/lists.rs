@@ -1760,9 +1760,9 @@ const LIMITS: &[LimitRow] = &[
         // Trust is the operator's to give (the tokens file); a client may only narrow limits.
         wire: None,
         policy: Some("trusted"),
-        // `[tpubox.limits]` has no `trusted`: model programs always run under the program
-        // policy (known gap, left for its own issue).
-        model: None,
+        // `[tpubox.limits] trusted` (issue 29: an operator lifts the policy for a model whose
+        // programs it trusts, e.g. an exported StableHLO model with an unbounded loop).
+        model: Some("trusted"),
         cli: Some("--trusted"),
     },
     LimitRow {

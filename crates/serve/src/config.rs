@@ -110,6 +110,55 @@ pub struct ModelLimits {
     pub max_guest_memory_mib: Option<u64>,
     /// Launches queued for the device or running at once (default 256).
     pub max_pending_launches: Option<u64>,
+    /// Skip the program policy for the model's programs (default `false`: no unbounded
+    /// `while`, at most 1,048,576 loop trips, no host transfers, only the default custom
+    /// calls, [`tpubox_core::tenant::default_custom_calls`]). For models whose programs the
+    /// operator trusts.
+    pub trusted: Option<bool>,
+}
+
+/// Where one parameter of a StableHLO model's program comes from
+/// (`parameters = [{ weight = "dense/w" }, { input = "x" }]`): exactly one of the two.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ParameterSource {
+    /// A tensor of the model's weight file, by its safetensors name.
+    pub weight: Option<String>,
+    /// A protocol input, by the name of its `[[input]]`.
+    pub input: Option<String>,
+}
+
+/// One program of a StableHLO model: the batch size it was exported for and its file.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct ProgramConfig {
+    /// The leading dimension of every input and output of this program; absent for a model
+    /// without a batch dimension (`max_batch_size = 0`, one program).
+    pub batch_size: Option<u32>,
+    /// The program, relative to the model directory: VHLO/StableHLO bytecode (what
+    /// `jax.export`'s `Exported.mlir_module_serialized` holds) or StableHLO text.
+    pub file: PathBuf,
+}
+
+/// `[tpubox.stablehlo]`: the model is an exported StableHLO program with its weights, run by
+/// tpubox itself, with no guest component.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct StablehloSection {
+    /// The programs, one per batch size (bucket); a merged batch runs in the smallest program
+    /// whose batch size holds it, padded with zeros, its results sliced back.
+    #[serde(rename = "program")]
+    pub programs: Vec<ProgramConfig>,
+    /// The safetensors file of the weights, relative to the model directory (default
+    /// `weights.safetensors`); loaded once onto the device as a shared weight set.
+    pub weights: Option<PathBuf>,
+    /// The weight set's name (default: the model's name); a set of that name loaded from
+    /// another file is an error.
+    pub weight_set: Option<String>,
+    /// The source of each of the programs' parameters, in order.
+    pub parameters: Vec<ParameterSource>,
+    /// The output (an `[[output]]` name) each of the programs' results is, in order.
+    pub results: Vec<String>,
 }
 
 /// `[tpubox]`: what only tpubox has.
@@ -131,6 +180,8 @@ pub struct TpuboxSection {
     /// The model's tenant limits.
     #[serde(default)]
     pub limits: ModelLimits,
+    /// Present for a StableHLO model (exported program, weights, no component).
+    pub stablehlo: Option<StablehloSection>,
 }
 
 /// A model's `config.toml` / `config.json`. Unknown fields are errors (a misspelt
@@ -143,7 +194,8 @@ pub struct ModelConfig {
     /// The model's name; must equal its directory's name when given.
     #[serde(default)]
     pub name: Option<String>,
-    /// Triton's `platform`/`backend`: accepted and ignored.
+    /// Triton's `platform`/`backend`: accepted and ignored, except that `"stablehlo"` needs a
+    /// `[tpubox.stablehlo]` table.
     #[serde(default)]
     pub platform: Option<String>,
     /// See [`ModelConfig::platform`].
@@ -218,6 +270,15 @@ impl ModelConfig {
         {
             bail!(
                 "{}: name `{name}` differs from the directory's name `{dir_name}`",
+                path.display()
+            );
+        }
+        let says_stablehlo = [&config.platform, &config.backend]
+            .iter()
+            .any(|f| f.as_deref() == Some("stablehlo"));
+        if says_stablehlo && config.tpubox.stablehlo.is_none() {
+            bail!(
+                "{}: backend/platform \"stablehlo\" needs a [tpubox.stablehlo] table (the programs, the weights, the parameter and result mapping; tpubox.jax.export_model writes it)",
                 path.display()
             );
         }
@@ -298,6 +359,9 @@ impl ModelConfig {
         if let Some(n) = l.max_pending_launches {
             t.max_pending_launches = n;
         }
+        if let Some(trusted) = l.trusted {
+            t.program_policy.trusted = trusted;
+        }
         t.max_call_time = Some(Duration::from_secs_f64(
             l.max_call_seconds.unwrap_or(60.0).clamp(0.001, 86_400.0),
         ));
@@ -330,7 +394,7 @@ pub fn triton_json(
     let mut v = json!({
         "name": name,
         "platform": "tpubox",
-        "backend": "tpubox",
+        "backend": if config.tpubox.stablehlo.is_some() { "stablehlo" } else { "tpubox" },
         "max_batch_size": max_batch_size,
         "input": tensors(inputs),
         "output": tensors(outputs),
@@ -404,6 +468,26 @@ max_device_mib = 16
             let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
             assert!(e.contains("unknown field"), "{typo}: {e}");
         }
+        std::fs::write(m.join("config.toml"), "backend = \"stablehlo\"").unwrap();
+        let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
+        assert!(e.contains("needs a [tpubox.stablehlo] table"), "{e}");
+        // The program policy of the model's tenant: default, lifted, widened.
+        std::fs::write(m.join("config.toml"), "").unwrap();
+        let p = ModelConfig::load(&m)
+            .unwrap()
+            .tenant_limits()
+            .program_policy;
+        assert!(!p.trusted);
+        assert_eq!(
+            p.allowed_custom_calls,
+            tpubox_core::tenant::default_custom_calls()
+        );
+        std::fs::write(m.join("config.toml"), "[tpubox.limits]\ntrusted = true").unwrap();
+        let p = ModelConfig::load(&m)
+            .unwrap()
+            .tenant_limits()
+            .program_policy;
+        assert!(p.trusted);
         // Triton fields with no meaning here are accepted.
         std::fs::write(
             m.join("config.toml"),

@@ -115,7 +115,15 @@ pub struct Instance {
 }
 
 /// One instance counted in a gauge (`tpubox_model_instances`) for as long as it lives.
-struct LiveCount(prometheus::IntGauge);
+pub struct LiveCount(prometheus::IntGauge);
+
+impl LiveCount {
+    /// Counts one more in `gauge` now, one less when dropped.
+    pub fn new(gauge: prometheus::IntGauge) -> Self {
+        gauge.inc();
+        LiveCount(gauge)
+    }
+}
 
 impl Drop for LiveCount {
     fn drop(&mut self) {
@@ -162,8 +170,7 @@ impl Instance {
     /// Counts this instance in `gauge` (one more now, one less when the instance is dropped,
     /// which frees its slot in the sandbox's instance pool).
     pub fn counted_in(mut self, gauge: prometheus::IntGauge) -> Self {
-        gauge.inc();
-        self.live = Some(LiveCount(gauge));
+        self.live = Some(LiveCount::new(gauge));
         self
     }
 

@@ -9,6 +9,7 @@
 //! - [`access`]: bearer tokens → request tenants, the models they may call, in-flight and rate
 //!   limits;
 //! - [`instance`]: one long-lived instance of a model component;
+//! - [`stablehlo`]: StableHLO models (exported program + weights), run natively through a session;
 //! - [`batcher`]: the per-model queue and dynamic batching;
 //! - [`model`]: a loaded model: declaration checks, its instances' tasks, statistics;
 //! - [`repository`]: the model repository, load and unload at run time;
@@ -36,6 +37,7 @@ pub mod model;
 pub mod protocol;
 pub mod repository;
 pub mod rest;
+pub mod stablehlo;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};

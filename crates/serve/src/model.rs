@@ -16,6 +16,7 @@ use super::config::{ModelConfig, triton_json};
 use super::error::{ServeError, ServeErrorKind, ServeResult};
 use super::instance::{GuestMetadata, InferFailure, Instance, TensorDecl};
 use super::protocol::{Datatype, InferRequest, Tensor};
+use super::stablehlo::{NativeInstance, Plan};
 use tpubox_core::device::DeviceService;
 use tpubox_core::tenant::Tenant;
 use tpubox_core::weights::WeightRegistry;
@@ -101,70 +102,173 @@ fn to_dims(d: &TensorDecl) -> (String, Datatype, Vec<i64>) {
     (d.name.clone(), d.datatype, d.dims.clone())
 }
 
+/// Loads the weight set `set` from the safetensors file `path`, unless a model loaded it from
+/// the same file already (then it is shared).
+///
+/// Errors: the file is missing or does not load; another model loaded a set of that name from
+/// another file.
+fn ensure_weight_set(ctx: &LoadContext, set: &str, path: &Path) -> Result<()> {
+    let canonical = path
+        .canonicalize()
+        .with_context(|| format!("weight set `{set}`: {}", path.display()))?;
+    let mut loaded = ctx.loaded_weights.lock().unwrap();
+    match loaded.get(set) {
+        Some(p) if *p == canonical => Ok(()),
+        Some(p) => bail!(
+            "weight set `{set}` is already loaded from {}; this model names {}",
+            p.display(),
+            canonical.display()
+        ),
+        None => {
+            ctx.weights
+                .load_safetensors(&ctx.device, set, &canonical, 0)
+                .map_err(|e| anyhow::anyhow!("weight set `{set}`: {e}"))?;
+            loaded.insert(set.to_string(), canonical);
+            Ok(())
+        }
+    }
+}
+
+/// What a model's instances are, and how to make another.
+#[derive(Clone)]
+enum Kind {
+    /// A guest component, instantiated in the sandbox.
+    Guest {
+        component: wasmtime::component::Component,
+        opts: RunOptions,
+    },
+    /// A StableHLO model, run natively through a session.
+    Native(Arc<Plan>),
+}
+
+/// One instance of either kind.
+enum Runner {
+    Guest(Instance),
+    Native(NativeInstance),
+}
+
+impl Kind {
+    fn name(&self) -> &'static str {
+        match self {
+            Kind::Guest { .. } => "component",
+            Kind::Native(_) => "stablehlo",
+        }
+    }
+
+    async fn instance(
+        &self,
+        ctx: &LoadContext,
+        name: &str,
+        tenant: &Arc<Tenant>,
+    ) -> Result<Runner> {
+        Ok(match self {
+            Kind::Guest { component, opts } => Runner::Guest(
+                Instance::new(
+                    &ctx.sandbox,
+                    &ctx.device,
+                    &ctx.weights,
+                    component,
+                    name,
+                    opts,
+                )
+                .await?,
+            ),
+            Kind::Native(plan) => Runner::Native(
+                NativeInstance::new(
+                    Arc::clone(plan),
+                    &ctx.device,
+                    &ctx.weights,
+                    Arc::clone(tenant),
+                )
+                .await?,
+            ),
+        })
+    }
+}
+
+impl Runner {
+    fn counted_in(self, gauge: prometheus::IntGauge) -> Self {
+        match self {
+            Runner::Guest(i) => Runner::Guest(i.counted_in(gauge)),
+            Runner::Native(i) => Runner::Native(i.counted_in(gauge)),
+        }
+    }
+
+    async fn infer(&mut self, inputs: Vec<Tensor>) -> Result<Vec<Tensor>, InferFailure> {
+        match self {
+            Runner::Guest(i) => i.infer(inputs).await,
+            Runner::Native(i) => i.infer(inputs).await,
+        }
+    }
+}
+
 impl Model {
-    /// Loads the model in `dir`: reads its configuration, loads its weight sets and component,
-    /// starts its instances and checks what the guest declares against the configuration.
+    /// Loads the model in `dir`: reads its configuration, loads its weight sets and component
+    /// (or, for a StableHLO model, compiles and checks its programs and loads its weights;
+    /// see [`super::stablehlo`]), starts its instances and checks what the guest declares
+    /// against the configuration.
     ///
     /// Errors: a bad configuration, a missing or invalid component, weight files that do not
     /// load or a weight-set name another model uses for a different file, a guest whose
-    /// `metadata()` disagrees with the configuration's inputs, outputs or `max_batch_size`.
+    /// `metadata()` disagrees with the configuration's inputs, outputs or `max_batch_size`; for
+    /// a StableHLO model the errors of [`Plan::read`] and [`Plan::compile`], which name the
+    /// file and the parameter.
     pub async fn load(ctx: &LoadContext, name: &str, dir: &Path) -> Result<Arc<Model>> {
         let config = ModelConfig::load(dir)?;
         for (set, file) in &config.tpubox.weights {
-            let path = dir.join(file);
-            let canonical = path
-                .canonicalize()
-                .with_context(|| format!("weight set `{set}`: {}", path.display()))?;
-            let mut loaded = ctx.loaded_weights.lock().unwrap();
-            match loaded.get(set) {
-                Some(p) if *p == canonical => continue,
-                Some(p) => bail!(
-                    "weight set `{set}` is already loaded from {}; this model names {}",
-                    p.display(),
-                    canonical.display()
-                ),
-                None => {
-                    ctx.weights
-                        .load_safetensors(&ctx.device, set, &canonical, 0)
-                        .map_err(|e| anyhow::anyhow!("weight set `{set}`: {e}"))?;
-                    loaded.insert(set.clone(), canonical);
-                }
-            }
+            ensure_weight_set(ctx, set, &dir.join(file))?;
         }
-        let component_path = config.component_path(dir)?;
-        let sandbox = Arc::clone(&ctx.sandbox);
-        let component =
-            tokio::task::spawn_blocking(move || sandbox.load_component(&component_path))
-                .await
-                .context("loading the component")??;
         let tenant = Tenant::new(format!("model:{name}"), config.tenant_limits());
-        let opts = RunOptions {
-            dirs: vec![(config.files_dir(dir)?, "/model".to_string())],
-            tenant: Some(Arc::clone(&tenant)),
-            ..RunOptions::default()
-        };
         let live = ctx.metrics.instances_of(name);
-        let mut first = Instance::new(
-            &ctx.sandbox,
-            &ctx.device,
-            &ctx.weights,
-            &component,
-            name,
-            &opts,
-        )
-        .await?
-        .counted_in(live.clone());
-        let mut metadata = first.metadata().await.context("the model's metadata()")?;
-        check_declared(&config, &metadata)?;
-        if let Some(m) = config.max_batch_size {
-            if m > metadata.max_batch_size {
-                bail!(
-                    "max_batch_size {m} is larger than the {} the model accepts",
-                    metadata.max_batch_size
-                );
+        let (kind, first, metadata) = if config.tpubox.stablehlo.is_some() {
+            // Read and checked before anything is loaded: a broken directory loads nothing.
+            let plan = Arc::new(Plan::read(dir, name, &config)?);
+            let session = tpubox_core::session::Session::new(
+                Arc::clone(&ctx.device),
+                Arc::clone(&ctx.weights),
+                Arc::clone(&tenant),
+            );
+            let exes = plan.compile(&session).await?;
+            ensure_weight_set(ctx, &plan.weight_set, &plan.weights_file)?;
+            let first = Runner::Native(NativeInstance::from_compiled(
+                Arc::clone(&plan),
+                session,
+                exes,
+            )?);
+            let kind = Kind::Native(Arc::clone(&plan));
+            let metadata = plan.metadata.clone();
+            (kind, first, metadata)
+        } else {
+            let component_path = config.component_path(dir)?;
+            let sandbox = Arc::clone(&ctx.sandbox);
+            let component =
+                tokio::task::spawn_blocking(move || sandbox.load_component(&component_path))
+                    .await
+                    .context("loading the component")??;
+            let opts = RunOptions {
+                dirs: vec![(config.files_dir(dir)?, "/model".to_string())],
+                tenant: Some(Arc::clone(&tenant)),
+                ..RunOptions::default()
+            };
+            let kind = Kind::Guest { component, opts };
+            let mut first = kind.instance(ctx, name, &tenant).await?;
+            let Runner::Guest(guest) = &mut first else {
+                unreachable!("a guest kind makes guest instances")
+            };
+            let mut metadata = guest.metadata().await.context("the model's metadata()")?;
+            check_declared(&config, &metadata)?;
+            if let Some(m) = config.max_batch_size {
+                if m > metadata.max_batch_size {
+                    bail!(
+                        "max_batch_size {m} is larger than the {} the model accepts",
+                        metadata.max_batch_size
+                    );
+                }
+                metadata.max_batch_size = m;
             }
-            metadata.max_batch_size = m;
-        }
+            (kind, first, metadata)
+        };
+        let first = first.counted_in(live.clone());
         let batching = metadata.max_batch_size > 0 && config.dynamic_batching.is_some();
         let db = config.dynamic_batching.clone().unwrap_or_default();
         let queue = Arc::new(Queue::new(BatchPolicy {
@@ -182,16 +286,9 @@ impl Model {
         let mut instances = vec![first];
         for _ in 1..config.instances() {
             instances.push(
-                Instance::new(
-                    &ctx.sandbox,
-                    &ctx.device,
-                    &ctx.weights,
-                    &component,
-                    name,
-                    &opts,
-                )
-                .await?
-                .counted_in(live.clone()),
+                kind.instance(ctx, name, &tenant)
+                    .await?
+                    .counted_in(live.clone()),
             );
         }
         let workers = instances
@@ -202,8 +299,8 @@ impl Model {
                     queue: Arc::clone(&queue),
                     stats: Arc::clone(&stats),
                     ctx: ctx.clone(),
-                    component: component.clone(),
-                    opts: opts.clone(),
+                    kind: kind.clone(),
+                    tenant: Arc::clone(&tenant),
                     outputs: metadata.outputs.clone(),
                 };
                 tokio::spawn(worker.run(instance))
@@ -211,6 +308,7 @@ impl Model {
             .collect();
         tracing::info!(
             model = name,
+            kind = kind.name(),
             instances = config.instances(),
             max_batch_size = metadata.max_batch_size,
             batching,
@@ -510,26 +608,21 @@ struct Worker {
     queue: Arc<Queue>,
     stats: Arc<ModelStats>,
     ctx: LoadContext,
-    component: wasmtime::component::Component,
-    opts: RunOptions,
+    kind: Kind,
+    tenant: Arc<Tenant>,
     outputs: Vec<TensorDecl>,
 }
 
 impl Worker {
-    async fn run(self, instance: Instance) {
+    async fn run(self, instance: Runner) {
         let mut instance = Some(instance);
         while let Some(batch) = self.queue.next_batch().await {
             let inst = match &mut instance {
                 Some(i) => i,
-                None => match Instance::new(
-                    &self.ctx.sandbox,
-                    &self.ctx.device,
-                    &self.ctx.weights,
-                    &self.component,
-                    &self.name,
-                    &self.opts,
-                )
-                .await
+                None => match self
+                    .kind
+                    .instance(&self.ctx, &self.name, &self.tenant)
+                    .await
                 {
                     Ok(i) => {
                         let i = i.counted_in(self.ctx.metrics.instances_of(&self.name));
@@ -592,7 +685,7 @@ impl Worker {
     /// whether the instance broke (and must be replaced).
     async fn execute(
         &self,
-        inst: &mut Instance,
+        inst: &mut Runner,
         batch: &[Pending],
     ) -> (ServeResult<Vec<Vec<Tensor>>>, Duration, bool) {
         let sizes: Vec<u64> = batch.iter().map(|p| p.batch).collect();
