@@ -69,7 +69,9 @@ pub struct WeightRegistry {
     sets: RwLock<BTreeMap<String, Arc<WeightSet>>>,
 }
 
-fn xla_type(d: Dtype) -> Option<PrimitiveType> {
+/// The XLA element type of a safetensors dtype; `None` for one XLA lacks (the F8 variants and
+/// the other types safetensors has and XLA does not).
+pub fn xla_type(d: Dtype) -> Option<PrimitiveType> {
     Some(match d {
         Dtype::BOOL => PrimitiveType::Pred,
         Dtype::U8 => PrimitiveType::U8,

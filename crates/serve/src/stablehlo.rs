@@ -22,7 +22,7 @@ use std::sync::Arc;
 
 use anyhow::{Context, Result, bail};
 use pjrt::PrimitiveType;
-use safetensors::{Dtype, SafeTensors};
+use safetensors::SafeTensors;
 
 use super::config::ModelConfig;
 use super::instance::{GuestMetadata, InferFailure, TensorDecl};
@@ -54,27 +54,6 @@ pub fn xla_type(d: Datatype) -> Option<PrimitiveType> {
         Datatype::Fp32 => PrimitiveType::F32,
         Datatype::Fp64 => PrimitiveType::F64,
         Datatype::Bytes => return None,
-    })
-}
-
-/// The XLA element type of a safetensors dtype; `None` for one XLA lacks (the F8 variants).
-fn safetensors_type(d: Dtype) -> Option<PrimitiveType> {
-    Some(match d {
-        Dtype::BOOL => PrimitiveType::Pred,
-        Dtype::U8 => PrimitiveType::U8,
-        Dtype::I8 => PrimitiveType::S8,
-        Dtype::I16 => PrimitiveType::S16,
-        Dtype::U16 => PrimitiveType::U16,
-        Dtype::I32 => PrimitiveType::S32,
-        Dtype::U32 => PrimitiveType::U32,
-        Dtype::I64 => PrimitiveType::S64,
-        Dtype::U64 => PrimitiveType::U64,
-        Dtype::F16 => PrimitiveType::F16,
-        Dtype::BF16 => PrimitiveType::Bf16,
-        Dtype::F32 => PrimitiveType::F32,
-        Dtype::F64 => PrimitiveType::F64,
-        Dtype::C64 => PrimitiveType::C64,
-        _ => return None,
     })
 }
 
@@ -482,7 +461,7 @@ pub fn read_weight_header(path: &Path) -> Result<BTreeMap<String, WeightInfo>> {
     })?;
     let mut out = BTreeMap::new();
     for (name, view) in st.tensors() {
-        let ty = safetensors_type(view.dtype()).with_context(|| {
+        let ty = tpubox_core::weights::xla_type(view.dtype()).with_context(|| {
             format!(
                 "weights {}: tensor `{name}` has dtype {:?}, which XLA lacks",
                 path.display(),
