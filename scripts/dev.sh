@@ -71,6 +71,8 @@ setup_system() {
   local missing=()
   python3 -c 'import venv, ensurepip' 2>/dev/null || missing+=(python3-venv)
   command -v npm >/dev/null || missing+=(nodejs npm)
+  # tests/hardening/certs.py makes the TLS tests' certificates with the openssl command.
+  command -v openssl >/dev/null || missing+=(openssl)
   # C guests: clang and wasm-ld for wasm32-wasi, WASI's libc, and clang's wasm32 builtins.
   local pkg
   for pkg in clang lld wasi-libc libclang-rt-14-dev-wasm32; do

@@ -17,6 +17,8 @@ use tpubox_wasm::{Host, HostConfig, RunOptions, SandboxConfig};
 #[cfg(feature = "remote-cache")]
 use tpubox_cache_remote::RemoteCache;
 
+#[cfg(feature = "serve")]
+mod admin;
 mod logfmt;
 mod scaffold;
 
@@ -134,6 +136,10 @@ enum Cmd {
     /// components (--components), per tenant with the [tenant.session] limits of the tokens
     /// file. --model-repository is then optional. See docs/NOTEBOOKS.md.
     Serve(ServeArgs),
+    /// Operate a running `tpubox serve` (on its metrics port, with a token of a tenant that
+    /// has `admin = true`): list the live sessions, end one, reload the tokens and TLS files.
+    #[cfg(feature = "serve")]
+    Admin(admin::AdminArgs),
     /// Check model directories of a repository before serving them.
     Model {
         #[command(subcommand)]
@@ -239,6 +245,23 @@ struct ServeArgs {
     /// `anonymous`); without this flag the daemon refuses to start so.
     #[arg(long)]
     allow_anonymous_network: bool,
+    /// TLS on every TCP door (REST, gRPC, metrics, --session-port): the daemon's certificate
+    /// chain, PEM, leaf first (with --tls-key). SIGHUP reads the files again.
+    #[arg(long, value_name = "FILE", requires = "tls_key")]
+    tls_cert: Option<PathBuf>,
+    /// The certificate's private key, PEM (PKCS#8, PKCS#1 or SEC1).
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_key: Option<PathBuf>,
+    /// CA certificates, PEM: clients must present a certificate one of them signed (see
+    /// --tls-client-auth). Tokens are still needed: the certificate admits the connection,
+    /// the token names the tenant.
+    #[arg(long, value_name = "FILE", requires = "tls_cert")]
+    tls_client_ca: Option<PathBuf>,
+    /// With --tls-client-ca: `required` (the default: a client without a valid certificate
+    /// fails its handshake) or `optional` (a certificate a client presents must be valid;
+    /// clients without one are served).
+    #[arg(long, value_name = "MODE", value_parser = ["required", "optional"], requires = "tls_client_ca")]
+    tls_client_auth: Option<String>,
     /// Exit with status 2 when a model found at start-up fails to load (Triton's
     /// --exit-on-error); without it the server serves the models that loaded.
     #[arg(long)]
@@ -406,6 +429,15 @@ async fn serve(args: ServeArgs) -> Result<bool> {
             max_streams: args.max_streams,
             ..tpubox_net::DoorLimits::default()
         },
+        tls: args.tls_cert.map(|cert| tpubox_net::TlsFiles {
+            cert,
+            key: args.tls_key.unwrap_or_default(),
+            client_certs: match (args.tls_client_ca, args.tls_client_auth.as_deref()) {
+                (None, _) => tpubox_net::ClientCerts::None,
+                (Some(ca), Some("optional")) => tpubox_net::ClientCerts::Optional(ca),
+                (Some(ca), _) => tpubox_net::ClientCerts::Required(ca),
+            },
+        }),
         allow_anonymous_network: args.allow_anonymous_network,
     };
     tpubox_serve::run(config, sandbox, device, weights).await?;
@@ -902,6 +934,8 @@ async fn main_inner(cli: Cli) -> Result<bool> {
             Ok(true)
         }
         Cmd::Serve(args) => serve(args).await,
+        #[cfg(feature = "serve")]
+        Cmd::Admin(args) => admin::run(args).await,
         Cmd::Model { action } => model_command(action).await,
         Cmd::CompileWorker => unreachable!("handled before the runtime starts"),
         Cmd::Cache { action, cache } => cache_command(action, &cache).await,

@@ -391,7 +391,7 @@ def test_sighup_reloads_the_tokens_file_without_ending_sessions(own_daemon):
     tenants = {k: v for k, v in d.tenants.items() if k != "erin"}
     tenants["henry"] = {"token": "henry-token", "session": {}}
     tenants["bob"] = {"token": BOB, "session": {"max_device_mib": 2}}
-    hup_and_wait(tenants, "SIGHUP: tokens file reloaded")
+    hup_and_wait(tenants, "reloaded (SIGHUP)")
     with tpubox.connect(d.unix, "henry-token") as henry:
         assert henry.tenant == "henry"
     # bob's live session goes on with its tensor and its old limits; a new one gets the new.

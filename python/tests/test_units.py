@@ -197,3 +197,51 @@ def test_parse_limit_and_kernel_json():
         "provisioner_name": "tpubox-provisioner",
         "config": {"address": "unix:/s", "token_file": "~/t", "limits": {"max_live_tensors": 5}},
     }
+
+
+def test_tls_option_forms(tmp_path, monkeypatch):
+    from tpubox import _transport
+
+    ca = str(tmp_path / "ca.pem")
+    assert tpubox.TLS.coerce(None) is None and tpubox.TLS.coerce(False) is None
+    assert tpubox.TLS.coerce(True) == tpubox.TLS()
+    assert tpubox.TLS.coerce(ca) == tpubox.TLS(ca=ca)
+    assert tpubox.TLS.coerce(tmp_path / "ca.pem") == tpubox.TLS(ca=ca)
+    assert tpubox.TLS.coerce({"ca": tmp_path / "ca.pem", "server_name": "box"}) == tpubox.TLS(
+        ca=ca, server_name="box"
+    )
+    with pytest.raises(ValueError, match="unknown fields"):
+        tpubox.TLS.coerce({"cafile": ca})
+    with pytest.raises(ValueError, match="both cert and key"):
+        tpubox.TLS(cert="c.pem")
+    with pytest.raises(TypeError):
+        tpubox.TLS.coerce(3)
+    # Which TLS a connection gets: tls=, then the environment (TCP only), then the scheme.
+    for k in ("TPUBOX_TLS_CA", "TPUBOX_TLS_CERT", "TPUBOX_TLS_KEY", "TPUBOX_TLS_SERVER_NAME"):
+        monkeypatch.delenv(k, raising=False)
+    assert _transport.resolve_tls("127.0.0.1:7070", None) is None
+    assert _transport.resolve_tls("grpcs://127.0.0.1:7070", None) == tpubox.TLS()
+    assert _transport.grpc_target("grpcs://box:7070") == "box:7070"
+    assert _transport.resolve_tls("box:7070", ca) == tpubox.TLS(ca=ca)
+    monkeypatch.setenv("TPUBOX_TLS_CA", ca)
+    assert _transport.resolve_tls("box:7070", None) == tpubox.TLS(ca=ca)
+    assert _transport.resolve_tls("unix:/run/tpubox.sock", None) is None
+    with pytest.raises(ValueError, match="Unix socket"):
+        _transport.resolve_tls("/run/tpubox.sock", True)
+    # What a provisioner hands a kernel reads back into the same TLS.
+    t = tpubox.TLS(ca=ca, cert="c.pem", key="k.pem")
+    for k, v in t.env().items():
+        monkeypatch.setenv(k, v)
+    assert tpubox.TLS.from_env() == tpubox.TLS(
+        ca=ca, cert=os.path.abspath("c.pem"), key=os.path.abspath("k.pem")
+    )
+    # A missing CA file is the caller's mistake, said as such.
+    with pytest.raises(FileNotFoundError):
+        tpubox.connect("127.0.0.1:1", "t", tls=str(tmp_path / "absent.pem"))
+
+
+def test_kernel_json_carries_tls_files():
+    spec = kernel_json(address="box:7070", tls_ca="/etc/ca.pem", tls_cert="~/{user}.pem")
+    config = spec["metadata"]["kernel_provisioner"]["config"]
+    assert config["tls_ca"] == "/etc/ca.pem" and config["tls_cert"] == "~/{user}.pem"
+    assert "tls_key" not in config

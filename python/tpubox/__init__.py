@@ -54,6 +54,7 @@ from .session import (
     tenant_usage,
     wait_for_daemon,
 )
+from ._transport import TLS
 
 __version__ = "0.1.0"
 
@@ -62,6 +63,7 @@ __all__ = [
     "default_session",
     "tenant_usage",
     "wait_for_daemon",
+    "TLS",
     "Session",
     "Tensor",
     "Executable",

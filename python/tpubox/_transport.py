@@ -12,9 +12,10 @@ Which transport a call takes is ``Session``'s choice, call by call.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import threading
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import grpc
 import numpy as np
@@ -39,8 +40,149 @@ _CHANNEL_OPTIONS: list[tuple[str, Any]] = [
 ]
 
 
+#: Address schemes that ask for TLS (``tls=`` may give the certificates).
+TLS_SCHEMES = ("grpcs://", "https://")
+
+#: Environment variables :meth:`TLS.from_env` reads (a kernel's provisioner sets them).
+ENV_TLS_CA = "TPUBOX_TLS_CA"
+ENV_TLS_CERT = "TPUBOX_TLS_CERT"
+ENV_TLS_KEY = "TPUBOX_TLS_KEY"
+ENV_TLS_SERVER_NAME = "TPUBOX_TLS_SERVER_NAME"
+
+
+@dataclasses.dataclass(frozen=True)
+class TLS:
+    """How to reach a daemon that serves TLS on its TCP port (``tpubox serve --tls-cert``).
+
+    Attributes:
+        ca: a PEM file of the CA certificate(s) that signed the daemon's certificate; None
+            trusts gRPC's default roots (the system's).
+        cert: a PEM file of this client's certificate chain, for a daemon started with
+            ``--tls-client-ca`` (with ``key``).
+        key: the PEM file of that certificate's private key.
+        server_name: the name to check the daemon's certificate against, when it is not the
+            host of the address (e.g. connecting by IP to a certificate issued for a name).
+
+    The files are read when a channel is made (each ``connect``), so a renewed certificate is
+    picked up by the next session.
+    """
+
+    ca: str | None = None
+    cert: str | None = None
+    key: str | None = None
+    server_name: str | None = None
+
+    def __post_init__(self) -> None:
+        if (self.cert is None) != (self.key is None):
+            raise ValueError(
+                "tpubox TLS: give both cert and key (a client certificate), or neither"
+            )
+
+    @classmethod
+    def coerce(cls, value: Any) -> "TLS | None":
+        """TLS from what ``connect(tls=...)`` accepts: None/False (plain text), True (TLS,
+        default roots), a path (the CA file), a mapping of the fields, or a TLS."""
+        if value is None or value is False:
+            return None
+        if value is True:
+            return cls()
+        if isinstance(value, cls):
+            return value
+        if isinstance(value, (str, os.PathLike)):
+            return cls(ca=os.fspath(value))
+        if isinstance(value, Mapping):
+            fields = {f.name for f in dataclasses.fields(cls)}
+            unknown = set(value) - fields
+            if unknown:
+                raise ValueError(
+                    f"tpubox TLS: unknown fields {sorted(unknown)} (known: {sorted(fields)})"
+                )
+            return cls(
+                **{
+                    k: (os.fspath(v) if isinstance(v, os.PathLike) else v)
+                    for k, v in value.items()
+                }
+            )
+        raise TypeError(
+            "tls= takes None, a bool, a CA file path, a mapping or tpubox.TLS, "
+            f"not {type(value).__name__}"
+        )
+
+    @classmethod
+    def from_env(cls) -> "TLS | None":
+        """TLS from ``TPUBOX_TLS_CA``, ``TPUBOX_TLS_CERT``, ``TPUBOX_TLS_KEY`` and
+        ``TPUBOX_TLS_SERVER_NAME``; None when none is set."""
+        v = {
+            "ca": os.environ.get(ENV_TLS_CA) or None,
+            "cert": os.environ.get(ENV_TLS_CERT) or None,
+            "key": os.environ.get(ENV_TLS_KEY) or None,
+            "server_name": os.environ.get(ENV_TLS_SERVER_NAME) or None,
+        }
+        if not any(v.values()):
+            return None
+        return cls(**v)
+
+    def env(self) -> dict[str, str]:
+        """The environment variables :meth:`from_env` reads back into this TLS."""
+        out = {}
+        for name, value in (
+            (ENV_TLS_CA, self.ca),
+            (ENV_TLS_CERT, self.cert),
+            (ENV_TLS_KEY, self.key),
+            (ENV_TLS_SERVER_NAME, self.server_name),
+        ):
+            if value:
+                out[name] = os.path.abspath(value) if name != ENV_TLS_SERVER_NAME else value
+        return out
+
+    def credentials(self) -> grpc.ChannelCredentials:
+        """gRPC channel credentials from the files.
+
+        Raises:
+            FileNotFoundError / PermissionError: a file that cannot be read.
+        """
+
+        def read(path: str | None) -> bytes | None:
+            if path is None:
+                return None
+            with open(os.path.expanduser(path), "rb") as f:
+                return f.read()
+
+        return grpc.ssl_channel_credentials(
+            root_certificates=read(self.ca),
+            private_key=read(self.key),
+            certificate_chain=read(self.cert),
+        )
+
+
+def resolve_tls(address: str, tls: Any) -> "TLS | None":
+    """The TLS a connection to ADDRESS uses: TLS (``tls=``); else the environment's
+    (``TPUBOX_TLS_*``) for a TCP address; else default-roots TLS for a ``grpcs://`` or
+    ``https://`` address; else none.
+
+    Raises:
+        ValueError: TLS asked for a Unix socket (which never uses it: who may connect is who
+            may write the socket file).
+    """
+    t = TLS.coerce(tls)
+    unix = grpc_target(address).startswith(("unix:", "unix-abstract:"))
+    if unix:
+        if t is not None:
+            raise ValueError(
+                f"tls= was given for the Unix socket {address}: the daemon serves TLS on its TCP "
+                "port only (a Unix socket is guarded by its file mode)"
+            )
+        return None
+    if t is None:
+        t = TLS.from_env()
+    if t is None and os.fspath(address).strip().startswith(TLS_SCHEMES):
+        t = TLS()
+    return t
+
+
 def grpc_target(address: str | os.PathLike[str]) -> str:
-    """The gRPC target of ADDRESS: ``unix:PATH`` (also a bare path), or ``HOST:PORT``."""
+    """The gRPC target of ADDRESS: ``unix:PATH`` (also a bare path), or ``HOST:PORT``
+    (``grpcs://HOST:PORT`` and ``https://HOST:PORT`` too: they ask for TLS)."""
     a = os.fspath(address).strip()
     if not a:
         raise ValueError("empty tpubox daemon address")
@@ -48,20 +190,25 @@ def grpc_target(address: str | os.PathLike[str]) -> str:
         return a
     if a.startswith(("/", "./", "../", "~")):
         return "unix:" + os.path.abspath(os.path.expanduser(a))
-    for scheme in ("grpc://", "http://", "tcp://", "dns:///"):
+    for scheme in ("grpc://", "http://", "tcp://", "dns:///") + TLS_SCHEMES:
         if a.startswith(scheme):
             return a[len(scheme) :]
     return a
 
 
-def grpc_channel(target: str) -> grpc.Channel:
-    """A gRPC channel to TARGET (a :func:`grpc_target`) with the session API's options."""
+def grpc_channel(target: str, tls: "TLS | None" = None) -> grpc.Channel:
+    """A gRPC channel to TARGET (a :func:`grpc_target`) with the session API's options, over
+    TLS when TLS is given."""
     options = list(_CHANNEL_OPTIONS)
     if target.startswith(("unix:", "unix-abstract:")):
         # gRPC C-core's default :authority for a Unix socket is the percent-encoded socket
         # path, which the daemon's HTTP/2 server refuses (RST_STREAM PROTOCOL_ERROR).
         options.append(("grpc.default_authority", "localhost"))
-    return grpc.insecure_channel(target, options=options)
+    if tls is None:
+        return grpc.insecure_channel(target, options=options)
+    if tls.server_name:
+        options.append(("grpc.ssl_target_name_override", tls.server_name))
+    return grpc.secure_channel(target, tls.credentials(), options=options)
 
 
 def auth_metadata(token: str | None) -> tuple[tuple[str, str], ...]:

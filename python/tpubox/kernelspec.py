@@ -56,8 +56,12 @@ def kernel_json(
     label: str | None = None,
     display_name: str = "Python 3 (tpubox)",
     python: str | None = None,
+    tls_ca: str | None = None,
+    tls_cert: str | None = None,
+    tls_key: str | None = None,
 ) -> dict[str, Any]:
-    """The kernel.json of a tpubox kernelspec (see the module documentation)."""
+    """The kernel.json of a tpubox kernelspec (see the module documentation). ``tls_*``: PEM
+    files for a daemon that serves TLS on a TCP address (see :class:`tpubox.TLS`)."""
     config: dict[str, Any] = {"address": address}
     if token:
         config["token"] = token
@@ -67,6 +71,9 @@ def kernel_json(
         config["limits"] = dict(limits)
     if label:
         config["label"] = label
+    for key, value in (("tls_ca", tls_ca), ("tls_cert", tls_cert), ("tls_key", tls_key)):
+        if value:
+            config[key] = value
     return {
         "argv": [python or sys.executable, "-m", "ipykernel_launcher", "-f", "{connection_file}"],
         "display_name": display_name,
@@ -128,6 +135,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="a tighter session limit, e.g. max_device_bytes=4GiB (repeatable)",
     )
     i.add_argument("--label", help="label in the daemon's logs ({user}, {kernel_id})")
+    i.add_argument("--tls-ca", help="TLS (TCP address): PEM CA file of the daemon's certificate")
+    i.add_argument("--tls-cert", help="TLS: PEM client certificate chain ({user}, ~ expand)")
+    i.add_argument("--tls-key", help="TLS: PEM key of the client certificate ({user}, ~ expand)")
     i.add_argument("--display-name", help="name shown in Jupyter (default: Python 3 (NAME))")
     i.add_argument("--python", help="the kernel's Python (default: this one)")
     where = i.add_mutually_exclusive_group()
@@ -149,6 +159,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         label=args.label,
         display_name=args.display_name or f"Python 3 ({args.name})",
         python=args.python,
+        tls_ca=args.tls_ca,
+        tls_cert=args.tls_cert,
+        tls_key=args.tls_key,
     )
     prefix = args.prefix or (sys.prefix if args.sys_prefix else None)
     user = not (prefix or args.system)

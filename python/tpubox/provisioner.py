@@ -40,6 +40,8 @@ from typing import Any
 from jupyter_client.provisioning import LocalProvisioner
 from traitlets import Dict, Float, Unicode
 
+from . import _transport
+from ._transport import TLS
 from .session import ENV_ADDRESS, ENV_SESSION_ID, ENV_SESSION_TOKEN, Limits, Session, connect
 
 __all__ = ["TpuboxProvisioner", "HIDDEN_ACCELERATOR_ENV", "current_user"]
@@ -84,6 +86,13 @@ class TpuboxProvisioner(LocalProvisioner):  # type: ignore[misc]
         config=True
     )
     timeout = Float(30.0, help="Deadline of the Open and Close calls, in seconds.").tag(config=True)
+    tls_ca = Unicode(
+        "", help="TLS: PEM file of the CA that signed the daemon's certificate (TCP address)."
+    ).tag(config=True)
+    tls_cert = Unicode("", help="TLS: PEM client certificate chain ({user}, ~).").tag(config=True)
+    tls_key = Unicode("", help="TLS: PEM key of the client certificate ({user}, ~).").tag(
+        config=True
+    )
 
     _tpubox_session: Session | None = None
 
@@ -116,6 +125,16 @@ class TpuboxProvisioner(LocalProvisioner):  # type: ignore[misc]
             )
         return _substitute(self.address, user=current_user())
 
+    def _tls(self) -> TLS | None:
+        """TLS from the tls_* settings; None (the environment's or none) when unset."""
+        user = current_user()
+        files = {
+            k: os.path.expanduser(_substitute(v, user=user))
+            for k, v in (("ca", self.tls_ca), ("cert", self.tls_cert), ("key", self.tls_key))
+            if v
+        }
+        return TLS(**files) if files else None
+
     # -- the session ------------------------------------------------------------------------
 
     @property
@@ -131,6 +150,7 @@ class TpuboxProvisioner(LocalProvisioner):  # type: ignore[misc]
             limits=Limits.coerce(dict(self.limits)),
             label=label,
             timeout=self.timeout,
+            tls=self._tls(),
         )
 
     def _close(self) -> None:
@@ -155,6 +175,11 @@ class TpuboxProvisioner(LocalProvisioner):  # type: ignore[misc]
         env[ENV_ADDRESS] = s.address
         env[ENV_SESSION_TOKEN] = s.token
         env[ENV_SESSION_ID] = s.session_id
+        # The kernel joins over the same TLS (CA and client certificate files, not their
+        # contents, reach it).
+        tls = _transport.resolve_tls(s.address, self._tls())
+        if tls is not None:
+            env.update(tls.env())
         kwargs["env"] = env
         self.log.info(
             "tpubox provisioner: kernel %s has session %s (tenant %s) at %s",

@@ -806,6 +806,7 @@ def connect(
     label: str = "",
     timeout: float | None = DEFAULT_TIMEOUT,
     local: bool | None = None,
+    tls: Any = None,
 ) -> Session:
     """Opens (or joins) a session on the tpubox daemon.
 
@@ -830,9 +831,16 @@ def connect(
             the address is a Unix socket and the daemon offers a local socket this process can
             open. True: also for a TCP address (the daemon must be on this machine); False:
             gRPC only. :attr:`Session.transport` says which.
+        tls: TLS for a TCP address of a daemon started with ``--tls-cert``:
+            :class:`tpubox.TLS` (``ca``, ``cert``, ``key``, ``server_name``: PEM files), a
+            mapping of those fields, a path (the CA file), or True (the system's roots).
+            Default: ``TPUBOX_TLS_CA``/``TPUBOX_TLS_CERT``/``TPUBOX_TLS_KEY`` from the
+            environment when set, TLS with the system's roots for a ``grpcs://`` or
+            ``https://`` address, else plain text. A Unix socket never uses TLS.
 
     Raises:
-        ValueError: no address and no TPUBOX_ADDRESS/TPUBOX_SESSION_TOKEN in the environment.
+        ValueError: no address and no TPUBOX_ADDRESS/TPUBOX_SESSION_TOKEN in the environment;
+            ``tls`` given for a Unix socket.
         tpubox.Unavailable: the daemon is not reachable at the address (at once, no waiting);
         tpubox.Unauthenticated: an unknown token; tpubox.PermissionDenied: a tenant that may
         not open sessions; tpubox.ResourceExhausted: ``max-sessions``;
@@ -850,12 +858,24 @@ def connect(
             )
         if limits is not None:
             raise ValueError("limits apply to a new session, not to the kernel's (joined) one")
-        return _join(env_address, env_token, timeout, local)
+        return _join(env_address, env_token, timeout, local, tls)
     if address is None:
         address = os.environ.get(ENV_ADDRESS)
         if not address:
             raise ValueError(f"tpubox.connect(): no address given and {ENV_ADDRESS} is not set")
-    return _open(os.fspath(address), token, Limits.coerce(limits), label, timeout, local)
+    return _open(os.fspath(address), token, Limits.coerce(limits), label, timeout, local, tls)
+
+
+def _channel(address: str | os.PathLike[str], tls: Any) -> Any:
+    """The gRPC channel to ADDRESS with the TLS ``tls=`` asks for (see :func:`connect`).
+
+    Raises:
+        FileNotFoundError: a TLS file that does not exist.
+    """
+    address = os.fspath(address)
+    return _transport.grpc_channel(
+        _transport.grpc_target(address), _transport.resolve_tls(address, tls)
+    )
 
 
 def _remember(s: Session) -> Session:
@@ -872,8 +892,9 @@ def _open(
     label: str,
     timeout: float | None,
     local: bool | None = None,
+    tls: Any = None,
 ) -> Session:
-    channel = _transport.grpc_channel(_transport.grpc_target(address))
+    channel = _channel(address, tls)
     stub = pb_grpc.SessionStub(channel)
     try:
         r = stub.Open(
@@ -919,8 +940,10 @@ def _open(
     return _remember(s)
 
 
-def _join(address: str, token: str, timeout: float | None, local: bool | None = None) -> Session:
-    channel = _transport.grpc_channel(_transport.grpc_target(address))
+def _join(
+    address: str, token: str, timeout: float | None, local: bool | None = None, tls: Any = None
+) -> Session:
+    channel = _channel(address, tls)
     stub = pb_grpc.SessionStub(channel)
     try:
         r = stub.Info(pb.InfoRequest(), metadata=_transport.auth_metadata(token), timeout=timeout)
@@ -958,7 +981,11 @@ def default_session() -> Session:
 
 
 def tenant_usage(
-    address: str | os.PathLike[str], token: str | None, *, timeout: float | None = DEFAULT_TIMEOUT
+    address: str | os.PathLike[str],
+    token: str | None,
+    *,
+    timeout: float | None = DEFAULT_TIMEOUT,
+    tls: Any = None,
 ) -> TenantUsage:
     """What all live sessions of TOKEN's tenant hold, summed (for operators and provisioners:
     after a kernel's session ends, its tenant's device bytes are back to zero).
@@ -966,12 +993,13 @@ def tenant_usage(
     Args:
         address: the daemon's address, as for :func:`connect`.
         token: a tenant token (not a session token).
+        tls: as for :func:`connect`.
 
     Raises:
         tpubox.Unauthenticated, tpubox.PermissionDenied, tpubox.Unavailable.
     """
     address = os.fspath(address)
-    channel = _transport.grpc_channel(_transport.grpc_target(address))
+    channel = _channel(address, tls)
     try:
         r = pb_grpc.SessionStub(channel).TenantUsage(
             pb.TenantUsageRequest(), metadata=_transport.auth_metadata(token), timeout=timeout
@@ -984,10 +1012,14 @@ def tenant_usage(
 
 
 def wait_for_daemon(
-    address: str | os.PathLike[str], timeout: float = 30.0, token: str | None = None
+    address: str | os.PathLike[str],
+    timeout: float = 30.0,
+    token: str | None = None,
+    *,
+    tls: Any = None,
 ) -> None:
     """Waits until the daemon at ADDRESS answers (a TenantUsage call with TOKEN; any answer but
-    Unavailable counts), for up to TIMEOUT seconds.
+    Unavailable counts), for up to TIMEOUT seconds. ``tls`` as for :func:`connect`.
 
     Raises:
         tpubox.Unavailable: not answering after TIMEOUT seconds.
@@ -996,7 +1028,7 @@ def wait_for_daemon(
     last: TpuboxError | None = None
     while time.monotonic() < deadline:
         try:
-            tenant_usage(address, token, timeout=2.0)
+            tenant_usage(address, token, timeout=2.0, tls=tls)
             return
         except Unavailable as e:
             last = e

@@ -6,7 +6,7 @@ the dtypes model (examples/serve-dtypes) in a model repository, and three tenant
 
 - `probe`: a well-behaved client whose latency the tests watch while others attack;
 - `attacker`: a tenant with a valid token that abuses what it is allowed to do;
-- `ops`: repository control and metrics.
+- `ops`: repository control, metrics and the admin calls.
 
 A test gives the daemon small limits (descriptors via RLIMIT_NOFILE, short timeouts via the
 CLI flags in EXTRA_ARGS) so that each abuse fits in seconds. Environment: TPUBOX_BIN,
@@ -22,6 +22,7 @@ import os
 import resource
 import shutil
 import signal
+import ssl
 import statistics
 import subprocess
 import sys
@@ -51,7 +52,13 @@ TENANTS: dict[str, dict[str, Any]] = {
         "models": ["dtypes"],
         "session": {"max_device_mib": 128, "max_sessions": 4},
     },
-    "ops": {"token": OPS, "models": ["*"], "repository_control": True, "metrics": True},
+    "ops": {
+        "token": OPS,
+        "models": ["*"],
+        "repository_control": True,
+        "metrics": True,
+        "admin": True,
+    },
 }
 
 
@@ -81,6 +88,8 @@ class Daemon:
 
     NOFILE: the daemon's descriptor limit (soft and hard), None to inherit.
     TENANTS: None for no tokens file (everyone is `anonymous`).
+    TLS: certificates (certs.Certs) to serve every TCP door with TLS; CLIENT_AUTH then adds
+    `--tls-client-ca` (the test CA) with that mode (`required` or `optional`).
     """
 
     def __init__(
@@ -93,6 +102,8 @@ class Daemon:
         repository: bool = True,
         env: Mapping[str, str] | None = None,
         bind: str | None = None,
+        tls: Any = None,
+        client_auth: str | None = None,
     ):
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
@@ -108,6 +119,22 @@ class Daemon:
         self.local_path = self.root / "session.sock.local"
         self.log_path = self.root / "serve.log"
         self.proc: subprocess.Popen | None = None
+        self.tls = tls
+        self.client_auth = client_auth
+
+    def client_ssl(self, with_cert: bool = True) -> ssl.SSLContext:
+        """An SSL context that trusts the test CA (and presents the test client certificate
+        when the daemon asks for one and WITH_CERT)."""
+        ctx = ssl.create_default_context(cafile=str(self.tls.ca.cert))
+        if with_cert and self.client_auth:
+            ctx.load_cert_chain(str(self.tls.client.cert), str(self.tls.client.key))
+        return ctx
+
+    def connection(self, port: int, timeout: float = 30.0) -> http.client.HTTPConnection:
+        """An HTTP (HTTPS with TLS) connection to PORT."""
+        if self.tls is None:
+            return http.client.HTTPConnection(self.host, port, timeout=timeout)
+        return http.client.HTTPSConnection(self.host, port, timeout=timeout, context=self.client_ssl())
 
     # Addresses.
     @property
@@ -161,6 +188,10 @@ class Daemon:
             tokens = self.root / "tokens.toml"
             tokens.write_text(tokens_toml(self.tenants))
             cmd += ["--tokens", str(tokens)]
+        if self.tls is not None:
+            cmd += ["--tls-cert", str(self.tls.server.cert), "--tls-key", str(self.tls.server.key)]
+            if self.client_auth:
+                cmd += ["--tls-client-ca", str(self.tls.ca.cert), "--tls-client-auth", self.client_auth]
         return cmd + list(self.extra_args)
 
     def start(self) -> Daemon:
@@ -254,7 +285,7 @@ class Daemon:
     def metrics(self, token: str | None = OPS) -> str:
         """The /metrics text (with TOKEN, as a tenant allowed to read it)."""
         headers = {"Authorization": f"Bearer {token}"} if token else {}
-        conn = http.client.HTTPConnection(self.host, self.metrics_port, timeout=10)
+        conn = self.connection(self.metrics_port, timeout=10)
         try:
             conn.request("GET", "/metrics", headers=headers)
             r = conn.getresponse()
@@ -297,13 +328,31 @@ def request(d: Daemon, method: str, path: str, body=None, headers=None, timeout=
         headers = {"Content-Type": "application/json", **(headers or {})}
     if isinstance(body, str):
         body = body.encode()
-    conn = http.client.HTTPConnection(d.host, port or d.http_port, timeout=timeout)
+    conn = d.connection(port or d.http_port, timeout=timeout)
     try:
         conn.request(method, path, body=body, headers=headers or {})
         r = conn.getresponse()
         return Response(r.status, {k.lower(): v for k, v in r.getheaders()}, r.read())
     finally:
         conn.close()
+
+
+def admin(d: Daemon, *args: str, token: str | None = OPS, extra: tuple[str, ...] = ()):
+    """`tpubox admin [EXTRA] ARGS` against D's metrics port, the token from the environment;
+    returns (exit status, stdout, stderr)."""
+    scheme = "https" if d.tls is not None else "http"
+    env = dict(os.environ)
+    env.pop("TPUBOX_ADMIN_TOKEN", None)
+    if token is not None:
+        env["TPUBOX_ADMIN_TOKEN"] = token
+    r = subprocess.run(
+        [str(binary()), "admin", "--url", f"{scheme}://{d.host}:{d.metrics_port}", *extra, *args],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=60,
+    )
+    return r.returncode, r.stdout, r.stderr
 
 
 def bearer(token: str) -> dict:

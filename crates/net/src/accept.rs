@@ -31,6 +31,8 @@ pub enum Stream {
     Tcp(TcpStream),
     /// A Unix-socket connection.
     Unix(UnixStream),
+    /// A TCP connection after its TLS handshake.
+    Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
 }
 
 impl Listener {

@@ -8,6 +8,8 @@
 //! - a header timeout (the first request head, HTTP/1 or HTTP/2, must arrive in full within
 //!   [`DoorLimits::header_timeout`]), a body timeout and an idle timeout;
 //! - HTTP/2's `SETTINGS_MAX_CONCURRENT_STREAMS` and a header-list cap;
+//! - TLS on TCP connections when the daemon has a certificate ([`tls`]), the handshake
+//!   within the header timeout;
 //! - authentication from the request head alone ([`Admission`]): a request without a valid
 //!   credential is answered (401, gRPC `UNAUTHENTICATED`) without a byte of its body read,
 //!   so it costs the daemon its head (at most [`DoorLimits::max_header_bytes`]) and nothing
@@ -19,17 +21,19 @@
 //! whether a credential is valid, by asking the door.
 //!
 //! Modules: [`limits`] (the limits and connection counts), [`accept`] (listeners, back-off),
-//! [`serve`](mod@serve) (connections and requests).
+//! [`serve`](mod@serve) (connections and requests), [`tls`] (certificates, client certificates).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod accept;
 pub mod limits;
 pub mod serve;
+pub mod tls;
 
 pub use accept::{Listener, Stream};
 pub use limits::{Connections, DoorLimits, PUBLIC_BODY_BYTES, Peer};
 pub use serve::{Admission, Admit, BodyError, Door, Windows, body_error, serve};
+pub use tls::{ClientCerts, Tls, TlsFiles};
 
 /// The bearer token of an `Authorization` header value (RFC 6750 §2.1: `Bearer TOKEN`, the
 /// scheme case-insensitive); `None` for anything else.
@@ -49,6 +53,8 @@ pub struct Doors {
     pub limits: DoorLimits,
     /// The connections open on every door.
     pub connections: std::sync::Arc<Connections>,
+    /// TLS of the TCP doors (`None`: plain text).
+    pub tls: Option<std::sync::Arc<Tls>>,
 }
 
 impl Doors {
@@ -66,6 +72,7 @@ impl Doors {
         Doors {
             connections: Connections::new(&limits),
             limits,
+            tls: None,
         }
     }
 
@@ -81,6 +88,7 @@ impl Doors {
             windows: None,
             keepalive: None,
             long_lived: &[],
+            tls: self.tls.clone(),
         }
     }
 }

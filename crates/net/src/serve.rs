@@ -73,6 +73,8 @@ pub struct Door {
     /// Request paths whose bodies may stay open as long as the call lasts (bidirectional
     /// streams), exempt from the body timeout.
     pub long_lived: &'static [&'static str],
+    /// TLS for the door's TCP connections (Unix-socket connections never use it).
+    pub tls: Option<Arc<crate::tls::Tls>>,
 }
 
 /// Serves `app` on `listener` as `door` until `stop` resolves; then closes every connection
@@ -120,7 +122,10 @@ pub async fn serve(
             Arc::clone(&live_tx),
         );
         tokio::spawn(async move {
-            connection(stream, &door, app, stop_rx).await;
+            let accepted = Instant::now();
+            if let Some(stream) = handshake(stream, &door, accepted).await {
+                connection(stream, &door, app, stop_rx, accepted).await;
+            }
             drop(guard);
             live_tx.send_modify(|n| *n -= 1);
         });
@@ -128,6 +133,43 @@ pub async fn serve(
     let _ = stop_tx.send(true);
     let _ = live_rx.wait_for(|n| *n == 0).await;
     Ok(())
+}
+
+/// A TCP connection of a door with TLS, after its handshake; any other connection as it is.
+/// `None` when the handshake failed or did not finish within the header timeout of
+/// `accepted` (protection `tls-handshake`): the connection is closed.
+async fn handshake(stream: Stream, door: &Door, accepted: Instant) -> Option<Stream> {
+    let Some(tls) = &door.tls else {
+        return Some(stream);
+    };
+    let tcp = match stream {
+        Stream::Tcp(t) => t,
+        other => return Some(other),
+    };
+    let acceptor = tls.acceptor(door.http2_only);
+    let deadline = accepted + door.limits.header_timeout;
+    match tokio::time::timeout_at(deadline, acceptor.accept(tcp)).await {
+        Ok(Ok(s)) => Some(Stream::Tls(Box::new(s))),
+        Ok(Err(e)) => {
+            triggered(
+                "tls-handshake",
+                door.name,
+                format_args!("a TLS handshake failed ({e}); closed"),
+            );
+            None
+        }
+        Err(_) => {
+            triggered(
+                "tls-handshake",
+                door.name,
+                format_args!(
+                    "no TLS handshake in {:?} after the connection opened; closed",
+                    door.limits.header_timeout
+                ),
+            );
+            None
+        }
+    }
 }
 
 /// What a connection's driver knows about its requests.
@@ -163,8 +205,8 @@ async fn connection(
     door: &Arc<Door>,
     app: axum::Router,
     mut stop: tokio::sync::watch::Receiver<bool>,
+    accepted: Instant,
 ) {
-    let accepted = Instant::now();
     let state = Arc::new(ConnState {
         in_flight: AtomicUsize::new(0),
         seen_request: AtomicBool::new(false),
@@ -485,6 +527,7 @@ impl AsyncRead for Stream {
         match self.get_mut() {
             Stream::Tcp(s) => Pin::new(s).poll_read(cx, buf),
             Stream::Unix(s) => Pin::new(s).poll_read(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_read(cx, buf),
         }
     }
 }
@@ -498,6 +541,7 @@ impl AsyncWrite for Stream {
         match self.get_mut() {
             Stream::Tcp(s) => Pin::new(s).poll_write(cx, buf),
             Stream::Unix(s) => Pin::new(s).poll_write(cx, buf),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write(cx, buf),
         }
     }
 
@@ -505,6 +549,7 @@ impl AsyncWrite for Stream {
         match self.get_mut() {
             Stream::Tcp(s) => Pin::new(s).poll_flush(cx),
             Stream::Unix(s) => Pin::new(s).poll_flush(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_flush(cx),
         }
     }
 
@@ -512,6 +557,7 @@ impl AsyncWrite for Stream {
         match self.get_mut() {
             Stream::Tcp(s) => Pin::new(s).poll_shutdown(cx),
             Stream::Unix(s) => Pin::new(s).poll_shutdown(cx),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_shutdown(cx),
         }
     }
 
@@ -523,6 +569,7 @@ impl AsyncWrite for Stream {
         match self.get_mut() {
             Stream::Tcp(s) => Pin::new(s).poll_write_vectored(cx, bufs),
             Stream::Unix(s) => Pin::new(s).poll_write_vectored(cx, bufs),
+            Stream::Tls(s) => Pin::new(s.as_mut()).poll_write_vectored(cx, bufs),
         }
     }
 
@@ -530,6 +577,7 @@ impl AsyncWrite for Stream {
         match self {
             Stream::Tcp(s) => s.is_write_vectored(),
             Stream::Unix(s) => s.is_write_vectored(),
+            Stream::Tls(s) => s.is_write_vectored(),
         }
     }
 }

@@ -46,6 +46,11 @@ pub struct TenantEntry {
     /// tokens file the metrics need no token.
     #[serde(default)]
     pub metrics: bool,
+    /// May use the admin calls on the metrics port (default false): list every tenant's
+    /// sessions, end one, reload the tokens file and TLS files (`tpubox admin`;
+    /// [`crate::admin`]). Without a tokens file they need no token.
+    #[serde(default)]
+    pub admin: bool,
     /// `[tenant.session]`: the tenant may open sessions on the session API, each with these
     /// limits; absent, it may not.
     #[serde(default)]
@@ -174,6 +179,7 @@ impl Access {
             max_requests_per_second: None,
             repository_control: true,
             metrics: true,
+            admin: true,
             session: Some(SessionPolicy::default()),
         });
         Access {
@@ -227,6 +233,11 @@ impl Access {
             .collect();
         *self.tokens.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
         Ok(r)
+    }
+
+    /// Whether it was read from a tokens file (which [`Access::reload`] can read again).
+    pub fn has_file(&self) -> bool {
+        self.path.is_some()
     }
 
     fn current(&self) -> Arc<Tokens> {
@@ -348,6 +359,25 @@ impl Access {
             ));
         }
         Ok(())
+    }
+
+    /// Admits a caller of the admin calls ([`crate::admin`]): a tenant whose entry has
+    /// `admin = true` (anyone without a tokens file). Returns the tenant, for the log.
+    ///
+    /// Errors: unauthenticated (401) as [`Access::identify`]; forbidden (403) for a tenant
+    /// without `admin`.
+    pub fn admit_admin(&self, authorization: Option<&str>) -> ServeResult<Arc<RequestTenant>> {
+        let tenant = self.identify(authorization)?;
+        if !tenant.entry.admin {
+            return Err(ServeError::new(
+                ServeErrorKind::Forbidden,
+                format!(
+                    "tenant `{}` may not use the admin calls (admin = true in the tokens file)",
+                    tenant.entry.name
+                ),
+            ));
+        }
+        Ok(tenant)
     }
 
     /// Admits one request of `authorization` to `model`, or refuses it.

@@ -27,6 +27,7 @@
 #![warn(missing_docs)]
 
 pub mod access;
+pub mod admin;
 pub mod batcher;
 pub mod config;
 pub mod error;
@@ -102,6 +103,9 @@ pub struct ServeConfig {
     pub sessions: SessionApiConfig,
     /// Connection caps and timeouts of every door (`tpubox_net`).
     pub doors: tpubox_net::DoorLimits,
+    /// TLS on every TCP door (REST, gRPC, metrics, the session API's port): `None` serves
+    /// plain text.
+    pub tls: Option<tpubox_net::TlsFiles>,
     /// Serve a non-loopback address without a tokens file (`--allow-anonymous-network`).
     /// Default false: without `--tokens` the daemon refuses to start on any address but
     /// loopback, since every caller would be tenant `anonymous`.
@@ -123,6 +127,7 @@ impl Default for ServeConfig {
             strict_readiness: false,
             sessions: SessionApiConfig::default(),
             doors: tpubox_net::DoorLimits::default(),
+            tls: None,
             allow_anonymous_network: false,
         }
     }
@@ -142,6 +147,8 @@ pub struct Server {
     pub device: Arc<DeviceService>,
     /// Largest request body in bytes.
     pub max_request_bytes: usize,
+    /// TLS of the TCP doors, which a reload reads again (`None`: plain text).
+    pub tls: Option<Arc<tpubox_net::Tls>>,
     started_loading: AtomicBool,
     shutting_down: AtomicBool,
     strict_readiness: AtomicBool,
@@ -166,6 +173,7 @@ impl Server {
         device: Arc<DeviceService>,
         max_request_bytes: usize,
         sessions: Arc<Registry>,
+        tls: Option<Arc<tpubox_net::Tls>>,
     ) -> Self {
         Server {
             repository,
@@ -174,6 +182,7 @@ impl Server {
             metrics,
             device,
             max_request_bytes,
+            tls,
             started_loading: AtomicBool::new(false),
             shutting_down: AtomicBool::new(false),
             strict_readiness: AtomicBool::new(false),
@@ -482,7 +491,9 @@ pub async fn run(
         );
     }
     check_anonymous_exposure(&config)?;
-    let doors = tpubox_net::Doors::new(&config.doors);
+    let mut doors = tpubox_net::Doors::new(&config.doors);
+    doors.tls = config.tls.clone().map(tpubox_net::Tls::load).transpose()?;
+    let scheme = if doors.tls.is_some() { "https" } else { "http" };
     let metrics = Arc::new(Metrics::new());
     let ctx = LoadContext {
         sandbox,
@@ -501,6 +512,7 @@ pub async fn run(
         device,
         config.max_request_bytes,
         Arc::clone(&registry),
+        doors.tls.clone(),
     ));
     server.set_strict_readiness(config.strict_readiness);
     if config.repository.is_some()
@@ -548,15 +560,16 @@ pub async fn run(
             grpc = %grpc.local_addr()?,
             metrics = %metrics.local_addr()?,
             repository = %repo.display(),
-            "tpubox serve listening: REST on http://{}, gRPC on {}, metrics on http://{}/metrics; loading the models",
+            "tpubox serve listening: REST on {scheme}://{}, gRPC on {}{}, metrics on {scheme}://{}/metrics; loading the models",
             http.local_addr()?,
             grpc.local_addr()?,
+            if doors.tls.is_some() { " (TLS)" } else { "" },
             metrics.local_addr()?
         );
     } else {
         tracing::info!(
             metrics = %metrics.local_addr()?,
-            "tpubox serve: no model repository, so no inference doors; metrics on http://{}/metrics",
+            "tpubox serve: no model repository, so no inference doors; metrics on {scheme}://{}/metrics",
             metrics.local_addr()?
         );
     }
@@ -624,10 +637,10 @@ pub async fn run(
             stopped(sessions_stop_rx),
         ))
     });
-    // SIGHUP reads the tokens file again: new tenants may connect at once, removed ones'
-    // sessions end, changed limits apply to new sessions; a bad file is logged and the one in
-    // use kept.
-    let reloader = tokio::spawn(reload_on_hangup(Arc::clone(&access), Arc::clone(&registry)));
+    // SIGHUP reads the tokens file (and the TLS files) again: new tenants may connect at once,
+    // removed ones' sessions end, changed limits apply to new sessions; a bad file is logged
+    // and the one in use kept. The admin call POST /v2/admin/reload does the same.
+    let reloader = tokio::spawn(admin::reload_on_hangup(Arc::clone(&server)));
     let exit_on_error = config.exit_on_error;
     let loader = {
         let s = Arc::clone(&server);
@@ -741,39 +754,6 @@ pub fn check_anonymous_exposure(config: &ServeConfig) -> Result<()> {
         "refusing to serve {} without --tokens: every caller would be tenant `anonymous`. Give a tokens file (docs/SERVING.md), bind loopback, or pass --allow-anonymous-network",
         exposed.join(" and ")
     )
-}
-
-/// Reloads `access` from its tokens file at each SIGHUP ([`Access::reload`]) and ends the
-/// sessions of tenants the new file no longer has.
-async fn reload_on_hangup(access: Arc<Access>, registry: Arc<Registry>) {
-    let mut hup = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::hangup()) {
-        Ok(s) => s,
-        Err(e) => {
-            tracing::warn!("no SIGHUP handler ({e}): the tokens file cannot be reloaded");
-            return;
-        }
-    };
-    while hup.recv().await.is_some() {
-        match access.reload() {
-            Ok(r) => {
-                let mut ended = 0;
-                for t in &r.removed {
-                    ended +=
-                        registry.close_tenant(t, "its tenant was removed from the tokens file");
-                }
-                tracing::info!(
-                    added = ?r.added,
-                    removed = ?r.removed,
-                    changed = ?r.changed,
-                    sessions_ended = ended,
-                    "SIGHUP: tokens file reloaded"
-                );
-            }
-            Err(e) => tracing::error!(
-                "SIGHUP: the tokens file was not reloaded, the one in use stays: {e:#}"
-            ),
-        }
-    }
 }
 
 /// Resolves on SIGTERM or Ctrl-C (SIGINT).

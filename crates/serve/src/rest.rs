@@ -9,7 +9,7 @@ use axum::body::{Body, Bytes};
 use axum::extract::{DefaultBodyLimit, Path, State};
 use axum::http::{HeaderMap, HeaderValue, StatusCode, header};
 use axum::response::{IntoResponse, Response};
-use axum::routing::{get, post};
+use axum::routing::{delete, get, post};
 use serde_json::{Value, json};
 
 use super::error::{ServeError, ServeErrorKind, ServeResult};
@@ -427,8 +427,50 @@ pub async fn serve_rest(
 /// The metrics router: `GET /metrics`, Prometheus's text format. With a tokens file it needs
 /// the bearer token of a tenant with `metrics = true` (401 without a known token, 403 for
 /// another tenant); without one it is open.
+///
+/// It also serves the admin calls ([`crate::admin`]), for tenants with `admin = true`:
+/// - `GET /v2/admin/sessions`: `{"sessions": [SessionRow...]}`, oldest first;
+/// - `DELETE /v2/admin/sessions/{id}`: ends it; 200 with its last row, 404 for an id no live
+///   session has;
+/// - `POST /v2/admin/reload`: reads the tokens file and the TLS files again; 200 with a
+///   [`crate::admin::ReloadReport`], 400 naming what is wrong (the files in use stay).
 pub fn metrics_router(server: Arc<Server>) -> Router {
     Router::new()
+        .route(
+            "/v2/admin/sessions",
+            get(|State(s): S, headers: HeaderMap| async move {
+                s.access.admit_admin(auth(&headers))?;
+                R::Ok(axum::Json(json!({ "sessions": s.admin_sessions() })))
+            }),
+        )
+        .route(
+            "/v2/admin/sessions/{id}",
+            delete(
+                |State(s): S, headers: HeaderMap, Path(id): Path<String>| async move {
+                    let admin = s.access.admit_admin(auth(&headers))?;
+                    match s.admin_end_session(&id, &admin.entry.name) {
+                        Ok(row) => {
+                            tracing::info!(session = %id, admin = %admin.entry.name, "session ended by an operator");
+                            R::Ok(axum::Json(json!({ "ended": row })).into_response())
+                        }
+                        Err(e) if e.kind == ServeErrorKind::NotFound => Ok((
+                            StatusCode::NOT_FOUND,
+                            axum::Json(json!({ "error": e.message })),
+                        )
+                            .into_response()),
+                        Err(e) => Err(e.into()),
+                    }
+                },
+            ),
+        )
+        .route(
+            "/v2/admin/reload",
+            post(|State(s): S, headers: HeaderMap| async move {
+                let admin = s.access.admit_admin(auth(&headers))?;
+                let r = s.reload(&format!("admin call of tenant `{}`", admin.entry.name))?;
+                R::Ok(axum::Json(json!(r)))
+            }),
+        )
         .route(
             "/metrics",
             get(|State(s): S, headers: HeaderMap| async move {

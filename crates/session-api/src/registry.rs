@@ -73,6 +73,10 @@ pub struct LiveSession {
     pub limits: SessionLimits,
     /// Ends when its last attached client goes away.
     pub end_on_disconnect: bool,
+    /// When it was opened.
+    pub opened: Instant,
+    /// When it was opened, by the wall clock (for operators).
+    pub opened_at: std::time::SystemTime,
     session: Session,
     key: [u8; 32],
     tables: Mutex<Option<Tables>>,
@@ -385,6 +389,17 @@ impl LiveSession {
         Activity {
             session: Arc::clone(self),
         }
+    }
+
+    /// What its clients are doing now, for operators: (calls in flight, attached clients,
+    /// time since its last call ended or began).
+    pub fn liveness(&self, now: Instant) -> (u32, u32, Duration) {
+        let l = lock(&self.live);
+        (
+            l.in_flight,
+            l.attached,
+            now.saturating_duration_since(l.last_used),
+        )
     }
 
     fn idle_for(&self, now: Instant) -> Option<Duration> {
@@ -758,6 +773,8 @@ impl Registry {
             label,
             limits,
             end_on_disconnect,
+            opened: Instant::now(),
+            opened_at: std::time::SystemTime::now(),
             session,
             key,
             tables: Mutex::new(Some(Tables::default())),
@@ -903,6 +920,11 @@ impl Registry {
             .collect();
         v.sort_by(|a, b| a.0.cmp(&b.0));
         v
+    }
+
+    /// The live session whose id is `id` (`s-` and 16 hex digits), if any.
+    pub fn by_id(&self, id: &str) -> Option<Arc<LiveSession>> {
+        lock(&self.sessions).values().find(|s| s.id == id).cloned()
     }
 
     /// Live sessions, in no order.
