@@ -68,7 +68,9 @@ def _infer_both(d, pki: certs.Certs, client: certs.Pair | None = None) -> None:
         r = c.infer("dtypes", serve_util.http_inputs(data, binary=True), headers=bearer(PROBE))
         serve_util.assert_flipped(r.as_numpy, data)
     with _grpc_client(d, pki, client) as g:
-        r = g.infer("dtypes", serve_util.grpc_inputs(data), headers=bearer(PROBE))
+        r = g.infer(
+            "dtypes", serve_util.grpc_inputs(data), headers={"authorization": f"Bearer {PROBE}"}
+        )
         serve_util.assert_flipped(r.as_numpy, data)
 
 
