@@ -1,6 +1,7 @@
 """The model repository extension: the index, and unloading and loading a model at run time,
 over REST and gRPC."""
 
+import json
 import time
 
 import pytest
@@ -130,10 +131,89 @@ def test_repository_control_is_a_permission(server, grpc):
         assert request(server, "GET", f"/v2/models/{m}/ready", headers=HH).status == 200
 
 
-def test_load_refuses_a_config_override(server):
-    """Triton's `config` / `file:` load parameters would bypass the model directory: refused."""
-    for params in ({"config": "{}"}, {"file:1/model.wasm": "AAAA"}):
-        resp = request(server, "POST", "/v2/repository/models/dtypes/load", {"parameters": params}, headers=HH)
+def test_load_with_a_config_override(server, http, grpc):
+    """Triton's `config` load parameter: the JSON replaces the directory's configuration for
+    that load (over REST and gRPC); an invalid one fails with "failed to load" and the version
+    serving stays; `file:` parameters stay refused; a load without it reads the file again."""
+    data = dtypes_data(shape=(1, 3), seed=71)
+    override = {
+        "max_batch_size": 4,
+        "instance_group": [{"count": 1}],
+        "dynamic_batching": {"max_queue_delay_microseconds": 1000},
+    }
+    try:
+        http.load_model("dtypes", config=json.dumps(override), headers=HH)
+        assert http.get_model_config("dtypes", headers=HH)["max_batch_size"] == 4
+        r = http.infer("dtypes", http_inputs(data, binary=True), headers=HH)
+        assert_flipped(r.as_numpy, data)
+        grpc.load_model("dtypes", config=json.dumps({"max_batch_size": 2}), headers=GH, client_timeout=T)
+        cfg = grpc.get_model_config("dtypes", headers=GH, as_json=True)["config"]
+        assert int(cfg["max_batch_size"]) == 2 and "dynamic_batching" not in cfg, cfg
+        r = grpc.infer("dtypes", grpc_inputs(data), headers=GH)
+        assert_flipped(r.as_numpy, data)
+
+        bad = (
+            "{not json",
+            json.dumps({"max_batch_size": 64}),  # more than the guest accepts
+            json.dumps({"name": "minilm"}),  # another model's name
+            json.dumps({"max_batch_size": 4, "no_such_field": 1}),
+        )
+        for config in bad:
+            with pytest.raises(InferenceServerException) as e:
+                http.load_model("dtypes", config=config, headers=HH)
+            assert e.value.message().startswith("failed to load 'dtypes', "), e.value.message()
+            with pytest.raises(InferenceServerException) as e:
+                grpc.load_model("dtypes", config=config, headers=GH, client_timeout=T)
+            assert "failed to load 'dtypes', " in e.value.message(), e.value.message()
+        # The version the last good load made is still serving.
+        assert int(grpc.get_model_config("dtypes", headers=GH, as_json=True)["config"]["max_batch_size"]) == 2
+        r = http.infer("dtypes", http_inputs(data, binary=True), headers=HH)
+        assert_flipped(r.as_numpy, data)
+        # A config that is not a string, and model files sent with the request: refused.
+        resp = request(server, "POST", "/v2/repository/models/dtypes/load", {"parameters": {"config": {"max_batch_size": 1}}}, headers=HH)
+        assert_error(resp, 400)
+        assert resp.json()["error"].startswith("failed to load 'dtypes', "), resp
+        resp = request(server, "POST", "/v2/repository/models/dtypes/load", {"parameters": {"file:1/model.wasm": "AAAA"}}, headers=HH)
         assert_error(resp, 400)
         assert "not supported" in resp.json()["error"]
-    assert request(server, "GET", "/v2/models/dtypes/ready", headers=HH).status == 200
+    finally:
+        http.load_model("dtypes", headers=HH)
+        _ensure_loaded(http)
+    assert http.get_model_config("dtypes", headers=HH)["max_batch_size"] == 8
+
+
+def test_triton_wording_of_the_errors_clients_parse(server, http, grpc):
+    """An unknown model, a version that is not a number, an unknown version, and gRPC typed
+    contents mixed with raw contents, in Triton's words (crates/serve/src/wording.rs)."""
+    with pytest.raises(InferenceServerException) as e:
+        http.get_model_metadata("nosuch", headers=HH)
+    assert e.value.message() == "Request for unknown model: 'nosuch' is not found"
+    with pytest.raises(InferenceServerException) as e:
+        grpc.get_model_metadata("nosuch", headers=GH)
+    assert e.value.message() == "Request for unknown model: 'nosuch' is not found"
+    for client, headers in ((http, HH), (grpc, GH)):
+        with pytest.raises(InferenceServerException) as e:
+            client.get_model_metadata("dtypes", model_version="x1", headers=headers)
+        assert e.value.message().startswith(
+            "failed to get model version from specified version string 'x1'"
+        ), e.value.message()
+        with pytest.raises(InferenceServerException) as e:
+            client.get_model_metadata("dtypes", model_version="3", headers=headers)
+        assert e.value.message() == "Request for unknown model: 'dtypes' version 3 is not found"
+        assert client.get_model_metadata("dtypes", model_version="1", headers=headers)
+    # typed contents next to raw_input_contents.
+    import tritonclient.grpc.service_pb2 as pb
+    import tritonclient.grpc.service_pb2_grpc as pb_grpc
+    import grpc as grpc_lib
+
+    req = pb.ModelInferRequest(model_name="dtypes")
+    inp = req.inputs.add(name="INPUT_FP32", datatype="FP32", shape=[1, 1])
+    inp.contents.fp32_contents.append(1.0)
+    req.raw_input_contents.append(b"\0\0\x80?")
+    with grpc_lib.insecure_channel(f"{server.host}:{server.grpc_port}") as ch:
+        with pytest.raises(grpc_lib.RpcError) as e:
+            pb_grpc.GRPCInferenceServiceStub(ch).ModelInfer(req, metadata=tuple(GH.items()), timeout=30)
+    assert e.value.details() == (
+        "contents field must not be specified when using raw_input_contents for 'INPUT_FP32' "
+        "for model 'dtypes'"
+    ), e.value.details()

@@ -59,13 +59,13 @@ def test_model_not_allowed(server):
     forbidden = request(server, "POST", "/v2/models/minilm/infer", body, headers=http_headers("bob"))
     missing = request(server, "POST", "/v2/models/nosuch/infer", body, headers=http_headers("alice"))
     assert_error(forbidden, 400)
-    assert forbidden.json() == {"error": "unknown model `minilm`"}, forbidden
-    assert missing.json() == {"error": "unknown model `nosuch`"}, missing
+    assert forbidden.json() == {"error": "Request for unknown model: 'minilm' is not found"}, forbidden
+    assert missing.json() == {"error": "Request for unknown model: 'nosuch' is not found"}, missing
     for path in ("/v2/models/{}", "/v2/models/{}/ready", "/v2/models/{}/config", "/v2/models/{}/stats"):
         forbidden = request(server, "GET", path.format("minilm"), headers=http_headers("bob"))
         missing = request(server, "GET", path.format("nosuch"), headers=http_headers("alice"))
-        assert (forbidden.status, forbidden.json()) == (400, {"error": "unknown model `minilm`"}), (path, forbidden)
-        assert (missing.status, missing.json()) == (400, {"error": "unknown model `nosuch`"}), (path, missing)
+        assert (forbidden.status, forbidden.json()) == (400, {"error": "Request for unknown model: 'minilm' is not found"}), (path, forbidden)
+        assert (missing.status, missing.json()) == (400, {"error": "Request for unknown model: 'nosuch' is not found"}), (path, missing)
     resp = _dtypes(server, http_headers("bob"))
     assert resp.status == 200, resp
 
@@ -99,7 +99,7 @@ def test_grpc_statuses(grpc):
     with pytest.raises(InferenceServerException) as e:
         grpc.infer("minilm", [inp], headers=grpc_headers("bob"), client_timeout=T)
     assert grpc_status(e.value) == "NOT_FOUND", e.value
-    assert "unknown model `minilm`" in str(e.value), e.value
+    assert "Request for unknown model: 'minilm' is not found" in str(e.value), e.value
 
     result = grpc.infer("dtypes", grpc_inputs(data), headers=grpc_headers("bob"), client_timeout=T)
     assert_flipped(result.as_numpy, data)

@@ -237,6 +237,13 @@ pub struct ModelConfig {
     runtime: Ignored,
 }
 
+/// The UTF-8 name of a model directory.
+fn dir_name(dir: &Path) -> Result<&str> {
+    dir.file_name()
+        .and_then(|n| n.to_str())
+        .context("the model directory has no UTF-8 name")
+}
+
 /// The file names a model directory's configuration may have, in the order they are tried.
 pub const CONFIG_FILES: [&str; 2] = ["config.toml", "config.json"];
 
@@ -247,10 +254,7 @@ impl ModelConfig {
     /// the field), a `name` that differs from the directory's, an unknown datatype, a dimension
     /// below -1.
     pub fn load(dir: &Path) -> Result<Self> {
-        let dir_name = dir
-            .file_name()
-            .and_then(|n| n.to_str())
-            .context("the model directory has no UTF-8 name")?;
+        let dir_name = dir_name(dir)?;
         let Some(path) = CONFIG_FILES
             .iter()
             .map(|f| dir.join(f))
@@ -260,39 +264,51 @@ impl ModelConfig {
         };
         let text = std::fs::read_to_string(&path)
             .with_context(|| format!("reading {}", path.display()))?;
-        let config: ModelConfig = if path.extension().is_some_and(|e| e == "json") {
-            serde_json::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+        let json = path.extension().is_some_and(|e| e == "json");
+        Self::parse(dir_name, &text, json, &path.display().to_string())
+    }
+
+    /// The configuration a repository load gives in place of the directory's files (Triton's
+    /// `config` load parameter: the model configuration as JSON, with the field names of
+    /// `config.json`; it replaces the file's configuration for that load, it is not merged
+    /// into it).
+    ///
+    /// Errors: as [`ModelConfig::load`], naming "the config override".
+    pub fn from_override(dir: &Path, json: &str) -> Result<Self> {
+        Self::parse(dir_name(dir)?, json, true, "the config override")
+    }
+
+    /// Parses and checks a configuration of the model directory `dir_name`; `what` names its
+    /// source in errors.
+    fn parse(dir_name: &str, text: &str, json: bool, what: &str) -> Result<Self> {
+        let config: ModelConfig = if json {
+            serde_json::from_str(text).with_context(|| format!("parsing {what}"))?
         } else {
-            toml::from_str(&text).with_context(|| format!("parsing {}", path.display()))?
+            toml::from_str(text).with_context(|| format!("parsing {what}"))?
         };
         if let Some(name) = &config.name
             && name != dir_name
         {
-            bail!(
-                "{}: name `{name}` differs from the directory's name `{dir_name}`",
-                path.display()
-            );
+            bail!("{what}: name `{name}` differs from the directory's name `{dir_name}`");
         }
         let says_stablehlo = [&config.platform, &config.backend]
             .iter()
             .any(|f| f.as_deref() == Some("stablehlo"));
         if says_stablehlo && config.tpubox.stablehlo.is_none() {
             bail!(
-                "{}: backend/platform \"stablehlo\" needs a [tpubox.stablehlo] table (the programs, the weights, the parameter and result mapping; tpubox.jax.export_model writes it)",
-                path.display()
+                "{what}: backend/platform \"stablehlo\" needs a [tpubox.stablehlo] table (the programs, the weights, the parameter and result mapping; tpubox.jax.export_model writes it)"
             );
         }
         for t in config.input.iter().chain(&config.output) {
             if Datatype::from_name(&t.data_type).is_none() {
                 bail!(
-                    "{}: `{}` has unknown data_type `{}`",
-                    path.display(),
+                    "{what}: `{}` has unknown data_type `{}`",
                     t.name,
                     t.data_type
                 );
             }
             if t.dims.iter().any(|&d| d < -1) {
-                bail!("{}: `{}` has a dimension below -1", path.display(), t.name);
+                bail!("{what}: `{}` has a dimension below -1", t.name);
             }
         }
         Ok(config)

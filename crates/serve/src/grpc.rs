@@ -123,10 +123,7 @@ fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
             (Some(bytes), None) => bytes,
             (None, Some(c)) => contents_bytes(&i.name, datatype, c)?,
             (Some(_), Some(_)) => {
-                return Err(ServeError::bad_request(format!(
-                    "input `{}` has both contents and raw_input_contents",
-                    i.name
-                )));
+                return Err(super::wording::contents_with_raw(&i.name, &r.model_name));
             }
             (None, None) => {
                 return Err(ServeError::bad_request(format!(
@@ -449,12 +446,26 @@ impl GrpcInferenceService for Service {
             .server
             .authorize_control(auth(&r).as_deref(), &r.get_ref().model_name)
             .map_err(status)?;
-        super::repository::check_load_parameters(r.get_ref().parameters.keys().map(String::as_str))
+        let (model, params) = (&r.get_ref().model_name, &r.get_ref().parameters);
+        super::repository::check_load_parameters(params.keys().map(String::as_str))
             .map_err(status)?;
-        tracing::info!(model = %r.get_ref().model_name, %tenant, "load requested");
+        let config = match params
+            .get("config")
+            .and_then(|p| p.parameter_choice.as_ref())
+        {
+            None => None,
+            Some(model_repository_parameter::ParameterChoice::StringParam(c)) => Some(c.as_str()),
+            Some(_) => {
+                return Err(status(super::wording::failed_to_load(
+                    model,
+                    "the `config` parameter must be a string_param holding the model configuration as JSON",
+                )));
+            }
+        };
+        tracing::info!(model = %model, %tenant, config_override = config.is_some(), "load requested");
         self.server
             .repository
-            .load(&r.get_ref().model_name)
+            .load_with(model, config)
             .await
             .map_err(status)?;
         Ok(Response::new(RepositoryModelLoadResponse {}))

@@ -39,6 +39,7 @@ pub mod protocol;
 pub mod repository;
 pub mod rest;
 pub mod stablehlo;
+pub mod wording;
 
 use std::collections::BTreeMap;
 use std::net::{IpAddr, SocketAddr};
@@ -246,14 +247,10 @@ impl Server {
         if !self.repository.knows(name) {
             return Err(repository::unknown_model(name));
         }
-        if let Some(v) = version
-            && !v.is_empty()
-            && v != VERSION
+        if let Some(v) = wording::parse_version(version.unwrap_or(""))?
+            && v.to_string() != VERSION
         {
-            return Err(ServeError::new(
-                ServeErrorKind::NotFound,
-                format!("model `{name}` has no version `{v}` (only {VERSION})"),
-            ));
+            return Err(wording::unknown_version(name, v));
         }
         self.repository.get(name)
     }

@@ -213,8 +213,19 @@ impl Model {
     /// `metadata()` disagrees with the configuration's inputs, outputs or `max_batch_size`; for
     /// a StableHLO model the errors of [`Plan::read`] and [`Plan::compile`], which name the
     /// file and the parameter.
-    pub async fn load(ctx: &LoadContext, name: &str, dir: &Path) -> Result<Arc<Model>> {
-        let config = ModelConfig::load(dir)?;
+    ///
+    /// `config_override` (JSON, [`ModelConfig::from_override`]) replaces the directory's
+    /// configuration file for this load.
+    pub async fn load(
+        ctx: &LoadContext,
+        name: &str,
+        dir: &Path,
+        config_override: Option<&str>,
+    ) -> Result<Arc<Model>> {
+        let config = match config_override {
+            Some(json) => ModelConfig::from_override(dir, json)?,
+            None => ModelConfig::load(dir)?,
+        };
         for (set, file) in &config.tpubox.weights {
             ensure_weight_set(ctx, set, &dir.join(file))?;
         }

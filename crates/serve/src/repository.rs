@@ -59,12 +59,8 @@ pub struct Repository {
     changes: Mutex<HashMap<String, Arc<tokio::sync::Mutex<()>>>>,
 }
 
-/// The error for a model a caller cannot see: one the repository does not have, or one the
-/// caller's tenant may not call (the two answer alike, so that a tenant learns nothing about
-/// models it may not call). Kind not found (HTTP 400, gRPC `NOT_FOUND`).
-pub fn unknown_model(name: &str) -> ServeError {
-    ServeError::new(ServeErrorKind::NotFound, format!("unknown model `{name}`"))
-}
+/// A model the repository does not have (Triton's words: [`crate::wording`]).
+pub use crate::wording::unknown_model;
 
 /// Marks a model whose load was dropped half-way `UNAVAILABLE` (while armed).
 struct CancelledLoad<'a> {
@@ -88,16 +84,16 @@ impl Drop for CancelledLoad<'_> {
     }
 }
 
-/// Checks the parameters of a load request. Triton's `config` and `file:…` parameters (a
-/// configuration or files sent with the request) are not supported: a model loads from its
-/// directory.
+/// Checks the parameters of a load request. Triton's `config` (a configuration sent with the
+/// request, [`Repository::load_with`]) is supported; its `file:…` parameters (model files sent
+/// with the request) are not: a model's files load from its directory.
 ///
 /// Errors: bad request naming the parameter.
 pub fn check_load_parameters<'a>(keys: impl IntoIterator<Item = &'a str>) -> ServeResult<()> {
     for k in keys {
-        if k == "config" || k.starts_with("file:") {
+        if k.starts_with("file:") {
             return Err(ServeError::bad_request(format!(
-                "load parameter `{k}` is not supported: a model loads from its directory in the repository (edit its config.toml there)"
+                "load parameter `{k}` is not supported: a model's files load from its directory in the repository (a `config` override is)"
             )));
         }
     }
@@ -237,13 +233,28 @@ impl Repository {
     /// the reason, when loading fails (the model is then `UNAVAILABLE` with that reason, unless
     /// an earlier version of it is still serving).
     pub async fn load(&self, name: &str) -> ServeResult<()> {
+        self.load_with(name, None).await
+    }
+
+    /// [`Repository::load`] with Triton's config override: `config_override` (the model
+    /// configuration as JSON) replaces the directory's configuration file for this load (the
+    /// directory then needs none); a later load without one reads the file again.
+    ///
+    /// Errors: as [`Repository::load`]; an override that does not parse or check fails the
+    /// load (`failed to load 'M', …`) and leaves a version already serving in place.
+    pub async fn load_with(&self, name: &str, config_override: Option<&str>) -> ServeResult<()> {
         if !valid_name(name) {
             return Err(ServeError::bad_request(format!(
                 "`{name}` is not a model name"
             )));
         }
         let dir = self.root.join(name);
-        if !CONFIG_FILES.iter().any(|f| dir.join(f).is_file()) {
+        let has_config = if config_override.is_some() {
+            dir.is_dir()
+        } else {
+            CONFIG_FILES.iter().any(|f| dir.join(f).is_file())
+        };
+        if !has_config {
             tracing::debug!(model = name, dir = %dir.display(), "load: no configuration file");
             return Err(unknown_model(name));
         }
@@ -263,7 +274,7 @@ impl Repository {
             name,
             armed: !serving,
         };
-        let loaded = Model::load(&self.ctx, name, &dir).await;
+        let loaded = Model::load(&self.ctx, name, &dir, config_override).await;
         cancelled.armed = false;
         match loaded {
             Ok(model) => {
@@ -287,10 +298,8 @@ impl Repository {
                         .unwrap()
                         .insert(name.to_string(), ModelState::Unavailable(reason.clone()));
                 }
-                // Triton answers a failed load with 400.
-                Err(ServeError::bad_request(format!(
-                    "loading model `{name}` failed: {reason}"
-                )))
+                // Triton answers a failed load with 400, in these words.
+                Err(crate::wording::failed_to_load(name, &reason))
             }
         }
     }

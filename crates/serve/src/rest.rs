@@ -373,13 +373,25 @@ async fn repository_load(
 ) -> R<Response> {
     let tenant = s.authorize_control(auth(&headers), &m)?;
     let bytes = body_bytes(&s, &headers, body).await?;
+    let mut config = None;
     if let Ok(v) = serde_json::from_slice::<Value>(&bytes)
         && let Some(p) = v.get("parameters").and_then(Value::as_object)
     {
         super::repository::check_load_parameters(p.keys().map(String::as_str))?;
+        config = match p.get("config") {
+            None => None,
+            Some(Value::String(c)) => Some(c.clone()),
+            Some(_) => {
+                return Err(super::wording::failed_to_load(
+                    &m,
+                    "the `config` parameter must be a string holding the model configuration as JSON",
+                )
+                .into());
+            }
+        };
     }
-    tracing::info!(model = %m, %tenant, "load requested");
-    s.repository.load(&m).await?;
+    tracing::info!(model = %m, %tenant, config_override = config.is_some(), "load requested");
+    s.repository.load_with(&m, config.as_deref()).await?;
     Ok(StatusCode::OK.into_response())
 }
 

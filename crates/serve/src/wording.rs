@@ -1,0 +1,93 @@
+//! The error messages clients parse, in Triton's words, kept in one table.
+//!
+//! Triton clients (and the tools built on them: load balancers, retry wrappers, test suites)
+//! recognise some failures by their message, not only by status: an unknown model, a version
+//! string that is not a number, typed `contents` mixed with `raw_input_contents`, a failed
+//! load. tpubox says those in the words Triton's server uses (`src/` of
+//! triton-inference-server/server and core: `model_repository_manager.cc`,
+//! `GetModelVersionFromString`, `grpc/infer_handler.cc`, `http_server.cc`), and adds its own
+//! detail after them, never before.
+//!
+//! | failure | message | kind |
+//! |---|---|---|
+//! | unknown model (or one the tenant may not call) | `Request for unknown model: 'M' is not found` | not found |
+//! | unknown version of a known model | `Request for unknown model: 'M' version V is not found` | not found |
+//! | version string not an integer | `failed to get model version from specified version string 'V' (details: …), version should be an integral value > 0` | bad request |
+//! | negative version | `invalid model version specified 'V' , version should be an integral value > 0` | bad request |
+//! | typed contents and raw contents | `contents field must not be specified when using raw_input_contents for 'I' for model 'M'` | bad request |
+//! | a load that fails (also an invalid config override) | `failed to load 'M', …` | bad request |
+
+use super::error::{ServeError, ServeErrorKind};
+
+/// The model `name` does not exist, or the tenant may not call it (answered alike).
+pub fn unknown_model(name: &str) -> ServeError {
+    ServeError::new(
+        ServeErrorKind::NotFound,
+        format!("Request for unknown model: '{name}' is not found"),
+    )
+}
+
+/// The model `name` exists, without version `version`.
+pub fn unknown_version(name: &str, version: i64) -> ServeError {
+    ServeError::new(
+        ServeErrorKind::NotFound,
+        format!("Request for unknown model: '{name}' version {version} is not found"),
+    )
+}
+
+/// A request's model version string: `None` for empty (the latest), else the integer it is.
+///
+/// Errors: bad request, in Triton's words, for a string that is not an integer or is negative.
+pub fn parse_version(version: &str) -> Result<Option<i64>, ServeError> {
+    if version.is_empty() {
+        return Ok(None);
+    }
+    let v: i64 = version.trim().parse().map_err(|e| {
+        ServeError::bad_request(format!(
+            "failed to get model version from specified version string '{version}' (details: {e}), version should be an integral value > 0"
+        ))
+    })?;
+    if v < 0 {
+        return Err(ServeError::bad_request(format!(
+            "invalid model version specified '{version}' , version should be an integral value > 0"
+        )));
+    }
+    Ok(Some(v))
+}
+
+/// A gRPC input carries both typed `contents` and an entry of `raw_input_contents`.
+pub fn contents_with_raw(input: &str, model: &str) -> ServeError {
+    ServeError::bad_request(format!(
+        "contents field must not be specified when using raw_input_contents for '{input}' for model '{model}'"
+    ))
+}
+
+/// Loading the model `name` failed because of `reason`.
+pub fn failed_to_load(name: &str, reason: &str) -> ServeError {
+    ServeError::bad_request(format!("failed to load '{name}', {reason}"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn versions() {
+        assert_eq!(parse_version("").unwrap(), None);
+        assert_eq!(parse_version("1").unwrap(), Some(1));
+        assert_eq!(parse_version("007").unwrap(), Some(7));
+        let e = parse_version("one").unwrap_err();
+        assert!(
+            e.message
+                .starts_with("failed to get model version from specified version string 'one'"),
+            "{}",
+            e.message
+        );
+        assert_eq!(e.kind, ServeErrorKind::BadRequest);
+        let e = parse_version("-2").unwrap_err();
+        assert!(
+            e.message
+                .starts_with("invalid model version specified '-2'")
+        );
+    }
+}
