@@ -38,6 +38,7 @@ pub mod model;
 pub mod protocol;
 pub mod repository;
 pub mod rest;
+pub mod shm;
 pub mod stablehlo;
 pub mod wording;
 
@@ -66,8 +67,9 @@ use tpubox_wasm::sandbox::Sandbox;
 pub const SERVER_NAME: &str = "tpubox";
 
 /// Protocol extensions the server implements (`GET /v2`'s `extensions`).
-pub const EXTENSIONS: [&str; 5] = [
+pub const EXTENSIONS: [&str; 6] = [
     "binary_tensor_data",
+    "system_shared_memory",
     "model_repository",
     "statistics",
     "model_configuration",
@@ -150,6 +152,8 @@ pub struct Server {
     pub max_request_bytes: usize,
     /// TLS of the TCP doors, which a reload reads again (`None`: plain text).
     pub tls: Option<Arc<tpubox_net::Tls>>,
+    /// The tenants' registered system shared-memory regions.
+    pub shm: shm::Regions,
     started_loading: AtomicBool,
     shutting_down: AtomicBool,
     strict_readiness: AtomicBool,
@@ -184,6 +188,7 @@ impl Server {
             device,
             max_request_bytes,
             tls,
+            shm: shm::Regions::default(),
             started_loading: AtomicBool::new(false),
             shutting_down: AtomicBool::new(false),
             strict_readiness: AtomicBool::new(false),
@@ -353,6 +358,17 @@ impl Server {
             }
         };
         let m = self.model(model, version)?;
+        let mut req = req;
+        if !req.shm_inputs.is_empty() {
+            self.shm
+                .read_inputs(admission.tenant(), &mut req, self.max_request_bytes)?;
+        }
+        let shm_outputs: Vec<_> = req
+            .outputs
+            .iter()
+            .filter(|o| o.shm.is_some())
+            .cloned()
+            .collect();
         self.in_flight.send_modify(|n| *n += 1);
         let _guard = InFlight(&self.in_flight);
         let start = Instant::now();
@@ -369,12 +385,16 @@ impl Server {
                     queue_us: done.queued.as_micros() as u64,
                     compute_us: done.compute.as_micros() as u64,
                 });
-                Ok(InferResponse {
+                let mut resp = InferResponse {
                     model_name: model.to_string(),
                     model_version: VERSION.to_string(),
                     id,
                     outputs: done.outputs,
-                })
+                    shm_outputs: Vec::new(),
+                };
+                self.shm
+                    .write_outputs(admission.tenant(), &shm_outputs, &mut resp)?;
+                Ok(resp)
             }
             Err(e) => {
                 self.metrics.record(&RequestRecord {
@@ -391,6 +411,61 @@ impl Server {
                 Err(e)
             }
         }
+    }
+
+    /// Registers a system shared-memory region for the caller's tenant
+    /// ([`shm::Regions::register`]; with a tokens file its keys must start with
+    /// `/<tenant>-`).
+    ///
+    /// Errors: unauthenticated; those of [`shm::Regions::register`].
+    pub fn shm_register(
+        &self,
+        authorization: Option<&str>,
+        name: &str,
+        key: &str,
+        offset: u64,
+        byte_size: u64,
+    ) -> ServeResult<()> {
+        let t = self.access.identify(authorization)?;
+        let prefix = self
+            .access
+            .has_file()
+            .then(|| format!("/{}-", t.entry.name));
+        self.shm.register(
+            &t.entry.name,
+            prefix.as_deref(),
+            name,
+            key,
+            offset,
+            byte_size,
+        )?;
+        tracing::debug!(tenant = %t.entry.name, region = name, key, offset, byte_size, "shared-memory region registered");
+        Ok(())
+    }
+
+    /// Unregisters the caller's region `name`, or all of its regions.
+    ///
+    /// Errors: unauthenticated.
+    pub fn shm_unregister(
+        &self,
+        authorization: Option<&str>,
+        name: Option<&str>,
+    ) -> ServeResult<()> {
+        let t = self.access.identify(authorization)?;
+        self.shm.unregister(&t.entry.name, name);
+        Ok(())
+    }
+
+    /// The caller's regions (or its region `name`).
+    ///
+    /// Errors: unauthenticated; bad request for a name it has not registered.
+    pub fn shm_status(
+        &self,
+        authorization: Option<&str>,
+        name: Option<&str>,
+    ) -> ServeResult<Vec<shm::RegionStatus>> {
+        let t = self.access.identify(authorization)?;
+        self.shm.status(&t.entry.name, name)
     }
 
     /// The metrics text.

@@ -248,6 +248,26 @@ pub fn push_bytes_element(out: &mut Vec<u8>, element: &[u8]) {
     out.extend_from_slice(element);
 }
 
+/// A slice of a registered system shared-memory region (Triton's `shared_memory_region`,
+/// `shared_memory_offset` and `shared_memory_byte_size` parameters): where an input's bytes
+/// are read from, or an output's written to ([`crate::shm`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct ShmRef {
+    /// The region's name, as registered by the calling tenant.
+    pub region: String,
+    /// Bytes from the start of the registered region (itself at an offset in its file).
+    pub offset: u64,
+    /// Bytes of the slice.
+    pub byte_size: u64,
+}
+
+/// The parameter names of [`ShmRef`] (Triton's shared-memory extension).
+pub const SHM_REGION: &str = "shared_memory_region";
+/// See [`SHM_REGION`].
+pub const SHM_OFFSET: &str = "shared_memory_offset";
+/// See [`SHM_REGION`].
+pub const SHM_BYTE_SIZE: &str = "shared_memory_byte_size";
+
 /// An output the client asked for.
 #[derive(Debug, Clone, PartialEq, Default)]
 pub struct RequestedOutput {
@@ -255,6 +275,8 @@ pub struct RequestedOutput {
     pub name: String,
     /// Return it in the binary extension (REST only).
     pub binary: bool,
+    /// Write it into this shared-memory slice instead of the response.
+    pub shm: Option<ShmRef>,
 }
 
 /// An inference request, as both front doors decode it.
@@ -268,6 +290,9 @@ pub struct InferRequest {
     pub outputs: Vec<RequestedOutput>,
     /// REST: `binary_data_output` (every output in the binary extension).
     pub binary_output: bool,
+    /// Inputs whose bytes are in shared memory (index into `inputs`, whose `data` is empty
+    /// until [`crate::shm::Regions::read_inputs`] fills it).
+    pub shm_inputs: Vec<(usize, ShmRef)>,
 }
 
 impl InferRequest {
@@ -279,6 +304,7 @@ impl InferRequest {
             inputs: Vec::new(),
             outputs: self.outputs.clone(),
             binary_output: self.binary_output,
+            shm_inputs: Vec::new(),
         }
     }
 }
@@ -292,8 +318,12 @@ pub struct InferResponse {
     pub model_version: String,
     /// The request's id.
     pub id: Option<String>,
-    /// Outputs, in the model's order, filtered to those asked for.
+    /// Outputs, in the model's order, filtered to those asked for. One written to shared
+    /// memory has empty `data` and an entry in `shm_outputs`.
     pub outputs: Vec<Tensor>,
+    /// Outputs written to shared memory: their name and the slice, `byte_size` the bytes
+    /// written.
+    pub shm_outputs: Vec<(String, ShmRef)>,
 }
 
 // --- JSON -------------------------------------------------------------------------------------
@@ -475,7 +505,13 @@ pub fn response_to_json(resp: &InferResponse, req: &InferRequest) -> (Vec<u8>, V
                 "datatype": t.datatype.name(),
                 "shape": t.shape,
             });
-            if as_binary {
+            if let Some((_, r)) = resp.shm_outputs.iter().find(|(n, _)| *n == t.name) {
+                o["parameters"] = json!({
+                    SHM_REGION: r.region,
+                    SHM_OFFSET: r.offset,
+                    SHM_BYTE_SIZE: r.byte_size,
+                });
+            } else if as_binary {
                 o["parameters"] = json!({ "binary_data_size": t.data.len() });
                 binary.extend_from_slice(&t.data);
             } else {

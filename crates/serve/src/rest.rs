@@ -80,11 +80,90 @@ pub fn router(server: Arc<Server>) -> Router {
         .route("/v2/repository/index", post(repository_index))
         .route("/v2/repository/models/{m}/load", post(repository_load))
         .route("/v2/repository/models/{m}/unload", post(repository_unload))
+        .route("/v2/systemsharedmemory/status", get(shm_status_all))
+        .route(
+            "/v2/systemsharedmemory/region/{r}/status",
+            get(shm_status_one),
+        )
+        .route(
+            "/v2/systemsharedmemory/region/{r}/register",
+            post(shm_register),
+        )
+        .route(
+            "/v2/systemsharedmemory/unregister",
+            post(shm_unregister_all),
+        )
+        .route(
+            "/v2/systemsharedmemory/region/{r}/unregister",
+            post(shm_unregister_one),
+        )
+        .route("/v2/cudasharedmemory/{*rest}", get(cuda_shm).post(cuda_shm))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
         .layer(DefaultBodyLimit::max(limit))
         .with_state(server)
 }
+
+async fn shm_status_all(State(s): S, headers: HeaderMap) -> R<axum::Json<Value>> {
+    Ok(axum::Json(json!(s.shm_status(auth(&headers), None)?)))
+}
+
+async fn shm_status_one(
+    State(s): S,
+    headers: HeaderMap,
+    Path(r): Path<String>,
+) -> R<axum::Json<Value>> {
+    Ok(axum::Json(json!(s.shm_status(auth(&headers), Some(&r))?)))
+}
+
+async fn shm_register(
+    State(s): S,
+    headers: HeaderMap,
+    Path(r): Path<String>,
+    body: Body,
+) -> R<Response> {
+    let bytes = body_bytes(&s, &headers, body).await?;
+    let v: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ServeError::bad_request(format!("the register request is not JSON: {e}")))?;
+    let key = v
+        .get("key")
+        .and_then(Value::as_str)
+        .ok_or_else(|| ServeError::bad_request("the register request needs a string `key`"))?;
+    let int = |k: &str, default: Option<u64>| match v.get(k) {
+        None if default.is_some() => Ok(default.unwrap_or(0)),
+        Some(x) => x.as_u64().ok_or_else(|| {
+            ServeError::bad_request(format!("`{k}` must be a non-negative integer"))
+        }),
+        None => Err(ServeError::bad_request(format!(
+            "the register request needs `{k}`"
+        ))),
+    };
+    s.shm_register(
+        auth(&headers),
+        &r,
+        key,
+        int("offset", Some(0))?,
+        int("byte_size", None)?,
+    )?;
+    Ok(StatusCode::OK.into_response())
+}
+
+async fn shm_unregister_all(State(s): S, headers: HeaderMap) -> R<Response> {
+    s.shm_unregister(auth(&headers), None)?;
+    Ok(StatusCode::OK.into_response())
+}
+
+async fn shm_unregister_one(State(s): S, headers: HeaderMap, Path(r): Path<String>) -> R<Response> {
+    s.shm_unregister(auth(&headers), Some(&r))?;
+    Ok(StatusCode::OK.into_response())
+}
+
+async fn cuda_shm() -> ErrorResponse {
+    ErrorResponse(ServeError::bad_request(CUDA_SHM_REFUSED))
+}
+
+/// The answer to every CUDA shared-memory call.
+pub const CUDA_SHM_REFUSED: &str = "CUDA shared memory is not supported: tpubox shares no device memory with clients (the device may be a TPU, and is shared by tenants); use system shared memory (/v2/systemsharedmemory)";
 
 async fn not_found() -> ErrorResponse {
     ErrorResponse(ServeError::new(

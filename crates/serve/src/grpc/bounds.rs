@@ -63,6 +63,12 @@ impl DecodeBounds for ModelMetadataRequest {}
 impl DecodeBounds for ModelConfigRequest {}
 impl DecodeBounds for ModelStatisticsRequest {}
 impl DecodeBounds for RepositoryIndexRequest {}
+impl DecodeBounds for SystemSharedMemoryStatusRequest {}
+impl DecodeBounds for SystemSharedMemoryRegisterRequest {}
+impl DecodeBounds for SystemSharedMemoryUnregisterRequest {}
+impl DecodeBounds for CudaSharedMemoryStatusRequest {}
+impl DecodeBounds for CudaSharedMemoryRegisterRequest {}
+impl DecodeBounds for CudaSharedMemoryUnregisterRequest {}
 
 impl DecodeBounds for ModelInferRequest {
     fn check_wire(wire: &[u8]) -> Result<(), Status> {

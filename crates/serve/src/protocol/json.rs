@@ -25,7 +25,10 @@ use std::fmt;
 
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
-use super::{Datatype, InferRequest, RequestedOutput, Tensor, element_count};
+use super::{
+    Datatype, InferRequest, RequestedOutput, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, ShmRef, Tensor,
+    element_count,
+};
 use crate::error::{ServeError, ServeResult};
 
 /// Most keys one JSON object of a request may have (any object: the request, a tensor, a
@@ -267,70 +270,110 @@ impl<'de> Visitor<'de> for Str<'_> {
 }
 
 /// A parameter's value, as far as the protocol's parameters need it.
-#[derive(Clone, Copy)]
+#[derive(Clone)]
 enum Param {
     Bool(bool),
     U64(u64),
+    /// A string (a shared-memory region's name): at most as long as its text in the header.
+    Str(String),
     Other,
 }
 
 impl Param {
-    fn as_bool(self) -> Option<bool> {
+    fn as_bool(&self) -> Option<bool> {
         match self {
-            Param::Bool(b) => Some(b),
+            Param::Bool(b) => Some(*b),
             _ => None,
         }
     }
 }
 
-/// Reads a `parameters` object, keeping the value of the one key `want`. A `parameters` that
-/// is not an object is ignored (`None`), as are the other keys' values (checked for duplicate
-/// keys all the same).
+/// The values of a `parameters` object's keys that a [`Params`] wants, in its `want` order.
+type Wanted = Vec<Option<Param>>;
+
+/// The shared-memory slice of an input's or output's parameters (region, offset and size at
+/// `at`, `at + 1`, `at + 2` of `p`): `None` without `shared_memory_region`.
+///
+/// Errors: bad request for a region name that is not a string, or an offset or size that is
+/// not a non-negative integer.
+fn shm_ref(what: &str, p: &Wanted, at: usize) -> ServeResult<Option<ShmRef>> {
+    let region = match p.get(at).cloned().flatten() {
+        None => return Ok(None),
+        Some(Param::Str(r)) => r,
+        Some(_) => {
+            return Err(ServeError::bad_request(format!(
+                "{what}: `{SHM_REGION}` must be a string"
+            )));
+        }
+    };
+    let int = |i: usize, key: &str, default: Option<u64>| match p.get(at + i).cloned().flatten() {
+        Some(Param::U64(v)) => Ok(v),
+        None if default.is_some() => Ok(default.unwrap_or(0)),
+        _ => Err(ServeError::bad_request(format!(
+            "{what}: `{key}` must be a non-negative integer"
+        ))),
+    };
+    Ok(Some(ShmRef {
+        region,
+        offset: int(1, SHM_OFFSET, Some(0))?,
+        byte_size: int(2, SHM_BYTE_SIZE, None)?,
+    }))
+}
+
+/// Reads a `parameters` object, keeping the values of the keys in `want` ([`Wanted`], in
+/// `want`'s order). A `parameters` that is not an object is ignored (nothing found), as are
+/// the other keys' values (checked for duplicate keys all the same).
 struct Params<'c> {
     ctx: &'c Ctx,
-    want: &'static str,
+    want: &'static [&'static str],
+}
+
+impl Params<'_> {
+    fn none(&self) -> Wanted {
+        vec![None; self.want.len()]
+    }
 }
 
 impl<'de> DeserializeSeed<'de> for Params<'_> {
-    type Value = Option<Param>;
-    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Option<Param>, D::Error> {
+    type Value = Wanted;
+    fn deserialize<D: Deserializer<'de>>(self, d: D) -> Result<Wanted, D::Error> {
         d.deserialize_any(self)
     }
 }
 
 impl<'de> Visitor<'de> for Params<'_> {
-    type Value = Option<Param>;
+    type Value = Wanted;
     fn expecting(&self, f: &mut fmt::Formatter) -> fmt::Result {
         f.write_str("a parameters object")
     }
-    fn visit_bool<E>(self, _: bool) -> Result<Option<Param>, E> {
-        Ok(None)
+    fn visit_bool<E>(self, _: bool) -> Result<Wanted, E> {
+        Ok(self.none())
     }
-    fn visit_i64<E>(self, _: i64) -> Result<Option<Param>, E> {
-        Ok(None)
+    fn visit_i64<E>(self, _: i64) -> Result<Wanted, E> {
+        Ok(self.none())
     }
-    fn visit_u64<E>(self, _: u64) -> Result<Option<Param>, E> {
-        Ok(None)
+    fn visit_u64<E>(self, _: u64) -> Result<Wanted, E> {
+        Ok(self.none())
     }
-    fn visit_f64<E>(self, _: f64) -> Result<Option<Param>, E> {
-        Ok(None)
+    fn visit_f64<E>(self, _: f64) -> Result<Wanted, E> {
+        Ok(self.none())
     }
-    fn visit_str<E>(self, _: &str) -> Result<Option<Param>, E> {
-        Ok(None)
+    fn visit_str<E>(self, _: &str) -> Result<Wanted, E> {
+        Ok(self.none())
     }
-    fn visit_unit<E>(self) -> Result<Option<Param>, E> {
-        Ok(None)
+    fn visit_unit<E>(self) -> Result<Wanted, E> {
+        Ok(self.none())
     }
-    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Option<Param>, A::Error> {
+    fn visit_seq<A: SeqAccess<'de>>(self, seq: A) -> Result<Wanted, A::Error> {
         Skip { ctx: self.ctx }.visit_seq(seq)?;
-        Ok(None)
+        Ok(self.none())
     }
-    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Option<Param>, A::Error> {
+    fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<Wanted, A::Error> {
         let mut keys = Keys::new("`parameters`");
-        let mut found = None;
+        let mut found = self.none();
         while let Some(k) = keys.next(self.ctx, &mut map)? {
-            if k == self.want {
-                found = Some(map.next_value_seed(ParamValue { ctx: self.ctx })?);
+            if let Some(i) = self.want.iter().position(|w| *w == k) {
+                found[i] = Some(map.next_value_seed(ParamValue { ctx: self.ctx })?);
             } else {
                 map.next_value_seed(Skip { ctx: self.ctx })?;
             }
@@ -367,8 +410,8 @@ impl<'de> Visitor<'de> for ParamValue<'_> {
     fn visit_f64<E>(self, _: f64) -> Result<Param, E> {
         Ok(Param::Other)
     }
-    fn visit_str<E>(self, _: &str) -> Result<Param, E> {
-        Ok(Param::Other)
+    fn visit_str<E>(self, v: &str) -> Result<Param, E> {
+        Ok(Param::Str(v.to_owned()))
     }
     fn visit_unit<E>(self) -> Result<Param, E> {
         Ok(Param::Other)
@@ -587,15 +630,22 @@ struct InputFields {
     name: Option<Got<String>>,
     datatype: Option<Got<String>>,
     shape: Option<Shape>,
-    binary_data_size: Option<Param>,
+    /// The values of [`INPUT_WANT`].
+    params: Wanted,
     data: Option<DataCount>,
 }
+
+/// What an input's `parameters` are read for: `binary_data_size`, then the shared-memory
+/// slice ([`shm_ref`]).
+const INPUT_WANT: [&str; 4] = ["binary_data_size", SHM_REGION, SHM_OFFSET, SHM_BYTE_SIZE];
 
 /// An input after the head pass: the tensor (its `data` already filled from the binary
 /// extension, or empty) and, for JSON data, the bytes it will take.
 struct InputHead {
     tensor: Tensor,
     json_bytes: Option<usize>,
+    /// Its bytes are in shared memory, read once the tenant is known.
+    shm: Option<ShmRef>,
 }
 
 /// What the head pass keeps across the inputs: the binary extension's bytes and how far the
@@ -653,9 +703,9 @@ impl<'de> Visitor<'de> for InputSeed<'_, '_, '_> {
                 "datatype" => f.datatype = Some(map.next_value_seed(Str { ctx })?),
                 "shape" => f.shape = Some(map.next_value_seed(ShapeSeed { ctx })?),
                 "parameters" => {
-                    f.binary_data_size = map.next_value_seed(Params {
+                    f.params = map.next_value_seed(Params {
                         ctx,
-                        want: "binary_data_size",
+                        want: &INPUT_WANT,
                     })?
                 }
                 "data" => {
@@ -716,7 +766,19 @@ fn input_head(f: InputFields, binary: &mut Binary<'_>) -> ServeResult<InputHead>
             )));
         }
     };
-    if let Some(size) = f.binary_data_size {
+    if let Some(r) = shm_ref(&format!("input `{name}`"), &f.params, 1)? {
+        return Ok(InputHead {
+            tensor: Tensor {
+                name,
+                datatype,
+                shape,
+                data: Vec::new(),
+            },
+            json_bytes: None,
+            shm: Some(r),
+        });
+    }
+    if let Some(size) = f.params.first().cloned().flatten() {
         let Param::U64(size) = size else {
             return Err(ServeError::bad_request(format!(
                 "input `{name}`: `binary_data_size` must be a non-negative integer"
@@ -744,11 +806,12 @@ fn input_head(f: InputFields, binary: &mut Binary<'_>) -> ServeResult<InputHead>
         return Ok(InputHead {
             tensor,
             json_bytes: None,
+            shm: None,
         });
     }
     let Some(count) = f.data else {
         return Err(ServeError::bad_request(format!(
-            "input `{name}` has neither `data` nor `binary_data_size`"
+            "input `{name}` has neither `data` nor `binary_data_size` nor `shared_memory_region`"
         )));
     };
     let n = element_count(&shape).ok_or_else(|| {
@@ -790,6 +853,7 @@ fn input_head(f: InputFields, binary: &mut Binary<'_>) -> ServeResult<InputHead>
             data: Vec::new(),
         },
         json_bytes: Some(bytes),
+        shm: None,
     })
 }
 
@@ -830,11 +894,17 @@ impl<'de> Visitor<'de> for InputsSeed<'_, '_, '_> {
     }
 }
 
-/// A requested output as read: its name, and its `binary_data` parameter when it is a bool.
+/// A requested output as read: its name, its `binary_data` parameter when it is a bool, and
+/// its shared-memory slice.
 struct OutputHead {
     name: String,
     binary: Option<bool>,
+    shm: Option<ShmRef>,
 }
+
+/// What an output's `parameters` are read for: `binary_data`, then the shared-memory slice
+/// ([`shm_ref`]).
+const OUTPUT_WANT: [&str; 4] = ["binary_data", SHM_REGION, SHM_OFFSET, SHM_BYTE_SIZE];
 
 struct OutputSeed<'c> {
     ctx: &'c Ctx,
@@ -884,17 +954,15 @@ impl<'de> Visitor<'de> for OutputSeed<'_> {
         let ctx = self.ctx;
         let mut keys = Keys::new("an output");
         let mut name = None;
-        let mut binary = None;
+        let mut params = Vec::new();
         while let Some(k) = keys.next(ctx, &mut map)? {
             match &*k {
                 "name" => name = Some(map.next_value_seed(Str { ctx })?),
                 "parameters" => {
-                    binary = map
-                        .next_value_seed(Params {
-                            ctx,
-                            want: "binary_data",
-                        })?
-                        .and_then(Param::as_bool)
+                    params = map.next_value_seed(Params {
+                        ctx,
+                        want: &OUTPUT_WANT,
+                    })?
                 }
                 _ => map.next_value_seed(Skip { ctx })?,
             }
@@ -902,7 +970,9 @@ impl<'de> Visitor<'de> for OutputSeed<'_> {
         let Some(Got::Is(name)) = name else {
             return Err(ctx.fail(ServeError::bad_request("a requested output has no `name`")));
         };
-        Ok(OutputHead { name, binary })
+        let binary = params.first().cloned().flatten().and_then(|p| p.as_bool());
+        let shm = shm_ref(&format!("output `{name}`"), &params, 1).map_err(|e| ctx.fail(e))?;
+        Ok(OutputHead { name, binary, shm })
     }
 }
 
@@ -943,7 +1013,7 @@ impl<'de> Visitor<'de> for OutputsSeed<'_> {
 #[derive(Default)]
 struct Head {
     id: Option<String>,
-    binary_output: Option<Param>,
+    binary_output: Wanted,
     inputs: Option<Got<Vec<InputHead>>>,
     outputs: Option<Got<Vec<OutputHead>>>,
 }
@@ -988,7 +1058,7 @@ impl<'de> Visitor<'de> for HeadSeed<'_, '_, '_> {
                 "parameters" => {
                     h.binary_output = map.next_value_seed(Params {
                         ctx,
-                        want: "binary_data_output",
+                        want: &["binary_data_output"],
                     })?
                 }
                 "inputs" => {
@@ -1347,7 +1417,13 @@ pub(super) fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<Inf
             bin.offset
         )));
     }
-    let binary_output = head.binary_output.and_then(Param::as_bool).unwrap_or(false);
+    let binary_output = head
+        .binary_output
+        .first()
+        .cloned()
+        .flatten()
+        .and_then(|p| p.as_bool())
+        .unwrap_or(false);
     let outputs = match head.outputs {
         None => Vec::new(),
         Some(Got::Other) => {
@@ -1358,6 +1434,7 @@ pub(super) fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<Inf
             .map(|o| RequestedOutput {
                 name: o.name,
                 binary: o.binary.unwrap_or(binary_output),
+                shm: o.shm,
             })
             .collect(),
     };
@@ -1376,6 +1453,11 @@ pub(super) fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<Inf
             i.tensor.check()?;
         }
     }
+    let shm_inputs = inputs
+        .iter_mut()
+        .enumerate()
+        .filter_map(|(i, h)| h.shm.take().map(|r| (i, r)))
+        .collect();
     // Collected in place: the inputs' vector becomes the tensors' without a second one.
     let tensors: Vec<Tensor> = inputs.into_iter().map(|i| i.tensor).collect();
     Ok(InferRequest {
@@ -1383,5 +1465,6 @@ pub(super) fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<Inf
         inputs: tensors,
         outputs,
         binary_output,
+        shm_inputs,
     })
 }
