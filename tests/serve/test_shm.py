@@ -249,3 +249,44 @@ def test_shared_memory_refuses_lies_strangers_and_vanishing_objects(server, http
     assert e.value.code() == grpc_lib.StatusCode.INVALID_ARGUMENT
     assert "CUDA shared memory is not supported" in e.value.details()
     assert http.is_server_live()
+
+
+def test_regions_unregistered_while_requests_use_them(server, http):
+    """Requests race a region's unregister and re-register: each answers with the right values
+    or with "Unable to find", never with other bytes, and the daemon stays up."""
+    import threading
+
+    u = uuid.uuid4().hex[:8]
+    key, name = f"/alice-race-{u}", f"race-{u}"
+    h = shm.create_shared_memory_region(name, key, 64)
+    x = np.arange(16, dtype=np.float32)
+    shm.set_shared_memory_region(h, [x])
+    http.register_system_shared_memory(name, key, 64, headers=HH)
+    stop = threading.Event()
+    results: list[str] = []
+
+    def flip():
+        # Its own HTTP connections (tritonclient's HTTP client is gevent's: one thread).
+        base = f"/v2/systemsharedmemory/region/{name}"
+        while not stop.is_set():
+            request(server, "POST", f"{base}/unregister", {}, headers=HH)
+            request(server, "POST", f"{base}/register", {"key": key, "offset": 0, "byte_size": 64}, headers=HH)
+
+    t = threading.Thread(target=flip)
+    t.start()
+    try:
+        for _ in range(60):
+            try:
+                res = http.infer("dtypes", _one_input("http", name, 16, 16), headers=HH)
+                np.testing.assert_array_equal(res.as_numpy("OUTPUT_FP32"), [[7, 6, 5, 4]])
+                results.append("ok")
+            except InferenceServerException as e:
+                assert "Unable to find" in e.message(), e.message()
+                results.append("unknown")
+    finally:
+        stop.set()
+        t.join()
+        http.unregister_system_shared_memory(headers=HH)
+        shm.destroy_shared_memory_region(h)
+    assert "ok" in results, results
+    assert http.is_server_live()
