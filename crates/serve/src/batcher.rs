@@ -22,6 +22,9 @@ pub struct Pending {
     pub batch: u64,
     /// When it joined the queue.
     pub enqueued: Instant,
+    /// Its sequence (a hash of tenant and sequence id) for a stateful model: two requests of
+    /// one sequence never share a batch.
+    pub sequence: Option<u64>,
     /// Where its outputs (or error) go.
     pub reply: oneshot::Sender<ServeResult<Batched>>,
 }
@@ -178,11 +181,14 @@ impl Queue {
         let due = first.enqueued + self.policy.max_delay;
         let mut total = 0u64;
         let mut take = Vec::new();
+        let mut sequences = Vec::new();
         for (i, p) in st.pending.iter().enumerate() {
             let same = p.key().iter().zip(&key).all(|(a, b)| *a == b.as_slice());
-            if same && total + p.batch <= self.policy.max_batch_size {
+            let seq_free = p.sequence.is_none_or(|s| !sequences.contains(&s));
+            if same && seq_free && total + p.batch <= self.policy.max_batch_size {
                 total += p.batch;
                 take.push(i);
+                sequences.extend(p.sequence);
             }
         }
         let full = total >= self.policy.max_batch_size
@@ -315,6 +321,7 @@ mod tests {
             .collect();
         (
             Pending {
+                sequence: None,
                 inputs: vec![Tensor {
                     name: "x".into(),
                     datatype: Datatype::Fp32,

@@ -94,6 +94,86 @@ pub struct DynamicBatching {
     priority_queue_policy: Ignored,
 }
 
+/// `[sequence_batching]` (Triton's field names): a stateful model. Each request carries a
+/// sequence id (`sequence_id`, with `sequence_start` / `sequence_end`); all requests of a
+/// sequence run on one instance, in order, and the server fills the control inputs that tell
+/// the model which sequence each batch row belongs to ([`crate::sequence`]).
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SequenceBatching {
+    /// A sequence with no request for this long is released; its next request fails (default
+    /// 1 s, Triton's).
+    #[serde(default = "default_sequence_idle")]
+    pub max_sequence_idle_microseconds: u64,
+    /// The control inputs the server fills.
+    #[serde(default)]
+    pub control_input: Vec<ControlInput>,
+    /// The `direct` strategy: each request runs with those of other sequences on its instance
+    /// as they come (tpubox runs both strategies alike; see docs/SERVING.md).
+    #[serde(default)]
+    pub direct: Option<SequenceStrategy>,
+    /// The `oldest` strategy.
+    #[serde(default)]
+    pub oldest: Option<SequenceStrategy>,
+    #[serde(default)]
+    state: Ignored,
+    #[serde(default)]
+    iterative_sequence: Ignored,
+}
+
+fn default_sequence_idle() -> u64 {
+    1_000_000
+}
+
+/// `direct {}` / `oldest {}` of `[sequence_batching]`.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct SequenceStrategy {
+    /// Longest a request waits for requests of other sequences to join its batch, in
+    /// microseconds (default 0).
+    #[serde(default)]
+    pub max_queue_delay_microseconds: u64,
+    #[serde(default)]
+    max_candidate_sequences: Ignored,
+    #[serde(default)]
+    preferred_batch_size: Ignored,
+    #[serde(default)]
+    preserve_ordering: Ignored,
+    #[serde(default)]
+    minimum_slot_utilization: Ignored,
+}
+
+/// One `control_input` of `[sequence_batching]`: an input of the model the server fills.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct ControlInput {
+    /// The model input's name.
+    pub name: String,
+    /// What it carries (one control per input here).
+    pub control: Vec<Control>,
+}
+
+/// One control of a [`ControlInput`].
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct Control {
+    /// `CONTROL_SEQUENCE_START`, `CONTROL_SEQUENCE_END`, `CONTROL_SEQUENCE_READY` or
+    /// `CONTROL_SEQUENCE_CORRID`.
+    pub kind: String,
+    /// The false and true values as INT32 (a flag).
+    #[serde(default)]
+    pub int32_false_true: Vec<i32>,
+    /// The false and true values as FP32 (a flag).
+    #[serde(default)]
+    pub fp32_false_true: Vec<f32>,
+    /// The false and true values as BOOL (a flag).
+    #[serde(default)]
+    pub bool_false_true: Vec<bool>,
+    /// The correlation id's type (`TYPE_UINT64`, `TYPE_INT64`, `TYPE_UINT32`, `TYPE_INT32`).
+    #[serde(default)]
+    pub data_type: Option<String>,
+}
+
 /// `[tpubox.limits]`: the model's tenant, which every instance of the model charges.
 #[derive(Debug, Clone, Deserialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
@@ -216,6 +296,9 @@ pub struct ModelConfig {
     /// Dynamic batching; absent, each request runs alone.
     #[serde(default)]
     pub dynamic_batching: Option<DynamicBatching>,
+    /// Sequence batching (a stateful model); exclusive with `dynamic_batching`.
+    #[serde(default)]
+    pub sequence_batching: Option<SequenceBatching>,
     /// tpubox's own settings.
     #[serde(default)]
     pub tpubox: TpuboxSection,
@@ -290,6 +373,11 @@ impl ModelConfig {
             && name != dir_name
         {
             bail!("{what}: name `{name}` differs from the directory's name `{dir_name}`");
+        }
+        if config.dynamic_batching.is_some() && config.sequence_batching.is_some() {
+            bail!(
+                "{what}: dynamic_batching and sequence_batching are exclusive (a stateful model batches through sequence_batching)"
+            );
         }
         let says_stablehlo = [&config.platform, &config.backend]
             .iter()

@@ -11,7 +11,8 @@ use super::Server;
 use super::error::{ServeError, ServeErrorKind, ServeResult};
 use super::model::{Model, VERSION};
 use super::protocol::{
-    Datatype, InferRequest, RequestedOutput, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, ShmRef, Tensor,
+    Datatype, InferRequest, RequestedOutput, SEQUENCE_END, SEQUENCE_ID, SEQUENCE_START,
+    SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, SequenceId, SequenceRequest, ShmRef, Tensor,
     push_bytes_element,
 };
 
@@ -100,6 +101,7 @@ fn contents_bytes(name: &str, d: Datatype, c: &InferTensorContents) -> ServeResu
 }
 
 fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
+    let sequence = sequence_param(&r.parameters)?;
     // Inputs in shared memory take no entry of raw_input_contents (as Triton's clients send
     // them).
     let mut shm = Vec::with_capacity(r.inputs.len());
@@ -179,7 +181,42 @@ fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
             .collect::<ServeResult<_>>()?,
         binary_output: false,
         shm_inputs,
+        sequence,
     })
+}
+
+/// The sequence a gRPC request's parameters name (`sequence_id` as an int64, uint64 or
+/// string parameter, `sequence_start` and `sequence_end` as bools).
+///
+/// Errors: bad request for parameters of another type.
+fn sequence_param(
+    params: &std::collections::HashMap<String, InferParameter>,
+) -> ServeResult<Option<SequenceRequest>> {
+    use infer_parameter::ParameterChoice as P;
+    let choice = |k: &str| params.get(k).and_then(|p| p.parameter_choice.as_ref());
+    let id = match choice(SEQUENCE_ID) {
+        None => return Ok(None),
+        Some(P::Int64Param(v)) if *v >= 0 => SequenceId::Number(*v as u64),
+        Some(P::Uint64Param(v)) => SequenceId::Number(*v),
+        Some(P::StringParam(t)) => SequenceId::Text(t.clone()),
+        Some(_) => {
+            return Err(ServeError::bad_request(format!(
+                "`{SEQUENCE_ID}` must be a non-negative int64_param, a uint64_param or a string_param"
+            )));
+        }
+    };
+    let flag = |k: &str| match choice(k) {
+        None => Ok(false),
+        Some(P::BoolParam(b)) => Ok(*b),
+        Some(_) => Err(ServeError::bad_request(format!(
+            "`{k}` must be a bool_param"
+        ))),
+    };
+    Ok(Some(SequenceRequest {
+        id,
+        start: flag(SEQUENCE_START)?,
+        end: flag(SEQUENCE_END)?,
+    }))
 }
 
 /// The shared-memory slice an input's or output's parameters name (Triton's

@@ -38,6 +38,7 @@ pub mod model;
 pub mod protocol;
 pub mod repository;
 pub mod rest;
+pub mod sequence;
 pub mod shm;
 pub mod stablehlo;
 pub mod wording;
@@ -373,7 +374,7 @@ impl Server {
         let _guard = InFlight(&self.in_flight);
         let start = Instant::now();
         let id = req.id.clone();
-        let result = m.infer(req).await;
+        let result = m.infer(admission.tenant(), req).await;
         let request_us = start.elapsed().as_micros() as u64;
         match result {
             Ok(done) => {

@@ -16,6 +16,7 @@ use super::config::{ModelConfig, triton_json};
 use super::error::{ServeError, ServeErrorKind, ServeResult};
 use super::instance::{GuestMetadata, InferFailure, Instance, TensorDecl};
 use super::protocol::{Datatype, InferRequest, Tensor};
+use super::sequence::Sequencer;
 use super::stablehlo::{NativeInstance, Plan};
 use tpubox_core::device::DeviceService;
 use tpubox_core::tenant::Tenant;
@@ -94,7 +95,11 @@ pub struct Model {
     pub stats: Arc<ModelStats>,
     /// The tenant its instances charge.
     pub tenant: Arc<Tenant>,
-    queue: Arc<Queue>,
+    /// The request queue every instance takes from; for a stateful model one per instance
+    /// (a sequence's requests go to its instance's).
+    queues: Vec<Arc<Queue>>,
+    /// A stateful model's sequences ([`crate::sequence`]).
+    sequencer: Option<Arc<Sequencer>>,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -280,19 +285,50 @@ impl Model {
             (kind, first, metadata)
         };
         let first = first.counted_in(live.clone());
-        let batching = metadata.max_batch_size > 0 && config.dynamic_batching.is_some();
-        let db = config.dynamic_batching.clone().unwrap_or_default();
-        let queue = Arc::new(Queue::new(BatchPolicy {
-            batching,
-            max_batch_size: u64::from(metadata.max_batch_size.max(1)),
-            preferred: db
-                .preferred_batch_size
-                .iter()
-                .map(|&b| u64::from(b))
-                .collect(),
-            max_delay: config.max_queue_delay(),
-            max_queue_size: db.default_queue_policy.max_queue_size as usize,
-        }));
+        let sequencer = match &config.sequence_batching {
+            Some(sb) => Some(Arc::new(Sequencer::new(
+                name,
+                sb,
+                &metadata.inputs,
+                metadata.max_batch_size > 0,
+                config.instances() as usize,
+            )?)),
+            None => None,
+        };
+        let policy = match &config.sequence_batching {
+            Some(sb) => {
+                let strategy = sb.oldest.clone().or(sb.direct.clone()).unwrap_or_default();
+                BatchPolicy {
+                    batching: metadata.max_batch_size > 0,
+                    max_batch_size: u64::from(metadata.max_batch_size.max(1)),
+                    preferred: Vec::new(),
+                    max_delay: Duration::from_micros(strategy.max_queue_delay_microseconds),
+                    max_queue_size: 0,
+                }
+            }
+            None => {
+                let db = config.dynamic_batching.clone().unwrap_or_default();
+                BatchPolicy {
+                    batching: metadata.max_batch_size > 0 && config.dynamic_batching.is_some(),
+                    max_batch_size: u64::from(metadata.max_batch_size.max(1)),
+                    preferred: db
+                        .preferred_batch_size
+                        .iter()
+                        .map(|&b| u64::from(b))
+                        .collect(),
+                    max_delay: config.max_queue_delay(),
+                    max_queue_size: db.default_queue_policy.max_queue_size as usize,
+                }
+            }
+        };
+        let batching = policy.batching;
+        let queues: Vec<Arc<Queue>> = if sequencer.is_some() {
+            (0..config.instances())
+                .map(|_| Arc::new(Queue::new(policy.clone())))
+                .collect()
+        } else {
+            vec![Arc::new(Queue::new(policy))]
+        };
         let stats = Arc::new(ModelStats::default());
         let mut instances = vec![first];
         for _ in 1..config.instances() {
@@ -304,10 +340,13 @@ impl Model {
         }
         let workers = instances
             .into_iter()
-            .map(|instance| {
+            .enumerate()
+            .map(|(index, instance)| {
                 let worker = Worker {
                     name: name.to_string(),
-                    queue: Arc::clone(&queue),
+                    index,
+                    queue: Arc::clone(&queues[index % queues.len()]),
+                    sequencer: sequencer.clone(),
                     stats: Arc::clone(&stats),
                     ctx: ctx.clone(),
                     kind: kind.clone(),
@@ -331,14 +370,15 @@ impl Model {
             metadata,
             stats,
             tenant,
-            queue,
+            queues,
+            sequencer,
             workers,
         }))
     }
 
-    /// Requests waiting in the queue.
+    /// Requests waiting in the queue(s).
     pub fn pending(&self) -> usize {
-        self.queue.len()
+        self.queues.iter().map(|q| q.len()).sum()
     }
 
     /// The Triton JSON configuration.
@@ -456,14 +496,56 @@ impl Model {
     /// Errors: as [`Model::check_request`]; too many requests when the queue is full; the
     /// model's errors ([`ServeError::from_model`]); internal when an instance trapped or
     /// broke the interface's contract.
-    pub async fn infer(&self, mut req: InferRequest) -> ServeResult<Inferred> {
-        let (inputs, batch) = self.check_request(&mut req)?;
+    pub async fn infer(&self, tenant: &str, mut req: InferRequest) -> ServeResult<Inferred> {
+        // A stateful model: the request joins its sequence's instance, with the control inputs
+        // the server fills.
+        let (queue, sequence) = match &self.sequencer {
+            None => (&self.queues[0], None),
+            Some(sq) => {
+                if let Some(t) = req
+                    .inputs
+                    .iter()
+                    .find(|t| sq.control_names().any(|n| n == t.name))
+                {
+                    return Err(ServeError::bad_request(format!(
+                        "input `{}` is a sequence control input: the server fills it from sequence_id, sequence_start and sequence_end",
+                        t.name
+                    )));
+                }
+                let Some(seq) = req.sequence.clone() else {
+                    return Err(super::wording::no_correlation_id(&self.name));
+                };
+                let instance = sq.route(tenant, &seq)?;
+                req.inputs.extend(sq.controls(&seq));
+                (&self.queues[instance % self.queues.len()], Some((sq, seq)))
+            }
+        };
+        let checked = self.check_request(&mut req);
+        let (inputs, batch) = match checked {
+            Ok(x) => x,
+            Err(e) => {
+                if let Some((sq, seq)) = &sequence {
+                    sq.finish(tenant, seq, false);
+                }
+                return Err(e);
+            }
+        };
+        if let Some((sq, seq)) = &sequence
+            && batch != 1
+        {
+            sq.finish(tenant, seq, false);
+            return Err(ServeError::bad_request(format!(
+                "a request of a sequence to model '{}' must have a batch of 1, not {batch}",
+                self.name
+            )));
+        }
         let start = Instant::now();
         let (tx, rx) = oneshot::channel();
-        self.queue.push(Pending {
+        queue.push(Pending {
             inputs,
             batch,
             enqueued: start,
+            sequence: sequence.as_ref().map(|(_, s)| sequence_hash(tenant, &s.id)),
             reply: tx,
         })?;
         let result = rx.await.unwrap_or_else(|_| {
@@ -472,6 +554,10 @@ impl Model {
                 "the model's instance stopped",
             ))
         });
+        if let Some((sq, seq)) = &sequence {
+            let lost = matches!(&result, Err(e) if e.kind == ServeErrorKind::Internal);
+            sq.finish(tenant, seq, lost);
+        }
         let ns = start.elapsed().as_nanos() as u64;
         let s = &self.stats;
         match result {
@@ -517,15 +603,19 @@ impl Model {
 
     /// Stops taking requests, lets the instances finish those queued, and waits for them.
     pub async fn shutdown(&self) {
-        self.queue.close();
+        for q in &self.queues {
+            q.close();
+        }
     }
 
     /// Stops taking requests and fails those still queued as the server shutting down.
     pub fn abort(&self) {
-        self.queue.abort(ServeError::new(
-            ServeErrorKind::ShuttingDown,
-            "the server is shutting down (its drain time is up)",
-        ));
+        for q in &self.queues {
+            q.abort(ServeError::new(
+                ServeErrorKind::ShuttingDown,
+                "the server is shutting down (its drain time is up)",
+            ));
+        }
     }
 
     /// Waits for every instance task to end (after [`Model::shutdown`]); returns at once while
@@ -546,8 +636,19 @@ impl Model {
 /// queued and end, freeing their slots in the sandbox's instance pool.
 impl Drop for Model {
     fn drop(&mut self) {
-        self.queue.close();
+        for q in &self.queues {
+            q.close();
+        }
     }
+}
+
+/// The batcher's key of a sequence (tenant and id hashed: two requests of one sequence never
+/// share a batch; a collision only keeps two sequences apart).
+fn sequence_hash(tenant: &str, id: &crate::protocol::SequenceId) -> u64 {
+    use std::hash::{Hash, Hasher};
+    let mut h = std::collections::hash_map::DefaultHasher::new();
+    (tenant, id).hash(&mut h);
+    h.finish()
 }
 
 fn names(ds: &[TensorDecl]) -> String {
@@ -616,7 +717,11 @@ fn reply(batch: Vec<Pending>, parts: Vec<Vec<Tensor>>, compute: Duration) {
 /// it breaks.
 struct Worker {
     name: String,
+    /// Its place among the model's instances.
+    index: usize,
     queue: Arc<Queue>,
+    /// A stateful model's sequences: told when this instance is replaced.
+    sequencer: Option<Arc<Sequencer>>,
     stats: Arc<ModelStats>,
     ctx: LoadContext,
     kind: Kind,
@@ -625,6 +730,13 @@ struct Worker {
 }
 
 impl Worker {
+    /// Its instance broke: the sequences it held lost their state.
+    fn replaced(&self) {
+        if let Some(sq) = &self.sequencer {
+            sq.instance_replaced(self.index);
+        }
+    }
+
     async fn run(self, instance: Runner) {
         let mut instance = Some(instance);
         while let Some(batch) = self.queue.next_batch().await {
@@ -659,6 +771,7 @@ impl Worker {
             let (outcome, compute, broken) = self.execute(inst, &batch).await;
             if broken {
                 instance = None;
+                self.replaced();
             }
             match outcome {
                 Ok(parts) => reply(batch, parts, compute),
@@ -674,6 +787,7 @@ impl Worker {
                         let (outcome, compute, broken) = self.execute(inst, one).await;
                         if broken {
                             instance = None;
+                            self.replaced();
                         }
                         match outcome {
                             Ok(parts) => reply(vec![p], parts, compute),

@@ -261,6 +261,43 @@ pub struct ShmRef {
     pub byte_size: u64,
 }
 
+/// A sequence id (Triton's `sequence_id` request parameter, its correlation id): an unsigned
+/// integer or a string.
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub enum SequenceId {
+    /// A number (0 is no id).
+    Number(u64),
+    /// A string (empty is no id).
+    Text(String),
+}
+
+impl std::fmt::Display for SequenceId {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        match self {
+            SequenceId::Number(n) => write!(f, "{n}"),
+            SequenceId::Text(t) => write!(f, "'{t}'"),
+        }
+    }
+}
+
+/// A request's sequence parameters (`sequence_id`, `sequence_start`, `sequence_end`).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SequenceRequest {
+    /// Its sequence.
+    pub id: SequenceId,
+    /// The first request of the sequence.
+    pub start: bool,
+    /// The last request of the sequence.
+    pub end: bool,
+}
+
+/// The request parameters of [`SequenceRequest`].
+pub const SEQUENCE_ID: &str = "sequence_id";
+/// See [`SEQUENCE_ID`].
+pub const SEQUENCE_START: &str = "sequence_start";
+/// See [`SEQUENCE_ID`].
+pub const SEQUENCE_END: &str = "sequence_end";
+
 /// The parameter names of [`ShmRef`] (Triton's shared-memory extension).
 pub const SHM_REGION: &str = "shared_memory_region";
 /// See [`SHM_REGION`].
@@ -293,6 +330,8 @@ pub struct InferRequest {
     /// Inputs whose bytes are in shared memory (index into `inputs`, whose `data` is empty
     /// until [`crate::shm::Regions::read_inputs`] fills it).
     pub shm_inputs: Vec<(usize, ShmRef)>,
+    /// Its sequence, when it names one (a stateful model's request).
+    pub sequence: Option<SequenceRequest>,
 }
 
 impl InferRequest {
@@ -305,6 +344,7 @@ impl InferRequest {
             outputs: self.outputs.clone(),
             binary_output: self.binary_output,
             shm_inputs: Vec::new(),
+            sequence: self.sequence.clone(),
         }
     }
 }

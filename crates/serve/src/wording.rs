@@ -16,6 +16,8 @@
 //! | negative version | `invalid model version specified 'V' , version should be an integral value > 0` | bad request |
 //! | typed contents and raw contents | `contents field must not be specified when using raw_input_contents for 'I' for model 'M'` | bad request |
 //! | a load that fails (also an invalid config override) | `failed to load 'M', …` | bad request |
+//! | a stateful model's request without a sequence id | `inference request to model 'M' must specify a non-zero or non-empty correlation ID` | bad request |
+//! | a sequence's request before its start | `inference request for sequence N to model 'M' must specify the START flag on the first request of the sequence` | bad request |
 
 use super::error::{ServeError, ServeErrorKind};
 
@@ -59,6 +61,21 @@ pub fn parse_version(version: &str) -> Result<Option<i64>, ServeError> {
 pub fn contents_with_raw(input: &str, model: &str) -> ServeError {
     ServeError::bad_request(format!(
         "contents field must not be specified when using raw_input_contents for '{input}' for model '{model}'"
+    ))
+}
+
+/// A request to the stateful model `model` names no sequence (or sequence 0 / "").
+pub fn no_correlation_id(model: &str) -> ServeError {
+    ServeError::bad_request(format!(
+        "inference request to model '{model}' must specify a non-zero or non-empty correlation ID"
+    ))
+}
+
+/// A request of sequence `id` of the stateful model `model` that was never started (or was
+/// released: ended, idle too long).
+pub fn sequence_not_started(model: &str, id: &crate::protocol::SequenceId) -> ServeError {
+    ServeError::bad_request(format!(
+        "inference request for sequence {id} to model '{model}' must specify the START flag on the first request of the sequence"
     ))
 }
 

@@ -26,7 +26,8 @@ use std::fmt;
 use serde::de::{self, DeserializeSeed, Deserializer, IgnoredAny, MapAccess, SeqAccess, Visitor};
 
 use super::{
-    Datatype, InferRequest, RequestedOutput, SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, ShmRef, Tensor,
+    Datatype, InferRequest, RequestedOutput, SEQUENCE_END, SEQUENCE_ID, SEQUENCE_START,
+    SHM_BYTE_SIZE, SHM_OFFSET, SHM_REGION, SequenceId, SequenceRequest, ShmRef, Tensor,
     element_count,
 };
 use crate::error::{ServeError, ServeResult};
@@ -1009,11 +1010,46 @@ impl<'de> Visitor<'de> for OutputsSeed<'_> {
     }
 }
 
+/// What the request's `parameters` are read for: `binary_data_output`, then the sequence.
+const REQUEST_WANT: [&str; 4] = [
+    "binary_data_output",
+    SEQUENCE_ID,
+    SEQUENCE_START,
+    SEQUENCE_END,
+];
+
+/// The sequence a request's `parameters` name (the values of [`REQUEST_WANT`] from 1).
+///
+/// Errors: bad request for a `sequence_id` that is not a non-negative integer or a string, or
+/// flags that are not booleans.
+fn sequence(p: &Wanted) -> ServeResult<Option<SequenceRequest>> {
+    let id = match p.get(1).cloned().flatten() {
+        None => return Ok(None),
+        Some(Param::U64(n)) => SequenceId::Number(n),
+        Some(Param::Str(t)) => SequenceId::Text(t),
+        Some(_) => {
+            return Err(ServeError::bad_request(format!(
+                "`{SEQUENCE_ID}` must be a non-negative integer or a string"
+            )));
+        }
+    };
+    let flag = |i: usize, k: &str| match p.get(i).cloned().flatten() {
+        None => Ok(false),
+        Some(Param::Bool(b)) => Ok(b),
+        Some(_) => Err(ServeError::bad_request(format!("`{k}` must be a boolean"))),
+    };
+    Ok(Some(SequenceRequest {
+        id,
+        start: flag(2, SEQUENCE_START)?,
+        end: flag(3, SEQUENCE_END)?,
+    }))
+}
+
 /// The request as the head pass reads it.
 #[derive(Default)]
 struct Head {
     id: Option<String>,
-    binary_output: Wanted,
+    params: Wanted,
     inputs: Option<Got<Vec<InputHead>>>,
     outputs: Option<Got<Vec<OutputHead>>>,
 }
@@ -1056,9 +1092,9 @@ impl<'de> Visitor<'de> for HeadSeed<'_, '_, '_> {
                     }
                 }
                 "parameters" => {
-                    h.binary_output = map.next_value_seed(Params {
+                    h.params = map.next_value_seed(Params {
                         ctx,
-                        want: &["binary_data_output"],
+                        want: &REQUEST_WANT,
                     })?
                 }
                 "inputs" => {
@@ -1418,7 +1454,7 @@ pub(super) fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<Inf
         )));
     }
     let binary_output = head
-        .binary_output
+        .params
         .first()
         .cloned()
         .flatten()
@@ -1453,6 +1489,7 @@ pub(super) fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<Inf
             i.tensor.check()?;
         }
     }
+    let sequence = sequence(&head.params)?;
     let shm_inputs = inputs
         .iter_mut()
         .enumerate()
@@ -1466,5 +1503,6 @@ pub(super) fn request_from_json(header: &[u8], binary: &[u8]) -> ServeResult<Inf
         outputs,
         binary_output,
         shm_inputs,
+        sequence,
     })
 }
