@@ -24,6 +24,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "hardening"))
 
 import hardening_util  # noqa: E402
+import serve_util  # noqa: E402
 from hardening_util import ATTACKER, PROBE  # noqa: E402
 from tpubox_daemon import target_dir  # noqa: E402
 
@@ -221,3 +222,66 @@ def test_one_sequence_id_started_twice_at_once(d):
     assert all(0 < r <= 11 * 1001 for r in results), results
     h, _ = clients(d)
     assert step(h, 1, 500, end=True) > 0
+
+
+def test_stream_infer_answers_each_request_in_order(d):
+    """tritonclient's gRPC stream (`start_stream` / `async_stream_infer`): two sequences
+    interleaved on one stream, each request answered with its id, an error answered on the
+    stream without ending it."""
+    import queue
+
+    g = grpcclient.InferenceServerClient(d.grpc_url)
+    results: queue.Queue = queue.Queue()
+    g.start_stream(callback=lambda result, error: results.put((result, error)), headers=gh())
+    plan = [(1, 11, True, False), (10, 22, True, False), (2, 11, False, False), (20, 22, False, True)]
+    plan += [(3, 11, False, True)]
+    try:
+        for k, (v, seq, start, end) in enumerate(plan):
+            i = grpcclient.InferInput("INPUT", [1, 1], "INT32")
+            i.set_data_from_numpy(np.array([[v]], np.int32))
+            g.async_stream_infer(
+                "accumulator", [i], request_id=str(k), sequence_id=seq, sequence_start=start, sequence_end=end
+            )
+        g.async_stream_infer("accumulator", [i], request_id="bad", sequence_id=999)
+        g.async_stream_infer("accumulator", [i], request_id="5", sequence_id=33, sequence_start=True)
+        got = [results.get(timeout=60) for _ in range(len(plan) + 2)]
+    finally:
+        g.stop_stream()
+    ok = {r.get_response().id: int(r.as_numpy("OUTPUT")[0, 0]) for r, e in got if e is None}
+    assert ok == {"0": 1, "1": 10, "2": 3, "3": 30, "4": 6, "5": 3}, ok
+    errors = [e.message() for r, e in got if e is not None]
+    assert len(errors) == 1 and "sequence 999 to model 'accumulator' must specify the START flag" in errors[0]
+
+
+def test_a_flooded_stream_whose_client_never_reads_is_bounded(d):
+    """A client streams requests as fast as it can and reads no response: the daemon holds a
+    few responses, stops reading the stream (HTTP/2 flow control pushes back), keeps serving
+    others, and frees everything when the client goes away."""
+    import grpc as grpc_lib
+    import tritonclient.grpc.service_pb2 as pb
+    import tritonclient.grpc.service_pb2_grpc as pb_grpc
+
+    def requests():
+        req = pb.ModelInferRequest(model_name="dtypes", id="flood")
+        for dt, a in serve_util.dtypes_data(shape=(1, 256), seed=3).items():
+            req.inputs.add(name=f"INPUT_{dt}", datatype=dt, shape=list(a.shape))
+            if dt == "BYTES":
+                req.raw_input_contents.append(b"".join(len(x).to_bytes(4, "little") + x for x in a.flat))
+            else:
+                req.raw_input_contents.append(np.ascontiguousarray(a).tobytes())
+        for _ in range(100_000):
+            yield req
+
+    import time
+
+    rss0 = d.rss_mib()
+    ch = grpc_lib.insecure_channel(d.grpc_url)
+    call = pb_grpc.GRPCInferenceServiceStub(ch).ModelStreamInfer(requests(), metadata=tuple(gh().items()))
+    time.sleep(5)
+    # Others are served meanwhile, and the daemon did not buffer the flood.
+    for _ in range(5):
+        hardening_util.probe_infer(d)
+    assert d.rss_mib() - rss0 < 256, (rss0, d.rss_mib())
+    call.cancel()
+    ch.close()
+    hardening_util.probe_infer(d)

@@ -447,41 +447,69 @@ impl GrpcInferenceService for Service {
             .infer(a.as_deref(), &name, version(&ver), req)
             .await
             .map_err(status)?;
-        let mut outputs = Vec::with_capacity(resp.outputs.len());
-        let mut raw = Vec::with_capacity(resp.outputs.len());
-        for t in resp.outputs {
-            // An output written to shared memory says where, and keeps its (empty) place in
-            // raw_output_contents so that the others stay aligned with `outputs`.
-            let mut parameters = std::collections::HashMap::new();
-            if let Some((_, r)) = resp.shm_outputs.iter().find(|(n, _)| *n == t.name) {
-                use infer_parameter::ParameterChoice as P;
-                let p = |c| InferParameter {
-                    parameter_choice: Some(c),
+        Ok(Response::new(encode_response(resp)))
+    }
+
+    type ModelStreamInferStream = std::pin::Pin<
+        Box<dyn tokio_stream::Stream<Item = Result<ModelStreamInferResponse, Status>> + Send>,
+    >;
+
+    /// The requests of one stream run one after another, in order (what a sequence needs; a
+    /// client wanting concurrency opens several streams), each answered on the stream before
+    /// the next is read: a client that floods the stream or never reads its responses holds
+    /// one request and [`STREAM_BUFFER`] responses, then HTTP/2 flow control stops it. A
+    /// failed request is answered with its error message and the stream goes on. The stream
+    /// ends when the client ends its half or goes away.
+    async fn model_stream_infer(
+        &self,
+        r: Request<tonic::Streaming<ModelInferRequest>>,
+    ) -> Result<Response<Self::ModelStreamInferStream>, Status> {
+        let a = auth(&r);
+        let mut incoming = r.into_inner();
+        let (tx, rx) = tokio::sync::mpsc::channel(STREAM_BUFFER);
+        let server = Arc::clone(&self.server);
+        tokio::spawn(async move {
+            loop {
+                let next = tokio::select! {
+                    m = incoming.message() => m,
+                    _ = tx.closed() => break,
                 };
-                parameters.insert(SHM_REGION.to_string(), p(P::StringParam(r.region.clone())));
-                parameters.insert(SHM_OFFSET.to_string(), p(P::Int64Param(r.offset as i64)));
-                parameters.insert(
-                    SHM_BYTE_SIZE.to_string(),
-                    p(P::Int64Param(r.byte_size as i64)),
-                );
+                let q = match next {
+                    Ok(Some(q)) => q,
+                    Ok(None) => break,
+                    Err(e) => {
+                        tracing::debug!("ModelStreamInfer: the client's stream failed: {e}");
+                        break;
+                    }
+                };
+                let (name, ver, id) = (q.model_name.clone(), q.model_version.clone(), q.id.clone());
+                let result = match decode_request(q) {
+                    Ok(req) => server.infer(a.as_deref(), &name, version(&ver), req).await,
+                    Err(e) => Err(e),
+                };
+                let msg = match result {
+                    Ok(resp) => ModelStreamInferResponse {
+                        error_message: String::new(),
+                        infer_response: Some(encode_response(resp)),
+                    },
+                    Err(e) => ModelStreamInferResponse {
+                        error_message: e.message,
+                        infer_response: Some(ModelInferResponse {
+                            model_name: name,
+                            model_version: ver,
+                            id,
+                            ..Default::default()
+                        }),
+                    },
+                };
+                if tx.send(Ok(msg)).await.is_err() {
+                    break;
+                }
             }
-            outputs.push(model_infer_response::InferOutputTensor {
-                name: t.name,
-                datatype: t.datatype.name().into(),
-                shape: t.shape.iter().map(|&d| d as i64).collect(),
-                parameters,
-                ..Default::default()
-            });
-            raw.push(t.data);
-        }
-        Ok(Response::new(ModelInferResponse {
-            model_name: resp.model_name,
-            model_version: resp.model_version,
-            id: resp.id.unwrap_or_default(),
-            outputs,
-            raw_output_contents: raw,
-            ..Default::default()
-        }))
+        });
+        Ok(Response::new(Box::pin(
+            tokio_stream::wrappers::ReceiverStream::new(rx),
+        )))
     }
 
     async fn model_config(
@@ -675,6 +703,50 @@ impl GrpcInferenceService for Service {
         _r: Request<CudaSharedMemoryUnregisterRequest>,
     ) -> Result<Response<CudaSharedMemoryUnregisterResponse>, Status> {
         Err(Status::invalid_argument(super::rest::CUDA_SHM_REFUSED))
+    }
+}
+
+/// Responses a ModelStreamInfer stream holds for a client that does not read them.
+pub const STREAM_BUFFER: usize = 4;
+
+/// The gRPC form of an inference response: outputs in `raw_output_contents`, in order; an
+/// output written to shared memory says where, with an empty raw entry that keeps the others
+/// aligned with `outputs`.
+fn encode_response(resp: super::protocol::InferResponse) -> ModelInferResponse {
+    let mut outputs = Vec::with_capacity(resp.outputs.len());
+    let mut raw = Vec::with_capacity(resp.outputs.len());
+    for t in resp.outputs {
+        // An output written to shared memory says where, and keeps its (empty) place in
+        // raw_output_contents so that the others stay aligned with `outputs`.
+        let mut parameters = std::collections::HashMap::new();
+        if let Some((_, r)) = resp.shm_outputs.iter().find(|(n, _)| *n == t.name) {
+            use infer_parameter::ParameterChoice as P;
+            let p = |c| InferParameter {
+                parameter_choice: Some(c),
+            };
+            parameters.insert(SHM_REGION.to_string(), p(P::StringParam(r.region.clone())));
+            parameters.insert(SHM_OFFSET.to_string(), p(P::Int64Param(r.offset as i64)));
+            parameters.insert(
+                SHM_BYTE_SIZE.to_string(),
+                p(P::Int64Param(r.byte_size as i64)),
+            );
+        }
+        outputs.push(model_infer_response::InferOutputTensor {
+            name: t.name,
+            datatype: t.datatype.name().into(),
+            shape: t.shape.iter().map(|&d| d as i64).collect(),
+            parameters,
+            ..Default::default()
+        });
+        raw.push(t.data);
+    }
+    ModelInferResponse {
+        model_name: resp.model_name,
+        model_version: resp.model_version,
+        id: resp.id.unwrap_or_default(),
+        outputs,
+        raw_output_contents: raw,
+        ..Default::default()
     }
 }
 

@@ -684,6 +684,8 @@ pub async fn run(
         )));
         let mut door = doors.door("grpc", grpc::admit(Arc::clone(&server)));
         door.http2_only = true;
+        // A stream's request body stays open as long as the client streams.
+        door.long_lived = &["/inference.GRPCInferenceService/ModelStreamInfer"];
         tasks.push(tokio::spawn(grpc::serve_grpc(
             grpc,
             Arc::clone(&server),
