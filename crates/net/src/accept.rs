@@ -17,6 +17,29 @@ pub const BACKOFF_MIN: Duration = Duration::from_millis(5);
 /// Longest pause after repeated accept errors.
 pub const BACKOFF_MAX: Duration = Duration::from_secs(1);
 
+/// Connections the kernel holds for a TCP listener before the daemon accepts them
+/// (`listen(2)`'s backlog; the kernel caps it at `net.core.somaxconn`, 4096 by default). Over
+/// the cap, connections are accepted and closed at once, so the backlog drains as fast as the
+/// accept loop runs; this depth absorbs a burst of connections (a flood from one peer) while
+/// the loop is briefly starved of CPU, instead of dropping other peers' SYNs (which a client
+/// retries only after a second).
+pub const TCP_BACKLOG: u32 = 4096;
+
+/// A TCP listener on `addr` with [`TCP_BACKLOG`] and `SO_REUSEADDR` (a restarted daemon can
+/// bind its port while old connections linger in TIME_WAIT).
+///
+/// Errors: the address cannot be bound (in use, not local, no permission).
+pub fn bind_tcp(addr: std::net::SocketAddr) -> std::io::Result<TcpListener> {
+    let socket = if addr.is_ipv4() {
+        tokio::net::TcpSocket::new_v4()?
+    } else {
+        tokio::net::TcpSocket::new_v6()?
+    };
+    socket.set_reuseaddr(true)?;
+    socket.bind(addr)?;
+    socket.listen(TCP_BACKLOG)
+}
+
 /// A bound listener of one door.
 pub enum Listener {
     /// A TCP listener.

@@ -30,7 +30,7 @@ pub mod limits;
 pub mod serve;
 pub mod tls;
 
-pub use accept::{Listener, Stream};
+pub use accept::{Listener, Stream, bind_tcp};
 pub use limits::{Connections, DoorLimits, PUBLIC_BODY_BYTES, Peer};
 pub use serve::{Admission, Admit, BodyError, Door, Windows, body_error, serve};
 pub use tls::{ClientCerts, Tls, TlsFiles};

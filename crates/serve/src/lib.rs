@@ -609,18 +609,15 @@ pub async fn run(
     let addr = |port| SocketAddr::new(config.host, port);
     let inference = config.repository.is_some();
     let (http, grpc) = if inference {
-        let http = tokio::net::TcpListener::bind(addr(config.http_port))
-            .await
+        let http = tpubox_net::bind_tcp(addr(config.http_port))
             .with_context(|| format!("binding the REST port {}", addr(config.http_port)))?;
-        let grpc = tokio::net::TcpListener::bind(addr(config.grpc_port))
-            .await
+        let grpc = tpubox_net::bind_tcp(addr(config.grpc_port))
             .with_context(|| format!("binding the gRPC port {}", addr(config.grpc_port)))?;
         (Some(http), Some(grpc))
     } else {
         (None, None)
     };
-    let metrics = tokio::net::TcpListener::bind(addr(config.metrics_port))
-        .await
+    let metrics = tpubox_net::bind_tcp(addr(config.metrics_port))
         .with_context(|| format!("binding the metrics port {}", addr(config.metrics_port)))?;
     let session_listeners = if config.sessions.enabled() {
         Some(tpubox_session_api::Listeners::bind(&config.sessions).await?)

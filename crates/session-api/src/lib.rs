@@ -102,9 +102,7 @@ impl Listeners {
         };
         let tcp = match config.tcp {
             Some(a) => Some(
-                tokio::net::TcpListener::bind(a)
-                    .await
-                    .with_context(|| format!("binding the session port {a}"))?,
+                tpubox_net::bind_tcp(a).with_context(|| format!("binding the session port {a}"))?,
             ),
             None => None,
         };
