@@ -285,3 +285,40 @@ def test_a_flooded_stream_whose_client_never_reads_is_bounded(d):
     call.cancel()
     ch.close()
     hardening_util.probe_infer(d)
+
+
+def test_generate_and_generate_stream_for_a_model_with_one_response(d):
+    """Triton's generate extension: input names as keys, outputs by name (a scalar for one
+    element); the sequence parameters pass through; generate_stream answers as one
+    server-sent event."""
+    import http.client
+
+    def post(path: str, body: dict, token=PROBE):
+        c = http.client.HTTPConnection(d.host, d.http_port, timeout=30)
+        try:
+            c.request("POST", path, json.dumps(body), {"Authorization": f"Bearer {token}"})
+            r = c.getresponse()
+            return r.status, r.getheader("content-type"), r.read().decode()
+        finally:
+            c.close()
+
+    st, ct, text = post(
+        "/v2/models/accumulator/generate",
+        {"INPUT": 5, "id": "g1", "parameters": {"sequence_id": 8, "sequence_start": True}},
+    )
+    assert st == 200 and ct == "application/json", text
+    assert json.loads(text) == {"model_name": "accumulator", "model_version": "1", "id": "g1", "OUTPUT": 5}
+    st, ct, text = post(
+        "/v2/models/accumulator/generate_stream",
+        {"INPUT": [2], "parameters": {"sequence_id": 8, "sequence_end": True}},
+    )
+    assert st == 200 and ct == "text/event-stream", text
+    assert text.startswith("data: ") and text.endswith("\n\n"), text
+    assert json.loads(text[len("data: "):])["OUTPUT"] == 7
+    # An input the model does not have; a model the tenant may not call (as unknown).
+    st, _, text = post("/v2/models/accumulator/generate", {"text_input": "hi"})
+    assert st == 400 and "has no input `text_input`" in text, text
+    st, _, text = post("/v2/models/accumulator/generate", {"INPUT": 1}, token=hardening_util.ATTACKER + "x")
+    assert st == 401, text
+    st, _, text = post("/v2/models/minilm/generate", {"text": ["a"]})
+    assert st == 400 and "Request for unknown model: 'minilm' is not found" in text, text

@@ -31,6 +31,7 @@ pub mod admin;
 pub mod batcher;
 pub mod config;
 pub mod error;
+pub mod generate;
 pub mod grpc;
 pub mod instance;
 pub mod metrics;

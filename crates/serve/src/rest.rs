@@ -76,6 +76,13 @@ pub fn router(server: Arc<Server>) -> Router {
         .route("/v2/models/{m}/stats", get(model_stats))
         .route("/v2/models/{m}/versions/{v}/stats", get(model_stats_v))
         .route("/v2/models/{m}/infer", post(infer))
+        .route("/v2/models/{m}/generate", post(generate))
+        .route("/v2/models/{m}/versions/{v}/generate", post(generate_v))
+        .route("/v2/models/{m}/generate_stream", post(generate_stream))
+        .route(
+            "/v2/models/{m}/versions/{v}/generate_stream",
+            post(generate_stream_v),
+        )
         .route("/v2/models/{m}/versions/{v}/infer", post(infer_v))
         .route("/v2/repository/index", post(repository_index))
         .route("/v2/repository/models/{m}/load", post(repository_load))
@@ -406,6 +413,79 @@ async fn infer_common(
     );
     h.insert(HEADER_LENGTH, HeaderValue::from(len));
     Ok(r)
+}
+
+/// A generate request ([`super::generate`]) run as an inference; its response, or (for
+/// `stream`) the same as one server-sent event.
+async fn generate_common(
+    s: Arc<Server>,
+    headers: HeaderMap,
+    m: String,
+    v: Option<String>,
+    body: Body,
+    stream: bool,
+) -> R<Response> {
+    let bytes = body_bytes(&s, &headers, body).await?;
+    let json: Value = serde_json::from_slice(&bytes)
+        .map_err(|e| ServeError::bad_request(format!("the generate request is not JSON: {e}")))?;
+    // The model's inputs are needed to read the request: only for a caller that may call it.
+    s.authorize(auth(&headers), &m)?;
+    let model = s.model(&m, v.as_deref())?;
+    let req = super::generate::request(&model, &json)?;
+    let resp = s.infer(auth(&headers), &m, v.as_deref(), req).await?;
+    let out = super::generate::response(&resp);
+    if !stream {
+        return Ok(axum::Json(out).into_response());
+    }
+    let event = format!("data: {out}\n\n");
+    Ok((
+        StatusCode::OK,
+        [
+            (
+                header::CONTENT_TYPE,
+                HeaderValue::from_static("text/event-stream"),
+            ),
+            (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
+        ],
+        event,
+    )
+        .into_response())
+}
+
+async fn generate(
+    State(s): S,
+    headers: HeaderMap,
+    Path(m): Path<String>,
+    body: Body,
+) -> R<Response> {
+    generate_common(s, headers, m, None, body, false).await
+}
+
+async fn generate_v(
+    State(s): S,
+    headers: HeaderMap,
+    Path((m, v)): Path<(String, String)>,
+    body: Body,
+) -> R<Response> {
+    generate_common(s, headers, m, Some(v), body, false).await
+}
+
+async fn generate_stream(
+    State(s): S,
+    headers: HeaderMap,
+    Path(m): Path<String>,
+    body: Body,
+) -> R<Response> {
+    generate_common(s, headers, m, None, body, true).await
+}
+
+async fn generate_stream_v(
+    State(s): S,
+    headers: HeaderMap,
+    Path((m, v)): Path<(String, String)>,
+    body: Body,
+) -> R<Response> {
+    generate_common(s, headers, m, Some(v), body, true).await
 }
 
 async fn infer(State(s): S, headers: HeaderMap, Path(m): Path<String>, body: Body) -> R<Response> {
