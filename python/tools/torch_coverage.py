@@ -9,7 +9,8 @@ first output agrees with eager to rtol = atol = 1e-4.
 
     python python/tools/torch_coverage.py                 # starts its own daemon (tpubox_daemon)
     python python/tools/torch_coverage.py --address unix:/tmp/tpubox.sock --token T
-    python python/tools/torch_coverage.py bert llama      # only these
+    python python/tools/torch_coverage.py BERT Llama      # only these
+    python python/tools/torch_coverage.py --train         # and a training step's gradients
 
 Prints a Markdown table (docs/PYTORCH.md records it) and exits 0 when every architecture
 tested matched. Needs the venv of scripts/venvs/torch.txt and ./python on PYTHONPATH (or
@@ -221,20 +222,78 @@ def check(name: str, build: Callable[[], Any], inputs: Callable[[], dict], sessi
     return row
 
 
+def _no_dropout(model: Any) -> None:
+    """Training mode without randomness: every dropout probability of MODEL set to 0 (random
+    ops in a graph need a custom call the daemon's default program policy refuses)."""
+    from torch import nn
+
+    for m in model.modules():
+        if isinstance(m, nn.Dropout):
+            m.p = 0.0
+        for k, v in list(vars(m).items()):
+            if "dropout" in k and isinstance(v, float):
+                setattr(m, k, 0.0)
+
+
+def check_training(
+    name: str, build: Callable[[], Any], inputs: Callable[[], dict], session: Any
+) -> dict:
+    """One training step's forward and backward (loss = mean of the first output squared),
+    compiled and eager: the gradients of every parameter must match."""
+    import copy
+
+    import numpy as np
+    import torch
+
+    torch._dynamo.reset()
+    torch.manual_seed(0)
+    row: dict[str, Any] = {"train": False, "train_error": ""}
+    try:
+        model = build().train()
+        _no_dropout(model)
+        ref = copy.deepcopy(model)
+        x = inputs()
+        first_output(ref(**x)).pow(2).mean().backward()
+        compiled = torch.compile(model, backend="tpubox", options={"session": session})
+        first_output(compiled(**x)).pow(2).mean().backward()
+        worst = 0.0
+        ok = True
+        for (pn, p), q in zip(model.named_parameters(), ref.parameters()):
+            if q.grad is None:
+                continue
+            if p.grad is None:
+                ok = False
+                continue
+            g, w = p.grad.float().numpy(), q.grad.float().numpy()
+            worst = max(worst, float(np.abs(g - w).max()))
+            ok = ok and bool(np.allclose(g, w, rtol=RTOL, atol=ATOL))
+        row["train"] = ok
+        row["train_err"] = worst
+    except Exception as e:
+        msg = f"{type(e).__name__}: {e}".splitlines()
+        row["train_error"] = msg[0][:160] if msg else type(e).__name__
+    return row
+
+
 def table(rows: list[dict]) -> str:
     """The Markdown table of ROWS."""
     yes = lambda b: "yes" if b else "no"  # noqa: E731
-    lines = [
-        "| model | tested | runs | numbers match | max abs error | time (s) | note |",
-        "|---|---|---|---|---|---|---|",
-    ]
+    train = any("train" in r for r in rows)
+    head = "| model | tested | runs | numbers match | max abs error | time (s) |"
+    head += " training step (gradients match) |" if train else ""
+    lines = [head + " note |", "|---" * (head.count("|") - 1 + 1) + "|"]
     for r in rows:
         err = r.get("max_abs_err")
-        lines.append(
+        line = (
             f"| {r['model']} | yes | {yes(r['runs'])} | {yes(r['match'])} | "
-            f"{'' if err is None else f'{err:.1e}'} | {r['seconds']:.1f} | "
-            f"{r['error'].replace('|', '/')} |"
+            f"{'' if err is None else f'{err:.1e}'} | {r['seconds']:.1f} |"
         )
+        note = r["error"]
+        if train:
+            line += f" {yes(r.get('train'))} |"
+            if r.get("train_error"):
+                note = (note + "; " if note else "") + "training: " + r["train_error"]
+        lines.append(line + f" {note.replace('|', '/')} |")
     return "\n".join(lines)
 
 
@@ -245,6 +304,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--address", help="the daemon's session address (default: start one)")
     ap.add_argument("--token", default=None, help="a tenant token of that daemon")
     ap.add_argument("--verbose", action="store_true", help="print each failure's traceback")
+    ap.add_argument(
+        "--train", action="store_true",
+        help="also one training step's backward (dropout off), gradients against eager",
+    )
     args = ap.parse_args(argv)
 
     import torch
@@ -272,8 +335,12 @@ def main(argv: list[str] | None = None) -> int:
             for n in names:
                 build, inputs = archs[n]
                 row = check(n, build, inputs, s)
+                if args.train:
+                    row.update(check_training(n, build, inputs, s))
                 rows.append(row)
                 status = "ok" if row["match"] else ("MISMATCH" if row["runs"] else "FAILED")
+                if args.train:
+                    status += " / training " + ("ok" if row["train"] else "FAILED")
                 print(f"{n}: {status} ({row['seconds']:.1f} s) {row['error']}", file=sys.stderr)
                 if args.verbose and row.get("traceback"):
                     print(row["traceback"], file=sys.stderr)

@@ -462,6 +462,40 @@ def _decompositions() -> dict:
     return _DECOMPOSITIONS
 
 
+def _attention_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` as PyTorch's math implementation (matmuls and a
+    softmax), which autograd differentiates op by op."""
+    return torch.ops.aten._scaled_dot_product_attention_math(
+        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
+    )[0]
+
+
+def _unfuse_attention(gm: torch.fx.GraphModule) -> None:
+    """Replaces, in Dynamo's graph GM, calls of ``scaled_dot_product_attention`` by
+    :func:`_attention_math`. On the CPU, PyTorch would dispatch them to its fused kernel,
+    whose backward (``_scaled_dot_product_flash_attention_for_cpu_backward``) torch-mlir does
+    not lower; the math form's backward is plain ATen, and its forward the same computation."""
+    import torch.nn.functional as F
+
+    targets = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in targets:
+            n.target = _attention_math
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 _PRECISION_OPS = ("stablehlo.dot_general", "stablehlo.convolution", "stablehlo.dot")
 
 
@@ -821,6 +855,7 @@ def backend(
         )
     opts = _Options(options)
     weights = _Weights(gm, example_inputs)
+    _unfuse_attention(gm)
     if _has_symbols(example_inputs):
         return _Specialized(gm, opts, weights)
     return _aot(gm, example_inputs, opts, weights)
