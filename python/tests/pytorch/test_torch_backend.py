@@ -492,3 +492,43 @@ def test_daemon_restart_puts_and_compiles_again(tmp_path):
         assert st["weight_puts"] == 2 * len(list(model.parameters())), st
     finally:
         d.kill()
+
+
+# ---------------------------------------------------------------------------------------------
+# tpubox.torch.export: a StableHLO model directory for tpubox serve's repository.
+
+
+def test_export_writes_a_model_tpubox_serve_checks_and_runs(alice, tmp_path):
+    """export() writes one StableHLO program per batch size, the weights and config.toml;
+    `tpubox model check` accepts the directory, and each program, run in a session with the
+    weights of weights.safetensors in the order config.toml names them, gives eager's numbers."""
+    import tomllib
+
+    from tpubox_daemon import binary
+
+    torch.manual_seed(11)
+    model = MLP(d_in=6, d_hidden=16, d_out=3).eval()
+    d = tt.export(model, [torch.randn(2, 6)], tmp_path / "repo", "mlp", batch_sizes=[1, 4])
+    cfg = tomllib.loads((d / "config.toml").read_text())
+    assert cfg["max_batch_size"] == 4 and cfg["backend"] == "stablehlo"
+    assert cfg["input"] == [{"name": "input_0", "data_type": "TYPE_FP32", "dims": [6]}]
+    assert cfg["output"] == [{"name": "output_0", "data_type": "TYPE_FP32", "dims": [3]}]
+    check = subprocess.run(
+        [str(binary()), "model", "check", str(d)], capture_output=True, text=True, timeout=300
+    )
+    assert check.returncode == 0, check.stdout + check.stderr
+    assert "model.b4.mlir: batch size 4" in check.stdout
+    state = {k: v.detach().numpy() for k, v in model.state_dict().items()}
+    params = cfg["tpubox"]["stablehlo"]["parameters"]
+    assert [p.get("weight") for p in params[:-1]] == list(state)  # every weight, in order
+    for prog in cfg["tpubox"]["stablehlo"]["program"]:
+        b = prog["batch_size"]
+        text = (d / prog["file"]).read_text()
+        assert 'dense<"' not in text and "dense<[" not in text  # weights are not constants
+        exe = alice.compile(text)
+        x = torch.randn(b, 6)
+        (got,) = exe.call(*[state[p["weight"]] for p in params[:-1]], x.numpy())
+        with torch.no_grad():
+            np.testing.assert_allclose(got, model(x).numpy(), rtol=RTOL, atol=ATOL)
+    with pytest.raises(ValueError):
+        tt.export(model, [torch.randn(2, 6)], tmp_path / "repo", "mlp")  # not empty
