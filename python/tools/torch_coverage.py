@@ -20,6 +20,7 @@ installed).
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 import tempfile
 import time
@@ -245,6 +246,8 @@ def check_training(
     import numpy as np
     import torch
 
+    import tpubox.torch  # noqa: F401  (registers the backend)
+
     torch._dynamo.reset()
     torch.manual_seed(0)
     row: dict[str, Any] = {"train": False, "train_error": ""}
@@ -273,6 +276,35 @@ def check_training(
         msg = f"{type(e).__name__}: {e}".splitlines()
         row["train_error"] = msg[0][:160] if msg else type(e).__name__
     return row
+
+
+# Memory a training check may take (address space): torch-mlir's lowering of some backward
+# graphs (the Llama family) grows until the kernel's OOM killer ends the process.
+TRAIN_MEMORY_BYTES = 12 << 30
+
+
+def _train_in_child(name: str, address: str, token: str | None) -> dict:
+    """check_training of NAME in a child process with at most TRAIN_MEMORY_BYTES of address
+    space: a lowering that runs out of memory fails its row, not the run."""
+    import resource
+    import subprocess
+
+    def limit() -> None:
+        resource.setrlimit(resource.RLIMIT_AS, (TRAIN_MEMORY_BYTES, TRAIN_MEMORY_BYTES))
+
+    cmd = [sys.executable, str(Path(__file__).resolve()), "--train-only", name]
+    cmd += ["--address", address]
+    if token is not None:
+        cmd += ["--token", token]
+    p = subprocess.run(cmd, capture_output=True, text=True, preexec_fn=limit, timeout=1800)
+    try:
+        return json.loads(p.stdout.strip().splitlines()[-1])
+    except (IndexError, ValueError):
+        err = [line for line in p.stderr.splitlines() if line.strip()]
+        why = err[-1][:160] if err else f"exit status {p.returncode}"
+        if "bad_alloc" in p.stderr or "MemoryError" in p.stderr or p.returncode in (-9, 137):
+            why = f"out of memory ({TRAIN_MEMORY_BYTES >> 30} GiB) lowering: {why}"
+        return {"train": False, "train_error": why}
 
 
 def table(rows: list[dict]) -> str:
@@ -308,6 +340,7 @@ def main(argv: list[str] | None = None) -> int:
         "--train", action="store_true",
         help="also one training step's backward (dropout off), gradients against eager",
     )
+    ap.add_argument("--train-only", help=argparse.SUPPRESS)  # one training check, JSON out
     args = ap.parse_args(argv)
 
     import torch
@@ -316,6 +349,11 @@ def main(argv: list[str] | None = None) -> int:
 
     torch.set_num_threads(max(1, torch.get_num_threads() // 2))
     archs = architectures()
+    if args.train_only:
+        build, inputs = archs[args.train_only]
+        with tpubox.connect(args.address, args.token, label="torch_coverage train") as s:
+            print(json.dumps(check_training(args.train_only, build, inputs, s)))
+        return 0
     names = args.models or list(archs)
     unknown = [n for n in names if n not in archs]
     if unknown:
@@ -336,7 +374,7 @@ def main(argv: list[str] | None = None) -> int:
                 build, inputs = archs[n]
                 row = check(n, build, inputs, s)
                 if args.train:
-                    row.update(check_training(n, build, inputs, s))
+                    row.update(_train_in_child(n, address, token))
                 rows.append(row)
                 status = "ok" if row["match"] else ("MISMATCH" if row["runs"] else "FAILED")
                 if args.train:

@@ -34,7 +34,9 @@ def export_dtype(dtype: Any, what: str, caller: str) -> tuple[str, str]:
     """(safetensors dtype, Triton data_type) of DTYPE, or tpubox.Unsupported naming WHAT."""
     name = np.dtype(dtype).name
     if name not in EXPORT_DTYPES:
-        raise Unsupported("unsupported", f"{caller}: {what} has dtype {name}, which the protocol lacks")
+        raise Unsupported(
+            "unsupported", f"{caller}: {what} has dtype {name}, which the protocol lacks"
+        )
     return EXPORT_DTYPES[name]
 
 

@@ -483,9 +483,11 @@ def _attention_math(
 
 def _unfuse_attention(gm: torch.fx.GraphModule) -> None:
     """Replaces, in Dynamo's graph GM, calls of ``scaled_dot_product_attention`` by
-    :func:`_attention_math`. On the CPU, PyTorch would dispatch them to its fused kernel,
-    whose backward (``_scaled_dot_product_flash_attention_for_cpu_backward``) torch-mlir does
-    not lower; the math form's backward is plain ATen, and its forward the same computation."""
+    :func:`_attention_math`, for graphs that need gradients. On the CPU, PyTorch would
+    dispatch them to its fused kernel, whose backward
+    (``_scaled_dot_product_flash_attention_for_cpu_backward``) torch-mlir does not lower; the
+    math form's backward is plain ATen. Inference graphs keep the fused op, whose forward
+    torch-mlir lowers."""
     import torch.nn.functional as F
 
     targets = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
@@ -634,9 +636,7 @@ class _Program:
         exe = session.compile(text, format="text", optimization_level=self.opts.optimization_level)
         _count("compiles")
         if self.opts.debug_callback is not None:
-            self.opts.debug_callback(
-                GraphInfo(self.name, self.kind, self.gm, text, p, exe)
-            )
+            self.opts.debug_callback(GraphInfo(self.name, self.kind, self.gm, text, p, exe))
         if len(exe.results) != self.n_results:
             raise TpuboxError(
                 "internal",
@@ -761,7 +761,9 @@ def _is_module_state(node: Any) -> bool:
     )
 
 
-def _aot(gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: _Options, weights: _Weights) -> Any:
+def _aot(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: _Options, weights: _Weights
+) -> Any:
     """GM through aot_autograd, with forward, backward and inference graphs lowered to
     StableHLO and run on the daemon."""
     from functorch.compile import make_boxed_func
@@ -820,8 +822,8 @@ class _Specialized:
         with self._lock:
             fn = self._by_sig.get(sig)
         if fn is None:
-            from torch._functorch.aot_autograd import aot_module_simplified  # noqa: F401
-
+            # Outside Dynamo's compile: a tracing context of its own, so that aot_autograd
+            # fakes these concrete inputs in a fake mode of its own (static sizes).
             with torch._guards.tracing(None):
                 fn = _aot(self.gm, list(args), self.opts, self.weights)
             _count("specializations")
@@ -857,7 +859,10 @@ def backend(
         )
     opts = _Options(options)
     weights = _Weights(gm, example_inputs)
-    _unfuse_attention(gm)
+    if torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs
+    ):
+        _unfuse_attention(gm)
     if _has_symbols(example_inputs):
         return _Specialized(gm, opts, weights)
     return _aot(gm, example_inputs, opts, weights)
@@ -870,7 +875,9 @@ def backend(
 def _batched_like(x: Any, b: int | None) -> Any:
     """An input like example X with batch size B (zeros; only shapes and dtypes are traced)."""
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"tpubox.torch.export: example inputs must be tensors, not {type(x).__name__}")
+        raise TypeError(
+            f"tpubox.torch.export: example inputs must be tensors, not {type(x).__name__}"
+        )
     if b is None:
         return torch.zeros_like(x)
     if x.dim() == 0:
@@ -931,15 +938,17 @@ def export(
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"{caller}: {name!r} cannot name a model directory")
     batched = batch_sizes is not None
-    sizes: list[int | None] = sorted({int(b) for b in batch_sizes}) if batched else [None]  # type: ignore[union-attr]
-    if batched and (not sizes or sizes[0] < 1):  # type: ignore[operator]
+    sizes: list[Any] = sorted({int(b) for b in batch_sizes}) if batched else [None]  # type: ignore
+    if batched and (not sizes or sizes[0] < 1):
         raise ValueError(f"{caller}: batch sizes must be at least 1")
     example_inputs = list(example_inputs)
     in_names = list(input_names) if input_names is not None else [
         f"input_{i}" for i in range(len(example_inputs))
     ]
     if len(in_names) != len(example_inputs) or len(set(in_names)) != len(in_names):
-        raise ValueError(f"{caller}: {len(in_names)} input names (distinct) for {len(example_inputs)} inputs")
+        raise ValueError(
+            f"{caller}: {len(in_names)} input names (distinct) for {len(example_inputs)} inputs"
+        )
     p = _as_precision(precision) if precision is not None else current_precision()
     from torch.export.graph_signature import InputKind, OutputKind
 
@@ -969,7 +978,9 @@ def export(
             weights[spec.target] = _to_numpy(t)
         kinds = [s.kind for s in sig.input_specs]
         if kinds != sorted(kinds, key=lambda k: k == InputKind.USER_INPUT):
-            raise Unsupported("unsupported", f"{caller}: weights and inputs interleave in the graph")
+            raise Unsupported(
+                "unsupported", f"{caller}: weights and inputs interleave in the graph"
+            )
         if weight_names is None:
             weight_names = names
         elif names != weight_names:
@@ -982,7 +993,8 @@ def export(
         placeholders = [n for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
         user_vals = [n.meta["val"] for n in placeholders[len(names):]]
         out_node = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
-        outs = out_node.args[0] if isinstance(out_node.args[0], (tuple, list)) else [out_node.args[0]]
+        outs = out_node.args[0]
+        outs = outs if isinstance(outs, (tuple, list)) else [outs]
         out_vals = [o.meta["val"] for o in outs]
         with prog.context_lock:
             _set_precision(prog.module, p)
@@ -993,7 +1005,9 @@ def export(
         f"output_{i}" for i in range(len(programs[0][3]))
     ]
     if len(out_names) != len(programs[0][3]) or len(set(out_names)) != len(out_names):
-        raise ValueError(f"{caller}: {len(out_names)} output names for {len(programs[0][3])} outputs")
+        raise ValueError(
+            f"{caller}: {len(out_names)} output names for {len(programs[0][3])} outputs"
+        )
 
     def dims(v: Any, b: int | None, what: str) -> list[int]:
         shape = [int(d) for d in v.shape]
@@ -1006,16 +1020,17 @@ def export(
             )
         return shape[1:]
 
-    def np_dtype(v: Any) -> Any:
-        return _to_numpy(torch.empty((), dtype=v.dtype)).dtype
+    def triton_type(v: Any, what: str) -> str:
+        dtype = _to_numpy(torch.empty((), dtype=v.dtype)).dtype
+        return _export.export_dtype(dtype, what, caller)[1]
 
     b0, _, in_vals0, out_vals0 = programs[0]
     inputs = [
-        (n, _export.export_dtype(np_dtype(v), f"input {n!r}", caller)[1], dims(v, b0, f"input {n!r}"))
+        (n, triton_type(v, f"input {n!r}"), dims(v, b0, f"input {n!r}"))
         for n, v in zip(in_names, in_vals0)
     ]
     outputs = [
-        (n, _export.export_dtype(np_dtype(v), f"output {n!r}", caller)[1], dims(v, b0, f"output {n!r}"))
+        (n, triton_type(v, f"output {n!r}"), dims(v, b0, f"output {n!r}"))
         for n, v in zip(out_names, out_vals0)
     ]
     for b, _, _, out_vals in programs[1:]:
@@ -1033,7 +1048,7 @@ def export(
     config = _export.config_toml(
         writer=caller,
         name=name,
-        max_batch_size=int(sizes[-1]) if batched else 0,  # type: ignore[arg-type]
+        max_batch_size=int(sizes[-1]) if batched else 0,
         inputs=inputs,
         outputs=outputs,
         weight_names=weight_names,
