@@ -53,6 +53,9 @@ Backend options (``torch.compile(model, backend="tpubox", options={...})``):
   ``serializable``: TorchTPU's; only their defaults are accepted (buckets are not supported:
   every shape compiles its own program).
 
+:func:`export` writes a model for ``tpubox serve``'s repository instead (StableHLO programs per
+batch size, the weights, ``config.toml``), as :func:`tpubox.jax.export_model` does for JAX.
+
 Needs ``torch`` and ``torch-mlir`` (``scripts/venvs/torch.txt`` pins a pair that works:
 torch 2.15.0, torch-mlir 20261001, installed with ``--no-deps``).
 """
