@@ -477,11 +477,31 @@ def _attention_math(
     scale: float | None = None,
     enable_gqa: bool = False,
 ) -> torch.Tensor:
-    """``scaled_dot_product_attention`` as PyTorch's math implementation (matmuls and a
-    softmax), which autograd differentiates op by op."""
-    return torch.ops.aten._scaled_dot_product_attention_math(
-        query, key, value, attn_mask, dropout_p, is_causal, scale=scale, enable_gqa=enable_gqa
-    )[0]
+    """``scaled_dot_product_attention`` written with matmuls and a softmax, which autograd
+    differentiates op by op. Masked-out scores become the dtype's lowest finite value (not
+    -inf), so no infinity reaches the program."""
+    if enable_gqa and key.size(-3) != query.size(-3):
+        rep = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(rep, dim=-3)
+        value = value.repeat_interleave(rep, dim=-3)
+    if scale is None:
+        scale = 1.0 / float(query.size(-1)) ** 0.5
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    lowest = torch.finfo(scores.dtype).min
+    if is_causal:
+        n, m = scores.size(-2), scores.size(-1)
+        rows = torch.arange(n, device=scores.device).unsqueeze(-1)
+        keep = rows >= torch.arange(m, device=scores.device)  # tril of ones(n, m)
+        scores = scores.masked_fill(keep.logical_not(), lowest)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), lowest)
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = torch.nn.functional.dropout(probs, dropout_p)
+    return torch.matmul(probs, value)
 
 
 def _unfuse_attention(gm: torch.fx.GraphModule) -> None:
