@@ -278,8 +278,9 @@ def check_training(
     return row
 
 
-# Memory a training check may take (address space): torch-mlir's lowering of some backward
-# graphs (the Llama family) grows until the kernel's OOM killer ends the process.
+# Memory a training check may take (address space): torch-mlir's lowering of a backward graph
+# can grow until the kernel's OOM killer ends the process (the Llama family's did, while
+# attention was traced with -inf masks).
 TRAIN_MEMORY_BYTES = 12 << 30
 
 
