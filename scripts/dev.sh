@@ -88,9 +88,11 @@ MOTO_VENV="$CACHE/venv-moto"     # moto's S3 server: tests/all/cache_remote.rs (
 JAX_VENV="$CACHE/venv-jax"       # a pinned jax: tests/jax (jax.export artifacts through tpubox exec)
 PYTHON_VENV="$CACHE/venv-python" # the tpubox Python client: python/tests, tests/notebook (Jupyter)
 BENCH_VENV="$CACHE/venv-bench"   # the MiniLM benchmark's anchors (PyTorch, ONNX Runtime): bench only
+TORCH_VENV="$CACHE/venv-torch"   # PyTorch, transformers, torch-mlir: python/tests/pytorch (tpubox.torch)
 
 # setup_venv DIR REQUIREMENTS: skipped while DIR's marker names this file's hash and this
 # python3; otherwise DIR is rebuilt from scratch (a venv is not relocatable: built in place).
+# Lines `#no-deps NAME==VERSION` of REQUIREMENTS are installed after the rest with --no-deps.
 setup_venv() {
   local dir="$1" req="$2" key
   key="$(python3 -c 'import sys; print(sys.executable, sys.version.split()[0])') $(sha256sum "$req" | cut -d' ' -f1)"
@@ -99,6 +101,11 @@ setup_venv() {
   rm -rf "$dir"
   python3 -m venv "$dir"
   "$dir/bin/pip" install --quiet --disable-pip-version-check --only-binary :all: -r "$req"
+  local no_deps
+  mapfile -t no_deps < <(sed -n 's/^#no-deps[[:space:]]\+\([^[:space:]]\+\).*/\1/p' "$req")
+  if [ ${#no_deps[@]} -gt 0 ]; then
+    "$dir/bin/pip" install --quiet --disable-pip-version-check --only-binary :all: --no-deps "${no_deps[@]}"
+  fi
   echo "$key" > "$dir/.tpubox-installed"
 }
 
@@ -107,15 +114,18 @@ setup_venvs() {
   setup_venv "$MOTO_VENV" scripts/venvs/moto.txt
   setup_venv "$JAX_VENV" scripts/venvs/jax.txt
   setup_venv "$PYTHON_VENV" scripts/venvs/python.txt
+  setup_venv "$TORCH_VENV" scripts/venvs/torch.txt
 }
 
-# Installs ./python (the tpubox client) into $PYTHON_VENV again, so that the tests see its
-# current sources: no dependencies (the venv pins them), no build isolation (the venv's pinned
-# setuptools builds it; nothing fetched). setuptools builds in the source tree: its build/ and
+# Installs ./python (the tpubox client) into venv $1 (default $PYTHON_VENV) again, so that the
+# tests see its current sources and entry points (tpubox.torch's torch_dynamo_backends): no
+# dependencies (the venv pins them), no build isolation (the venv's pinned setuptools builds it;
+# nothing fetched). setuptools builds in the source tree: its build/ and
 # egg-info are removed before (a stale build/lib would be packed) and after.
 install_python_client() {
+  local venv="${1:-$PYTHON_VENV}"
   rm -rf python/build python/tpubox.egg-info
-  "$PYTHON_VENV/bin/pip" install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
+  "$venv/bin/pip" install --quiet --disable-pip-version-check --no-deps --no-build-isolation \
     --force-reinstall ./python
   rm -rf python/build python/tpubox.egg-info
 }
@@ -421,6 +431,10 @@ case "$cmd" in
     # Jupyter kernels (jupyter_client, ipykernel) started through the tpubox kernel provisioner.
     log "running the notebook tests (tests/notebook, pytest)"
     "$PYTHON_VENV/bin/python" -m pytest tests/notebook -q -p no:cacheprovider
+    # torch.compile(backend="tpubox") against PyTorch eager (tpubox.torch, torch-mlir).
+    install_python_client "$TORCH_VENV"
+    log "running the PyTorch backend tests (python/tests/pytorch, pytest)"
+    "$TORCH_VENV/bin/python" -m pytest python/tests/pytorch -q -p no:cacheprovider
     # The scripts' own logic (CI's kept target dir).
     log "running the scripts' tests (scripts/tests, pytest)"
     "$SERVE_VENV/bin/python" -m pytest scripts/tests -q -p no:cacheprovider

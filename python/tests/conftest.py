@@ -8,6 +8,7 @@ venv ($CACHE/venv-python) and installs ./python into it first.
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import shutil
 import struct
@@ -48,6 +49,10 @@ TENANTS = {
 }
 
 _DAEMON: Daemon | None = None
+
+# tpubox.torch's tests (python/tests/pytorch) run from the venv that has PyTorch
+# ($CACHE/venv-torch); elsewhere they are not collected.
+collect_ignore = [] if importlib.util.find_spec("torch") else ["pytorch"]
 
 
 def _tpubox_bin_or_exit() -> None:

@@ -32,6 +32,7 @@ import jax
 import numpy as np
 from jax import export as jax_export
 
+from . import _export
 from . import session as _session
 from .errors import Internal, Unsupported
 from .session import Executable, Session, Tensor
@@ -431,32 +432,8 @@ def device_put(tree: Any, session: Session | None = None) -> Any:
 # ---------------------------------------------------------------------------------------------
 # Exporting a model for `tpubox serve`'s model repository (docs/SERVING.md, "StableHLO models").
 
-# NumPy dtype name -> (safetensors dtype, Triton data_type).
-_EXPORT_DTYPES = {
-    "bool": ("BOOL", "TYPE_BOOL"),
-    "uint8": ("U8", "TYPE_UINT8"),
-    "uint16": ("U16", "TYPE_UINT16"),
-    "uint32": ("U32", "TYPE_UINT32"),
-    "uint64": ("U64", "TYPE_UINT64"),
-    "int8": ("I8", "TYPE_INT8"),
-    "int16": ("I16", "TYPE_INT16"),
-    "int32": ("I32", "TYPE_INT32"),
-    "int64": ("I64", "TYPE_INT64"),
-    "float16": ("F16", "TYPE_FP16"),
-    "bfloat16": ("BF16", "TYPE_BF16"),
-    "float32": ("F32", "TYPE_FP32"),
-    "float64": ("F64", "TYPE_FP64"),
-}
-
-
 def _export_dtype(dtype: Any, what: str) -> tuple[str, str]:
-    name = np.dtype(dtype).name
-    if name not in _EXPORT_DTYPES:
-        raise Unsupported(
-            "unsupported",
-            f"tpubox.jax.export_model: {what} has dtype {name}, which the protocol lacks",
-        )
-    return _EXPORT_DTYPES[name]
+    return _export.export_dtype(dtype, what, "tpubox.jax.export_model")
 
 
 def _path_name(path: Any) -> str:
@@ -475,32 +452,7 @@ def _path_name(path: Any) -> str:
 def write_safetensors(path: Any, tensors: dict[str, np.ndarray]) -> None:
     """Writes TENSORS (name -> array) to PATH in the safetensors format (little-endian, C
     order, names sorted), with NumPy only."""
-    import json as _json
-
-    header: dict[str, Any] = {}
-    blobs = []
-    offset = 0
-    for name in sorted(tensors):
-        a = np.asarray(tensors[name], order="C")  # (ascontiguousarray makes a 0-d array 1-d)
-        st, _ = _export_dtype(a.dtype, f"weight {name!r}")
-        data = a.astype(a.dtype.newbyteorder("<"), copy=False).tobytes()
-        end = offset + len(data)
-        header[name] = {"dtype": st, "shape": list(a.shape), "data_offsets": [offset, end]}
-        blobs.append(data)
-        offset += len(data)
-    h = _json.dumps(header, separators=(",", ":")).encode()
-    h += b" " * (-len(h) % 8)
-    with open(path, "wb") as f:
-        f.write(len(h).to_bytes(8, "little"))
-        f.write(h)
-        for b in blobs:
-            f.write(b)
-
-
-def _toml_str(s: str) -> str:
-    import json as _json
-
-    return _json.dumps(s)
+    _export.write_safetensors(path, tensors, "tpubox.jax.export_model")
 
 
 def export_model(
@@ -556,8 +508,6 @@ def export_model(
             an output without the batch dimension.
         tpubox.Unsupported: a dtype the protocol lacks, effects, more than one device.
     """
-    import pathlib
-
     if not name or "/" in name or name.startswith("."):
         raise ValueError(f"tpubox.jax.export_model: {name!r} cannot name a model directory")
     batched = batch_sizes is not None
@@ -669,45 +619,29 @@ def export_model(
         for n, a in zip(out_names, exp.out_avals):
             dims(a, b, f"output {n!r}")
 
-    model_dir = pathlib.Path(repo) / name
-    if model_dir.exists() and any(model_dir.iterdir()):
-        raise ValueError(f"tpubox.jax.export_model: {model_dir} exists and is not empty")
-    model_dir.mkdir(parents=True, exist_ok=True)
+    model_dir = _export.check_model_dir(repo, name, "tpubox.jax.export_model")
     weight_dtypes = [a.dtype for a in exp0.in_avals[:n_w]]
     write_safetensors(
         model_dir / "weights.safetensors",
         {n: np.asarray(w, dtype=d) for n, w, d in zip(weight_names, weight_leaves, weight_dtypes)},
     )
-    lines = [
-        "# Written by tpubox.jax.export_model: a StableHLO model (docs/SERVING.md).",
-        f"name = {_toml_str(name)}",
-        'backend = "stablehlo"',
-        f"max_batch_size = {sizes[-1] if batched else 0}",
-        "",
-    ]
-    for what, tensors in (("input", inputs), ("output", outputs)):
-        for n, t, d in tensors:
-            lines += [f"[[{what}]]", f"name = {_toml_str(n)}", f'data_type = "{t}"']
-            lines += [f"dims = {d}", ""]
-    lines += ["[[instance_group]]", f"count = {int(instance_count)}", ""]
-    if batched and dynamic_batching:
-        lines += [
-            "[dynamic_batching]",
-            f"max_queue_delay_microseconds = {int(max_queue_delay_microseconds)}",
-            "",
-        ]
-    lines += ["[tpubox.stablehlo]", 'weights = "weights.safetensors"']
-    params_toml = [f"{{ weight = {_toml_str(n)} }}" for n in weight_names]
-    params_toml += [f"{{ input = {_toml_str(n)} }}" for n in in_names]
-    lines.append("parameters = [\n  " + ",\n  ".join(params_toml) + ",\n]")
-    lines.append("results = [" + ", ".join(_toml_str(n) for n in out_names) + "]")
-    lines.append("")
+    programs = []
     for b, exp in exports:
         file = f"model.b{b}.mlirbc" if b is not None else "model.mlirbc"
         (model_dir / file).write_bytes(bytes(exp.mlir_module_serialized))
-        lines += ["[[tpubox.stablehlo.program]]"]
-        if b is not None:
-            lines.append(f"batch_size = {b}")
-        lines += [f'file = "{file}"', ""]
-    (model_dir / "config.toml").write_text("\n".join(lines))
+        programs.append((b, file))
+    config = _export.config_toml(
+        writer="tpubox.jax.export_model",
+        name=name,
+        max_batch_size=sizes[-1] if batched else 0,
+        inputs=inputs,
+        outputs=outputs,
+        weight_names=weight_names,
+        programs=programs,
+        instance_count=instance_count,
+        max_queue_delay_microseconds=(
+            max_queue_delay_microseconds if batched and dynamic_batching else None
+        ),
+    )
+    (model_dir / "config.toml").write_text(config)
     return model_dir

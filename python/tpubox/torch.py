@@ -1,0 +1,1100 @@
+"""Run PyTorch models on the tpubox daemon's device: ``torch.compile(model, backend="tpubox")``.
+
+``import tpubox.torch`` registers the TorchDynamo backend ``"tpubox"`` (it is also found
+without the import, through the ``torch_dynamo_backends`` entry point of the installed
+package). Each graph Dynamo captures goes through ``aot_autograd``, which turns it into
+ATen-level forward and backward graphs with the parameters and buffers lifted to inputs; each
+of those is lowered to one StableHLO function by torch-mlir's FX importer, compiled through
+the session's :meth:`tpubox.Session.compile` (so every tier of the daemon's compile cache
+applies) and executed there. A training step (forward, backward, optimizer step) compiles too;
+graph breaks run in PyTorch, as Dynamo does with any backend.
+
+What travels, and what stays:
+
+- Parameters and buffers are put on the device once per session and kept there. They are
+  found by identity (an ``nn.Parameter``, or a tensor Dynamo took from a module) and keyed by
+  their storage, shape, dtype and version counter (``tensor._version``), so an in-place update
+  (``optimizer.step()``, ``p.add_()``, ``copy_``) is noticed and the new values are put again
+  before the next execution. Writes through ``tensor.data`` bypass the version counter and are
+  not noticed (as with any cache keyed on versions).
+- Activations (the user's inputs, what the forward saves for the backward, gradients) travel
+  with each execution, in the same round trip (the session API's ``Call``), and the results
+  come back as CPU tensors.
+- Programs never hold the weights as constants; a program is compiled once per session, per
+  input signature and per matmul precision.
+
+Shapes are static: a graph compiles one program per concrete signature of its inputs. When
+Dynamo hands over a graph with symbolic sizes (``dynamic=True``, or automatic dynamic shapes
+after a second shape), each concrete signature met at run time is traced and compiled on its
+own, as ``dynamic=False`` would.
+
+Precision of f32 matrix products and convolutions, TorchTPU's names: :class:`Precision`
+``DEFAULT`` / ``HIGH`` / ``HIGHEST`` is StableHLO's ``precision_config`` of every
+``dot_general`` and ``convolution`` in the program. :func:`precision` sets it for a block;
+outside one it follows ``torch.set_float32_matmul_precision``: ``"medium"`` -> DEFAULT,
+``"high"`` -> HIGH, ``"highest"`` (PyTorch's default) -> HIGHEST.
+
+Which session: the backend option ``session`` (a :class:`tpubox.Session`, or a callable that
+returns one), else options ``address`` and ``token`` (the backend connects, and connects again
+when the session ends), else :func:`tpubox.default_session` at each call (the last session
+:func:`tpubox.connect` returned, or a notebook kernel's). When the session ends under a
+running program (the daemon restarted, an idle timeout), the next call gets a session again,
+puts the weights again, compiles again (the daemon's disk cache usually answers) and goes on.
+
+Backend options (``torch.compile(model, backend="tpubox", options={...})``):
+
+- ``xla_optimization_level``: ``"O0"`` ... ``"O3"``, TorchTPU's compiler option (part of the
+  compile-cache key; default the plugin's).
+- ``name``: a name for the compiled graphs in :func:`stats` and errors (TorchTPU's ``name``).
+- ``debug_callback``: called with a :class:`GraphInfo` for every program compiled (its kind,
+  FX graph, StableHLO text, precision, executable), TorchTPU's option of that name.
+- ``session``, ``address``, ``token``: where to run (above).
+- ``async_compile`` (False), ``num_dynamic_buckets`` (1), ``bucket_size`` (128),
+  ``serializable``: TorchTPU's; only their defaults are accepted (buckets are not supported:
+  every shape compiles its own program).
+
+:func:`export` writes a model for ``tpubox serve``'s repository instead (StableHLO programs per
+batch size, the weights, ``config.toml``), as :func:`tpubox.jax.export_model` does for JAX.
+
+Needs ``torch`` and ``torch-mlir`` (``scripts/venvs/torch.txt`` pins a pair that works:
+torch 2.15.0, torch-mlir 20261001, installed with ``--no-deps``).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import itertools
+import threading
+import weakref
+from dataclasses import dataclass
+from typing import Any, Callable, Iterator, Mapping, Sequence
+
+import ml_dtypes
+import numpy as np
+import torch
+
+from . import _export
+from . import session as _session
+from .errors import TpuboxError, Unsupported
+from .session import Executable, Session, Tensor
+
+__all__ = [
+    "backend",
+    "Precision",
+    "precision",
+    "current_precision",
+    "GraphInfo",
+    "stats",
+    "reset_stats",
+    "BACKEND_NAME",
+    "export",
+]
+
+#: The name ``torch.compile`` takes: ``torch.compile(model, backend="tpubox")``.
+BACKEND_NAME = "tpubox"
+
+# ---------------------------------------------------------------------------------------------
+# Precision
+
+
+class Precision(enum.Enum):
+    """Precision of f32 matrix products and convolutions on the device, TorchTPU's
+    ``torch.tpu.Precision``: StableHLO's ``precision_config`` values. On a TPU, ``DEFAULT``
+    is one bf16 pass, ``HIGH`` three, ``HIGHEST`` full f32; the CPU plugin computes all three
+    alike."""
+
+    DEFAULT = "DEFAULT"
+    HIGH = "HIGH"
+    HIGHEST = "HIGHEST"
+
+
+# torch.set_float32_matmul_precision's names -> Precision (as TorchTPU maps them).
+_TORCH_PRECISIONS = {
+    "medium": Precision.DEFAULT,
+    "high": Precision.HIGH,
+    "highest": Precision.HIGHEST,
+}
+
+_PRECISION_LOCAL = threading.local()
+
+
+def _as_precision(mode: Any) -> Precision:
+    if isinstance(mode, Precision):
+        return mode
+    if isinstance(mode, str):
+        key = mode.strip()
+        if key.upper() in Precision.__members__:
+            return Precision[key.upper()]
+        if key.lower() in _TORCH_PRECISIONS:
+            return _TORCH_PRECISIONS[key.lower()]
+    raise ValueError(
+        f"precision must be a tpubox.torch.Precision, 'default', 'high', 'highest' (or "
+        f"torch's 'medium', 'high', 'highest'), not {mode!r}"
+    )
+
+
+@contextlib.contextmanager
+def precision(mode: Precision | str) -> Iterator[Precision]:
+    """Within the block, programs run with matmul/convolution precision MODE (a
+    :class:`Precision` or its name, case-insensitive; ``"medium"`` is DEFAULT), in this thread,
+    whatever ``torch.set_float32_matmul_precision`` says. Blocks nest; the innermost wins.
+    TorchTPU's ``torch.tpu.precision(mode)``."""
+    p = _as_precision(mode)
+    stack = getattr(_PRECISION_LOCAL, "stack", None)
+    if stack is None:
+        stack = _PRECISION_LOCAL.stack = []
+    stack.append(p)
+    try:
+        yield p
+    finally:
+        stack.pop()
+
+
+def current_precision() -> Precision:
+    """The precision a program launched now would run with: the innermost :func:`precision`
+    block of this thread, else ``torch.get_float32_matmul_precision()`` mapped ("medium" ->
+    DEFAULT, "high" -> HIGH, "highest" -> HIGHEST)."""
+    stack = getattr(_PRECISION_LOCAL, "stack", None)
+    if stack:
+        return stack[-1]
+    return _TORCH_PRECISIONS.get(torch.get_float32_matmul_precision(), Precision.HIGHEST)
+
+
+# ---------------------------------------------------------------------------------------------
+# Statistics
+
+
+_STATS_LOCK = threading.Lock()
+_STATS: dict[str, int] = {}
+_STAT_NAMES = (
+    "graphs",  # FX graphs lowered to StableHLO (forward and backward count apart)
+    "compiles",  # Session.compile calls
+    "executions",  # programs executed
+    "weight_puts",  # parameters/buffers put on the device (first use, after an update)
+    "weight_hits",  # parameters/buffers used where they were on the device
+    "specializations",  # concrete signatures traced for graphs with symbolic sizes
+    "session_restarts",  # times a call found its session gone and started over
+)
+
+
+def _count(name: str, n: int = 1) -> None:
+    with _STATS_LOCK:
+        _STATS[name] = _STATS.get(name, 0) + n
+
+
+def stats() -> dict[str, int]:
+    """Counters of this process since the last :func:`reset_stats`: ``graphs`` (FX graphs
+    lowered), ``compiles`` (:meth:`Session.compile` calls), ``executions``, ``weight_puts``
+    (parameters and buffers put on the device: first use, or after an in-place update),
+    ``weight_hits`` (used where they were), ``specializations`` (concrete signatures traced
+    for graphs with symbolic sizes), ``session_restarts``."""
+    with _STATS_LOCK:
+        return {k: _STATS.get(k, 0) for k in _STAT_NAMES}
+
+
+def reset_stats() -> None:
+    """Sets every counter of :func:`stats` to zero."""
+    with _STATS_LOCK:
+        _STATS.clear()
+
+
+# ---------------------------------------------------------------------------------------------
+# Options
+
+
+@dataclass(frozen=True)
+class GraphInfo:
+    """One program compiled in a session, as the ``debug_callback`` option gets it.
+
+    Attributes:
+        name: the backend's ``name`` option, the graph's number and kind (``mlp/3/forward``).
+        kind: ``"forward"``, ``"backward"`` or ``"inference"``.
+        graph: the ATen-level ``torch.fx.GraphModule`` it was lowered from.
+        stablehlo: the program's text, as sent to the daemon.
+        precision: the :class:`Precision` of its dots and convolutions.
+        executable: the :class:`tpubox.Executable` (``tier`` says which cache tier served it).
+    """
+
+    name: str
+    kind: str
+    graph: Any
+    stablehlo: str
+    precision: Precision
+    executable: Executable
+
+
+_OPTIMIZATION_LEVELS = ("O0", "O1", "O2", "O3")
+# TorchTPU's options that tpubox accepts only at their default value.
+_DEFAULT_ONLY = {
+    "async_compile": False,
+    "num_dynamic_buckets": 1,
+    "bucket_size": 128,
+    "serializable": True,
+}
+_KNOWN = {"xla_optimization_level", "name", "debug_callback", "session", "address", "token"}
+_KNOWN |= set(_DEFAULT_ONLY)
+
+
+class _Options:
+    def __init__(self, options: Mapping[str, Any] | None):
+        options = dict(options or {})
+        unknown = sorted(set(options) - _KNOWN)
+        if unknown:
+            raise ValueError(
+                f"tpubox backend: unknown option(s) {unknown}; known: {sorted(_KNOWN)}"
+            )
+        for k, default in _DEFAULT_ONLY.items():
+            if k in options and options[k] != default and not (
+                k == "serializable" and options[k] is False
+            ):
+                raise Unsupported(
+                    "unsupported",
+                    f"tpubox backend: option {k}={options[k]!r} is not supported (only "
+                    f"{default!r}): every concrete shape compiles its own static program",
+                )
+        level = options.get("xla_optimization_level")
+        if level is not None and level not in _OPTIMIZATION_LEVELS:
+            raise ValueError(
+                f"xla_optimization_level must be one of {list(_OPTIMIZATION_LEVELS)}, "
+                f"not {level!r}"
+            )
+        self.optimization_level: str | None = level
+        self.name: str = str(options.get("name") or "graph")
+        self.debug_callback: Callable[[GraphInfo], Any] | None = options.get("debug_callback")
+        self.target = _Target(options.get("session"), options.get("address"), options.get("token"))
+
+
+class _Target:
+    """Where the programs run: a session, and how to get another when it ends."""
+
+    def __init__(self, session: Any, address: Any, token: str | None):
+        if session is not None and address is not None:
+            raise ValueError("tpubox backend: give the option session or address, not both")
+        self._given = session
+        self._address = None if address is None else str(address)
+        self._token = token
+        self._own: Session | None = None
+        self._lock = threading.Lock()
+
+    def session(self) -> Session:
+        """The session to run in now (a new one when the last one ended, where possible)."""
+        given = self._given
+        if isinstance(given, Session):
+            if not given.closed:
+                return given
+            return _session.default_session()
+        if callable(given):
+            with self._lock:
+                if self._own is None or self._own.closed:
+                    s = given()
+                    if not isinstance(s, Session):
+                        raise TypeError(
+                            f"tpubox backend: the session option returned {type(s).__name__}, "
+                            "not a tpubox.Session"
+                        )
+                    self._own = s
+                return self._own
+        if self._address is not None:
+            with self._lock:
+                if self._own is None or self._own.closed:
+                    self._own = _session.connect(
+                        self._address, self._token, label="tpubox.torch"
+                    )
+                return self._own
+        return _session.default_session()
+
+    def wait(self, timeout: float) -> None:
+        """Waits (up to TIMEOUT s) for the daemon to answer again, when its address is known."""
+        address = self._address
+        if address is None and isinstance(self._given, Session):
+            address = self._given.address
+        if address is not None:
+            try:
+                _session.wait_for_daemon(address, timeout=timeout, token=self._token)
+            except TpuboxError:
+                pass
+
+
+# ---------------------------------------------------------------------------------------------
+# Tensors: torch <-> NumPy (what the session takes and gives)
+
+
+_NP_OF_TORCH = {
+    torch.bool: np.dtype(np.bool_),
+    torch.uint8: np.dtype(np.uint8),
+    torch.int8: np.dtype(np.int8),
+    torch.int16: np.dtype(np.int16),
+    torch.int32: np.dtype(np.int32),
+    torch.int64: np.dtype(np.int64),
+    torch.float16: np.dtype(np.float16),
+    torch.float32: np.dtype(np.float32),
+    torch.float64: np.dtype(np.float64),
+    torch.complex64: np.dtype(np.complex64),
+    torch.complex128: np.dtype(np.complex128),
+}
+
+
+def _to_numpy(t: torch.Tensor) -> np.ndarray:
+    """T's values as a C-contiguous NumPy array (no copy where T is already one on the CPU)."""
+    t = t.detach()
+    if t.device.type != "cpu":
+        t = t.cpu()
+    if not t.is_contiguous():
+        t = t.contiguous()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if t.dtype not in _NP_OF_TORCH:
+        raise Unsupported("unsupported", f"tpubox backend: tensors of {t.dtype} cannot travel")
+    return t.numpy()
+
+
+def _from_numpy(a: np.ndarray) -> torch.Tensor:
+    """A CPU tensor over A's memory (A is a fetched result: dense, writable)."""
+    if a.dtype == ml_dtypes.bfloat16:
+        return torch.from_numpy(a.view(np.int16)).view(torch.bfloat16)
+    if not a.flags.writeable:
+        a = a.copy()
+    return torch.from_numpy(a)
+
+
+# ---------------------------------------------------------------------------------------------
+# Weights kept on the device
+
+
+class _Resident:
+    """A session's device copies of parameters and buffers.
+
+    An entry is keyed by the tensor's storage (data pointer, storage offset, shape, strides,
+    dtype) and holds a weak reference to the tensor it was put from and the version counter
+    it had then. While that tensor lives, no other tensor owns its memory, so a tensor with
+    the same key is that one or an alias of it (a ``detach()``, a view of the same extent),
+    whose version counter it shares: the entry is current while the version is unchanged.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._entries: dict[tuple, tuple[weakref.ref, int, Tensor]] = {}
+
+    @staticmethod
+    def _key(t: torch.Tensor) -> tuple:
+        return (t.data_ptr(), t.storage_offset(), tuple(t.shape), tuple(t.stride()), t.dtype)
+
+    def lookup(self, t: torch.Tensor) -> Tensor | None:
+        """The current device copy of T, or None."""
+        with self._lock:
+            e = self._entries.get(self._key(t))
+        if e is None:
+            return None
+        ref, version, dev = e
+        if ref() is None or t._version != version or dev.freed:
+            return None
+        return dev
+
+    def known(self, t: torch.Tensor) -> bool:
+        """Whether T is (an alias of) a tensor with an entry, current or not."""
+        with self._lock:
+            e = self._entries.get(self._key(t))
+        return e is not None and e[0]() is not None
+
+    def put(self, session: Session, t: torch.Tensor) -> Tensor:
+        """T's device copy: the entry's, or a new one put now."""
+        dev = self.lookup(t)
+        if dev is not None:
+            _count("weight_hits")
+            return dev
+        key = self._key(t)
+        version = t._version
+        dev = session.tensor(_to_numpy(t))
+        _count("weight_puts")
+        entries = self._entries
+
+        def dropped(_: Any, key: tuple = key) -> None:
+            # The tensor is gone: its device copy goes with the entry (freed when dropped).
+            entries.pop(key, None)
+
+        with self._lock:
+            old = entries.get(key)
+            entries[key] = (weakref.ref(t, dropped), version, dev)
+        if old is not None and old[2] is not dev:
+            try:
+                old[2].free()
+            except TpuboxError:
+                pass
+        return dev
+
+
+_RESIDENT: weakref.WeakKeyDictionary[Session, _Resident] = weakref.WeakKeyDictionary()
+_RESIDENT_LOCK = threading.Lock()
+
+
+def _resident(session: Session) -> _Resident:
+    with _RESIDENT_LOCK:
+        r = _RESIDENT.get(session)
+        if r is None:
+            r = _RESIDENT[session] = _Resident()
+        return r
+
+
+# ---------------------------------------------------------------------------------------------
+# Lowering an ATen-level FX graph to StableHLO
+
+
+def _torch_mlir() -> Any:
+    try:
+        from torch_mlir import fx as tm_fx
+    except ImportError as e:
+        raise Unsupported(
+            "unsupported",
+            "tpubox backend: torch-mlir is not installed (pip install --no-deps "
+            "torch-mlir==20261001 beside torch 2.15; scripts/venvs/torch.txt)",
+        ) from e
+    return tm_fx
+
+
+_DECOMPOSITIONS: dict | None = None
+
+
+def _decompositions() -> dict:
+    """The decomposition table aot_autograd applies: torch-mlir's (the ATen ops its importer
+    lowers stay, the rest are decomposed into them)."""
+    global _DECOMPOSITIONS
+    if _DECOMPOSITIONS is None:
+        _torch_mlir()
+        from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+
+        _DECOMPOSITIONS = dict(get_decomposition_table())
+    return _DECOMPOSITIONS
+
+
+def _attention_math(
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attn_mask: torch.Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+) -> torch.Tensor:
+    """``scaled_dot_product_attention`` written with matmuls and a softmax, which autograd
+    differentiates op by op. Masked-out scores become the dtype's lowest finite value (not
+    -inf), so no infinity reaches the program."""
+    if enable_gqa and key.size(-3) != query.size(-3):
+        rep = query.size(-3) // key.size(-3)
+        key = key.repeat_interleave(rep, dim=-3)
+        value = value.repeat_interleave(rep, dim=-3)
+    if scale is None:
+        scale = 1.0 / float(query.size(-1)) ** 0.5
+    scores = torch.matmul(query, key.transpose(-2, -1)) * scale
+    lowest = torch.finfo(scores.dtype).min
+    if is_causal:
+        n, m = scores.size(-2), scores.size(-1)
+        rows = torch.arange(n, device=scores.device).unsqueeze(-1)
+        keep = rows >= torch.arange(m, device=scores.device)  # tril of ones(n, m)
+        scores = scores.masked_fill(keep.logical_not(), lowest)
+    if attn_mask is not None:
+        if attn_mask.dtype == torch.bool:
+            scores = scores.masked_fill(attn_mask.logical_not(), lowest)
+        else:
+            scores = scores + attn_mask
+    probs = torch.softmax(scores, dim=-1)
+    if dropout_p > 0.0:
+        probs = torch.nn.functional.dropout(probs, dropout_p)
+    return torch.matmul(probs, value)
+
+
+def _unfuse_attention(gm: torch.fx.GraphModule) -> None:
+    """Replaces, in Dynamo's graph GM, calls of ``scaled_dot_product_attention`` by
+    :func:`_attention_math`, for graphs that need gradients. On the CPU, PyTorch would
+    dispatch them to its fused kernel, whose backward
+    (``_scaled_dot_product_flash_attention_for_cpu_backward``) torch-mlir does not lower; the
+    math form's backward is plain ATen. Inference graphs keep the fused op, whose forward
+    torch-mlir lowers."""
+    import torch.nn.functional as F
+
+    targets = {F.scaled_dot_product_attention, torch._C._nn.scaled_dot_product_attention}
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op == "call_function" and n.target in targets:
+            n.target = _attention_math
+            changed = True
+    if changed:
+        gm.recompile()
+
+
+_PRECISION_OPS = ("stablehlo.dot_general", "stablehlo.convolution", "stablehlo.dot")
+
+
+def _set_precision(module: Any, p: Precision) -> None:
+    """Sets ``precision_config`` of every dot and convolution of MODULE (torch-mlir's MLIR
+    Python bindings) to P, for both operands."""
+    from torch_mlir import ir
+
+    attr = ir.Attribute.parse(
+        f"[#stablehlo<precision {p.value}>, #stablehlo<precision {p.value}>]",
+        context=module.context,
+    )
+
+    def visit(op: Any) -> Any:
+        if op.name in _PRECISION_OPS:
+            op.attributes["precision_config"] = attr
+        return ir.WalkResult.ADVANCE
+
+    module.operation.walk(visit)
+
+
+class _Program:
+    """One ATen-level FX graph lowered to StableHLO: its text per precision, its executables per
+    session and precision, and how its inputs and outputs map to the program's."""
+
+    def __init__(self, gm: torch.fx.GraphModule, kind: str, name: str, opts: _Options):
+        self.kind = kind
+        self.name = name
+        self.opts = opts
+        self._lock = threading.Lock()
+        self._texts: dict[Precision, str] = {}
+        self._exes: weakref.WeakKeyDictionary[Session, dict[Precision, Executable]] = (
+            weakref.WeakKeyDictionary()
+        )
+        graph = gm.graph
+        placeholders = [n for n in graph.nodes if n.op == "placeholder"]
+        (out_node,) = [n for n in graph.nodes if n.op == "output"]
+        outs = out_node.args[0]
+        self.tuple_out = isinstance(outs, (tuple, list))
+        outs = list(outs) if self.tuple_out else [outs]
+        # Each output: ("program", j) the program's j-th result, ("input", i) the i-th input as
+        # it is, ("const", value) a Python value or None.
+        self.out_map: list[tuple[str, Any]] = []
+        prog_outs: list[Any] = []
+        index_of_placeholder = {n: i for i, n in enumerate(placeholders)}
+        for o in outs:
+            if isinstance(o, torch.fx.Node) and o in index_of_placeholder:
+                self.out_map.append(("input", index_of_placeholder[o]))
+            elif isinstance(o, torch.fx.Node) and isinstance(o.meta.get("val"), torch.Tensor):
+                if o in prog_outs:
+                    self.out_map.append(("program", prog_outs.index(o)))
+                else:
+                    self.out_map.append(("program", len(prog_outs)))
+                    prog_outs.append(o)
+            elif isinstance(o, torch.fx.Node):
+                raise Unsupported(
+                    "unsupported",
+                    f"tpubox backend: graph {name} returns a {type(o.meta.get('val')).__name__} "
+                    f"({o.format_node()}); only tensors can come back",
+                )
+            else:
+                self.out_map.append(("const", o))
+        # Inputs: tensors are the program's parameters; Python numbers in the graph (static
+        # shapes) must be those it was traced with.
+        self.in_tensor: list[bool] = []
+        for p in placeholders:
+            v = p.meta.get("val")
+            if isinstance(v, torch.Tensor):
+                if any(not isinstance(d, int) for d in v.shape):
+                    raise Unsupported(
+                        "unsupported",
+                        f"tpubox backend: graph {name} has symbolic sizes {tuple(v.shape)}",
+                    )
+                self.in_tensor.append(True)
+            else:
+                self.in_tensor.append(False)
+        self.n_results = len(prog_outs)
+        self.module = None
+        self.context_lock = threading.Lock()
+        if self.n_results:
+            self.module = self._lower(gm, placeholders, prog_outs)
+        self.gm = gm
+        _count("graphs")
+
+    def _lower(
+        self, gm: torch.fx.GraphModule, placeholders: list[Any], prog_outs: list[Any]
+    ) -> Any:
+        """The StableHLO module (torch-mlir's Python object) of GM restricted to the tensor
+        inputs and tensor results."""
+        tm_fx = _torch_mlir()
+        g = torch.fx.Graph()
+        env: dict[Any, Any] = {}
+        for n in gm.graph.nodes:
+            if n.op == "output":
+                continue
+            if n.op == "placeholder" and not isinstance(n.meta.get("val"), torch.Tensor):
+                # A Python number: used as the constant it was traced with.
+                env[n] = n.meta.get("val")
+                continue
+            new = g.node_copy(n, lambda x: env[x])
+            env[n] = new
+        g.output(tuple(env[o] for o in prog_outs))
+        lowered = torch.fx.GraphModule(gm, g)
+        lowered.graph.eliminate_dead_code()
+        # Keep every tensor placeholder (eliminate_dead_code leaves placeholders).
+        try:
+            return tm_fx.stateless_fx_import(lowered, output_type="stablehlo", model_name="main")
+        except Exception as e:
+            raise Unsupported(
+                "unsupported",
+                f"tpubox backend: torch-mlir could not lower {self.kind} graph {self.name} to "
+                f"StableHLO: {type(e).__name__}: {str(e)[:2000]}",
+            ) from e
+
+    def text(self, p: Precision) -> str:
+        """The program's StableHLO text with every dot and convolution at precision P."""
+        with self._lock:
+            t = self._texts.get(p)
+            if t is None:
+                with self.context_lock:
+                    _set_precision(self.module, p)
+                    t = self.module.operation.get_asm(enable_debug_info=False)
+                self._texts[p] = t
+            return t
+
+    def executable(self, session: Session, p: Precision) -> Executable:
+        """This program compiled in SESSION at precision P (compiled on first use)."""
+        with self._lock:
+            per = self._exes.get(session)
+            exe = per.get(p) if per else None
+        if exe is not None:
+            return exe
+        text = self.text(p)
+        exe = session.compile(text, format="text", optimization_level=self.opts.optimization_level)
+        _count("compiles")
+        if self.opts.debug_callback is not None:
+            self.opts.debug_callback(GraphInfo(self.name, self.kind, self.gm, text, p, exe))
+        if len(exe.results) != self.n_results:
+            raise TpuboxError(
+                "internal",
+                f"tpubox backend: graph {self.name} has {self.n_results} results, the daemon "
+                f"compiled {len(exe.results)}",
+            )
+        with self._lock:
+            self._exes.setdefault(session, {})[p] = exe
+        return exe
+
+    def __call__(self, args: Sequence[Any], weights: Callable[[Any], bool]) -> list[Any]:
+        """Runs the program on ARGS (the graph's inputs); returns the graph's outputs."""
+        outs: list[Any] = []
+        if self.n_results:
+            outs = self._run(args, weights)
+        result = []
+        for what, v in self.out_map:
+            if what == "program":
+                result.append(outs[v])
+            elif what == "input":
+                result.append(args[v])
+            else:
+                result.append(v)
+        return result
+
+    def _run(self, args: Sequence[Any], weights: Callable[[Any], bool]) -> list[Any]:
+        target = self.opts.target
+        p = current_precision()
+        for attempt in range(3):
+            session = target.session()
+            try:
+                exe = self.executable(session, p)
+                resident = _resident(session)
+                call_args: list[Any] = []
+                for a, is_tensor in zip(args, self.in_tensor):
+                    if not is_tensor:
+                        continue
+                    if weights(a) or resident.known(a):
+                        call_args.append(resident.put(session, a))
+                    else:
+                        call_args.append(_to_numpy(a))
+                got = exe.call(*call_args, fetch=True)
+                _count("executions")
+                return [_from_numpy(np.asarray(r)) for r in got]
+            except TpuboxError as e:
+                if attempt == 2 or not _session_gone(session, e):
+                    raise
+                # The session ended (the daemon restarted, an idle timeout): start over in a
+                # new one: its weights and executables are gone with it.
+                _count("session_restarts")
+                try:
+                    session.close(timeout=2.0)
+                except Exception:
+                    pass
+                target.wait(30.0)
+        raise AssertionError("unreachable")
+
+
+_GONE_KINDS = {"session-ended", "unavailable", "unauthenticated"}
+
+
+def _session_gone(session: Session, e: TpuboxError) -> bool:
+    return session.closed or e.kind in _GONE_KINDS
+
+
+# ---------------------------------------------------------------------------------------------
+# The backend
+
+
+_GRAPH_IDS = itertools.count(1)
+
+
+def _is_static_tensor(t: Any) -> bool:
+    return isinstance(t, torch.Tensor) and all(isinstance(d, int) for d in t.shape)
+
+
+def _has_symbols(example_inputs: Sequence[Any]) -> bool:
+    for x in example_inputs:
+        if isinstance(x, torch.SymInt) or isinstance(x, torch.SymFloat):
+            return True
+        if isinstance(x, torch.Tensor) and not _is_static_tensor(x):
+            return True
+    return False
+
+
+class _Weights:
+    """Which runtime inputs are parameters or buffers: ``nn.Parameter`` s, and the tensors
+    Dynamo lifted from modules (identity, through weak references)."""
+
+    def __init__(self, gm: torch.fx.GraphModule, example_inputs: Sequence[Any]):
+        self._refs: dict[int, weakref.ref] = {}
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        for n, x in zip(placeholders, example_inputs):
+            if not isinstance(x, torch.Tensor) or isinstance(x, torch.nn.Parameter):
+                continue
+            if _is_module_state(n):
+                try:
+                    self._refs[id(x)] = weakref.ref(x)
+                except TypeError:
+                    pass
+
+    def __call__(self, t: Any) -> bool:
+        if isinstance(t, torch.nn.Parameter):
+            return True
+        r = self._refs.get(id(t))
+        return r is not None and r() is t
+
+
+def _is_module_state(node: Any) -> bool:
+    """Whether Dynamo took placeholder NODE from a module's parameters or buffers."""
+    arg = node.meta.get("grapharg")
+    source = getattr(arg, "source", None)
+    name = ""
+    if source is not None:
+        try:
+            name = source.name()
+        except Exception:
+            name = str(source)
+    name = name or node.name
+    return "_parameters" in name or "_buffers" in name or "parameters_" in name or (
+        "buffers_" in name
+    )
+
+
+def _aot(
+    gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: _Options, weights: _Weights
+) -> Any:
+    """GM through aot_autograd, with forward, backward and inference graphs lowered to
+    StableHLO and run on the daemon."""
+    from functorch.compile import make_boxed_func
+    from torch._dynamo.backends.common import aot_autograd
+    from torch._functorch.partitioners import min_cut_rematerialization_partition
+
+    gid = next(_GRAPH_IDS)
+
+    def compiler(kind: str) -> Callable[..., Any]:
+        def compile_graph(g: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Any:
+            prog = _Program(g, kind, f"{opts.name}/{gid}/{kind}", opts)
+
+            def run(*args: Any) -> list[Any]:
+                return prog(args, weights)
+
+            return make_boxed_func(run)
+
+        return compile_graph
+
+    def forward_compiler(g: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
+        return compiler("forward")(g, inputs)
+
+    return aot_autograd(
+        fw_compiler=forward_compiler,
+        bw_compiler=compiler("backward"),
+        inference_compiler=compiler("inference"),
+        partition_fn=min_cut_rematerialization_partition,
+        decompositions=_decompositions(),
+        keep_inference_input_mutations=False,
+    )(gm, example_inputs)
+
+
+class _Specialized:
+    """A Dynamo graph with symbolic sizes, run as static programs: one per concrete signature
+    of its inputs, each traced by aot_autograd with those inputs."""
+
+    def __init__(self, gm: torch.fx.GraphModule, opts: _Options, weights: _Weights):
+        self.gm = gm
+        self.opts = opts
+        self.weights = weights
+        self._lock = threading.Lock()
+        self._by_sig: dict[tuple, Any] = {}
+
+    @staticmethod
+    def _signature(args: Sequence[Any]) -> tuple:
+        sig = []
+        for a in args:
+            if isinstance(a, torch.Tensor):
+                sig.append(("t", tuple(a.shape), tuple(a.stride()), a.dtype, a.requires_grad))
+            else:
+                sig.append(("v", type(a).__name__, a))
+        return tuple(sig)
+
+    def __call__(self, *args: Any) -> Any:
+        sig = self._signature(args)
+        with self._lock:
+            fn = self._by_sig.get(sig)
+        if fn is None:
+            # Outside Dynamo's compile: a tracing context of its own, so that aot_autograd
+            # fakes these concrete inputs in a fake mode of its own (static sizes).
+            with torch._guards.tracing(None):
+                fn = _aot(self.gm, list(args), self.opts, self.weights)
+            _count("specializations")
+            with self._lock:
+                self._by_sig[sig] = fn
+        return fn(*args)
+
+
+def backend(
+    gm: torch.fx.GraphModule,
+    example_inputs: Sequence[Any],
+    options: Mapping[str, Any] | None = None,
+    mode: str | None = None,
+) -> Callable[..., Any]:
+    """The TorchDynamo backend ``"tpubox"``: compiles Dynamo's graph GM for the tpubox
+    daemon's device.
+
+    Used through ``torch.compile(model, backend="tpubox", options={...})`` (see the module doc
+    for the options); ``torch.compile(model, backend=tpubox.torch.backend)`` works too.
+
+    Returns:
+        A callable with GM's signature: forward (and, when gradients are needed, backward)
+        run as StableHLO programs in the session; results are CPU tensors.
+
+    Raises:
+        ValueError: an unknown option or value; tpubox.Unsupported: a TorchTPU option at a
+        value tpubox does not support, a graph torch-mlir cannot lower (at compile time), a
+        graph output that is not a tensor.
+    """
+    if mode not in (None, "default"):
+        raise Unsupported(
+            "unsupported", f"tpubox backend: torch.compile mode={mode!r} is not supported"
+        )
+    opts = _Options(options)
+    weights = _Weights(gm, example_inputs)
+    if torch.is_grad_enabled() and any(
+        isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs
+    ):
+        _unfuse_attention(gm)
+    if _has_symbols(example_inputs):
+        return _Specialized(gm, opts, weights)
+    return _aot(gm, example_inputs, opts, weights)
+
+
+# ---------------------------------------------------------------------------------------------
+# Exporting a model for `tpubox serve`'s model repository (docs/SERVING.md, "StableHLO models").
+
+
+def _batched_like(x: Any, b: int | None) -> Any:
+    """An input like example X with batch size B (zeros; only shapes and dtypes are traced)."""
+    if not isinstance(x, torch.Tensor):
+        raise TypeError(
+            f"tpubox.torch.export: example inputs must be tensors, not {type(x).__name__}"
+        )
+    if b is None:
+        return torch.zeros_like(x)
+    if x.dim() == 0:
+        raise ValueError("tpubox.torch.export: an example input without a batch dimension")
+    return torch.zeros((b,) + tuple(x.shape[1:]), dtype=x.dtype)
+
+
+def export(
+    model: torch.nn.Module,
+    example_inputs: Sequence[torch.Tensor],
+    repo: Any,
+    name: str,
+    batch_sizes: Sequence[int] | None = (1, 2, 4, 8),
+    *,
+    input_names: Sequence[str] | None = None,
+    output_names: Sequence[str] | None = None,
+    precision: Precision | str | None = None,
+    instance_count: int = 1,
+    max_queue_delay_microseconds: int = 1000,
+    dynamic_batching: bool = True,
+) -> Any:
+    """Exports ``model(*inputs)`` as a StableHLO model that ``tpubox serve`` serves from the model
+    repository REPO without a guest, as :func:`tpubox.jax.export_model` does for JAX: writes
+    ``REPO/NAME/`` with one program per batch size (``model.b{N}.mlir``: StableHLO text lowered
+    by torch-mlir from ``torch.export``'s ATen graph), the weights (``weights.safetensors``: the
+    parameters, buffers and constant tensors the graph lifts, by their names in the module,
+    ``fc1.weight``) and ``config.toml`` (Triton's field names, and the ``[tpubox.stablehlo]``
+    table mapping the programs' parameters to weights and inputs, their results to outputs).
+
+    The model is traced in the mode it is in: call ``model.eval()`` first for inference.
+
+    Args:
+        model: the module.
+        example_inputs: one tensor per positional input, batch dimension first; only their
+            shapes after the batch dimension and dtypes are used. With ``batch_sizes=None``
+            the shapes are exported as they are (``max_batch_size = 0``, one program).
+        repo: the model repository directory (created if missing).
+        name: the model's name, its directory under REPO (must not exist yet, or be empty).
+        batch_sizes: the batch sizes to export a program for; the largest is the model's
+            ``max_batch_size``.
+        input_names, output_names: the names in the protocol (default ``input_0``, ...,
+            ``output_0``, ...; outputs are the model's tensors, flattened in order).
+        precision: the matmul/convolution :class:`Precision` of the programs (default
+            :func:`current_precision`).
+        instance_count: instances of the model (``[[instance_group]] count``).
+        max_queue_delay_microseconds: how long a request waits for others to batch with.
+        dynamic_batching: write a ``[dynamic_batching]`` table (batching models only).
+
+    Returns:
+        The model directory (a ``pathlib.Path``).
+
+    Raises:
+        ValueError: a bad name, batch size or name count, an existing non-empty directory, an
+            output without the batch dimension; tpubox.Unsupported: a dtype the protocol lacks,
+            a graph torch-mlir cannot lower, a model that updates its buffers (training mode).
+    """
+    caller = "tpubox.torch.export"
+    if not name or "/" in name or name.startswith("."):
+        raise ValueError(f"{caller}: {name!r} cannot name a model directory")
+    batched = batch_sizes is not None
+    sizes: list[Any] = sorted({int(b) for b in batch_sizes}) if batched else [None]  # type: ignore
+    if batched and (not sizes or sizes[0] < 1):
+        raise ValueError(f"{caller}: batch sizes must be at least 1")
+    example_inputs = list(example_inputs)
+    in_names = list(input_names) if input_names is not None else [
+        f"input_{i}" for i in range(len(example_inputs))
+    ]
+    if len(in_names) != len(example_inputs) or len(set(in_names)) != len(in_names):
+        raise ValueError(
+            f"{caller}: {len(in_names)} input names (distinct) for {len(example_inputs)} inputs"
+        )
+    p = _as_precision(precision) if precision is not None else current_precision()
+    from torch.export.graph_signature import InputKind, OutputKind
+
+    programs: list[tuple[int | None, str, list[Any], list[Any]]] = []
+    weight_names: list[str] | None = None
+    weights: dict[str, np.ndarray] = {}
+    for b in sizes:
+        args = tuple(_batched_like(x, b) for x in example_inputs)
+        ep = torch.export.export(model, args, strict=False).run_decompositions(_decompositions())
+        sig = ep.graph_signature
+        if any(o.kind != OutputKind.USER_OUTPUT for o in sig.output_specs):
+            raise Unsupported(
+                "unsupported",
+                f"{caller}: the model updates its buffers or inputs (training mode?); "
+                "call model.eval() first",
+            )
+        names = []
+        for spec in sig.input_specs:
+            if spec.kind == InputKind.USER_INPUT:
+                continue
+            if spec.kind not in (InputKind.PARAMETER, InputKind.BUFFER, InputKind.CONSTANT_TENSOR):
+                raise Unsupported("unsupported", f"{caller}: a graph input of kind {spec.kind}")
+            t = ep.state_dict.get(spec.target)
+            if t is None:
+                t = ep.constants[spec.target]
+            names.append(spec.target)
+            weights[spec.target] = _to_numpy(t)
+        kinds = [s.kind for s in sig.input_specs]
+        if kinds != sorted(kinds, key=lambda k: k == InputKind.USER_INPUT):
+            raise Unsupported(
+                "unsupported", f"{caller}: weights and inputs interleave in the graph"
+            )
+        if weight_names is None:
+            weight_names = names
+        elif names != weight_names:
+            raise Unsupported("unsupported", f"{caller}: batch size {b} lifts other weights")
+        prog = _Program(ep.graph_module, "export", f"{name}/b{b}", _Options(None))
+        if any(what != "program" for what, _ in prog.out_map) or not prog.n_results:
+            raise Unsupported(
+                "unsupported", f"{caller}: every output must be a tensor the program computes"
+            )
+        placeholders = [n for n in ep.graph_module.graph.nodes if n.op == "placeholder"]
+        user_vals = [n.meta["val"] for n in placeholders[len(names):]]
+        out_node = next(n for n in ep.graph_module.graph.nodes if n.op == "output")
+        outs = out_node.args[0]
+        outs = outs if isinstance(outs, (tuple, list)) else [outs]
+        out_vals = [o.meta["val"] for o in outs]
+        with prog.context_lock:
+            _set_precision(prog.module, p)
+            text = prog.module.operation.get_asm(enable_debug_info=False)
+        programs.append((b, text, user_vals, out_vals))
+    assert weight_names is not None
+    out_names = list(output_names) if output_names is not None else [
+        f"output_{i}" for i in range(len(programs[0][3]))
+    ]
+    if len(out_names) != len(programs[0][3]) or len(set(out_names)) != len(out_names):
+        raise ValueError(
+            f"{caller}: {len(out_names)} output names for {len(programs[0][3])} outputs"
+        )
+
+    def dims(v: Any, b: int | None, what: str) -> list[int]:
+        shape = [int(d) for d in v.shape]
+        if b is None:
+            return shape
+        if not shape or shape[0] != b:
+            raise ValueError(
+                f"{caller}: {what} has shape {tuple(shape)} for batch size {b}: every input and "
+                "output needs the batch dimension first"
+            )
+        return shape[1:]
+
+    def triton_type(v: Any, what: str) -> str:
+        dtype = _to_numpy(torch.empty((), dtype=v.dtype)).dtype
+        return _export.export_dtype(dtype, what, caller)[1]
+
+    b0, _, in_vals0, out_vals0 = programs[0]
+    inputs = [
+        (n, triton_type(v, f"input {n!r}"), dims(v, b0, f"input {n!r}"))
+        for n, v in zip(in_names, in_vals0)
+    ]
+    outputs = [
+        (n, triton_type(v, f"output {n!r}"), dims(v, b0, f"output {n!r}"))
+        for n, v in zip(out_names, out_vals0)
+    ]
+    for b, _, _, out_vals in programs[1:]:
+        for n, v in zip(out_names, out_vals):
+            dims(v, b, f"output {n!r}")
+    model_dir = _export.check_model_dir(repo, name, caller)
+    _export.write_safetensors(
+        model_dir / "weights.safetensors", {n: weights[n] for n in weight_names}, caller
+    )
+    files = []
+    for b, text, _, _ in programs:
+        file = f"model.b{b}.mlir" if b is not None else "model.mlir"
+        (model_dir / file).write_text(text)
+        files.append((b, file))
+    config = _export.config_toml(
+        writer=caller,
+        name=name,
+        max_batch_size=int(sizes[-1]) if batched else 0,
+        inputs=inputs,
+        outputs=outputs,
+        weight_names=weight_names,
+        programs=files,
+        instance_count=instance_count,
+        max_queue_delay_microseconds=(
+            max_queue_delay_microseconds if batched and dynamic_batching else None
+        ),
+    )
+    (model_dir / "config.toml").write_text(config)
+    return model_dir
+
+
+def _register() -> None:
+    from torch._dynamo.backends import registry
+
+    if BACKEND_NAME in registry._COMPILER_FNS:
+        return
+    if registry._BACKENDS.get(BACKEND_NAME) is not None:
+        # Dynamo found the entry point and is loading it (this import): it registers
+        # `backend` itself once the import returns.
+        return
+    registry.register_backend(compiler_fn=backend, name=BACKEND_NAME)
+
+
+_register()
