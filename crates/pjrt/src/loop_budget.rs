@@ -25,7 +25,8 @@
 //! operand_ids = 36; called_computation_ids = 38; backend_config = 43;
 //! custom_call_has_side_effect = 65; custom_call_api_version = 77; }`
 //! (`CustomCallApiVersion.API_VERSION_TYPED_FFI = 4`). A `while` instruction's
-//! `called_computation_ids` are `[condition, body]`. The module's `schedule` is dropped: the
+//! `called_computation_ids` are `[body, condition]` (XLA's
+//! `HloWhileInstruction` appends the body first). The module's `schedule` is dropped: the
 //! rewritten module is compiled again from the start, and a schedule without the new
 //! instructions would not verify.
 
@@ -226,7 +227,7 @@ pub fn budget_unbounded_loops(
             {
                 let cond = *ins
                     .called
-                    .first()
+                    .get(1)
                     .ok_or_else(|| bad("a while loop without a condition"))?;
                 if !conditions.contains(&cond) {
                     conditions.push(cond);
@@ -382,12 +383,12 @@ mod tests {
                 3,
                 31,
                 &[
-                    instruction("w", "while", 30, &[1, 9], ""),
+                    instruction("w", "while", 30, &[9, 1], ""),
                     instruction(
                         "b",
                         "while",
                         31,
-                        &[2, 9],
+                        &[9, 2],
                         r#"{"known_trip_count":{"n":"4"}}"#,
                     ),
                 ],
