@@ -152,8 +152,6 @@ pub fn run_program(program: &Program, fill: &[u8]) -> Outcome {
         ..TenantLimits::default()
     };
     limits.program_policy.max_loop_trips = LOOP_TRIPS;
-    // Loops nothing can bound run on the loop budget: a small one keeps each input fast.
-    limits.program_policy.max_loop_iterations = LOOP_TRIPS;
     let tenant = Tenant::new("fuzz-programs", limits.clone());
     let session = Session::new(
         Arc::clone(device),

@@ -142,7 +142,7 @@ def test_compile_errors(s):
         s.compile(ADD, format="hlo")
 
 
-def test_unbounded_loop_runs_with_the_loop_budget(s):
+def test_unbounded_loop_is_refused_by_policy(s):
     loop = """
     func.func @main(%x: tensor<f32>) -> tensor<f32> {
       %r = stablehlo.while(%v = %x) : tensor<f32>
@@ -157,14 +157,8 @@ def test_unbounded_loop_runs_with_the_loop_budget(s):
         }
       func.return %r : tensor<f32>
     }"""
-    # A loop XLA cannot bound compiles with the loop budget (issue 31): it ends by its
-    # condition, or fails with resource-exhausted once the budget is spent.
-    exe = s.compile(loop)
-    (r,) = exe(np.float32(-1.0))
-    assert r.numpy() == np.float32(-1.0)
-    with pytest.raises(tpubox.ResourceExhausted, match="max-loop-iterations"):
-        (r,) = exe(np.float32(1.0))
-        r.numpy()
+    with pytest.raises(tpubox.PermissionDenied, match="unbounded-loop"):
+        s.compile(loop)
 
 
 def test_executables_free_and_context_managers(s):

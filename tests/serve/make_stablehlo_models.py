@@ -16,8 +16,8 @@ programs are exported for the CPU plugin.
                      total FP32[] = sum(a)
     repo/broken_*/   copies of mlp, each broken in one way (see BROKEN in the test)
     repo/loop/       doubles x until it passes a threshold: a `while` XLA cannot bound, which
-                     the default program policy compiles with the loop budget; repo/loop_trusted/
-                     is the same export with `[tpubox.limits] trusted = true`
+                     the default program policy refuses; repo/loop_trusted/ is the same export
+                     with `[tpubox.limits] trusted = true`
 """
 
 from __future__ import annotations

@@ -85,8 +85,8 @@ pub struct ProgramPolicy {
     /// (rule `unbounded-loop`), one above this is refused (rule `max-loop-trips`).
     pub max_loop_trips: u64,
     /// Most trips of loops XLA cannot bound in one execution, all such loops of the program
-    /// together (nested, in called computations and conditionals alike; default 1 048 576;
-    /// `max-loop-iterations`). Such a loop is compiled with a budget instead of refused: a
+    /// together (nested, in called computations and conditionals alike; default 0, off, see
+    /// [`DEFAULT_MAX_LOOP_ITERATIONS`]; `max-loop-iterations`). Such a loop is compiled with a budget instead of refused: a
     /// custom call in its condition counts each evaluation, and the execution fails with
     /// `resource-exhausted` naming the limit once the budget is spent ([`LoopBudgetLimits`]).
     /// `0` turns the budget off: such loops are refused again (rule `unbounded-loop`).
@@ -103,9 +103,16 @@ pub struct ProgramPolicy {
     pub allowed_custom_calls: Vec<String>,
 }
 
-/// Default [`ProgramPolicy::max_loop_iterations`]: 1 048 576, today's trip limit for loops XLA
-/// can bound.
-pub const DEFAULT_MAX_LOOP_ITERATIONS: u64 = 1 << 20;
+/// Default [`ProgramPolicy::max_loop_iterations`]: 0, the budget off (loops XLA cannot bound
+/// are refused, rule `unbounded-loop`). Experimental: recompiling an optimized program with the
+/// budget aborts XLA's CPU emitter on some programs (already fused computations), which a
+/// compile worker contains but an in-process compile does not. [`BUDGET_MAX_LOOP_ITERATIONS`]
+/// is the value meant to become the default.
+pub const DEFAULT_MAX_LOOP_ITERATIONS: u64 = 0;
+
+/// The trip budget meant as the default once the budget is safe everywhere: 1 048 576, the trip
+/// limit of loops XLA can bound.
+pub const BUDGET_MAX_LOOP_ITERATIONS: u64 = 1 << 20;
 
 /// Default [`ProgramPolicy::max_loop_work`]: 10^11 units (flops plus bytes accessed), a few
 /// seconds of a CPU core's work.
