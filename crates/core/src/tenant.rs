@@ -589,8 +589,8 @@ impl Tenant {
             ));
         }
         if let Some(t) = facts.custom_call_targets.iter().find(|t| {
-            !p.allowed_custom_calls.contains(t)
-                && !(budgeted && t.as_str() == pjrt::loop_budget::LOOP_BUDGET_TARGET)
+            let ours = budgeted && t.as_str() == pjrt::loop_budget::LOOP_BUDGET_TARGET;
+            !(ours || p.allowed_custom_calls.contains(t))
         }) {
             return Err(deny(
                 "custom-call",
