@@ -68,7 +68,11 @@ pub fn main() {
         .unwrap();
     rt.block_on(async {
         let svc = crate::isolation::service(false, CacheMode::Off);
-        let budget = tpubox_core::tenant::ProgramPolicy::default().loop_budget();
+        // The budget meant as the default (off by default for now, docs/SECURITY.md).
+        let budget = Some(tpubox_core::LoopBudgetLimits {
+            max_loop_iterations: tpubox_core::tenant::BUDGET_MAX_LOOP_ITERATIONS,
+            max_loop_work: tpubox_core::tenant::DEFAULT_MAX_LOOP_WORK,
+        });
         println!(
             "loop budget: a {TRIPS}-trip counting loop, median of {ROUNDS} (cache off, in process), plugin {}",
             svc.platform().plugin_path
