@@ -7,6 +7,7 @@ mod cache;
 mod eager;
 mod isolation;
 mod launch;
+mod loops;
 mod minilm;
 mod optlevel;
 mod serve;
@@ -61,6 +62,11 @@ const BENCHES: &[(&str, &str, fn())] = &[
         "eager",
         "the eager modes and a compiled graph side by side (guest-timed)",
         eager::main,
+    ),
+    (
+        "loops",
+        "the loop budget: per compile and per trip, against the same loop trusted",
+        loops::main,
     ),
     (
         "launch",

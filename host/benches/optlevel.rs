@@ -110,6 +110,7 @@ async fn run_case(svc: &Arc<DeviceService>, case: &str, program: &str) {
             let settings = CompileSettings {
                 device: 0,
                 optimization_level: level,
+                ..Default::default()
             };
             let start = Instant::now();
             let exe = svc

@@ -318,6 +318,7 @@ async fn optimization_levels_are_keys_of_their_own_and_the_default_key_is_unchan
         let settings = CompileSettings {
             device: 0,
             optimization_level: level,
+            ..Default::default()
         };
         let o = svc
             .compile_with(code.to_vec(), true, settings, "")
@@ -345,6 +346,7 @@ async fn optimization_levels_are_keys_of_their_own_and_the_default_key_is_unchan
             CompileSettings {
                 device: 0,
                 optimization_level: Some(OptimizationLevel::O0),
+                ..Default::default()
             },
             "",
         )
@@ -381,6 +383,7 @@ async fn every_level_computes_the_same_numbers_in_process_and_in_workers() {
             let settings = CompileSettings {
                 device: 0,
                 optimization_level: level,
+                ..Default::default()
             };
             let o = svc
                 .compile_with(MIXED.as_bytes().to_vec(), true, settings, "")

@@ -17,6 +17,7 @@ mod guests;
 mod launch;
 mod layering;
 mod lists;
+mod loop_budget;
 mod minilm;
 mod plugins;
 mod polyglot;

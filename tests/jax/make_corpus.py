@@ -6,11 +6,13 @@ listing each case with its tolerance and whether it is expected to fail here (an
 Run with the venv's python: python make_corpus.py DIR. Nothing it writes is committed."""
 
 import json
+import os
 import sys
 from pathlib import Path
 
 import jax
 import jax.numpy as jnp
+import jax.scipy.optimize  # noqa: F401 (loaded lazily otherwise)
 import ml_dtypes
 import numpy as np
 from jax import export, lax
@@ -158,6 +160,56 @@ LINALG = {
 UNGUARANTEED = {"linalg_svd_qr_algorithm": ["lapack_sgesvd_ffi"]}
 for _name, (_fn, _args) in LINALG.items():
     CASES[_name] = (_fn, _args, 2e-4, 2e-5, None)
+
+
+# Loops XLA cannot bound (convergence loops): run under the default program policy with the
+# loop budget (issue 31), which lets them end by their own conditions.
+def newton_sqrt(x):
+    def body(c):
+        i, v, _ = c
+        return i + 1, 0.5 * (v + x / v), v
+
+    def go_on(c):
+        i, v, prev = c
+        return (jnp.max(jnp.abs(v - prev) / v) > 1e-6) & (i < 100)
+
+    return lax.while_loop(go_on, body, (0, x, x + 1.0))[1]
+
+
+def bfgs(x0):
+    target = jnp.arange(x0.shape[0], dtype=x0.dtype)
+    return jax.scipy.optimize.minimize(
+        lambda x: jnp.sum((x - target) ** 2) + 0.01 * jnp.sum(x**4), x0, method="BFGS"
+    ).x
+
+
+def gamma(key):
+    return jax.random.gamma(jax.random.wrap_key_data(key), jnp.array([0.5, 1.0, 2.5, 7.0]), (3, 4))
+
+
+def poisson(key):
+    return jax.random.poisson(jax.random.wrap_key_data(key), jnp.array([0.5, 3.0, 12.0, 40.0]), (3, 4))
+
+
+def positive(*shape):
+    return (np.abs(f32(*shape)) * 3 + 0.1).astype(np.float32)
+
+
+LOOPS = {
+    "loop_igamma": (lax.igamma, [positive(8), positive(8)]),
+    "loop_igammac": (lax.igammac, [positive(8), positive(8)]),
+    "loop_betainc": (lax.betainc, [positive(8), positive(8), rng.uniform(0.05, 0.95, 8).astype(np.float32)]),
+    "loop_random_gamma": (gamma, [np.array([0, 7], np.uint32)]),
+    "loop_random_poisson": (poisson, [np.array([0, 9], np.uint32)]),
+    "loop_newton": (newton_sqrt, [positive(6)]),
+    "loop_bfgs": (bfgs, [f32(3)]),
+    "loop_sqrtm": (jax.scipy.linalg.sqrtm, [spd(4)]),
+}
+# Not in the corpus yet: the loop budget is off by default (docs/SECURITY.md), so `tpubox exec`
+# refuses these (unbounded-loop). TPUBOX_JAX_LOOPS=1 adds them, for work on the budget.
+if os.environ.get("TPUBOX_JAX_LOOPS") == "1":
+    for _name, (_fn, _args) in LOOPS.items():
+        CASES[_name] = (_fn, _args, 1e-4, 1e-5, None)
 
 
 def main(out: Path):

@@ -46,6 +46,7 @@ use tokio::sync::{OwnedSemaphorePermit, Semaphore, mpsc, oneshot};
 
 use crate::cache::{Entry, EntryMeta};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
+use crate::tenant::LoopBudgetLimits;
 use crate::types::{TensorSpec, spec_list};
 
 /// How tenant programs are compiled; part of [`DeviceConfig`](crate::DeviceConfig) (and of `tpubox_wasm::HostConfig`).
@@ -135,26 +136,37 @@ pub(crate) struct CompiledProgram {
 }
 
 /// Compiles MLIR (`code`, text or bytecode) with `client`; `plugin_path` goes into the fallback
-/// fingerprint.
+/// fingerprint. With a `budget`, a program whose optimized form has `while` loops XLA cannot
+/// bound is compiled a second time with those loops budgeted ([`budget_loops`]).
 ///
 /// Errors: `compile-failed` with the compiler's message; `unsupported` when the plugin cannot
-/// describe the parameters or results.
+/// describe the parameters or results; `permission-denied` when, with a budget, the program
+/// calls the loop budget's custom call itself.
 pub(crate) fn compile_program(
     client: &Client,
     plugin_path: &str,
     code: Vec<u8>,
     options: &CompileOptions,
+    budget: Option<LoopBudgetLimits>,
 ) -> DeviceResult<CompiledProgram> {
     let start = Instant::now();
     let program = Program {
         format: ProgramFormat::Mlir,
         code,
     };
-    let exe = client.compile(&program, options).map_err(|e| {
+    let compile_failed = |e: pjrt::Error| {
         let mut err = DeviceError::from_pjrt(e, ErrorKind::CompileFailed);
         err.message = tidy_compile_message(&err.message);
         err
-    })?;
+    };
+    let mut exe = client.compile(&program, options).map_err(compile_failed)?;
+    if let Some(budget) = budget
+        && let Some(budgeted) = budget_loops(&exe, budget)?
+    {
+        exe = client
+            .compile(&Program::hlo(budgeted), options)
+            .map_err(compile_failed)?;
+    }
     let compile_ms = start.elapsed().as_secs_f64() * 1e3;
     let unsupported = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Unsupported);
     let inputs = exe.parameter_specs().map_err(unsupported)?;
@@ -178,6 +190,56 @@ pub(crate) fn compile_program(
         fingerprint,
         compile_ms,
     })
+}
+
+/// Work one trip of a loop stands for, in the loop budget's units: the compiled program's
+/// `"flops"` plus `"bytes accessed"` from its cost analysis
+/// ([`pjrt::LoadedExecutable::cost_analysis`]), the whole program's (which counts each loop
+/// body once), so at least one trip of any of its loops; 1 where the plugin reports neither.
+pub fn work_per_trip(exe: &pjrt::LoadedExecutable) -> u64 {
+    let props = exe.cost_analysis().unwrap_or_default();
+    let get = |name: &str| {
+        props
+            .iter()
+            .find(|(n, _)| n == name)
+            .map_or(0.0, |(_, v)| match v {
+                pjrt::NamedValue::Float(f) => f64::from(*f),
+                pjrt::NamedValue::Int64(i) => *i as f64,
+                _ => 0.0,
+            })
+    };
+    let w = get("flops").max(0.0) + get("bytes accessed").max(0.0);
+    if w.is_finite() {
+        (w as u64).max(1)
+    } else {
+        u64::MAX
+    }
+}
+
+/// The optimized program of `exe` with its unbounded loops budgeted
+/// ([`pjrt::loop_budget::budget_unbounded_loops`], one trip costing [`work_per_trip`]), as an
+/// `HloModuleProto` to compile again; `None` when it has no loop XLA cannot bound.
+///
+/// Errors: `permission-denied` when the program calls the budget's custom call itself;
+/// `unsupported` when the plugin cannot return the optimized program or it does not decode.
+pub(crate) fn budget_loops(
+    exe: &pjrt::LoadedExecutable,
+    budget: LoopBudgetLimits,
+) -> DeviceResult<Option<Vec<u8>>> {
+    let unsupported = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Unsupported);
+    let (format, code) = exe.optimized_program().map_err(unsupported)?;
+    let b = pjrt::loop_budget::LoopBudget {
+        iterations: budget.max_loop_iterations,
+        work: budget.max_loop_work,
+        step: work_per_trip(exe),
+    };
+    match pjrt::loop_budget::budget_unbounded_loops(&format, &code, b) {
+        Ok(r) => Ok(r.map(|r| r.module)),
+        Err(e) if e.code == pjrt::ErrorCode::PermissionDenied => {
+            Err(DeviceError::new(ErrorKind::PermissionDenied, e.message))
+        }
+        Err(e) => Err(unsupported(e)),
+    }
 }
 
 /// Longest compiler message passed on, in bytes: diagnostics can quote a whole (hostile) type
@@ -303,6 +365,9 @@ struct Request {
     /// The optimisation level (`"O0"` … `"O3"`); absent for the plugin's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     optimization_level: Option<String>,
+    /// The loop budget of an untrusted tenant; absent for none.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    loop_budget: Option<LoopBudgetLimits>,
 }
 
 /// The program a worker compiles before it says `ready`, to set the compiler up.
@@ -635,9 +700,10 @@ impl Compiles {
         code: Vec<u8>,
         ordinal: i64,
         level: Option<OptimizationLevel>,
+        budget: Option<LoopBudgetLimits>,
     ) -> DeviceResult<Entry> {
         match &self.pool {
-            Some(pool) => pool.compile(code, ordinal, level).await,
+            Some(pool) => pool.compile(code, ordinal, level, budget).await,
             None => Err(DeviceError::new(
                 ErrorKind::Internal,
                 "no compile workers are in use",
@@ -651,6 +717,7 @@ struct Job {
     code: Vec<u8>,
     ordinal: i64,
     level: Option<OptimizationLevel>,
+    budget: Option<LoopBudgetLimits>,
     reply: oneshot::Sender<DeviceResult<Entry>>,
 }
 
@@ -749,6 +816,7 @@ impl WorkerPool {
         code: Vec<u8>,
         ordinal: i64,
         level: Option<OptimizationLevel>,
+        budget: Option<LoopBudgetLimits>,
     ) -> DeviceResult<Entry> {
         let internal = |m: &str| DeviceError::new(ErrorKind::Internal, m);
         let (reply, answer) = oneshot::channel();
@@ -757,6 +825,7 @@ impl WorkerPool {
                 code,
                 ordinal,
                 level,
+                budget,
                 reply,
             })
             .map_err(|_| internal("the compile worker thread has stopped"))?;
@@ -885,7 +954,18 @@ async fn run_job(shared: Arc<PoolShared>, mut job: Job) {
     };
     top_up(&shared);
     let answer = match worker {
-        Ok(w) => run_in_worker(&shared, w, job.code, job.ordinal, job.level, &mut job.reply).await,
+        Ok(w) => {
+            run_in_worker(
+                &shared,
+                w,
+                job.code,
+                job.ordinal,
+                job.level,
+                job.budget,
+                &mut job.reply,
+            )
+            .await
+        }
         Err(e) => Some(Err(e)),
     };
     if let Some(answer) = answer {
@@ -916,6 +996,7 @@ async fn run_in_worker(
     code: Vec<u8>,
     ordinal: i64,
     level: Option<OptimizationLevel>,
+    budget: Option<LoopBudgetLimits>,
     reply: &mut oneshot::Sender<DeviceResult<Entry>>,
 ) -> Option<DeviceResult<Entry>> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
@@ -939,6 +1020,7 @@ async fn run_in_worker(
         device_ordinal: ordinal,
         program_bytes,
         optimization_level: level.map(|l| l.as_str().to_string()),
+        loop_budget: budget,
     })
     .expect("requests serialize");
     header.push(b'\n');
@@ -1221,7 +1303,14 @@ fn prepare_and_compile(setup: Setup) -> Result<(), String> {
     // program arrives. A fixed program: no tenant's state is involved.
     let plugin_path = setup.plugin.display().to_string();
     if setup.warm_up {
-        let _ = compile_for_worker(&client, &plugin_path, WARM_UP.as_bytes().to_vec(), 0, None);
+        let _ = compile_for_worker(
+            &client,
+            &plugin_path,
+            WARM_UP.as_bytes().to_vec(),
+            0,
+            None,
+            None,
+        );
     }
     let mut out = std::io::stdout().lock();
     out.write_all(READY_LINE)
@@ -1238,7 +1327,14 @@ fn prepare_and_compile(setup: Setup) -> Result<(), String> {
         Some(Ok(l)) => Some(l),
         Some(Err(e)) => return Err(format!("reading the request: {e}")),
     };
-    let compiled = compile_for_worker(&client, &plugin_path, code, req.device_ordinal, level);
+    let compiled = compile_for_worker(
+        &client,
+        &plugin_path,
+        code,
+        req.device_ordinal,
+        level,
+        req.loop_budget,
+    );
     let (response, body) = match compiled {
         Ok(entry) => (
             Response::Compiled {
@@ -1315,11 +1411,12 @@ fn compile_for_worker(
     code: Vec<u8>,
     device_ordinal: i64,
     level: Option<OptimizationLevel>,
+    budget: Option<LoopBudgetLimits>,
 ) -> DeviceResult<Entry> {
     let compile_options = CompileOptions::new()
         .device_ordinal(device_ordinal)
         .optimization_level(level);
-    let c = compile_program(client, plugin_path, code, &compile_options)?;
+    let c = compile_program(client, plugin_path, code, &compile_options, budget)?;
     let executable = c
         .exe
         .serialize()

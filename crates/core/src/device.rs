@@ -16,7 +16,7 @@ use crate::cache::{CacheTier, CompileCache, Entry, PluginIdentity, cache_key};
 use crate::compiler::{CompileIsolation, CompileStats, Compiles, WorkerTarget, compile_program};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
 use crate::scheduler::{FairShare, Slot};
-use crate::tenant::Tenant;
+use crate::tenant::{LoopBudgetLimits, Tenant};
 pub use crate::types::{
     Arg, Call, Compiled, DeviceExecutable, DeviceInfo, DeviceTensor, MAX_RANK, PlatformInfo,
     TensorSpec, check_tensor_bytes, checked_byte_size, dims_from_u64, format_spec, parse_spec_list,
@@ -33,9 +33,9 @@ pub const STUCK_AFTER: std::time::Duration = std::time::Duration::from_secs(10);
 /// Executions that run on the device at once by default (see [`DeviceService::with_execution_slots`]).
 pub const DEFAULT_EXECUTION_SLOTS: usize = 2;
 
-/// What a compile is for, beside the program: the target device and the optimisation level.
-/// Both are part of the compile-cache key; the default (device 0, no level) gives the same key
-/// as builds that had no optimisation level.
+/// What a compile is for, beside the program: the target device, the optimisation level and
+/// the loop budget. All are part of the compile-cache key; the default (device 0, no level, no
+/// budget) gives the same key as builds that had neither.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
 pub struct CompileSettings {
     /// Index of the device to compile for (default 0).
@@ -43,6 +43,10 @@ pub struct CompileSettings {
     /// How hard XLA optimises ([`OptimizationLevel`], "O0"–"O3"); `None` (default) leaves the
     /// plugin's defaults. Honoured in process and by compile workers alike.
     pub optimization_level: Option<OptimizationLevel>,
+    /// The budget given to `while` loops XLA cannot bound (`None`: none; such loops then run
+    /// unchecked, and a tenant's program policy refuses them). [`DeviceService::compile_for`]
+    /// sets it from the tenant's [`ProgramPolicy::loop_budget`](crate::tenant::ProgramPolicy::loop_budget).
+    pub loop_budget: Option<LoopBudgetLimits>,
 }
 
 /// A compiled executable and the cache tier that served it.
@@ -345,6 +349,7 @@ impl DeviceService {
         let settings = CompileSettings {
             device,
             optimization_level: None,
+            loop_budget: None,
         };
         self.compile_inner(code, text, settings, tenant, None).await
     }
@@ -378,6 +383,10 @@ impl DeviceService {
         settings: CompileSettings,
         tenant: &Tenant,
     ) -> DeviceResult<CompileOutcome> {
+        let settings = CompileSettings {
+            loop_budget: tenant.limits().program_policy.loop_budget(),
+            ..settings
+        };
         self.compile_inner(code, text, settings, tenant.name(), Some(tenant))
             .await
     }
@@ -419,13 +428,21 @@ impl DeviceService {
         let options = CompileOptions::new()
             .device_ordinal(i64::from(device))
             .optimization_level(settings.optimization_level);
-        let options_bytes = options
+        let mut options_bytes = options
             .to_bytes()
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
+        let budget = settings.loop_budget;
+        if let Some(b) = budget {
+            // The budget is compiled into the program: part of the key (nothing is added
+            // without one, so keys of programs compiled without a budget stay as they were).
+            options_bytes.extend_from_slice(b"\0tpubox-loop-budget\0");
+            options_bytes.extend_from_slice(&b.max_loop_iterations.to_le_bytes());
+            options_bytes.extend_from_slice(&b.max_loop_work.to_le_bytes());
+        }
         let Some(cache) = self.cache.clone() else {
             admit()?;
             return self
-                .compile_somewhere(code, options, device, tenant)
+                .compile_somewhere(code, options, budget, device, tenant)
                 .await
                 .map(|c| CompileOutcome {
                     exe: c.exe,
@@ -445,7 +462,7 @@ impl DeviceService {
                 key,
                 admit,
                 move |entry| this.load_entry(entry, device),
-                || self.compile_somewhere(code, options, device, tenant),
+                || self.compile_somewhere(code, options, budget, device, tenant),
             )
             .await?;
         Ok(CompileOutcome { exe, tier })
@@ -455,6 +472,7 @@ impl DeviceService {
         self: &Arc<Self>,
         code: Vec<u8>,
         options: CompileOptions,
+        budget: Option<LoopBudgetLimits>,
         device: u32,
     ) -> DeviceResult<Compiled> {
         // A thread of its own with the isolation settings' stack (1 GiB by default, reserved,
@@ -467,7 +485,7 @@ impl DeviceService {
             .name("tpubox-compile".into())
             .stack_size(self.isolation.stack_bytes)
             .spawn(move || {
-                let _ = tx.send(this.compile_blocking(code, options, device));
+                let _ = tx.send(this.compile_blocking(code, options, budget, device));
             })
             .map_err(|e| {
                 DeviceError::new(
@@ -483,9 +501,16 @@ impl DeviceService {
         &self,
         code: Vec<u8>,
         options: CompileOptions,
+        budget: Option<LoopBudgetLimits>,
         device: u32,
     ) -> DeviceResult<Compiled> {
-        let c = compile_program(&self.client, &self.platform.plugin_path, code, &options)?;
+        let c = compile_program(
+            &self.client,
+            &self.platform.plugin_path,
+            code,
+            &options,
+            budget,
+        )?;
         // Serialize right away: on the CPU plugin, an executable containing `sort` fails
         // `PJRT_Executable_Serialize` once it has run.
         let serialized = match self.cache {
@@ -533,6 +558,7 @@ impl DeviceService {
         self: &Arc<Self>,
         code: Vec<u8>,
         options: CompileOptions,
+        budget: Option<LoopBudgetLimits>,
         device: u32,
         tenant: &str,
     ) -> DeviceResult<Compiled> {
@@ -541,11 +567,13 @@ impl DeviceService {
             .slot(tenant, self.isolation.max_compile_time)
             .await?;
         if !self.compiles.uses_workers() {
-            return self.compile_on_compile_thread(code, options, device).await;
+            return self
+                .compile_on_compile_thread(code, options, budget, device)
+                .await;
         }
         let entry = self
             .compiles
-            .in_worker(code, i64::from(device), options.optimization_level)
+            .in_worker(code, i64::from(device), options.optimization_level, budget)
             .await?;
         self.load_from_worker(entry, device).await
     }

@@ -49,4 +49,4 @@ pub use error::{DeviceError, ErrorKind};
 pub use open::{DeviceConfig, open_device};
 pub use pjrt::{NamedValue, OptimizationLevel, PrimitiveType};
 pub use session::Session;
-pub use tenant::{Tenant, TenantLimits, TenantUsage};
+pub use tenant::{LoopBudgetLimits, Tenant, TenantLimits, TenantUsage};

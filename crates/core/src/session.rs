@@ -879,6 +879,7 @@ impl Session {
         let settings = CompileSettings {
             device: device.unwrap_or(0),
             optimization_level: None,
+            ..Default::default()
         };
         self.compile_with(code, format, settings).await
     }

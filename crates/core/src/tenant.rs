@@ -84,11 +84,59 @@ pub struct ProgramPolicy {
     /// (default 1 048 576). A loop XLA cannot bound (`known_trip_count` missing) is refused
     /// (rule `unbounded-loop`), one above this is refused (rule `max-loop-trips`).
     pub max_loop_trips: u64,
+    /// Most trips of loops XLA cannot bound in one execution, all such loops of the program
+    /// together (nested, in called computations and conditionals alike; default 0, off, see
+    /// [`DEFAULT_MAX_LOOP_ITERATIONS`]; `max-loop-iterations`). Such a loop is compiled with a budget instead of refused: a
+    /// custom call in its condition counts each evaluation, and the execution fails with
+    /// `resource-exhausted` naming the limit once the budget is spent ([`LoopBudgetLimits`]).
+    /// `0` turns the budget off: such loops are refused again (rule `unbounded-loop`).
+    pub max_loop_iterations: u64,
+    /// Most work of loops XLA cannot bound in one execution (default 10^11; `max-loop-work`):
+    /// each trip counts the compiled program's cost-analysis flops plus bytes accessed
+    /// ([`crate::compiler::work_per_trip`]), so that a few trips over a large matmul end the
+    /// execution as surely as many cheap ones.
+    pub max_loop_work: u64,
     /// Custom-call targets allowed (default [`default_custom_calls`]: [`XLA_CUSTOM_CALLS`],
     /// which XLA implements itself, and the LAPACK and tpubox targets whose handlers the host
     /// registers on CPU plugins, which check their operands; rule `custom-call`). Other custom calls run
     /// code outside XLA that nothing here can inspect.
     pub allowed_custom_calls: Vec<String>,
+}
+
+/// Default [`ProgramPolicy::max_loop_iterations`]: 0, the budget off (loops XLA cannot bound
+/// are refused, rule `unbounded-loop`). Experimental: recompiling an optimized program with the
+/// budget aborts XLA's CPU emitter on some programs (already fused computations), which a
+/// compile worker contains but an in-process compile does not. [`BUDGET_MAX_LOOP_ITERATIONS`]
+/// is the value meant to become the default.
+pub const DEFAULT_MAX_LOOP_ITERATIONS: u64 = 0;
+
+/// The trip budget meant as the default once the budget is safe everywhere: 1 048 576, the trip
+/// limit of loops XLA can bound.
+pub const BUDGET_MAX_LOOP_ITERATIONS: u64 = 1 << 20;
+
+/// Default [`ProgramPolicy::max_loop_work`]: 10^11 units (flops plus bytes accessed), a few
+/// seconds of a CPU core's work.
+pub const DEFAULT_MAX_LOOP_WORK: u64 = 100_000_000_000;
+
+/// The budget of loops XLA cannot bound, given to a compile of an untrusted tenant's program
+/// ([`ProgramPolicy::loop_budget`]); part of the compile-cache key.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Hash, Serialize, serde::Deserialize)]
+pub struct LoopBudgetLimits {
+    /// [`ProgramPolicy::max_loop_iterations`], at least 1.
+    pub max_loop_iterations: u64,
+    /// [`ProgramPolicy::max_loop_work`].
+    pub max_loop_work: u64,
+}
+
+impl ProgramPolicy {
+    /// The budget compiles for this policy give loops XLA cannot bound: `None` for a trusted
+    /// tenant (nothing is checked) or with `max_loop_iterations` 0 (such loops are refused).
+    pub fn loop_budget(&self) -> Option<LoopBudgetLimits> {
+        (!self.trusted && self.max_loop_iterations > 0).then_some(LoopBudgetLimits {
+            max_loop_iterations: self.max_loop_iterations,
+            max_loop_work: self.max_loop_work,
+        })
+    }
 }
 
 /// Custom-call targets XLA implements itself (no code from outside XLA runs), allowed by
@@ -114,6 +162,8 @@ impl Default for ProgramPolicy {
         ProgramPolicy {
             trusted: false,
             max_loop_trips: 1 << 20,
+            max_loop_iterations: DEFAULT_MAX_LOOP_ITERATIONS,
+            max_loop_work: DEFAULT_MAX_LOOP_WORK,
             allowed_custom_calls: default_custom_calls(),
         }
     }
@@ -503,8 +553,12 @@ impl Tenant {
                 ),
             )
         };
+        let budgeted = p.loop_budget().is_some();
         for w in &facts.while_loops {
             match w.known_trip_count {
+                // Compiled with the loop budget (`DeviceService::compile_for` gives it to every
+                // compile of a tenant with one, and the cache key holds it).
+                None if budgeted => {}
                 None => {
                     return Err(deny(
                         "unbounded-loop",
@@ -534,11 +588,10 @@ impl Tenant {
                 ),
             ));
         }
-        if let Some(t) = facts
-            .custom_call_targets
-            .iter()
-            .find(|t| !p.allowed_custom_calls.contains(t))
-        {
+        if let Some(t) = facts.custom_call_targets.iter().find(|t| {
+            let ours = budgeted && t.as_str() == pjrt::loop_budget::LOOP_BUDGET_TARGET;
+            !(ours || p.allowed_custom_calls.contains(t))
+        }) {
             return Err(deny(
                 "custom-call",
                 format!("the program calls the custom-call target `{t}`, which is not allowed"),

@@ -12,6 +12,7 @@
 
 #![warn(missing_docs, clippy::undocumented_unsafe_blocks)]
 
+pub mod loop_budget;
 pub mod segment_attention;
 
 use std::collections::HashMap;
@@ -22,12 +23,14 @@ use pjrt::Plugin;
 use pjrt::ffi::handle;
 use pjrt_sys::xla_ffi::{XLA_FFI_CallFrame, XLA_FFI_Error};
 
+pub use loop_budget::LOOP_BUDGET;
 pub use segment_attention::segment_attention;
 
 /// Custom-call target of [`segment_attention()`].
 pub const SEGMENT_ATTENTION: &str = "tpubox_segment_attention";
 
-/// Every custom-call target this crate handles.
+/// Every custom-call target this crate handles that a tenant's program may call ([`LOOP_BUDGET`]
+/// is the host's own: only its rewrite inserts it).
 pub fn targets() -> Vec<&'static str> {
     vec![SEGMENT_ATTENTION]
 }
@@ -50,6 +53,13 @@ unsafe extern "C" fn segment_attention_handler(
 ) -> *mut XLA_FFI_Error {
     // SAFETY: XLA passes its live call frame.
     unsafe { handle(frame, segment_attention) }
+}
+
+/// # Safety
+/// Called by XLA with a valid call frame.
+unsafe extern "C" fn loop_budget_handler(frame: *mut XLA_FFI_CallFrame) -> *mut XLA_FFI_Error {
+    // SAFETY: XLA passes its live call frame.
+    unsafe { handle(frame, loop_budget::loop_budget) }
 }
 
 /// Custom-call target of a **test-only** handler that fails every execution with
@@ -112,6 +122,7 @@ pub fn register(plugin: &Plugin) -> Result<(), String> {
     }
     let r = plugin
         .register_ffi_handler(SEGMENT_ATTENTION, "cpu", segment_attention_handler)
+        .and_then(|()| plugin.register_ffi_handler(LOOP_BUDGET, "cpu", loop_budget_handler))
         .map_err(|e| e.to_string());
     done.insert(plugin.path().to_path_buf(), r.clone());
     r

@@ -277,6 +277,32 @@ impl LoadedExecutable {
         })
     }
 
+    /// The compiler's cost analysis of the executable (`PJRT_Executable_GetCostAnalysis`):
+    /// named properties such as `"flops"` and `"bytes accessed"` (XLA's `HloCostAnalysis`,
+    /// as `Float` values; which properties appear is the plugin's choice). XLA counts the body
+    /// of a `while` loop once, whatever its trip count.
+    ///
+    /// Errors: `Unimplemented` when the plugin lacks the call; the plugin's error.
+    pub fn cost_analysis(&self) -> Result<Vec<(String, crate::NamedValue)>> {
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_Executable_GetCostAnalysis)?;
+        let mut args = sys::PJRT_Executable_GetCostAnalysis_Args::new();
+        args.executable = self.exe;
+        // SAFETY: live executable; header-sized args.
+        api.check(unsafe { f(&mut args) })?;
+        if args.properties.is_null() {
+            return Ok(Vec::new());
+        }
+        // SAFETY: the plugin returned `num_properties` named values owned by the executable,
+        // live while `self` is.
+        let props = unsafe { slice_from(args.properties, args.num_properties) };
+        Ok(props
+            .iter()
+            // SAFETY: each entry is a valid named value owned by the executable (above).
+            .filter_map(|nv| unsafe { crate::named_value::from_raw(nv) })
+            .collect())
+    }
+
     /// What the optimized program does that a host may want to refuse before running it:
     /// `while` loops and their trip counts, host transfers, custom-call targets (decoded from
     /// [`optimized_program`](Self::optimized_program)).
@@ -411,6 +437,10 @@ impl LoadedExecutable {
         let mut options = sys::PJRT_ExecuteOptions::new();
         options.non_donatable_input_indices = non_donatable.as_ptr();
         options.num_non_donatable_input_indices = non_donatable.len();
+        // A launch id of its own for every execution (wrapping after 2^31): plugins that take
+        // the execution's `xla::RunId` from it then give each execution a distinct run id,
+        // which per-execution custom-call state (tpubox's loop budget) is keyed by.
+        options.launch_id = next_launch_id();
         let arg_ptrs: Vec<*mut sys::PJRT_Buffer> = args.iter().map(|b| b.raw()).collect();
         let arg_lists: [*const *mut sys::PJRT_Buffer; 1] = [arg_ptrs.as_ptr()];
         let mut outputs: Vec<*mut sys::PJRT_Buffer> = vec![ptr::null_mut(); num_outputs];
@@ -478,4 +508,12 @@ impl std::fmt::Debug for LoadedExecutable {
             .field("raw", &self.raw)
             .finish_non_exhaustive()
     }
+}
+
+/// A fresh positive launch id (`PJRT_ExecuteOptions.launch_id`) for each call in this process.
+fn next_launch_id() -> i32 {
+    use std::sync::atomic::{AtomicU32, Ordering};
+    static NEXT: AtomicU32 = AtomicU32::new(1);
+    let n = NEXT.fetch_add(1, Ordering::Relaxed) & 0x7fff_ffff;
+    i32::try_from(n.max(1)).unwrap_or(1)
 }

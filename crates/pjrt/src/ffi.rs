@@ -245,6 +245,62 @@ impl<'a> CallFrame<'a> {
     }
 }
 
+impl CallFrame<'_> {
+    /// The `i64` attribute `name`. Errors: missing, or of another type.
+    pub fn attr_i64(&self, name: &str) -> std::result::Result<i64, FfiError> {
+        match self.scalar(name) {
+            // SAFETY: an S64 scalar's value points to an 8-byte integer.
+            Some((xf::XLA_FFI_DataType_S64, v)) => Ok(unsafe { v.cast::<i64>().read_unaligned() }),
+            Some(_) => Err(FfiError::invalid(format!("attribute {name} is not an i64"))),
+            None => Err(FfiError::invalid(format!("attribute {name} is missing"))),
+        }
+    }
+
+    /// The identifier of the logical execution this call belongs to (`XLA_FFI_RunId_Get`,
+    /// `xla::RunId` of the execution's run options): equal for every custom call of one
+    /// execution, including calls inside loops and called computations.
+    ///
+    /// Errors: `Unimplemented` if XLA's FFI function table predates `XLA_FFI_RunId_Get`;
+    /// XLA's error otherwise.
+    pub fn run_id(&self) -> std::result::Result<i64, FfiError> {
+        let missing = || FfiError::new(ErrorCode::Unimplemented, "XLA_FFI_RunId_Get is missing");
+        // SAFETY: `api` is XLA's FFI function table, valid during the call.
+        let api = unsafe { self.raw.api.as_ref() }.ok_or_else(missing)?;
+        let needed =
+            offset_of!(xf::XLA_FFI_Api, XLA_FFI_RunId_Get) + size_of::<xf::XLA_FFI_RunId_Get>();
+        if api.struct_size < needed {
+            return Err(missing());
+        }
+        let get = api.XLA_FFI_RunId_Get.ok_or_else(missing)?;
+        let mut args = xf::XLA_FFI_RunId_Get_Args {
+            struct_size: xf::XLA_FFI_RunId_Get_Args_STRUCT_SIZE as usize,
+            extension_start: std::ptr::null_mut(),
+            ctx: self.raw.ctx,
+            run_id: 0,
+        };
+        // SAFETY: the table is large enough to hold the function (checked above), `ctx` is the
+        // frame's execution context, live for the call, and `args` is a valid argument struct.
+        let err = unsafe { get(&mut args) };
+        if !err.is_null() {
+            // SAFETY: a non-null error is XLA's, ours to destroy; `api` is live for the call.
+            if let Some(destroy) = api.XLA_FFI_Error_Destroy {
+                let mut d = xf::XLA_FFI_Error_Destroy_Args {
+                    struct_size: xf::XLA_FFI_Error_Destroy_Args_STRUCT_SIZE as usize,
+                    extension_start: std::ptr::null_mut(),
+                    error: err,
+                };
+                // SAFETY: as above.
+                unsafe { destroy(&mut d) };
+            }
+            return Err(FfiError::new(
+                ErrorCode::Internal,
+                "XLA_FFI_RunId_Get failed",
+            ));
+        }
+        Ok(args.run_id)
+    }
+}
+
 /// # Safety
 /// `ptr` must point to an `XLA_FFI_Buffer` valid for `'a`.
 unsafe fn buffer<'a>(ptr: *const xf::XLA_FFI_Buffer) -> FfiBuffer<'a> {

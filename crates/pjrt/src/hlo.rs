@@ -26,7 +26,7 @@ struct HloModuleProtoWithConfig {
 }
 
 /// The encoded `HloModuleProto` inside an optimized program of `format`.
-fn module_bytes<'a>(format: &str, code: &'a [u8]) -> Result<std::borrow::Cow<'a, [u8]>> {
+pub(crate) fn module_bytes<'a>(format: &str, code: &'a [u8]) -> Result<std::borrow::Cow<'a, [u8]>> {
     match format {
         "hlo" => Ok(std::borrow::Cow::Borrowed(code)),
         "hlo_with_config" => {
@@ -129,7 +129,7 @@ pub struct ProgramFacts {
 
 /// Reads the `"n"` of `"known_trip_count"` from a while loop's JSON backend config, e.g.
 /// `{"known_trip_count":{"n":"10"}}`.
-fn known_trip_count(config: &[u8]) -> Option<u64> {
+pub(crate) fn known_trip_count(config: &[u8]) -> Option<u64> {
     let text = std::str::from_utf8(config).ok()?;
     let rest = &text[text.find("\"known_trip_count\"")?..];
     let rest = &rest[rest.find("\"n\"")? + 3..];

@@ -40,6 +40,7 @@ mod executable;
 pub mod ffi;
 mod hlo;
 mod host_bytes;
+pub mod loop_budget;
 mod mapped_file;
 mod named_value;
 mod plugin;

@@ -601,6 +601,7 @@ impl SessionRpc for Service {
         let settings = tpubox_core::CompileSettings {
             device: r.device.unwrap_or(0),
             optimization_level,
+            ..Default::default()
         };
         let exe = s
             .session()
