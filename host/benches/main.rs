@@ -5,6 +5,7 @@
 mod budget;
 mod cache;
 mod eager;
+mod exported;
 mod isolation;
 mod launch;
 mod minilm;
@@ -61,6 +62,11 @@ const BENCHES: &[(&str, &str, fn())] = &[
         "eager",
         "the eager modes and a compiled graph side by side (guest-timed)",
         eager::main,
+    ),
+    (
+        "exported",
+        "an exported (JAX, StableHLO) MiniLM served natively vs the MiniLM guest, 16 clients",
+        exported::main,
     ),
     (
         "launch",
