@@ -361,7 +361,8 @@ async fn stats(http: &reqwest::Client, port: u16, model: &str) -> Stats {
     }
 }
 
-/// `tpubox_tenant_{compiles,executions}_total` of the model's tenant, from `/metrics`.
+/// `tpubox_tenant_{compiles,executions}_total` of the model's tenant, from `/metrics` (a load
+/// makes a new tenant, so they count from the model's last load).
 async fn tenant_counters(http: &reqwest::Client, metrics: u16, model: &str) -> (f64, f64) {
     let text = http
         .get(format!("http://127.0.0.1:{metrics}/metrics"))
@@ -485,7 +486,7 @@ async fn measure(
 
     println!();
     println!(
-        "| model | sentences/s (median of {rounds}) | range | inferences | executions | mean batch | infer ms per batch | p50 ms | p99 ms | tenant compiles (whole run) | tenant device executions (whole run) |"
+        "| model | sentences/s (median of {rounds}) | range | inferences | executions | mean batch | infer ms per batch | p50 ms | p99 ms | tenant compiles (since the model loaded) | tenant device executions (since the model loaded) |"
     );
     println!("|---|---:|---|---:|---:|---:|---:|---:|---:|---:|---:|");
     let mut medians = [0.0; 2];
