@@ -466,7 +466,7 @@ case "$cmd" in
     setup
     # The MiniLM anchors (sentence-transformers on PyTorch, ONNX Runtime); about 6 GB, bench only.
     setup_venv "$BENCH_VENV" scripts/venvs/bench.txt
-    cargo bench -p tpubox --bench all -- spine minilm cache tenants eager
+    cargo bench -p tpubox --bench all -- spine minilm cache tenants eager exported
     # The session API from the Python client: tiny-execute latency, 64 MiB transfers.
     install_python_client
     "$PYTHON_VENV/bin/python" python/bench/bench_session.py

@@ -5,6 +5,7 @@
 mod budget;
 mod cache;
 mod eager;
+mod exported;
 mod isolation;
 mod launch;
 mod loops;
@@ -67,6 +68,11 @@ const BENCHES: &[(&str, &str, fn())] = &[
         "loops",
         "the loop budget: per compile and per trip, against the same loop trusted",
         loops::main,
+    ),
+    (
+        "exported",
+        "an exported (JAX, StableHLO) MiniLM served natively vs the MiniLM guest, 16 clients",
+        exported::main,
     ),
     (
         "launch",

@@ -32,7 +32,7 @@ const PER_CLIENT: usize = 96;
 const IN_PROCESS_SENTENCES: usize = 512;
 
 /// 216 short sentences (at most 16 tokens each).
-fn sentences() -> Vec<String> {
+pub(crate) fn sentences() -> Vec<String> {
     let subjects = [
         "The host",
         "A guest",
@@ -71,13 +71,15 @@ fn sentences() -> Vec<String> {
         .collect()
 }
 
-fn model_dir() -> PathBuf {
+/// Where `tpubox setup minilm` put the model (model.safetensors, tokenizer.json, ...).
+pub(crate) fn model_dir() -> PathBuf {
     tpubox_core::plugin::known("minilm")
         .and_then(|p| p.installed_library())
         .expect("run `tpubox setup minilm` first")
 }
 
-fn component() -> PathBuf {
+/// The `minilm-serve` model guest, built for wasm32-wasip2.
+pub(crate) fn component() -> PathBuf {
     let p = crate::guest_wasm("minilm_serve");
     assert!(
         p.is_file(),
@@ -100,7 +102,8 @@ fn text_tensor(texts: &[&str]) -> Tensor {
     }
 }
 
-fn percentile(sorted: &[Duration], p: f64) -> Duration {
+/// The `p` quantile (0..=1) of sorted durations.
+pub(crate) fn percentile(sorted: &[Duration], p: f64) -> Duration {
     sorted[((sorted.len() as f64 - 1.0) * p).round() as usize]
 }
 
@@ -121,10 +124,11 @@ async fn in_process(inst: &mut Instance, texts: &[String], batch: usize) -> f64 
     done as f64 / start.elapsed().as_secs_f64()
 }
 
-struct Served {
-    child: std::process::Child,
-    port: u16,
-    _dir: tempfile::TempDir,
+/// A `tpubox serve` child process, stopped (SIGTERM) when dropped.
+pub(crate) struct Served {
+    pub(crate) child: std::process::Child,
+    pub(crate) port: u16,
+    pub(crate) _dir: tempfile::TempDir,
 }
 
 impl Drop for Served {
@@ -135,7 +139,8 @@ impl Drop for Served {
     }
 }
 
-fn free_port() -> u16 {
+/// A loopback TCP port that was free a moment ago.
+pub(crate) fn free_port() -> u16 {
     std::net::TcpListener::bind("127.0.0.1:0")
         .unwrap()
         .local_addr()

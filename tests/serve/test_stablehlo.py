@@ -411,3 +411,51 @@ def test_a_model_without_batch_dimension(http, grpc, srv, ref):
         with pytest.raises(InferenceServerException) as e:
             http.infer("flat", [bad])
         assert e.value.status() == "400", (shape, e.value)
+
+
+def _flat_y(http, a):
+    inp = httpclient.InferInput("a", list(a.shape), "FP32")
+    inp.set_data_from_numpy(a)
+    return http.infer("flat", [inp]).as_numpy("y")
+
+
+def _rewrite_weight(path: Path, name: str, value: np.ndarray) -> None:
+    """Writes VALUE over tensor NAME of the safetensors file PATH in place (same file, same
+    size: only its contents and times change)."""
+    raw = bytearray(path.read_bytes())
+    n = int.from_bytes(raw[:8], "little")
+    lo, hi = json.loads(raw[8 : 8 + n])[name]["data_offsets"]
+    data = np.ascontiguousarray(value, "<f4").tobytes()
+    assert len(data) == hi - lo
+    raw[8 + n + lo : 8 + n + hi] = data
+    with open(path, "r+b") as f:
+        f.write(raw)
+
+
+def test_reload_reads_a_changed_weight_file_again(http, srv, ref):
+    """A reload re-reads a weight file that changed on disk since its set was loaded (here
+    rewritten in place, same size); until then the loaded set keeps serving, and a reload of an
+    unchanged file shares the set."""
+    path = srv.repo / "flat" / "weights.safetensors"
+    original = path.read_bytes()
+    w = _weights(path)["w"].copy()
+    a = ref["mlp_x"][:2]
+    _close(_flat_y(http, a), a @ w, "y before")
+    w2 = (w * 2.0 + 1.0).astype(np.float32)
+    try:
+        _rewrite_weight(path, "w", w2)
+        # Not read again until the model loads again.
+        _close(_flat_y(http, a), a @ w, "y, file changed, model not reloaded")
+        http.load_model("flat")
+        _close(_flat_y(http, a), a @ w2, "y after the reload")
+        assert srv.log().count("the weight file changed on disk") == 1, srv.log()
+        # An unchanged file is not read again.
+        http.load_model("flat")
+        _close(_flat_y(http, a), a @ w2, "y after a second reload")
+        assert srv.log().count("the weight file changed on disk") == 1, srv.log()
+    finally:
+        # The original back (the other tests read the file), and loaded again.
+        path.write_bytes(original)
+        http.load_model("flat")
+    _close(_flat_y(http, a), a @ w, "y with the original weights")
+    assert srv.log().count("the weight file changed on disk") == 2, srv.log()

@@ -92,6 +92,61 @@ pub fn xla_type(d: Dtype) -> Option<PrimitiveType> {
     })
 }
 
+/// Reads the safetensors file at `path` onto device `device_index` as a set named `name`
+/// (not registered).
+fn read_set(
+    device: &DeviceService,
+    name: &str,
+    path: &Path,
+    device_index: u32,
+) -> DeviceResult<WeightSet> {
+    if name.is_empty() {
+        return Err(DeviceError::invalid("a weight set needs a non-empty name"));
+    }
+    if path.is_dir() {
+        return Err(DeviceError::invalid(format!(
+            "{} is a directory; pass the .safetensors file inside it",
+            path.display()
+        )));
+    }
+    if !path.exists() {
+        return Err(DeviceError::new(
+            ErrorKind::NotFound,
+            format!("{} does not exist", path.display()),
+        ));
+    }
+    let map = MappedFile::open(path)
+        .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
+    let st = SafeTensors::deserialize(map.as_slice()).map_err(|e| {
+        DeviceError::invalid(format!(
+            "{} is not a valid safetensors file: {e}",
+            path.display()
+        ))
+    })?;
+    let mut tensors = BTreeMap::new();
+    let mut device_bytes = 0u64;
+    for (tname, view) in st.tensors() {
+        let ty = xla_type(view.dtype()).ok_or_else(|| {
+            DeviceError::new(
+                ErrorKind::Unsupported,
+                format!(
+                    "tensor `{tname}` has dtype {:?}, which has no XLA type here",
+                    view.dtype()
+                ),
+            )
+        })?;
+        let dims: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
+        let t = device.tensor_from_bytes(ty, &dims, view.data(), device_index)?;
+        device_bytes += t.byte_size();
+        tensors.insert(tname, Arc::new(t));
+    }
+    Ok(WeightSet {
+        name: name.to_string(),
+        tensors,
+        device_bytes,
+    })
+}
+
 impl WeightRegistry {
     /// An empty registry.
     pub fn new() -> Self {
@@ -111,56 +166,12 @@ impl WeightRegistry {
         path: &Path,
         device_index: u32,
     ) -> DeviceResult<Arc<WeightSet>> {
-        if name.is_empty() {
-            return Err(DeviceError::invalid("a weight set needs a non-empty name"));
-        }
         if self.sets.read().expect("registry lock").contains_key(name) {
             return Err(DeviceError::invalid(format!(
                 "a weight set named `{name}` is already loaded"
             )));
         }
-        if path.is_dir() {
-            return Err(DeviceError::invalid(format!(
-                "{} is a directory; pass the .safetensors file inside it",
-                path.display()
-            )));
-        }
-        if !path.exists() {
-            return Err(DeviceError::new(
-                ErrorKind::NotFound,
-                format!("{} does not exist", path.display()),
-            ));
-        }
-        let map = MappedFile::open(path)
-            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
-        let st = SafeTensors::deserialize(map.as_slice()).map_err(|e| {
-            DeviceError::invalid(format!(
-                "{} is not a valid safetensors file: {e}",
-                path.display()
-            ))
-        })?;
-        let mut tensors = BTreeMap::new();
-        let mut device_bytes = 0u64;
-        for (tname, view) in st.tensors() {
-            let ty = xla_type(view.dtype()).ok_or_else(|| {
-                DeviceError::new(
-                    ErrorKind::Unsupported,
-                    format!(
-                        "tensor `{tname}` has dtype {:?}, which has no XLA type here",
-                        view.dtype()
-                    ),
-                )
-            })?;
-            let dims: Vec<i64> = view.shape().iter().map(|&d| d as i64).collect();
-            let t = device.tensor_from_bytes(ty, &dims, view.data(), device_index)?;
-            device_bytes += t.byte_size();
-            tensors.insert(tname, Arc::new(t));
-        }
-        let set = Arc::new(WeightSet {
-            name: name.to_string(),
-            tensors,
-            device_bytes,
-        });
+        let set = Arc::new(read_set(device, name, path, device_index)?);
         let mut sets = self.sets.write().expect("registry lock");
         if sets.contains_key(name) {
             return Err(DeviceError::invalid(format!(
@@ -168,6 +179,28 @@ impl WeightRegistry {
             )));
         }
         sets.insert(name.to_string(), Arc::clone(&set));
+        Ok(set)
+    }
+
+    /// Loads the safetensors file at `path` again as the set `name`, replacing the set of that
+    /// name if there is one (or registering it if not). The old set's tensors stay alive, and
+    /// unchanged, for whoever opened them; every later [`WeightRegistry::get`] returns the new
+    /// set. The registry keeps the old set until the new one has loaded, so a failed reload
+    /// changes nothing.
+    ///
+    /// Errors: as [`WeightRegistry::load_safetensors`], except that the name may be in use.
+    pub fn reload_safetensors(
+        &self,
+        device: &DeviceService,
+        name: &str,
+        path: &Path,
+        device_index: u32,
+    ) -> DeviceResult<Arc<WeightSet>> {
+        let set = Arc::new(read_set(device, name, path, device_index)?);
+        self.sets
+            .write()
+            .expect("registry lock")
+            .insert(name.to_string(), Arc::clone(&set));
         Ok(set)
     }
 

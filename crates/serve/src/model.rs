@@ -76,8 +76,9 @@ pub struct LoadContext {
     pub device: Arc<DeviceService>,
     /// The weight registry shared by all models.
     pub weights: Arc<WeightRegistry>,
-    /// Weight sets already loaded, by name, and the file each came from.
-    pub loaded_weights: Arc<std::sync::Mutex<std::collections::BTreeMap<String, PathBuf>>>,
+    /// Weight sets already loaded, by name, and the file each came from (with its state on
+    /// disk when it was read).
+    pub loaded_weights: Arc<std::sync::Mutex<std::collections::BTreeMap<String, WeightFile>>>,
     /// The server's metrics (executions are counted there as they happen, so the counters stay
     /// cumulative across reloads).
     pub metrics: Arc<super::metrics::Metrics>,
@@ -107,8 +108,47 @@ fn to_dims(d: &TensorDecl) -> (String, Datatype, Vec<i64>) {
     (d.name.clone(), d.datatype, d.dims.clone())
 }
 
+/// A weight file as a set was read from it: its canonical path, and its identity and state on
+/// disk at that moment (device and inode, size, modification and status-change times), so that
+/// a later load can tell whether the file changed since (rewritten in place, or replaced).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WeightFile {
+    /// The canonical path.
+    pub path: PathBuf,
+    stamp: FileStamp,
+}
+
+/// What [`WeightFile`] compares: a file rewritten in place changes its size or times, a file
+/// replaced (renamed over, or deleted and written again) its inode.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+struct FileStamp {
+    dev: u64,
+    ino: u64,
+    len: u64,
+    mtime: (i64, i64),
+    ctime: (i64, i64),
+}
+
+impl FileStamp {
+    fn of(path: &Path) -> Result<Self> {
+        use std::os::unix::fs::MetadataExt;
+        let m = std::fs::metadata(path).with_context(|| path.display().to_string())?;
+        Ok(FileStamp {
+            dev: m.dev(),
+            ino: m.ino(),
+            len: m.len(),
+            mtime: (m.mtime(), m.mtime_nsec()),
+            ctime: (m.ctime(), m.ctime_nsec()),
+        })
+    }
+}
+
 /// Loads the weight set `set` from the safetensors file `path`, unless a model loaded it from
-/// the same file already (then it is shared).
+/// the same file already and the file has not changed since (then it is shared). When the file
+/// changed on disk since the set was read (another size, modification or status-change time,
+/// or another file at that path), the set is read again and replaces the old one: this model's
+/// instances, and every instance opened after it, get the new tensors; instances that opened
+/// the old set keep theirs until they end.
 ///
 /// Errors: the file is missing or does not load; another model loaded a set of that name from
 /// another file.
@@ -116,19 +156,37 @@ fn ensure_weight_set(ctx: &LoadContext, set: &str, path: &Path) -> Result<()> {
     let canonical = path
         .canonicalize()
         .with_context(|| format!("weight set `{set}`: {}", path.display()))?;
+    // Taken before the file is read: a change during the read shows at the next load.
+    let stamp = FileStamp::of(&canonical).with_context(|| format!("weight set `{set}`"))?;
     let mut loaded = ctx.loaded_weights.lock().unwrap();
+    let file = WeightFile {
+        path: canonical.clone(),
+        stamp,
+    };
     match loaded.get(set) {
-        Some(p) if *p == canonical => Ok(()),
-        Some(p) => bail!(
+        Some(w) if w.path == canonical && w.stamp == stamp => Ok(()),
+        Some(w) if w.path == canonical => {
+            ctx.weights
+                .reload_safetensors(&ctx.device, set, &canonical, 0)
+                .map_err(|e| anyhow::anyhow!("weight set `{set}`: {e}"))?;
+            tracing::info!(
+                weight_set = set,
+                file = %canonical.display(),
+                "the weight file changed on disk since the set was loaded: loaded again"
+            );
+            loaded.insert(set.to_string(), file);
+            Ok(())
+        }
+        Some(w) => bail!(
             "weight set `{set}` is already loaded from {}; this model names {}",
-            p.display(),
+            w.path.display(),
             canonical.display()
         ),
         None => {
             ctx.weights
                 .load_safetensors(&ctx.device, set, &canonical, 0)
                 .map_err(|e| anyhow::anyhow!("weight set `{set}`: {e}"))?;
-            loaded.insert(set.to_string(), canonical);
+            loaded.insert(set.to_string(), file);
             Ok(())
         }
     }

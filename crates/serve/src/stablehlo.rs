@@ -507,8 +507,8 @@ impl NativeInstance {
     /// weights of the set [`Plan::weight_set`] (already loaded) read-only.
     ///
     /// Errors: the weight set or a weight is missing; `max-live-tensors`; a weight of the
-    /// loaded set whose dtype or dims are not the file's now (the set was loaded before the
-    /// file changed: a set is loaded once per daemon).
+    /// loaded set whose dtype or dims are not the file's now (the file changed after the set
+    /// was read).
     pub fn from_compiled(
         plan: Arc<Plan>,
         session: Session,
@@ -528,7 +528,7 @@ impl NativeInstance {
                 let info = &plan.weights[w];
                 if h.spec().ty != info.ty || h.spec().dims != info.dims {
                     bail!(
-                        "weight set `{}` holds `{w}` as {}, {} has it as {} now: the set was loaded before the file changed, and a weight set is loaded once per daemon (restart, or name the changed weights with a new weight_set)",
+                        "weight set `{}` holds `{w}` as {}, {} has it as {} now: the set was loaded before the file changed (load the model again to read it again)",
                         plan.weight_set,
                         tpubox_core::types::format_spec(h.spec()),
                         plan.weights_file.display(),
