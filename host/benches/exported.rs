@@ -40,9 +40,11 @@ use std::sync::Arc;
 use std::time::{Duration, Instant};
 
 use minilm_embed::SentenceTokenizer;
-use tpubox_serve::protocol::push_bytes_element;
 
-use crate::serve::{Served, component, free_port, model_dir, percentile, sentences};
+use crate::serve::{
+    Body, Served, binary_body, component, free_port, guest_body, load, model_dir, percentile,
+    sentences,
+};
 
 /// The sequence bucket both models run (the guest's for 9-16 tokens).
 const SEQ: usize = 16;
@@ -231,16 +233,6 @@ fn max_abs_diff(a: &[f32], b: &[f32]) -> f32 {
         .fold(0.0, f32::max)
 }
 
-/// A prepared request: body and the length of its JSON header.
-type Body = (Vec<u8>, usize);
-
-/// The guest's request for one sentence (BYTES `text`, binary extension).
-fn guest_body(text: &str) -> Body {
-    let mut raw = Vec::new();
-    push_bytes_element(&mut raw, text.as_bytes());
-    binary_body(&[("text", "BYTES", raw)], 1)
-}
-
 /// The exported model's request for one sentence's ids (INT32 `input_ids`, `attention_mask`).
 fn exported_body(ids: &Vec<i32>) -> Body {
     let (tok, mask) = padded(&[ids]);
@@ -251,68 +243,6 @@ fn exported_body(ids: &Vec<i32>) -> Body {
         ],
         SEQ,
     )
-}
-
-fn binary_body(inputs: &[(&str, &str, Vec<u8>)], row: usize) -> Body {
-    let shape: Vec<usize> = if row == 1 { vec![1] } else { vec![1, row] };
-    let header = serde_json::json!({
-        "inputs": inputs.iter().map(|(name, dt, raw)| serde_json::json!({
-            "name": name, "shape": shape, "datatype": dt,
-            "parameters": {"binary_data_size": raw.len()},
-        })).collect::<Vec<_>>(),
-        "outputs": [{"name": "embedding", "parameters": {"binary_data": true}}],
-    });
-    let mut body = serde_json::to_vec(&header).unwrap();
-    let n = body.len();
-    for (_, _, raw) in inputs {
-        body.extend_from_slice(raw);
-    }
-    (body, n)
-}
-
-/// `clients` clients, `per_client` requests each, client `c`'s `i`-th request being
-/// `bodies[(c * 37 + i) % len]`: (sentences per second, sorted latencies).
-async fn load(
-    http: &reqwest::Client,
-    port: u16,
-    model: &str,
-    bodies: &Arc<Vec<Body>>,
-    clients: usize,
-    per_client: usize,
-) -> (f64, Vec<Duration>) {
-    let url = format!("http://127.0.0.1:{port}/v2/models/{model}/infer");
-    let start = Instant::now();
-    let mut tasks = Vec::new();
-    for c in 0..clients {
-        let (http, url, bodies) = (http.clone(), url.clone(), Arc::clone(bodies));
-        tasks.push(tokio::spawn(async move {
-            let mut lat = Vec::with_capacity(per_client);
-            for i in 0..per_client {
-                let (body, n) = &bodies[(c * 37 + i) % bodies.len()];
-                let t = Instant::now();
-                let r = http
-                    .post(&url)
-                    .header("Inference-Header-Content-Length", *n)
-                    .header("Content-Type", "application/octet-stream")
-                    .body(body.clone())
-                    .send()
-                    .await
-                    .expect("send");
-                assert_eq!(r.status(), 200);
-                let b = r.bytes().await.expect("body");
-                lat.push(t.elapsed());
-                assert!(b.len() >= 384 * 4);
-            }
-            lat
-        }));
-    }
-    let mut all = Vec::new();
-    for t in tasks {
-        all.extend(t.await.unwrap());
-    }
-    let secs = start.elapsed().as_secs_f64();
-    all.sort();
-    ((clients * per_client) as f64 / secs, all)
 }
 
 /// A model's counters from the statistics extension.

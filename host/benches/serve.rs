@@ -197,43 +197,60 @@ async fn serve(batching: bool, http: &reqwest::Client) -> Served {
     served
 }
 
-fn request_body(text: &str) -> (Vec<u8>, usize) {
+/// A prepared request: body and the length of its JSON header.
+pub(crate) type Body = (Vec<u8>, usize);
+
+/// The guest's request for one sentence (BYTES `text`, binary extension).
+pub(crate) fn guest_body(text: &str) -> Body {
     let mut raw = Vec::new();
     push_bytes_element(&mut raw, text.as_bytes());
+    binary_body(&[("text", "BYTES", raw)], 1)
+}
+
+/// A request in the binary tensor extension: `inputs` (name, datatype, raw bytes), each of
+/// shape `[1]` when `row` is 1, else `[1, row]`; the `embedding` output asked for in binary.
+pub(crate) fn binary_body(inputs: &[(&str, &str, Vec<u8>)], row: usize) -> Body {
+    let shape: Vec<usize> = if row == 1 { vec![1] } else { vec![1, row] };
     let header = serde_json::json!({
-        "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES",
-                    "parameters": {"binary_data_size": raw.len()}}],
+        "inputs": inputs.iter().map(|(name, dt, raw)| serde_json::json!({
+            "name": name, "shape": shape, "datatype": dt,
+            "parameters": {"binary_data_size": raw.len()},
+        })).collect::<Vec<_>>(),
         "outputs": [{"name": "embedding", "parameters": {"binary_data": true}}],
     });
     let mut body = serde_json::to_vec(&header).unwrap();
     let n = body.len();
-    body.extend_from_slice(&raw);
+    for (_, _, raw) in inputs {
+        body.extend_from_slice(raw);
+    }
     (body, n)
 }
 
-/// `clients` clients, `per_client` requests each: (sentences per second, sorted latencies).
-async fn load(
+/// `clients` clients, `per_client` requests each, client `c`'s `i`-th request being
+/// `bodies[(c * 37 + i) % len]`: (sentences per second, sorted latencies).
+pub(crate) async fn load(
     http: &reqwest::Client,
     port: u16,
-    texts: &Arc<Vec<String>>,
+    model: &str,
+    bodies: &Arc<Vec<Body>>,
     clients: usize,
     per_client: usize,
 ) -> (f64, Vec<Duration>) {
-    let url = format!("http://127.0.0.1:{port}/v2/models/minilm/infer");
+    let url = format!("http://127.0.0.1:{port}/v2/models/{model}/infer");
     let start = Instant::now();
     let mut tasks = Vec::new();
     for c in 0..clients {
-        let (http, url, texts) = (http.clone(), url.clone(), Arc::clone(texts));
+        let (http, url, bodies) = (http.clone(), url.clone(), Arc::clone(bodies));
         tasks.push(tokio::spawn(async move {
             let mut lat = Vec::with_capacity(per_client);
             for i in 0..per_client {
-                let (body, n) = request_body(&texts[(c * 37 + i) % texts.len()]);
+                let (body, n) = &bodies[(c * 37 + i) % bodies.len()];
                 let t = Instant::now();
                 let r = http
                     .post(&url)
-                    .header("Inference-Header-Content-Length", n)
+                    .header("Inference-Header-Content-Length", *n)
                     .header("Content-Type", "application/octet-stream")
-                    .body(body)
+                    .body(body.clone())
                     .send()
                     .await
                     .expect("send");
@@ -286,6 +303,8 @@ pub fn main() {
         .unwrap();
     rt.block_on(async {
         let texts = Arc::new(sentences());
+        // One request per sentence (BYTES `text`, binary extension), made before the clients run.
+        let bodies: Arc<Vec<Body>> = Arc::new(texts.iter().map(|t| guest_body(t)).collect());
         // In process: the same component, instantiated directly.
         let device = tpubox_core::open_device(&tpubox_core::DeviceConfig::default()).expect("open the device");
         let sandbox = Sandbox::new(SandboxConfig::default()).unwrap();
@@ -331,11 +350,12 @@ pub fn main() {
             let served = serve(batching, &http).await;
             // Warm: every batch size the batcher may form has compiled.
             for (clients, n) in [(1, 4), (4, 4), (16, 8)] {
-                load(&http, served.port, &texts, clients, n).await;
+                load(&http, served.port, "minilm", &bodies, clients, n).await;
             }
             for clients in [1usize, 4, 16] {
                 let before = batches(&http, served.port).await;
-                let (tput, lat) = load(&http, served.port, &texts, clients, PER_CLIENT).await;
+                let (tput, lat) =
+                    load(&http, served.port, "minilm", &bodies, clients, PER_CLIENT).await;
                 let after = batches(&http, served.port).await;
                 let mean_batch = (after.0 - before.0) as f64 / (after.1 - before.1).max(1) as f64;
                 // Each request counts its batch's infer time once.
