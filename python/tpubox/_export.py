@@ -40,6 +40,24 @@ def export_dtype(dtype: Any, what: str, caller: str) -> tuple[str, str]:
     return EXPORT_DTYPES[name]
 
 
+def unbatched_dims(shape: Any, batch: int | None, what: str, caller: str) -> list[int]:
+    """The dims of SHAPE after its batch dimension (all of them when BATCH is None: the model
+    does not batch), as a model config declares them.
+
+    Raises:
+        ValueError: SHAPE's first dimension is not BATCH.
+    """
+    dims = [int(d) for d in shape]
+    if batch is None:
+        return dims
+    if not dims or dims[0] != batch:
+        raise ValueError(
+            f"{caller}: {what} has shape {tuple(dims)} for batch size {batch}: every input and "
+            "output needs the batch dimension first"
+        )
+    return dims[1:]
+
+
 def write_safetensors(path: Any, tensors: dict[str, np.ndarray], caller: str) -> None:
     """Writes TENSORS (name -> array) to PATH in the safetensors format (little-endian, C
     order, names sorted)."""

@@ -595,15 +595,7 @@ def export_model(
             )
 
     def dims(aval: Any, b: int | None, what: str) -> list[int]:
-        shape = [int(d) for d in aval.shape]
-        if b is None:
-            return shape
-        if not shape or shape[0] != b:
-            raise ValueError(
-                f"tpubox.jax.export_model: {what} has shape {tuple(shape)} for batch size {b}: "
-                "every input and output needs the batch dimension first"
-            )
-        return shape[1:]
+        return _export.unbatched_dims(aval.shape, b, what, "tpubox.jax.export_model")
 
     b0, exp0 = exports[0]
     in_avals = exp0.in_avals[n_w:]

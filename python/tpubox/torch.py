@@ -1033,15 +1033,7 @@ def export(
         )
 
     def dims(v: Any, b: int | None, what: str) -> list[int]:
-        shape = [int(d) for d in v.shape]
-        if b is None:
-            return shape
-        if not shape or shape[0] != b:
-            raise ValueError(
-                f"{caller}: {what} has shape {tuple(shape)} for batch size {b}: every input and "
-                "output needs the batch dimension first"
-            )
-        return shape[1:]
+        return _export.unbatched_dims(v.shape, b, what, caller)
 
     def triton_type(v: Any, what: str) -> str:
         dtype = _to_numpy(torch.empty((), dtype=v.dtype)).dtype

@@ -10,6 +10,8 @@ use std::time::Instant;
 
 use serde::Serialize;
 
+use tpubox_session_api::registry::LiveSession;
+
 use super::Server;
 use super::error::{ServeError, ServeErrorKind, ServeResult};
 
@@ -71,33 +73,7 @@ impl Server {
         let now = Instant::now();
         let mut sessions = self.sessions.sessions();
         sessions.sort_by_key(|s| s.opened);
-        sessions
-            .iter()
-            .map(|s| {
-                let u = s.tenant().usage();
-                let (calls_in_flight, attached, idle) = s.liveness(now);
-                SessionRow {
-                    id: s.id.clone(),
-                    tenant: s.tenant_name.clone(),
-                    label: s.label.clone(),
-                    device_bytes: u.device_bytes,
-                    peak_device_bytes: u.peak_device_bytes,
-                    device_seconds: u.device_seconds,
-                    executions: u.executions,
-                    compiles: u.compiles,
-                    refused: u.refused,
-                    live_tensors: u.live_tensors,
-                    age_seconds: now.saturating_duration_since(s.opened).as_secs_f64(),
-                    idle_seconds: idle.as_secs_f64(),
-                    opened_unix_seconds: s
-                        .opened_at
-                        .duration_since(std::time::UNIX_EPOCH)
-                        .map_or(0.0, |d| d.as_secs_f64()),
-                    calls_in_flight,
-                    attached,
-                }
-            })
-            .collect()
+        sessions.iter().map(|s| session_row(s, now)).collect()
     }
 
     /// Ends the session `id` (its handles are freed; its clients' next call gets
@@ -105,12 +81,8 @@ impl Server {
     ///
     /// Errors: not found for an id no live session has.
     pub fn admin_end_session(&self, id: &str, by: &str) -> ServeResult<SessionRow> {
-        let row = self
-            .admin_sessions()
-            .into_iter()
-            .find(|r| r.id == id)
-            .ok_or_else(|| no_session(id))?;
         let s = self.sessions.by_id(id).ok_or_else(|| no_session(id))?;
+        let row = session_row(&s, Instant::now());
         if !self
             .sessions
             .close(&s, &format!("ended by an operator (tenant `{by}`)"))
@@ -183,6 +155,32 @@ impl Server {
             report.tls_reloaded = true;
         }
         Ok(report)
+    }
+}
+
+/// One session's row, its ages counted to `now`.
+fn session_row(s: &LiveSession, now: Instant) -> SessionRow {
+    let u = s.tenant().usage();
+    let (calls_in_flight, attached, idle) = s.liveness(now);
+    SessionRow {
+        id: s.id.clone(),
+        tenant: s.tenant_name.clone(),
+        label: s.label.clone(),
+        device_bytes: u.device_bytes,
+        peak_device_bytes: u.peak_device_bytes,
+        device_seconds: u.device_seconds,
+        executions: u.executions,
+        compiles: u.compiles,
+        refused: u.refused,
+        live_tensors: u.live_tensors,
+        age_seconds: now.saturating_duration_since(s.opened).as_secs_f64(),
+        idle_seconds: idle.as_secs_f64(),
+        opened_unix_seconds: s
+            .opened_at
+            .duration_since(std::time::UNIX_EPOCH)
+            .map_or(0.0, |d| d.as_secs_f64()),
+        calls_in_flight,
+        attached,
     }
 }
 
