@@ -9,7 +9,7 @@ use std::collections::VecDeque;
 use std::sync::Mutex;
 use std::time::{Duration, Instant};
 
-use tokio::sync::{Notify, oneshot};
+use tokio::sync::{Notify, mpsc, oneshot};
 
 use super::error::{ServeError, ServeErrorKind, ServeResult};
 use super::protocol::{Datatype, Tensor, bytes_elements, element_count};
@@ -27,7 +27,15 @@ pub struct Pending {
     pub sequence: Option<u64>,
     /// Where its outputs (or error) go.
     pub reply: oneshot::Sender<ServeResult<Batched>>,
+    /// For a request to a decoupled model: where its responses go, one by one
+    /// ([`StreamItem`]); `reply` is then unused.
+    pub stream: Option<mpsc::Sender<StreamItem>>,
 }
+
+/// One message of a streamed request: a response (its outputs, in declared order), the end
+/// (`Ok(None)`), or the error that ended it. A channel that closes without either ended
+/// because the model's instance stopped.
+pub type StreamItem = ServeResult<Option<Vec<Tensor>>>;
 
 /// What a request gets back from a batch.
 #[derive(Debug)]
@@ -165,6 +173,14 @@ impl Queue {
                     }
                 }
             }
+        }
+    }
+
+    /// The batch that is due now, if any, without waiting.
+    pub fn try_next(&self) -> Option<Vec<Pending>> {
+        match self.try_take() {
+            Take::Batch(b) => Some(b),
+            _ => None,
         }
     }
 
@@ -322,6 +338,7 @@ mod tests {
         (
             Pending {
                 sequence: None,
+                stream: None,
                 inputs: vec![Tensor {
                     name: "x".into(),
                     datatype: Datatype::Fp32,

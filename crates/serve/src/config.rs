@@ -262,6 +262,50 @@ pub struct TpuboxSection {
     pub limits: ModelLimits,
     /// Present for a StableHLO model (exported program, weights, no component).
     pub stablehlo: Option<StablehloSection>,
+    /// How a decoupled model's streams are run.
+    #[serde(default)]
+    pub decoupled: DecoupledSection,
+}
+
+/// Triton's `model_transaction_policy`.
+#[derive(Debug, Clone, Deserialize, PartialEq, Default)]
+#[serde(deny_unknown_fields)]
+pub struct TransactionPolicy {
+    /// The model answers a request with zero or more responses (its component exports the
+    /// `decoupled` interface of `wit/model.wit`); it is served only by streaming calls.
+    #[serde(default)]
+    pub decoupled: bool,
+}
+
+/// `[tpubox.decoupled]`: the bounds of a decoupled model's streams.
+#[derive(Debug, Clone, Deserialize, PartialEq)]
+#[serde(deny_unknown_fields)]
+pub struct DecoupledSection {
+    /// Streams one instance serves at a time (their `next` calls interleave); further
+    /// requests wait in the queue. Default 8.
+    #[serde(default = "default_max_generations")]
+    pub max_generations: u32,
+    /// A stream whose client has taken no response for this long is ended (its slot freed):
+    /// a client that stops reading cannot hold an instance. Default 30 s.
+    #[serde(default = "default_stall_seconds")]
+    pub stall_seconds: f64,
+}
+
+fn default_max_generations() -> u32 {
+    8
+}
+
+fn default_stall_seconds() -> f64 {
+    30.0
+}
+
+impl Default for DecoupledSection {
+    fn default() -> Self {
+        DecoupledSection {
+            max_generations: default_max_generations(),
+            stall_seconds: default_stall_seconds(),
+        }
+    }
 }
 
 /// A model's `config.toml` / `config.json`. Unknown fields are errors (a misspelt
@@ -299,6 +343,9 @@ pub struct ModelConfig {
     /// Sequence batching (a stateful model); exclusive with `dynamic_batching`.
     #[serde(default)]
     pub sequence_batching: Option<SequenceBatching>,
+    /// Triton's transaction policy: `decoupled = true` for a model that streams responses.
+    #[serde(default)]
+    pub model_transaction_policy: TransactionPolicy,
     /// tpubox's own settings.
     #[serde(default)]
     pub tpubox: TpuboxSection,
@@ -377,6 +424,24 @@ impl ModelConfig {
         if config.dynamic_batching.is_some() && config.sequence_batching.is_some() {
             bail!(
                 "{what}: dynamic_batching and sequence_batching are exclusive (a stateful model batches through sequence_batching)"
+            );
+        }
+        if config.model_transaction_policy.decoupled {
+            if config.dynamic_batching.is_some() || config.sequence_batching.is_some() {
+                bail!(
+                    "{what}: a decoupled model runs each request on its own stream; drop dynamic_batching and sequence_batching"
+                );
+            }
+            if config.tpubox.stablehlo.is_some() {
+                bail!(
+                    "{what}: a StableHLO model answers once per request; model_transaction_policy.decoupled needs a component exporting the decoupled interface"
+                );
+            }
+        }
+        let d = &config.tpubox.decoupled;
+        if d.max_generations == 0 || !(d.stall_seconds > 0.0 && d.stall_seconds <= 86_400.0) {
+            bail!(
+                "{what}: tpubox.decoupled needs max_generations >= 1 and 0 < stall_seconds <= 86400"
             );
         }
         let says_stablehlo = [&config.platform, &config.backend]
@@ -504,6 +569,9 @@ pub fn triton_json(
         "output": tensors(outputs),
         "instance_group": [{"name": name, "kind": "KIND_MODEL", "count": config.instances()}],
     });
+    if config.model_transaction_policy.decoupled {
+        v["model_transaction_policy"] = json!({"decoupled": true});
+    }
     if let Some(b) = &config.dynamic_batching {
         v["dynamic_batching"] = json!({
             "preferred_batch_size": b.preferred_batch_size,

@@ -30,6 +30,9 @@ pub enum ServeErrorKind {
     /// The model failed (trapped, returned an error, broke its contract): HTTP 500, gRPC
     /// `INTERNAL`.
     Internal,
+    /// The call cannot serve this model (a unary inference to a decoupled model): HTTP 501,
+    /// gRPC `UNIMPLEMENTED` (Triton's `TRITONSERVER_ERROR_UNSUPPORTED`).
+    Unsupported,
 }
 
 /// A failed request: its kind, a message for the client, and the limit that refused it.
@@ -82,6 +85,7 @@ impl ServeError {
             ServeErrorKind::TooManyRequests => 429,
             ServeErrorKind::ShuttingDown => 503,
             ServeErrorKind::Internal => 500,
+            ServeErrorKind::Unsupported => 501,
         }
     }
 

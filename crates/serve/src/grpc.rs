@@ -41,6 +41,7 @@ fn status(e: ServeError) -> Status {
             tonic::Code::ResourceExhausted
         }
         ServeErrorKind::Internal => tonic::Code::Internal,
+        ServeErrorKind::Unsupported => tonic::Code::Unimplemented,
     };
     Status::new(code, e.message)
 }
@@ -306,6 +307,11 @@ fn config_message(m: &Model) -> ModelConfig {
             ..ModelInstanceGroup::default()
         }],
         scheduling_choice,
+        model_transaction_policy: m
+            .config
+            .model_transaction_policy
+            .decoupled
+            .then_some(ModelTransactionPolicy { decoupled: true }),
         ..ModelConfig::default()
     }
 }
@@ -442,6 +448,19 @@ impl GrpcInferenceService for Service {
         let q = r.into_inner();
         let (name, ver) = (q.model_name.clone(), q.model_version.clone());
         let req = decode_request(q).map_err(status)?;
+        // Checked after the caller may call the model (so a tenant learns nothing of the
+        // models it may not).
+        self.server.authorize(a.as_deref(), &name).map_err(status)?;
+        if self
+            .server
+            .model(&name, version(&ver))
+            .is_ok_and(|m| m.decoupled)
+        {
+            return Err(status(super::wording::decoupled_unary(
+                super::wording::UnaryDoor::Grpc,
+                &name,
+            )));
+        }
         let resp = self
             .server
             .infer(a.as_deref(), &name, version(&ver), req)
@@ -460,6 +479,13 @@ impl GrpcInferenceService for Service {
     /// one request and [`STREAM_BUFFER`] responses, then HTTP/2 flow control stops it. A
     /// failed request is answered with its error message and the stream goes on. The stream
     /// ends when the client ends its half or goes away.
+    ///
+    /// A decoupled model's request is answered with each of its responses as the model makes
+    /// them (parameter `triton_final_response` false), then, when the request asked for it
+    /// (`triton_enable_empty_final_response`, as tritonclient's `enable_empty_final_response`
+    /// sends it), an empty response with `triton_final_response` true; a plain model's one
+    /// response carries `triton_final_response` true. A client that goes away mid-stream
+    /// stops the model's generation.
     async fn model_stream_infer(
         &self,
         r: Request<tonic::Streaming<ModelInferRequest>>,
@@ -483,6 +509,78 @@ impl GrpcInferenceService for Service {
                     }
                 };
                 let (name, ver, id) = (q.model_name.clone(), q.model_version.clone(), q.id.clone());
+                let empty_final = bool_param(&q.parameters, EMPTY_FINAL_PARAM);
+                let failed = |message: String| ModelStreamInferResponse {
+                    error_message: message,
+                    infer_response: Some(ModelInferResponse {
+                        model_name: name.clone(),
+                        model_version: ver.clone(),
+                        id: id.clone(),
+                        ..Default::default()
+                    }),
+                };
+                let decoupled = server
+                    .authorize(a.as_deref(), &name)
+                    .and_then(|()| server.model(&name, version(&ver)))
+                    .is_ok_and(|m| m.decoupled);
+                if decoupled {
+                    let started = decode_request(q).and_then(|req| {
+                        server.infer_stream(a.as_deref(), &name, version(&ver), req)
+                    });
+                    let mut responses = match started {
+                        Ok(r) => r,
+                        Err(e) => {
+                            if tx.send(Ok(failed(e.message))).await.is_err() {
+                                break;
+                            }
+                            continue;
+                        }
+                    };
+                    let mut gone = false;
+                    loop {
+                        let item = tokio::select! {
+                            item = responses.recv() => item,
+                            _ = tx.closed() => { gone = true; break }
+                        };
+                        let (msg, last) = match item {
+                            Some(Ok(Some(resp))) => (
+                                ModelStreamInferResponse {
+                                    error_message: String::new(),
+                                    infer_response: Some(final_flag(encode_response(resp), false)),
+                                },
+                                false,
+                            ),
+                            Some(Ok(None)) if empty_final => (
+                                ModelStreamInferResponse {
+                                    error_message: String::new(),
+                                    infer_response: Some(final_flag(
+                                        ModelInferResponse {
+                                            model_name: name.clone(),
+                                            model_version: ver.clone(),
+                                            id: id.clone(),
+                                            ..Default::default()
+                                        },
+                                        true,
+                                    )),
+                                },
+                                true,
+                            ),
+                            Some(Ok(None)) | None => break,
+                            Some(Err(e)) => (failed(e.message), true),
+                        };
+                        if tx.send(Ok(msg)).await.is_err() {
+                            gone = true;
+                            break;
+                        }
+                        if last {
+                            break;
+                        }
+                    }
+                    if gone {
+                        break;
+                    }
+                    continue;
+                }
                 let result = match decode_request(q) {
                     Ok(req) => server.infer(a.as_deref(), &name, version(&ver), req).await,
                     Err(e) => Err(e),
@@ -490,17 +588,9 @@ impl GrpcInferenceService for Service {
                 let msg = match result {
                     Ok(resp) => ModelStreamInferResponse {
                         error_message: String::new(),
-                        infer_response: Some(encode_response(resp)),
+                        infer_response: Some(final_flag(encode_response(resp), true)),
                     },
-                    Err(e) => ModelStreamInferResponse {
-                        error_message: e.message,
-                        infer_response: Some(ModelInferResponse {
-                            model_name: name,
-                            model_version: ver,
-                            id,
-                            ..Default::default()
-                        }),
-                    },
+                    Err(e) => failed(e.message),
                 };
                 if tx.send(Ok(msg)).await.is_err() {
                     break;
@@ -704,6 +794,33 @@ impl GrpcInferenceService for Service {
     ) -> Result<Response<CudaSharedMemoryUnregisterResponse>, Status> {
         Err(Status::invalid_argument(super::rest::CUDA_SHM_REFUSED))
     }
+}
+
+/// The response parameter that tells a streaming client whether a response is its request's
+/// last (Triton's decoupled protocol).
+pub const FINAL_RESPONSE_PARAM: &str = "triton_final_response";
+
+/// The request parameter asking for an empty response carrying only the final flag after a
+/// decoupled model's last response (tritonclient's `enable_empty_final_response`).
+pub const EMPTY_FINAL_PARAM: &str = "triton_enable_empty_final_response";
+
+/// `r` with its `triton_final_response` parameter set to `last`.
+fn final_flag(mut r: ModelInferResponse, last: bool) -> ModelInferResponse {
+    r.parameters.insert(
+        FINAL_RESPONSE_PARAM.into(),
+        InferParameter {
+            parameter_choice: Some(infer_parameter::ParameterChoice::BoolParam(last)),
+        },
+    );
+    r
+}
+
+/// The boolean request parameter `name` (false when absent or of another type).
+fn bool_param(params: &std::collections::HashMap<String, InferParameter>, name: &str) -> bool {
+    matches!(
+        params.get(name).and_then(|p| p.parameter_choice.as_ref()),
+        Some(infer_parameter::ParameterChoice::BoolParam(true))
+    )
 }
 
 /// Responses a ModelStreamInfer stream holds for a client that does not read them.

@@ -415,6 +415,117 @@ impl Server {
         }
     }
 
+    /// One streamed inference on a decoupled model: admits the caller as
+    /// [`Server::infer`] does (the admission, and the server's in-flight count, are held
+    /// until the stream ends), starts the request ([`model::Model::infer_stream`]) and returns
+    /// its responses as they come: `Ok(Some(response))` for each, then `Ok(None)` at the end,
+    /// or an error that ends it. Each response carries the request's id and the outputs asked
+    /// for. The channel holds one response: a client that does not read holds the model's
+    /// generation still (back-pressure); dropping the receiver cancels the request.
+    ///
+    /// Errors (before any response): as [`Server::infer`]; bad request for outputs to shared
+    /// memory (a stream's responses travel on the stream) and for a model that is not
+    /// decoupled.
+    pub fn infer_stream(
+        self: &Arc<Self>,
+        authorization: Option<&str>,
+        model: &str,
+        version: Option<&str>,
+        req: InferRequest,
+    ) -> ServeResult<tokio::sync::mpsc::Receiver<ServeResult<Option<InferResponse>>>> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(ServeError::new(
+                ServeErrorKind::ShuttingDown,
+                "the server is shutting down",
+            ));
+        }
+        let admission = match self.access.admit(authorization, model) {
+            Ok(a) => a,
+            Err((tenant, e)) => {
+                if let (Some(t), Some(l)) = (&tenant, e.limit) {
+                    self.metrics.refused(t, l);
+                }
+                return Err(e);
+            }
+        };
+        let m = self.model(model, version)?;
+        let mut req = req;
+        if req.outputs.iter().any(|o| o.shm.is_some()) {
+            return Err(ServeError::bad_request(
+                "a streamed response travels on the stream: outputs cannot go to shared memory",
+            ));
+        }
+        if !req.shm_inputs.is_empty() {
+            self.shm
+                .read_inputs(admission.tenant(), &mut req, self.max_request_bytes)?;
+        }
+        let wanted: Vec<String> = req.outputs.iter().map(|o| o.name.clone()).collect();
+        let id = req.id.clone();
+        let mut responses = m.infer_stream(req)?;
+        let (tx, rx) = tokio::sync::mpsc::channel(1);
+        let server = Arc::clone(self);
+        let model = model.to_string();
+        server.in_flight.send_modify(|n| *n += 1);
+        tokio::spawn(async move {
+            let _admission = admission;
+            let _guard = InFlight(&server.in_flight);
+            let start = Instant::now();
+            let ok = loop {
+                let item = tokio::select! {
+                    item = responses.recv() => item,
+                    // The client went away: dropping `responses` stops the generation.
+                    _ = tx.closed() => break false,
+                };
+                let (msg, end, ok) = match item {
+                    Some(Ok(Some(outputs))) => {
+                        let outputs = if wanted.is_empty() {
+                            outputs
+                        } else {
+                            outputs
+                                .into_iter()
+                                .filter(|t| wanted.contains(&t.name))
+                                .collect()
+                        };
+                        let resp = InferResponse {
+                            model_name: model.clone(),
+                            model_version: VERSION.to_string(),
+                            id: id.clone(),
+                            outputs,
+                            shm_outputs: Vec::new(),
+                        };
+                        (Ok(Some(resp)), false, true)
+                    }
+                    Some(Ok(None)) => (Ok(None), true, true),
+                    Some(Err(e)) => (Err(e), true, false),
+                    None => (
+                        Err(ServeError::new(
+                            ServeErrorKind::Internal,
+                            format!("model `{model}`: the instance serving this stream stopped"),
+                        )),
+                        true,
+                        false,
+                    ),
+                };
+                if tx.send(msg).await.is_err() {
+                    break false;
+                }
+                if end {
+                    break ok;
+                }
+            };
+            m.stream_done(ok, start.elapsed());
+            server.metrics.record(&RequestRecord {
+                model: &model,
+                success: ok,
+                items: u64::from(ok),
+                request_us: start.elapsed().as_micros() as u64,
+                queue_us: 0,
+                compute_us: 0,
+            });
+        });
+        Ok(rx)
+    }
+
     /// Registers a system shared-memory region for the caller's tenant
     /// ([`shm::Regions::register`]; with a tokens file its keys must start with
     /// `/<tenant>-`).

@@ -32,6 +32,8 @@ pub struct Metrics {
     sessions: IntGaugeVec,
     protections: IntCounterVec,
     instances: IntGaugeVec,
+    stream_responses: IntCounterVec,
+    streams_cancelled: IntCounterVec,
 }
 
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -152,6 +154,18 @@ impl Metrics {
                 "Live instances of a model's component, a replaced or unloaded version's included until they end",
                 &["model"],
             ),
+            stream_responses: counter(
+                &r,
+                "tpubox_stream_responses_total",
+                "Responses a decoupled model's instances computed for streams (one generation.next call each)",
+                &["model"],
+            ),
+            streams_cancelled: counter(
+                &r,
+                "tpubox_streams_cancelled_total",
+                "Streams a decoupled model stopped before their end: the client went away, or took no response for tpubox.decoupled.stall_seconds",
+                &["model", "reason"],
+            ),
             refused: counter(
                 &r,
                 "tpubox_refused_requests_total",
@@ -215,6 +229,18 @@ impl Metrics {
     /// [`super::instance::Instance::counted_in`].
     pub fn instances_of(&self, model: &str) -> IntGauge {
         self.instances.with_label_values(&[model])
+    }
+
+    /// Counts one streamed response computed by `model`.
+    pub fn stream_response(&self, model: &str) {
+        self.stream_responses.with_label_values(&[model]).inc();
+    }
+
+    /// Counts a stream of `model` stopped early, for `reason` (`client gone`, `stalled`).
+    pub fn stream_cancelled(&self, model: &str, reason: &str) {
+        self.streams_cancelled
+            .with_label_values(&[model, reason])
+            .inc();
     }
 
     /// Counts a request refused by `limit` for `tenant`.

@@ -8,13 +8,13 @@ use std::sync::atomic::{AtomicU64, Ordering};
 use std::time::{Duration, Instant, SystemTime};
 
 use anyhow::{Context, Result, bail};
-use tokio::sync::oneshot;
+use tokio::sync::{mpsc, oneshot};
 use tokio::task::JoinHandle;
 
-use super::batcher::{BatchPolicy, Batched, Pending, Queue, merge, split};
+use super::batcher::{BatchPolicy, Batched, Pending, Queue, StreamItem, merge, split};
 use super::config::{ModelConfig, triton_json};
 use super::error::{ServeError, ServeErrorKind, ServeResult};
-use super::instance::{GuestMetadata, InferFailure, Instance, TensorDecl};
+use super::instance::{GenerationHandle, GuestMetadata, InferFailure, Instance, TensorDecl};
 use super::protocol::{Datatype, InferRequest, Tensor};
 use super::sequence::Sequencer;
 use super::stablehlo::{NativeInstance, Plan};
@@ -101,6 +101,8 @@ pub struct Model {
     queues: Vec<Arc<Queue>>,
     /// A stateful model's sequences ([`crate::sequence`]).
     sequencer: Option<Arc<Sequencer>>,
+    /// A decoupled model: it answers only streaming calls ([`Model::infer_stream`]).
+    pub decoupled: bool,
     workers: Vec<JoinHandle<()>>,
 }
 
@@ -331,6 +333,18 @@ impl Model {
             };
             let mut metadata = guest.metadata().await.context("the model's metadata()")?;
             check_declared(&config, &metadata)?;
+            match (
+                guest.is_decoupled(),
+                config.model_transaction_policy.decoupled,
+            ) {
+                (true, false) => bail!(
+                    "the component exports the decoupled interface (a decoupled model): say so with [model_transaction_policy] decoupled = true"
+                ),
+                (false, true) => bail!(
+                    "model_transaction_policy.decoupled is set, but the component does not export the decoupled interface (build it for the decoupled-model world of wit/model.wit)"
+                ),
+                _ => {}
+            }
             if let Some(m) = config.max_batch_size {
                 if m > metadata.max_batch_size {
                     bail!(
@@ -410,8 +424,13 @@ impl Model {
                     kind: kind.clone(),
                     tenant: Arc::clone(&tenant),
                     outputs: metadata.outputs.clone(),
+                    decoupled: config.tpubox.decoupled.clone(),
                 };
-                tokio::spawn(worker.run(instance))
+                if config.model_transaction_policy.decoupled {
+                    tokio::spawn(worker.run_decoupled(instance))
+                } else {
+                    tokio::spawn(worker.run(instance))
+                }
             })
             .collect();
         tracing::info!(
@@ -424,12 +443,13 @@ impl Model {
         );
         Ok(Arc::new(Model {
             name: name.to_string(),
-            config,
             metadata,
             stats,
             tenant,
             queues,
             sequencer,
+            decoupled: config.model_transaction_policy.decoupled,
+            config,
             workers,
         }))
     }
@@ -555,6 +575,12 @@ impl Model {
     /// model's errors ([`ServeError::from_model`]); internal when an instance trapped or
     /// broke the interface's contract.
     pub async fn infer(&self, tenant: &str, mut req: InferRequest) -> ServeResult<Inferred> {
+        if self.decoupled {
+            return Err(super::wording::decoupled_unary(
+                super::wording::UnaryDoor::Http,
+                &self.name,
+            ));
+        }
         // A stateful model: the request joins its sequence's instance, with the control inputs
         // the server fills.
         let (queue, sequence) = match &self.sequencer {
@@ -605,6 +631,7 @@ impl Model {
             enqueued: start,
             sequence: sequence.as_ref().map(|(_, s)| sequence_hash(tenant, &s.id)),
             reply: tx,
+            stream: None,
         })?;
         let result = rx.await.unwrap_or_else(|_| {
             Err(ServeError::new(
@@ -656,6 +683,54 @@ impl Model {
                 s.failure_ns.fetch_add(ns, Ordering::Relaxed);
                 Err(e)
             }
+        }
+    }
+
+    /// Starts `req` on a decoupled model: checks it and queues it; its responses arrive on the
+    /// returned channel, one [`StreamItem`] each, as the client takes them (the channel holds
+    /// one: the model computes a response only when there is room for it). Dropping the
+    /// receiver cancels the request: the instance drops its generation and computes no more.
+    ///
+    /// Errors: bad request for a model that is not decoupled, and as [`Model::check_request`];
+    /// too many requests when the queue is full.
+    pub fn infer_stream(&self, mut req: InferRequest) -> ServeResult<mpsc::Receiver<StreamItem>> {
+        if !self.decoupled {
+            return Err(ServeError::bad_request(format!(
+                "model '{}' answers once per request: call infer (a stream of responses needs a decoupled model)",
+                self.name
+            )));
+        }
+        let (inputs, batch) = self.check_request(&mut req)?;
+        let (tx, rx) = mpsc::channel(1);
+        let (reply, _) = oneshot::channel();
+        self.queues[0].push(Pending {
+            inputs,
+            batch,
+            enqueued: Instant::now(),
+            sequence: None,
+            reply,
+            stream: Some(tx),
+        })?;
+        Ok(rx)
+    }
+
+    /// Counts a finished stream in the statistics: `responses` sent, `ok` whether it ended
+    /// without error, after `elapsed`.
+    pub fn stream_done(&self, ok: bool, elapsed: Duration) {
+        let s = &self.stats;
+        let ns = elapsed.as_nanos() as u64;
+        if ok {
+            s.success.fetch_add(1, Ordering::Relaxed);
+            s.success_ns.fetch_add(ns, Ordering::Relaxed);
+            s.inference_count.fetch_add(1, Ordering::Relaxed);
+            let ms = SystemTime::now()
+                .duration_since(SystemTime::UNIX_EPOCH)
+                .unwrap_or_default()
+                .as_millis() as u64;
+            s.last_inference_ms.store(ms, Ordering::Relaxed);
+        } else {
+            s.failure.fetch_add(1, Ordering::Relaxed);
+            s.failure_ns.fetch_add(ns, Ordering::Relaxed);
         }
     }
 
@@ -785,6 +860,27 @@ struct Worker {
     kind: Kind,
     tenant: Arc<Tenant>,
     outputs: Vec<TensorDecl>,
+    /// A decoupled model's stream bounds.
+    decoupled: super::config::DecoupledSection,
+}
+
+/// A stream in flight on a decoupled model's instance.
+struct Active {
+    generation: GenerationHandle,
+    tx: mpsc::Sender<StreamItem>,
+    /// When the client last took a response (or the stream started): a stream whose client
+    /// takes nothing for `stall_seconds` is ended.
+    progressed: Instant,
+}
+
+/// How a decoupled instance's wait ended.
+enum Wake {
+    /// Stream `i`'s client has room for a response (or went away: `None`).
+    Room(usize, Option<mpsc::OwnedPermit<StreamItem>>),
+    /// New requests.
+    Requests(Option<Vec<Pending>>),
+    /// A stream may have stalled.
+    Stall,
 }
 
 impl Worker {
@@ -862,6 +958,250 @@ impl Worker {
                 }
             }
         }
+    }
+
+    /// A decoupled model's instance task: starts the queued requests (up to
+    /// `max_generations` at a time) and steps them, one `next` call at a time, each when its
+    /// client has room for a response; ends a stream whose client went away or stalled;
+    /// replaces the instance when it breaks (every stream on it fails).
+    async fn run_decoupled(self, instance: Runner) {
+        let Runner::Guest(first) = instance else {
+            tracing::error!(model = %self.name, "a decoupled model needs a component instance");
+            return;
+        };
+        let max = self.decoupled.max_generations.max(1) as usize;
+        let stall = Duration::from_secs_f64(self.decoupled.stall_seconds);
+        let mut instance = Some(first);
+        let mut active: std::collections::VecDeque<Active> = std::collections::VecDeque::new();
+        let mut open = true;
+        loop {
+            if active.is_empty() {
+                if !open {
+                    return;
+                }
+                match self.queue.next_batch().await {
+                    Some(batch) => self.start_all(&mut instance, &mut active, batch).await,
+                    None => return,
+                }
+                continue;
+            }
+            while open && active.len() < max {
+                match self.queue.try_next() {
+                    Some(batch) => self.start_all(&mut instance, &mut active, batch).await,
+                    None => break,
+                }
+            }
+            if active.is_empty() {
+                continue;
+            }
+            let oldest = active
+                .iter()
+                .map(|a| a.progressed)
+                .min()
+                .unwrap_or_else(Instant::now);
+            let wake = {
+                let rooms = active.iter().enumerate().map(|(i, a)| {
+                    let tx = a.tx.clone();
+                    Box::pin(async move { (i, tx.reserve_owned().await.ok()) })
+                });
+                let rooms = futures::future::select_all(rooms);
+                tokio::select! {
+                    ((i, permit), _, _) = rooms => Wake::Room(i, permit),
+                    b = self.queue.next_batch(), if open && active.len() < max => Wake::Requests(b),
+                    _ = tokio::time::sleep_until((oldest + stall).into()) => Wake::Stall,
+                }
+            };
+            match wake {
+                Wake::Requests(Some(batch)) => {
+                    self.start_all(&mut instance, &mut active, batch).await;
+                }
+                Wake::Requests(None) => open = false,
+                Wake::Stall => {
+                    let now = Instant::now();
+                    let (stalled, kept): (Vec<Active>, Vec<Active>) = active
+                        .drain(..)
+                        .partition(|a| now.saturating_duration_since(a.progressed) >= stall);
+                    active.extend(kept);
+                    for a in stalled {
+                        tracing::info!(model = %self.name, "a stream's client took no response for {stall:?}: ended");
+                        self.ctx.metrics.stream_cancelled(&self.name, "stalled");
+                        self.end(&mut instance, &mut active, a.generation).await;
+                    }
+                }
+                Wake::Room(i, None) => {
+                    // The client went away: stop its generation.
+                    let a = active.remove(i).expect("index from the list");
+                    self.ctx.metrics.stream_cancelled(&self.name, "client gone");
+                    self.end(&mut instance, &mut active, a.generation).await;
+                }
+                Wake::Room(i, Some(permit)) => {
+                    let a = active.remove(i).expect("index from the list");
+                    let Some(inst) = instance.as_mut() else {
+                        permit.send(Err(self.lost()));
+                        continue;
+                    };
+                    let started = Instant::now();
+                    let result = inst.next(a.generation).await;
+                    self.ctx.metrics.executed(&self.name);
+                    self.stats
+                        .compute_ns
+                        .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+                    match result {
+                        Ok(Some(outputs)) => match self.check_outputs(outputs) {
+                            Ok(outputs) => {
+                                permit.send(Ok(Some(outputs)));
+                                self.ctx.metrics.stream_response(&self.name);
+                                // To the back: the streams take turns.
+                                active.push_back(Active {
+                                    progressed: Instant::now(),
+                                    ..a
+                                });
+                            }
+                            Err(e) => {
+                                permit.send(Err(e));
+                                self.end(&mut instance, &mut active, a.generation).await;
+                            }
+                        },
+                        Ok(None) => {
+                            permit.send(Ok(None));
+                            self.end(&mut instance, &mut active, a.generation).await;
+                        }
+                        Err(InferFailure::Model(e)) => {
+                            permit.send(Err(ServeError::from_model(&self.name, &e)));
+                            self.end(&mut instance, &mut active, a.generation).await;
+                        }
+                        Err(InferFailure::Broken(msg)) => {
+                            let e = self.broke(&msg);
+                            permit.send(Err(e.clone()));
+                            for other in active.drain(..) {
+                                let _ = other.tx.try_send(Err(e.clone()));
+                            }
+                            instance = None;
+                            self.replaced();
+                        }
+                    }
+                }
+            }
+        }
+    }
+
+    /// Starts each request of `batch` on the instance (made again first if it broke): a
+    /// request the guest refuses gets its error; one that breaks the instance fails every
+    /// stream on it.
+    async fn start_all(
+        &self,
+        instance: &mut Option<Instance>,
+        active: &mut std::collections::VecDeque<Active>,
+        batch: Vec<Pending>,
+    ) {
+        for p in batch {
+            let Some(tx) = p.stream else {
+                let _ = p.reply.send(Err(ServeError::bad_request(
+                    "a decoupled model answers only streaming calls",
+                )));
+                continue;
+            };
+            if tx.is_closed() {
+                continue;
+            }
+            if instance.is_none() {
+                match self
+                    .kind
+                    .instance(&self.ctx, &self.name, &self.tenant)
+                    .await
+                {
+                    Ok(Runner::Guest(i)) => {
+                        let gauge = self.ctx.metrics.instances_of(&self.name);
+                        self.stats.instance_restarts.fetch_add(1, Ordering::Relaxed);
+                        *instance = Some(i.counted_in(gauge));
+                    }
+                    Ok(Runner::Native(_)) => {
+                        let _ = tx.try_send(Err(self.lost()));
+                        continue;
+                    }
+                    Err(e) => {
+                        let msg = format!(
+                            "model `{}`: replacing its instance failed: {e:#}",
+                            self.name
+                        );
+                        tracing::error!("{msg}");
+                        let _ = tx.try_send(Err(ServeError::new(ServeErrorKind::Internal, msg)));
+                        continue;
+                    }
+                }
+            }
+            let inst = instance.as_mut().expect("made above");
+            self.stats.execution_count.fetch_add(1, Ordering::Relaxed);
+            let started = Instant::now();
+            let result = inst.start(p.inputs).await;
+            self.stats.queue_ns.fetch_add(
+                started.saturating_duration_since(p.enqueued).as_nanos() as u64,
+                Ordering::Relaxed,
+            );
+            self.stats
+                .compute_ns
+                .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
+            match result {
+                Ok(generation) => active.push_back(Active {
+                    generation,
+                    tx,
+                    progressed: Instant::now(),
+                }),
+                // A fresh channel has room for the one message.
+                Err(InferFailure::Model(e)) => {
+                    let _ = tx.try_send(Err(ServeError::from_model(&self.name, &e)));
+                }
+                Err(InferFailure::Broken(msg)) => {
+                    let e = self.broke(&msg);
+                    let _ = tx.try_send(Err(e.clone()));
+                    for other in active.drain(..) {
+                        let _ = other.tx.try_send(Err(e.clone()));
+                    }
+                    *instance = None;
+                    self.replaced();
+                }
+            }
+        }
+    }
+
+    /// Drops `generation` in the guest; a destructor that breaks the instance replaces it, and
+    /// every stream still `active` on it fails.
+    async fn end(
+        &self,
+        instance: &mut Option<Instance>,
+        active: &mut std::collections::VecDeque<Active>,
+        generation: GenerationHandle,
+    ) {
+        if let Some(inst) = instance.as_mut()
+            && let Err(InferFailure::Broken(msg)) = inst.end(generation).await
+        {
+            let e = self.broke(&msg);
+            for other in active.drain(..) {
+                let _ = other.tx.try_send(Err(e.clone()));
+            }
+            *instance = None;
+            self.replaced();
+        }
+    }
+
+    /// The error of a request whose instance broke.
+    fn broke(&self, msg: &str) -> ServeError {
+        tracing::warn!(model = %self.name, "instance replaced: {msg}");
+        ServeError::new(
+            ServeErrorKind::Internal,
+            format!("model `{}`: {msg}; the instance was replaced", self.name),
+        )
+    }
+
+    /// The error of a stream whose instance was replaced under it.
+    fn lost(&self) -> ServeError {
+        ServeError::new(
+            ServeErrorKind::Internal,
+            format!(
+                "model `{}`: the instance serving this stream failed and was replaced",
+                self.name
+            ),
+        )
     }
 
     /// Runs `batch` as one `infer`: its outputs split per request, how long the call took, and

@@ -416,7 +416,10 @@ async fn infer_common(
 }
 
 /// A generate request ([`super::generate`]) run as an inference; its response, or (for
-/// `stream`) the same as one server-sent event.
+/// `stream`) the same as server-sent events: one `data: {json}` event per response, and for a
+/// failure after the stream began an event `data: {"error": "…"}` that ends it. A decoupled
+/// model's responses stream as the model makes them, one event each; over plain `generate`
+/// a decoupled model must answer exactly once.
 async fn generate_common(
     s: Arc<Server>,
     headers: HeaderMap,
@@ -432,13 +435,41 @@ async fn generate_common(
     s.authorize(auth(&headers), &m)?;
     let model = s.model(&m, v.as_deref())?;
     let req = super::generate::request(&model, &json)?;
+    if model.decoupled {
+        let mut rx = s.infer_stream(auth(&headers), &m, v.as_deref(), req)?;
+        if stream {
+            return Ok(event_stream(Body::from_stream(sse_events(rx))));
+        }
+        let mut only = None;
+        while let Some(item) = rx.recv().await {
+            let Some(resp) = item? else { break };
+            if only.is_some() {
+                return Err(ServeError::bad_request(format!(
+                    "model '{m}' answered this request with more than one response: use /v2/models/{m}/generate_stream"
+                ))
+                .into());
+            }
+            only = Some(resp);
+        }
+        let Some(resp) = only else {
+            return Err(ServeError::bad_request(format!(
+                "model '{m}' answered this request with no response: use /v2/models/{m}/generate_stream"
+            ))
+            .into());
+        };
+        return Ok(axum::Json(super::generate::response(&resp)).into_response());
+    }
     let resp = s.infer(auth(&headers), &m, v.as_deref(), req).await?;
     let out = super::generate::response(&resp);
     if !stream {
         return Ok(axum::Json(out).into_response());
     }
-    let event = format!("data: {out}\n\n");
-    Ok((
+    Ok(event_stream(Body::from(format!("data: {out}\n\n"))))
+}
+
+/// A `text/event-stream` response of `body`.
+fn event_stream(body: Body) -> Response {
+    (
         StatusCode::OK,
         [
             (
@@ -447,9 +478,27 @@ async fn generate_common(
             ),
             (header::CACHE_CONTROL, HeaderValue::from_static("no-cache")),
         ],
-        event,
+        body,
     )
-        .into_response())
+        .into_response()
+}
+
+/// The server-sent events of a stream's responses: each response as `data: {json}`, an error
+/// as `data: {"error": …}` (the last event), nothing after the end. The body is polled only
+/// when the connection can take more, so a client that reads slowly holds the model back;
+/// dropping the body (the client went away) drops `rx`, which cancels the request.
+fn sse_events(
+    rx: tokio::sync::mpsc::Receiver<ServeResult<Option<super::protocol::InferResponse>>>,
+) -> impl futures::Stream<Item = Result<Bytes, std::convert::Infallible>> {
+    futures::stream::unfold(Some(rx), |rx| async move {
+        let mut rx = rx?;
+        let event = match rx.recv().await? {
+            Ok(Some(resp)) => (super::generate::response(&resp), Some(rx)),
+            Ok(None) => return None,
+            Err(e) => (json!({ "error": e.message }), None),
+        };
+        Some((Ok(Bytes::from(format!("data: {}\n\n", event.0))), event.1))
+    })
 }
 
 async fn generate(

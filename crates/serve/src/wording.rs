@@ -17,6 +17,8 @@
 //! | typed contents and raw contents | `contents field must not be specified when using raw_input_contents for 'I' for model 'M'` | bad request |
 //! | a load that fails (also an invalid config override) | `failed to load 'M', …` | bad request |
 //! | a stateful model's request without a sequence id | `inference request to model 'M' must specify a non-zero or non-empty correlation ID` | bad request |
+//! | a unary inference (HTTP `infer`) to a decoupled model | `HTTP end point doesn't support models with decoupled transaction policy` | unsupported (501) |
+//! | a unary inference (gRPC `ModelInfer`) to a decoupled model | `ModelInfer RPC doesn't support models with decoupled transaction policy` | unsupported (`UNIMPLEMENTED`) |
 //! | a sequence's request before its start | `inference request for sequence N to model 'M' must specify the START flag on the first request of the sequence` | bad request |
 
 use super::error::{ServeError, ServeErrorKind};
@@ -77,6 +79,30 @@ pub fn sequence_not_started(model: &str, id: &crate::protocol::SequenceId) -> Se
     ServeError::bad_request(format!(
         "inference request for sequence {id} to model '{model}' must specify the START flag on the first request of the sequence"
     ))
+}
+
+/// The door that cannot answer a decoupled model: a unary call answers once, a decoupled
+/// model may answer any number of times.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum UnaryDoor {
+    /// REST `POST /v2/models/M/infer`.
+    Http,
+    /// gRPC `ModelInfer`.
+    Grpc,
+}
+
+/// A unary inference reached the decoupled model `model` through `door`.
+pub fn decoupled_unary(door: UnaryDoor, model: &str) -> ServeError {
+    let what = match door {
+        UnaryDoor::Http => "HTTP end point",
+        UnaryDoor::Grpc => "ModelInfer RPC",
+    };
+    ServeError::new(
+        ServeErrorKind::Unsupported,
+        format!(
+            "{what} doesn't support models with decoupled transaction policy (model '{model}': stream it with ModelStreamInfer or /v2/models/{model}/generate_stream)"
+        ),
+    )
 }
 
 /// Loading the model `name` failed because of `reason`.
