@@ -209,7 +209,9 @@ class Stream:
     def __init__(self, d, token=PROBE):
         self.q: queue.Queue = queue.Queue()
         self.client = grpcclient.InferenceServerClient(d.grpc_url)
-        self.client.start_stream(callback=lambda r, e: self.q.put((r, e)), headers=gh(token))
+        self.client.start_stream(
+            callback=lambda result, error: self.q.put((result, error)), headers=gh(token)
+        )
 
     def send(self, prompt: str, max_tokens: int, model="decoder", request_id=""):
         self.client.async_stream_infer(
@@ -300,31 +302,27 @@ def test_asyncio_stream_two_requests_in_order(d):
                 t.set_data_from_numpy(np.array([prompt.encode()], dtype=np.object_))
                 m = grpcaio.InferInput("max_tokens", [1], "INT32")
                 m.set_data_from_numpy(np.array([n], np.int32))
-                yield {
-                    "model_name": "decoder",
-                    "inputs": [t, m],
-                    "request_id": str(i),
-                    "enable_empty_final_response": True,
-                }
+                # The asyncio client has no enable_empty_final_response: the stream's end is
+                # known by count.
+                yield {"model_name": "decoder", "inputs": [t, m], "request_id": str(i)}
 
         got: dict[str, list[int]] = {"0": [], "1": []}
-        finals = []
+        flags, order = [], []
         try:
             async for result, error in client.stream_infer(requests(), headers=gh()):
                 assert error is None, error
-                rid = result.get_response().id
-                if final_flag(result):
-                    finals.append(rid)
-                    if len(finals) == 2:
-                        break
-                else:
-                    got[rid].append(int(result.as_numpy("token_id")[0]))
+                flags.append(final_flag(result))
+                order.append(result.get_response().id)
+                got[result.get_response().id].append(int(result.as_numpy("token_id")[0]))
+                if len(flags) == 10:
+                    break
         finally:
             await client.close()
-        return got, finals
+        assert order == ["0"] * 6 + ["1"] * 4, order
+        return got, flags
 
-    got, finals = asyncio.run(run())
-    assert finals == ["0", "1"]
+    got, flags = asyncio.run(run())
+    assert not any(flags), "no response but an empty one is final"
     assert len(got["0"]) == 6 and len(got["1"]) == 4
     check_tokens("first", got["0"])
     check_tokens("second", got["1"])

@@ -1018,9 +1018,12 @@ impl Worker {
                 Wake::Requests(None) => open = false,
                 Wake::Stall => {
                     let now = Instant::now();
-                    let (stalled, kept): (Vec<Active>, Vec<Active>) = active
-                        .drain(..)
-                        .partition(|a| now.saturating_duration_since(a.progressed) >= stall);
+                    // Stalled: no room for a response (the client takes none) for too long.
+                    let (stalled, kept): (Vec<Active>, Vec<Active>) =
+                        active.drain(..).partition(|a| {
+                            a.tx.capacity() == 0
+                                && now.saturating_duration_since(a.progressed) >= stall
+                        });
                     active.extend(kept);
                     for a in stalled {
                         tracing::info!(model = %self.name, "a stream's client took no response for {stall:?}: ended");
