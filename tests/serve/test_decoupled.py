@@ -549,3 +549,22 @@ def test_the_statistics_count_streams(d):
     stats = h.get_inference_statistics("decoder", headers=hh())["model_stats"][0]
     assert stats["inference_stats"]["success"]["count"] > 0
     assert re.fullmatch(r"\d+", str(stats["execution_count"]))
+
+
+def test_streams_need_a_token_like_every_call(d):
+    r = hardening_util.request(
+        d, "POST", "/v2/models/decoder/generate_stream", {"text_input": "x", "max_tokens": 1}
+    )
+    assert r.status == 401, r
+    # gRPC: the whole stream is refused before any request is read.
+    s = Stream(d, token="not-a-token")
+    try:
+        try:
+            s.send("x", 1)
+        except InferenceServerException:
+            pass  # the stream already failed: the error went to the callback
+        r, e = s.take(timeout=10)
+        assert r is None and e is not None, (r, e)
+        assert "UNAUTHENTICATED" in str(e.status()) or "unauthenticated" in str(e).lower(), e
+    finally:
+        s.close()
