@@ -391,6 +391,7 @@ fn every_project_crate_keeps_overflow_checks_in_the_release_profile() {
     // are built for wasm32 by their own profile and the SDK has its own entry below).
     let mut crates: Vec<&str> = CRATES.iter().map(|(p, _, _)| *p).collect();
     crates.push("tpubox-guest");
+    crates.push("tpubox-guest-decoupled");
     for krate in crates {
         let header = format!("[profile.release.package.{krate}]");
         let at = workspace.find(&header).unwrap_or_else(|| {
