@@ -438,6 +438,19 @@ def wait_for(pred, timeout=15.0, what=""):
     raise AssertionError(f"timed out waiting for {what}")
 
 
+def cancelled_and_stopped(d, gone: float, at_close: float) -> float:
+    """Waits for the decoder's stream to be cancelled (the count of client-gone cancels past
+    GONE) and for its responses to stop; the responses computed after AT_CLOSE."""
+    wait_for(
+        lambda: counter(d, "tpubox_streams_cancelled_total", model="decoder", reason="client gone") > gone,
+        what="the stream's cancellation",
+    )
+    after = counter(d, "tpubox_stream_responses_total", model="decoder")
+    time.sleep(0.5)
+    assert counter(d, "tpubox_stream_responses_total", model="decoder") == after, "still decoding"
+    return after - at_close
+
+
 def test_an_sse_client_that_goes_away_stops_the_decoder_within_a_few_tokens(d):
     gone = counter(d, "tpubox_streams_cancelled_total", model="decoder", reason="client gone")
     conn, resp, events = sse(d, "decoder", {"text_input": "bye", "max_tokens": 1_000_000})
@@ -446,14 +459,8 @@ def test_an_sse_client_that_goes_away_stops_the_decoder_within_a_few_tokens(d):
     at_close = counter(d, "tpubox_stream_responses_total", model="decoder")
     conn.sock.shutdown(socket.SHUT_RDWR)
     conn.close()
-    wait_for(
-        lambda: counter(d, "tpubox_streams_cancelled_total", model="decoder", reason="client gone") > gone,
-        what="the stream's cancellation",
-    )
-    after = counter(d, "tpubox_stream_responses_total", model="decoder")
-    time.sleep(0.5)
-    assert counter(d, "tpubox_stream_responses_total", model="decoder") == after, "still decoding"
-    assert after - at_close <= 16, f"{after - at_close} tokens computed after the client closed"
+    extra = cancelled_and_stopped(d, gone, at_close)
+    assert extra <= 16, f"{extra} tokens computed after the client closed"
 
 
 def test_a_grpc_client_that_cancels_mid_stream_stops_the_decoder(d):
@@ -465,15 +472,9 @@ def test_a_grpc_client_that_cancels_mid_stream_stops_the_decoder(d):
         assert e is None
     at_close = counter(d, "tpubox_stream_responses_total", model="decoder")
     s.close(cancel=True)
-    wait_for(
-        lambda: counter(d, "tpubox_streams_cancelled_total", model="decoder", reason="client gone") > gone,
-        what="the stream's cancellation",
-    )
-    after = counter(d, "tpubox_stream_responses_total", model="decoder")
-    time.sleep(0.5)
-    assert counter(d, "tpubox_stream_responses_total", model="decoder") == after, "still decoding"
+    extra = cancelled_and_stopped(d, gone, at_close)
     # gRPC: HTTP/2 windows hold responses the client has not read (64 KiB by default).
-    assert after - at_close <= 2048, f"{after - at_close} tokens computed after the cancel"
+    assert extra <= 2048, f"{extra} tokens computed after the cancel"
 
 
 def test_a_generate_client_that_never_reads_is_held_back_then_ended(d):

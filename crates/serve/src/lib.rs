@@ -344,21 +344,7 @@ impl Server {
         version: Option<&str>,
         req: InferRequest,
     ) -> ServeResult<InferResponse> {
-        if self.shutting_down.load(Ordering::SeqCst) {
-            return Err(ServeError::new(
-                ServeErrorKind::ShuttingDown,
-                "the server is shutting down",
-            ));
-        }
-        let admission = match self.access.admit(authorization, model) {
-            Ok(a) => a,
-            Err((tenant, e)) => {
-                if let (Some(t), Some(l)) = (&tenant, e.limit) {
-                    self.metrics.refused(t, l);
-                }
-                return Err(e);
-            }
-        };
+        let admission = self.admit_request(authorization, model)?;
         let m = self.model(model, version)?;
         let mut req = req;
         if !req.shm_inputs.is_empty() {
@@ -415,6 +401,31 @@ impl Server {
         }
     }
 
+    /// Admits one inference request for `model` ([`access::Access::admit`]), counting a
+    /// refusal by a limit in the metrics.
+    ///
+    /// Errors: shutting down once SIGTERM arrived; as [`access::Access::admit`].
+    fn admit_request(
+        &self,
+        authorization: Option<&str>,
+        model: &str,
+    ) -> ServeResult<access::Admission> {
+        if self.shutting_down.load(Ordering::SeqCst) {
+            return Err(ServeError::new(
+                ServeErrorKind::ShuttingDown,
+                "the server is shutting down",
+            ));
+        }
+        self.access
+            .admit(authorization, model)
+            .map_err(|(tenant, e)| {
+                if let (Some(t), Some(l)) = (&tenant, e.limit) {
+                    self.metrics.refused(t, l);
+                }
+                e
+            })
+    }
+
     /// One streamed inference on a decoupled model: admits the caller as
     /// [`Server::infer`] does (the admission, and the server's in-flight count, are held
     /// until the stream ends), starts the request ([`model::Model::infer_stream`]) and returns
@@ -433,21 +444,7 @@ impl Server {
         version: Option<&str>,
         req: InferRequest,
     ) -> ServeResult<tokio::sync::mpsc::Receiver<ServeResult<Option<InferResponse>>>> {
-        if self.shutting_down.load(Ordering::SeqCst) {
-            return Err(ServeError::new(
-                ServeErrorKind::ShuttingDown,
-                "the server is shutting down",
-            ));
-        }
-        let admission = match self.access.admit(authorization, model) {
-            Ok(a) => a,
-            Err((tenant, e)) => {
-                if let (Some(t), Some(l)) = (&tenant, e.limit) {
-                    self.metrics.refused(t, l);
-                }
-                return Err(e);
-            }
-        };
+        let admission = self.admit_request(authorization, model)?;
         let m = self.model(model, version)?;
         let mut req = req;
         if req.outputs.iter().any(|o| o.shm.is_some()) {
