@@ -473,9 +473,12 @@ mod tests {
         assert_eq!(pkg.name.to_string(), WIT_PACKAGE);
         let mut interfaces: Vec<&str> = pkg.interfaces.keys().map(String::as_str).collect();
         interfaces.sort();
-        assert_eq!(interfaces, ["client", "model", "types", "weights"]);
+        assert_eq!(
+            interfaces,
+            ["client", "decoupled", "model", "types", "weights"]
+        );
         let mut worlds: Vec<&str> = pkg.worlds.keys().map(String::as_str).collect();
         worlds.sort();
-        assert_eq!(worlds, ["guest", "served-model"]);
+        assert_eq!(worlds, ["decoupled-model", "guest", "served-model"]);
     }
 }
