@@ -126,7 +126,32 @@ def _free_port() -> int:
 
 
 class _Node:
-    """The node actor's state and logic; :data:`TpuboxNode` is this class as a Ray actor."""
+    """The node actor's state and logic; :data:`TpuboxNode` is this class as a Ray actor.
+
+    Constructed (on its node, by :func:`node`) it makes a private directory (mode 0700) for the
+    session socket, the tokens file and the daemon's log, starts ``tpubox serve`` from a
+    supervisor thread and returns once the daemon answers.
+
+    Args:
+        tenants: name -> session limits as the tokens file names them (``max_device_mib``,
+            ``max_sessions``, ``tenant_max_device_mib``, ...; sizes in MiB, times in seconds);
+            a random token is made for each. Default: one tenant ``default`` with the
+            daemon's default limits.
+        plugin: the daemon's ``--plugin`` (``cpu``, ``xla-cpu``, ``tpu``, ``cuda`` or a path).
+        port: also serve the session API on TCP ``127.0.0.1:PORT`` (0: a free port, kept
+            across restarts); None: the Unix socket only.
+        tokens_file: an operator's tokens file to use instead of ``tenants`` (then
+            ``token()`` and ``add_tenant()`` are refused).
+        cache_dir: the daemon's ``--cache-dir`` (default: its own default).
+        binary: the ``tpubox`` binary (default ``$TPUBOX_BIN``, else ``tpubox`` on PATH).
+        extra_args: more ``tpubox serve`` arguments.
+        drain_seconds: the daemon's ``--drain-seconds`` at shutdown.
+        ready_timeout: seconds to wait for the first start to answer.
+
+    Raises:
+        FileNotFoundError: no tpubox binary; ValueError: bad tenants or both ``tenants`` and
+        ``tokens_file``; TimeoutError: the daemon did not answer within ``ready_timeout``.
+    """
 
     def __init__(
         self,
@@ -175,7 +200,9 @@ class _Node:
                     "session": dict(limits or {}),
                 }
             self._write_tokens()
-        self._thread = threading.Thread(target=self._supervise, name="tpubox-supervisor", daemon=True)
+        self._thread = threading.Thread(
+            target=self._supervise, name="tpubox-supervisor", daemon=True
+        )
         self._thread.start()
         # Created only once the daemon answers (or raise, and the actor is dead with the reason).
         self.address(timeout=ready_timeout)
@@ -274,7 +301,9 @@ class _Node:
                 up = time.time() - self._started_at
             if self._stopping.is_set():
                 break
-            self._failure = f"tpubox serve (pid {proc.pid}) exited with status {rc} after {up:.1f} s"
+            self._failure = (
+                f"tpubox serve (pid {proc.pid}) exited with status {rc} after {up:.1f} s"
+            )
             _log.error(
                 "tpubox node %s: %s; restarting it (see %s)",
                 self._node_id, self._failure, self._log_path,
@@ -409,6 +438,10 @@ class _Node:
         proc.send_signal(signal.SIGHUP)
         return True
 
+    def pid(self) -> int:
+        """The node actor's own process id (the daemon's is ``info()["pid"]``)."""
+        return os.getpid()
+
     def log_tail(self, lines: int = 100) -> str:
         """The last LINES lines of the daemon's log (all its restarts in one file)."""
         try:
@@ -447,13 +480,15 @@ TpuboxNode = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)(_Node)
 """The node actor class: ``_Node`` as a Ray actor (no CPU, threaded so ``info()`` answers
 while ``address()`` waits for a restart, restarted by Ray if its process dies). Create it
 through :func:`node`, which names and pins it; its methods: ``address``, ``tcp_address``,
-``info``, ``token``, ``add_tenant``, ``remove_tenant``, ``reload``, ``log_tail``,
+``info``, ``token``, ``add_tenant``, ``remove_tenant``, ``reload``, ``pid``, ``log_tail``,
 ``shutdown``."""
 
 
 def _current_node_id() -> str:
     if not ray.is_initialized():
-        raise RuntimeError("tpubox.ray: Ray is not initialized (ray.init() first, or call from a task)")
+        raise RuntimeError(
+            "tpubox.ray: Ray is not initialized (ray.init() first, or call from a task)"
+        )
     return ray.get_runtime_context().get_node_id()
 
 

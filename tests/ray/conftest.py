@@ -22,6 +22,10 @@ from tpubox_daemon import binary  # noqa: E402
 
 # Before Ray starts: its processes (raylet, workers, the node actor) inherit the environment.
 os.environ["RAY_USAGE_STATS_ENABLED"] = "0"
+# ray.init() turns _node_ip_address="127.0.0.1" into the machine's routable address unless
+# clusters are off, which keeps the node's address (and what binds to it) on loopback. The
+# variable's name says Windows or macOS; Ray reads it on every platform.
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
 # The raylet waits for its agent process (Python) to write its port file before it registers;
 # on a loaded 2-core machine that start can take longer than Ray's default allows.
 os.environ.setdefault("RAY_agent_register_timeout_ms", "120000")
@@ -54,8 +58,9 @@ def cluster(tmp_path_factory):
         namespace="tpubox-tests",
     )
     # The tasks the tests define travel by value: the workers cannot import the test modules.
+    here = str(Path(__file__).parent)
     for name, mod in list(sys.modules.items()):
-        if name.startswith("test_") and getattr(mod, "__file__", "").startswith(str(Path(__file__).parent)):
+        if name.startswith("test_") and (getattr(mod, "__file__", None) or "").startswith(here):
             cloudpickle.register_pickle_by_value(mod)
     try:
         yield {

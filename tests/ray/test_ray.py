@@ -8,6 +8,7 @@ limits do the enforcement.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import os
 import signal
@@ -67,6 +68,39 @@ def hold_memory(path: str, mib: int):
     time.sleep(600)
 
 
+def listening(pid: int) -> list[str]:
+    """The local addresses (``IP:PORT``, IPv4 or IPv6 hex as /proc has them, decoded) of the
+    TCP sockets process PID listens on."""
+    try:
+        inodes = {
+            os.readlink(f"/proc/{pid}/fd/{fd}")[len("socket:["):-1]
+            for fd in os.listdir(f"/proc/{pid}/fd")
+            if os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:[")
+        }
+    except FileNotFoundError:
+        return []
+    out = []
+    for table in ("tcp", "tcp6"):
+        with open(f"/proc/net/{table}") as f:
+            for line in f.readlines()[1:]:
+                cols = line.split()
+                if cols[3] != "0A" or cols[9] not in inodes:  # 0A: LISTEN
+                    continue
+                ip_hex, port_hex = cols[1].split(":")
+                raw = bytes.fromhex(ip_hex)
+                # /proc writes each 32-bit word in host (little-endian) order.
+                ip = b"".join(raw[i : i + 4][::-1] for i in range(0, len(raw), 4))
+                out.append(f"{ipaddress.ip_address(ip)}:{int(port_hex, 16)}")
+    return out
+
+
+def is_loopback(addr: str) -> bool:
+    ip = ipaddress.ip_address(addr.rsplit(":", 1)[0])
+    if isinstance(ip, ipaddress.IPv6Address) and ip.ipv4_mapped is not None:
+        ip = ip.ipv4_mapped
+    return ip.is_loopback
+
+
 def wait_until(pred, timeout: float, what: str):
     deadline = time.monotonic() + timeout
     while True:
@@ -98,6 +132,22 @@ def test_racing_tasks_start_one_daemon(cluster):
     assert info["tcp"] and info["tcp"].startswith("127.0.0.1:"), info
     log = ray.get(actors[cluster["node_id"]].log_tail.remote(1000))
     assert log.count("session API listening") == 1, log
+    # Nothing listens beyond loopback: the daemon, Ray's raylet and GCS, the node actor.
+    assert [n["NodeManagerAddress"] for n in ray.nodes()] == ["127.0.0.1"]
+    actor_pid = ray.get(actors[cluster["node_id"]].pid.remote())
+    pids = {"tpubox serve": info["pid"], "node actor": actor_pid}
+    for p in os.listdir("/proc"):
+        if p.isdigit():
+            try:
+                comm = open(f"/proc/{p}/comm").read().strip()
+            except OSError:
+                continue
+            if comm in ("raylet", "gcs_server"):
+                pids[comm] = int(p)
+    assert {"raylet", "gcs_server"} <= set(pids), pids
+    for what, pid in pids.items():
+        addrs = listening(pid)
+        assert addrs and all(is_loopback(a) for a in addrs), (what, addrs)
     # All their sessions ended with the tasks.
     token = ray.get(actors[cluster["node_id"]].token.remote("alice"))
     u = tpubox.tenant_usage(info["address"], token)
