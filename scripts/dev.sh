@@ -89,6 +89,7 @@ JAX_VENV="$CACHE/venv-jax"       # a pinned jax: tests/jax (jax.export artifacts
 PYTHON_VENV="$CACHE/venv-python" # the tpubox Python client: python/tests, tests/notebook (Jupyter)
 BENCH_VENV="$CACHE/venv-bench"   # the MiniLM benchmark's anchors (PyTorch, ONNX Runtime): bench only
 TORCH_VENV="$CACHE/venv-torch"   # PyTorch, transformers, torch-mlir: python/tests/pytorch (tpubox.torch)
+RAY_VENV="$CACHE/venv-ray"       # a pinned ray: tests/ray (tpubox.ray on a local loopback Ray cluster)
 
 # setup_venv DIR REQUIREMENTS: skipped while DIR's marker names this file's hash and this
 # python3; otherwise DIR is rebuilt from scratch (a venv is not relocatable: built in place).
@@ -115,6 +116,7 @@ setup_venvs() {
   setup_venv "$JAX_VENV" scripts/venvs/jax.txt
   setup_venv "$PYTHON_VENV" scripts/venvs/python.txt
   setup_venv "$TORCH_VENV" scripts/venvs/torch.txt
+  setup_venv "$RAY_VENV" scripts/venvs/ray.txt
 }
 
 # Installs ./python (the tpubox client) into venv $1 (default $PYTHON_VENV) again, so that the
@@ -435,6 +437,11 @@ case "$cmd" in
     install_python_client "$TORCH_VENV"
     log "running the PyTorch backend tests (python/tests/pytorch, pytest)"
     "$TORCH_VENV/bin/python" -m pytest python/tests/pytorch -q -p no:cacheprovider
+    # tpubox.ray: the node actor that owns the daemon, sessions from Ray tasks (a local cluster
+    # on loopback, started by the tests).
+    install_python_client "$RAY_VENV"
+    log "running the Ray integration tests (tests/ray, pytest)"
+    "$RAY_VENV/bin/python" -m pytest tests/ray -q -p no:cacheprovider
     # The scripts' own logic (CI's kept target dir).
     log "running the scripts' tests (scripts/tests, pytest)"
     "$SERVE_VENV/bin/python" -m pytest scripts/tests -q -p no:cacheprovider
