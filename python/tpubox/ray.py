@@ -25,7 +25,9 @@ Needs ``ray`` (``pip install 'tpubox[ray]'``); the daemon binary comes from ``TP
 
 from __future__ import annotations
 
+import asyncio
 import ctypes
+import http.client
 import json
 import logging
 import os
@@ -80,19 +82,31 @@ def _toml_str(s: str) -> str:
 
 
 def _toml_value(v: Any) -> str:
+    if isinstance(v, (list, tuple)):
+        return "[" + ", ".join(_toml_value(x) for x in v) + "]"
     if isinstance(v, bool):
         return "true" if v else "false"
     if isinstance(v, (int, float)):
         return repr(v)
     if isinstance(v, str):
         return _toml_str(v)
-    raise ValueError(f"a tenant limit must be a number, a bool or a string, not {v!r}")
+    raise ValueError(f"a tenant limit must be a number, a bool, a string or a list, not {v!r}")
+
+
+INFERENCE_KEYS = frozenset(
+    {"models", "max_in_flight", "max_requests_per_second", "repository_control", "metrics", "admin"}
+)
+"""The keys of a tenant's entry in :func:`tokens_toml` that are the tenant's own (its inference
+permissions and limits: ``models``, ``max_in_flight``, ...; docs/SERVING.md "Tenants at the
+door") rather than its ``[tenant.session]`` limits."""
 
 
 def tokens_toml(tenants: Mapping[str, Mapping[str, Any]]) -> str:
-    """The daemon's tokens file for TENANTS: name -> ``{"token": str, "session": {limits}}``,
-    with the limits as the tokens file names them (``max_device_mib``, ``max_sessions``,
-    ``tenant_max_device_mib``, ... see docs/NOTEBOOKS.md). Every tenant may open sessions.
+    """The daemon's tokens file for TENANTS: name -> ``{"token": str, "session": {limits},
+    "inference": {keys}}``, with the limits as the tokens file names them (``max_device_mib``,
+    ``max_sessions``, ``tenant_max_device_mib``, ... see docs/NOTEBOOKS.md) and the inference
+    keys of :data:`INFERENCE_KEYS` (``models = ["minilm"]``, ``max_in_flight``, ...; see
+    docs/SERVING.md). Every tenant may open sessions.
 
     Raises:
         ValueError: a tenant name or limit that the file cannot hold.
@@ -100,6 +114,14 @@ def tokens_toml(tenants: Mapping[str, Mapping[str, Any]]) -> str:
     out = []
     for name, t in tenants.items():
         out += ["[[tenant]]", f"name = {_toml_str(name)}", f"tokens = [{_toml_str(t['token'])}]"]
+        for k, v in (t.get("inference") or {}).items():
+            if k not in INFERENCE_KEYS:
+                raise ValueError(f"tenant {name!r}: {k!r} is not a tenant key")
+            if k == "models" and (
+                not isinstance(v, (list, tuple)) or not all(isinstance(m, str) for m in v)
+            ):
+                raise ValueError(f"tenant {name!r}: models must be a list of model names")
+            out.append(f"{k} = {_toml_value(v)}")
         out.append("[tenant.session]")
         for k, v in (t.get("session") or {}).items():
             if not re.fullmatch(r"[a-z_]+", k):
@@ -125,6 +147,29 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
+def _split_tenant(limits: Mapping[str, Any] | None) -> dict[str, dict[str, Any]]:
+    """A tenant's options as the actor takes them (one mapping) -> its ``session`` limits and its
+    ``inference`` keys (:data:`INFERENCE_KEYS`)."""
+    limits = dict(limits or {})
+    return {
+        "session": {k: v for k, v in limits.items() if k not in INFERENCE_KEYS},
+        "inference": {k: v for k, v in limits.items() if k in INFERENCE_KEYS},
+    }
+
+
+def _http_status(host: str, port: int, path: str, timeout: float = 1.0) -> int | None:
+    conn = http.client.HTTPConnection(host, port, timeout=timeout)
+    try:
+        conn.request("GET", path)
+        resp = conn.getresponse()
+        resp.read()
+        return resp.status
+    except OSError:
+        return None
+    finally:
+        conn.close()
+
+
 class _Node:
     """The node actor's state and logic; :data:`TpuboxNode` is this class as a Ray actor.
 
@@ -133,10 +178,13 @@ class _Node:
     supervisor thread and returns once the daemon answers.
 
     Args:
-        tenants: name -> session limits as the tokens file names them (``max_device_mib``,
-            ``max_sessions``, ``tenant_max_device_mib``, ...; sizes in MiB, times in seconds);
-            a random token is made for each. Default: one tenant ``default`` with the
-            daemon's default limits.
+        tenants: name -> the tenant's limits as the tokens file names them: session limits
+            (``max_device_mib``, ``max_sessions``, ``tenant_max_device_mib``, ...; sizes in
+            MiB, times in seconds) and, for the model repository, the tenant's own keys
+            (:data:`INFERENCE_KEYS`: ``models`` (a list of model names, ``"*"`` for all),
+            ``max_in_flight``, ``max_requests_per_second``, ...); a random token is made for
+            each. Default: one tenant ``default`` with the daemon's default limits (and
+            ``models = ["*"]`` when a model repository is served).
         plugin: the daemon's ``--plugin`` (``cpu``, ``xla-cpu``, ``tpu``, ``cuda`` or a path).
         port: also serve the session API on TCP ``127.0.0.1:PORT`` (0: a free port, kept
             across restarts); None: the Unix socket only.
@@ -145,6 +193,12 @@ class _Node:
         cache_dir: the daemon's ``--cache-dir`` (default: its own default).
         binary: the ``tpubox`` binary (default ``$TPUBOX_BIN``, else ``tpubox`` on PATH).
         extra_args: more ``tpubox serve`` arguments.
+        model_repository: also serve this model repository (``--model-repository``) over the
+            Open Inference Protocol on 127.0.0.1 (docs/SERVING.md); the tokens file decides
+            which tenant may call which model.
+        http_port: the REST door's port on 127.0.0.1 with a model repository (None or 0: a free
+            port, kept across restarts).
+        grpc_port: the gRPC door's port likewise.
         drain_seconds: the daemon's ``--drain-seconds`` at shutdown.
         ready_timeout: seconds to wait for the first start to answer.
 
@@ -163,6 +217,9 @@ class _Node:
         cache_dir: str | None = None,
         binary: str | None = None,
         extra_args: Sequence[str] = (),
+        model_repository: str | None = None,
+        http_port: int | None = None,
+        grpc_port: int | None = None,
         drain_seconds: int = 5,
         ready_timeout: float = 60.0,
     ):
@@ -177,6 +234,14 @@ class _Node:
         self._port = _free_port() if port == 0 else port
         self._cache_dir = cache_dir
         self._extra_args = list(extra_args)
+        self._repository = None
+        self._http_port = self._grpc_port = None
+        if model_repository is not None:
+            self._repository = str(Path(model_repository).resolve())
+            if not os.path.isdir(self._repository):
+                raise FileNotFoundError(f"model repository {self._repository}: no such directory")
+            self._http_port = http_port or _free_port()
+            self._grpc_port = grpc_port or _free_port()
         self._drain_seconds = drain_seconds
         self._ready_timeout = ready_timeout
         self._lock = threading.Lock()
@@ -194,10 +259,12 @@ class _Node:
         else:
             self._tokens_path = self._dir / "tokens.toml"
             self._managed = True
-            for name, limits in (tenants if tenants is not None else {DEFAULT_TENANT: {}}).items():
+            if tenants is None:
+                tenants = {DEFAULT_TENANT: {"models": ["*"]} if self._repository else {}}
+            for name, limits in tenants.items():
                 self._tenants[self._check_name(name)] = {
                     "token": secrets.token_urlsafe(32),
-                    "session": dict(limits or {}),
+                    **_split_tenant(limits),
                 }
             self._write_tokens()
         self._thread = threading.Thread(
@@ -246,6 +313,13 @@ class _Node:
             cmd += ["--session-port", str(self._port)]
         if self._cache_dir is not None:
             cmd += ["--cache-dir", str(self._cache_dir)]
+        if self._repository is not None:
+            cmd += [
+                "--model-repository", self._repository,
+                "--host", "127.0.0.1",
+                "--http-port", str(self._http_port),
+                "--grpc-port", str(self._grpc_port),
+            ]  # fmt: skip
         return cmd + self._extra_args
 
     def _spawn(self) -> subprocess.Popen:
@@ -270,6 +344,9 @@ class _Node:
             return False
         except TpuboxError:
             pass
+        if self._repository is not None:
+            # The inference doors answer ready once every model of the repository loaded.
+            return _http_status("127.0.0.1", self._http_port, "/v2/health/ready") == 200
         return True
 
     def _supervise(self) -> None:
@@ -338,6 +415,15 @@ class _Node:
             )
         return f"unix:{self._socket}"
 
+    def inference_address(self, timeout: float | None = None) -> dict[str, str] | None:
+        """The daemon's inference doors, ``{"http": "127.0.0.1:PORT", "grpc":
+        "127.0.0.1:PORT"}`` (None without a model repository); waits as :meth:`address` does
+        until the daemon answers and its models are ready."""
+        if self._repository is None:
+            return None
+        self.address(timeout)
+        return {"http": f"127.0.0.1:{self._http_port}", "grpc": f"127.0.0.1:{self._grpc_port}"}
+
     def tcp_address(self) -> str | None:
         """``127.0.0.1:PORT`` when the actor was given a ``port``, else None."""
         return None if self._port is None else f"127.0.0.1:{self._port}"
@@ -348,7 +434,8 @@ class _Node:
         (answering now), ``restarts`` (times it died and was started again), ``started_at``
         (Unix seconds, the current process), ``last_exit`` (the last exit status, negative: the
         signal), ``last_failure``, ``tenants`` (names), ``plugin``, ``log`` (the daemon's log
-        file), ``tokens_file``."""
+        file), ``tokens_file``, ``model_repository`` (None: none served), ``http`` and
+        ``grpc`` (the inference doors, ``127.0.0.1:PORT``, or None)."""
         with self._lock:
             proc = self._proc
             return {
@@ -366,6 +453,9 @@ class _Node:
                 "plugin": self._plugin,
                 "log": str(self._log_path),
                 "tokens_file": str(self._tokens_path),
+                "model_repository": self._repository,
+                "http": None if self._http_port is None else f"127.0.0.1:{self._http_port}",
+                "grpc": None if self._grpc_port is None else f"127.0.0.1:{self._grpc_port}",
             }
 
     def token(self, tenant: str = DEFAULT_TENANT) -> str:
@@ -385,7 +475,8 @@ class _Node:
 
     def add_tenant(self, name: str, limits: Mapping[str, Any] | None = None) -> str:
         """Adds tenant NAME (or changes its limits: live sessions keep theirs) with session
-        LIMITS named as in the tokens file (``max_device_mib``, ``max_sessions``, ...), and makes
+        LIMITS named as in the tokens file (``max_device_mib``, ``max_sessions``, ...; and its
+        inference keys, ``models`` and the others of :data:`INFERENCE_KEYS`), and makes
         the daemon read its tokens file again (SIGHUP; no restart, no session ends). Returns
         the tenant's token.
 
@@ -398,7 +489,7 @@ class _Node:
         with self._lock:
             old = self._tenants.get(name)
             t = {"token": old["token"] if old else secrets.token_urlsafe(32),
-                 "session": dict(limits or {})}  # fmt: skip
+                 **_split_tenant(limits)}  # fmt: skip
             self._tenants[name] = t
             try:
                 self._write_tokens()
@@ -480,6 +571,7 @@ TpuboxNode = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)(_Node)
 """The node actor class: ``_Node`` as a Ray actor (no CPU, threaded so ``info()`` answers
 while ``address()`` waits for a restart, restarted by Ray if its process dies). Create it
 through :func:`node`, which names and pins it; its methods: ``address``, ``tcp_address``,
+``inference_address``,
 ``info``, ``token``, ``add_tenant``, ``remove_tenant``, ``reload``, ``pid``, ``log_tail``,
 ``shutdown``."""
 
@@ -608,3 +700,175 @@ def nodes() -> dict[str, Any]:
         if a.get("namespace") == NAMESPACE and a["name"].startswith(NAME_PREFIX):
             out[a["name"][len(NAME_PREFIX):]] = ray.get_actor(a["name"], namespace=NAMESPACE)
     return out
+
+
+# ------------------------------------------------------------------------------------------------
+# Ray Serve: replicas that forward to their node's daemon, which batches across all of them.
+
+_FORWARD_HEADERS = ("content-type", "inference-header-content-length", "content-encoding")
+_RETRY_STATUSES = (429, 503)
+
+
+class ModelDeployment:
+    """A Ray Serve deployment class whose replicas forward each HTTP request to MODEL on their
+    node's tpubox daemon over the Open Inference Protocol (REST), one request at a time, so that
+    the daemon's dynamic batcher merges what all replicas, and every other client of the node,
+    send at the same moment. Ray Serve's ``@serve.batch`` would batch per replica only.
+
+    The route takes the protocol's own bodies: ``POST`` a KServe v2 inference request (JSON, or
+    the binary extension with ``Inference-Header-Content-Length``) and get the daemon's answer
+    (status, body and those headers) back; ``GET`` returns the model's metadata. The replica adds
+    the tenant's ``Authorization``. Answers carry ``X-Tpubox-Replica`` (the replica's actor id)
+    and ``X-Tpubox-In-Flight`` (the requests this replica had at the daemon while this one went,
+    itself included: always 1).
+
+    Use :func:`serve_model`, which makes the deployment (``max_ongoing_requests=1``) and binds
+    it; or ``serve.deployment(ModelDeployment, max_ongoing_requests=1).bind(model, ...)``.
+
+    Args:
+        model: the model's name in the node's model repository.
+        tenant: the node actor's tenant whose token the replica uses (its ``models`` must list
+            MODEL, or ``"*"``).
+        token: a token to use instead (an operator's ``tokens_file``).
+        node_options: the node actor's arguments if this replica creates it (see :func:`node`;
+            ``model_repository`` is needed then).
+        ready_timeout: seconds to wait for the node's daemon (and its models) to be ready.
+        timeout: seconds one forwarded request may take.
+        retries: how many times a request the daemon refuses for the moment (429, 503) or that
+            finds the daemon gone (restarting) is sent again, 0.1 s apart and doubling.
+    """
+
+    def __init__(
+        self,
+        model: str,
+        *,
+        tenant: str = DEFAULT_TENANT,
+        token: str | None = None,
+        node_options: Mapping[str, Any] | None = None,
+        ready_timeout: float = 120.0,
+        timeout: float = 120.0,
+        retries: int = 5,
+    ):
+        self._model = model
+        self._timeout = timeout
+        self._retries = retries
+        self._ready_timeout = ready_timeout
+        self._node = node(ready_timeout=ready_timeout, **dict(node_options or {}))
+        self._token = token if token is not None else ray.get(self._node.token.remote(tenant))
+        self._conn: http.client.HTTPConnection | None = None
+        self._connect()
+        self._lock = asyncio.Lock()
+        self._in_flight = 0
+        self._replica = ray.get_runtime_context().get_actor_id() or str(os.getpid())
+
+    def _connect(self) -> None:
+        doors = ray.get(self._node.inference_address.remote(self._ready_timeout))
+        if doors is None:
+            raise RuntimeError(
+                "this node's tpubox daemon serves no model repository: create the node actor "
+                "with model_repository= (node_options of serve_model)"
+            )
+        host, port = doors["http"].rsplit(":", 1)
+        if self._conn is not None:
+            self._conn.close()
+        self._conn = http.client.HTTPConnection(host, int(port), timeout=self._timeout)
+
+    def _send(self, method: str, path: str, body: bytes | None, headers: dict) -> tuple:
+        """One request to the daemon over the replica's kept-alive connection (blocking)."""
+        delay = 0.1
+        for attempt in range(self._retries + 1):
+            last = attempt == self._retries
+            try:
+                assert self._conn is not None
+                self._conn.request(method, path, body=body, headers=headers)
+                resp = self._conn.getresponse()
+                data = resp.read()
+                if resp.status in _RETRY_STATUSES and not last:
+                    time.sleep(delay)
+                    delay = min(delay * 2, 2.0)
+                    continue
+                return resp.status, {k.lower(): v for k, v in resp.getheaders()}, data
+            except (OSError, http.client.HTTPException):
+                # The daemon restarted (or closed an idle connection): connect again.
+                if last:
+                    raise
+                time.sleep(delay)
+                delay = min(delay * 2, 2.0)
+                self._connect()
+        raise AssertionError("unreachable")
+
+    async def __call__(self, request):
+        from starlette.responses import Response
+
+        body = await request.body()
+        if request.method == "GET":
+            method, path, body = "GET", f"/v2/models/{self._model}", None
+        elif request.method == "POST":
+            method, path = "POST", f"/v2/models/{self._model}/infer"
+        else:
+            return Response(status_code=405, headers={"Allow": "GET, POST"})
+        headers = {"Authorization": f"Bearer {self._token}"}
+        for k in _FORWARD_HEADERS:
+            if k in request.headers:
+                headers[k] = request.headers[k]
+        async with self._lock:  # one request at a time at the daemon, whatever Serve sends
+            self._in_flight += 1
+            try:
+                in_flight = self._in_flight
+                status, rh, data = await asyncio.to_thread(self._send, method, path, body, headers)
+            finally:
+                self._in_flight -= 1
+        out = {k: rh[k] for k in _FORWARD_HEADERS if k in rh}
+        out["x-tpubox-replica"] = self._replica
+        out["x-tpubox-in-flight"] = str(in_flight)
+        media = out.pop("content-type", None)
+        return Response(content=data, status_code=status, headers=out, media_type=media)
+
+
+def serve_model(
+    model: str,
+    *,
+    tenant: str = DEFAULT_TENANT,
+    token: str | None = None,
+    node_options: Mapping[str, Any] | None = None,
+    num_replicas: int = 1,
+    name: str | None = None,
+    ray_actor_options: Mapping[str, Any] | None = None,
+    ready_timeout: float = 120.0,
+    timeout: float = 120.0,
+    retries: int = 5,
+    **deployment_options: Any,
+) -> Any:
+    """A bound Ray Serve application that serves MODEL of the node daemons' model repository:
+    :class:`ModelDeployment` with NUM_REPLICAS replicas, each with ``max_ongoing_requests=1``
+    (one request at a time; the daemon batches across replicas) and ``num_cpus=0.1`` unless
+    RAY_ACTOR_OPTIONS says otherwise. Run it with ``serve.run(app, route_prefix="/minilm")``.
+
+    Args:
+        model, tenant, token, node_options, ready_timeout, timeout, retries: see
+            :class:`ModelDeployment`.
+        num_replicas: the deployment's replicas (or ``"auto"``: Serve's autoscaling).
+        name: the deployment's name (default ``tpubox-<model>``).
+        ray_actor_options: the replicas' Ray options.
+        **deployment_options: more ``serve.deployment`` options (``autoscaling_config``, ...).
+    """
+    from ray import serve
+
+    actor_options = {"num_cpus": 0.1, **dict(ray_actor_options or {})}
+    options = {"max_ongoing_requests": 1, **deployment_options}
+    deployment = serve.deployment(
+        ModelDeployment,
+        name=name or f"tpubox-{model}",
+        num_replicas=num_replicas,
+        ray_actor_options=actor_options,
+        **options,
+    )
+    return deployment.bind(
+        model,
+        tenant=tenant,
+        token=token,
+        node_options=dict(node_options or {}),
+        ready_timeout=ready_timeout,
+        timeout=timeout,
+        retries=retries,
+    )
