@@ -17,7 +17,11 @@ slots) decide what each gets.
             return y.numpy()
 
 :func:`node` gets or creates this node's actor (race-free: many tasks calling it at once start
-one daemon); :func:`session` is ``tpubox.connect(...)`` to it. See docs/RAY.md.
+one daemon); :func:`session` is ``tpubox.connect(...)`` to it. With ``model_repository=`` the
+daemon also serves models over the Open Inference Protocol on 127.0.0.1, and
+:func:`serve_model` makes a Ray Serve deployment (:class:`ModelDeployment`) whose replicas
+forward each request, one at a time, to their node's daemon, which batches across all of them.
+See docs/RAY.md.
 
 Needs ``ray`` (``pip install 'tpubox[ray]'``); the daemon binary comes from ``TPUBOX_BIN``, else
 ``tpubox`` on ``PATH``, as the node actor's process sees them.
@@ -242,6 +246,8 @@ class _Node:
                 raise FileNotFoundError(f"model repository {self._repository}: no such directory")
             self._http_port = http_port or _free_port()
             self._grpc_port = grpc_port or _free_port()
+            while self._grpc_port == self._http_port and not grpc_port:
+                self._grpc_port = _free_port()
         self._drain_seconds = drain_seconds
         self._ready_timeout = ready_timeout
         self._lock = threading.Lock()
