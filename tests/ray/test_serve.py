@@ -135,6 +135,32 @@ def test_node_serves_the_repository(served):
     assert _request(port, "GET", f"/v2/models/{MODEL}")[0] == 401
 
 
+def test_everything_listens_on_loopback(served):
+    """The daemon's doors, Serve's proxy and controller, the replicas and Ray's own processes
+    (with ray[serve] installed, Ray also runs its agents) listen on loopback only."""
+    from test_ray import is_loopback, listening
+
+    seen = {"tpubox serve": ray.get(served["node"].info.remote())["pid"]}
+    for p in os.listdir("/proc"):
+        if not p.isdigit():
+            continue
+        try:
+            comm = open(f"/proc/{p}/comm").read().strip()
+            cmd = open(f"/proc/{p}/cmdline", "rb").read().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        ray_agent = "ray/dashboard/" in cmd or "ray/_private/runtime_env" in cmd
+        if comm in ("raylet", "gcs_server") or cmd.startswith("ray::") or ray_agent:
+            seen[f"{cmd[:80] or comm} ({p})"] = int(p)
+    assert any("ProxyActor" in k for k in seen) and any("ServeReplica" in k for k in seen), seen
+    for what, pid in seen.items():
+        addrs = listening(pid)
+        assert all(is_loopback(a) for a in addrs), (what, addrs)
+    assert f"127.0.0.1:{served['serve_port']}" in listening(
+        next(pid for k, pid in seen.items() if "ProxyActor" in k)
+    )
+
+
 def _stats(served) -> tuple[int, int]:
     token = ray.get(served["node"].token.remote("web"))
     st, _, body = _request(
