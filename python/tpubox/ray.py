@@ -725,8 +725,9 @@ class ModelDeployment:
     the binary extension with ``Inference-Header-Content-Length``) and get the daemon's answer
     (status, body and those headers) back; ``GET`` returns the model's metadata. The replica adds
     the tenant's ``Authorization``. Answers carry ``X-Tpubox-Replica`` (the replica's actor id)
-    and ``X-Tpubox-In-Flight`` (the requests this replica had at the daemon while this one went,
-    itself included: always 1).
+    and ``X-Tpubox-In-Flight`` (the requests Serve had given this replica when this one went to
+    the daemon, itself included: 1 with ``max_ongoing_requests=1``; the replica forwards one at a
+    time in any case).
 
     Use :func:`serve_model`, which makes the deployment (``max_ongoing_requests=1``) and binds
     it; or ``serve.deployment(ModelDeployment, max_ongoing_requests=1).bind(model, ...)``.
@@ -817,13 +818,13 @@ class ModelDeployment:
         for k in _FORWARD_HEADERS:
             if k in request.headers:
                 headers[k] = request.headers[k]
-        async with self._lock:  # one request at a time at the daemon, whatever Serve sends
-            self._in_flight += 1
-            try:
+        self._in_flight += 1  # requests Serve gave this replica (1 with max_ongoing_requests=1)
+        try:
+            async with self._lock:  # one request at a time at the daemon, whatever Serve sends
                 in_flight = self._in_flight
                 status, rh, data = await asyncio.to_thread(self._send, method, path, body, headers)
-            finally:
-                self._in_flight -= 1
+        finally:
+            self._in_flight -= 1
         out = {k: rh[k] for k in _FORWARD_HEADERS if k in rh}
         out["x-tpubox-replica"] = self._replica
         out["x-tpubox-in-flight"] = str(in_flight)
