@@ -186,9 +186,9 @@ class _Node:
             (``max_device_mib``, ``max_sessions``, ``tenant_max_device_mib``, ...; sizes in
             MiB, times in seconds) and, for the model repository, the tenant's own keys
             (:data:`INFERENCE_KEYS`: ``models`` (a list of model names, ``"*"`` for all),
-            ``max_in_flight``, ``max_requests_per_second``, ...); a random token is made for
-            each. Default: one tenant ``default`` with the daemon's default limits (and
-            ``models = ["*"]`` when a model repository is served).
+            ``max_in_flight``, ``max_requests_per_second``, ...; without ``models`` a tenant
+            may call every model, ``[]`` none); a random token is made for each. Default: one
+            tenant ``default`` with the daemon's default limits.
         plugin: the daemon's ``--plugin`` (``cpu``, ``xla-cpu``, ``tpu``, ``cuda`` or a path).
         port: also serve the session API on TCP ``127.0.0.1:PORT`` (0: a free port, kept
             across restarts); None: the Unix socket only.
@@ -265,9 +265,7 @@ class _Node:
         else:
             self._tokens_path = self._dir / "tokens.toml"
             self._managed = True
-            if tenants is None:
-                tenants = {DEFAULT_TENANT: {"models": ["*"]} if self._repository else {}}
-            for name, limits in tenants.items():
+            for name, limits in (tenants if tenants is not None else {DEFAULT_TENANT: {}}).items():
                 self._tenants[self._check_name(name)] = {
                     "token": secrets.token_urlsafe(32),
                     **_split_tenant(limits),
