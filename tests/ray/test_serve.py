@@ -235,3 +235,32 @@ def test_replicas_batched_by_the_daemon(served):
     assert inferences == CLIENTS * ROUNDS, (inferences, executions)
     # The daemon merged requests of different replicas (each replica sends one at a time).
     assert executions < inferences, (inferences, executions)
+
+
+def test_binary_extension_passes_through(served):
+    """A request with the binary tensor extension (the input as length-prefixed bytes after the
+    JSON header, the output asked for in binary) goes through the replica as it is, and the
+    answer's `Inference-Header-Content-Length` comes back with it."""
+    case = _reference()[1]
+    text = case["text"].encode()
+    header = json.dumps({
+        "inputs": [{"name": "text", "shape": [1], "datatype": "BYTES",
+                    "parameters": {"binary_data_size": 4 + len(text)}}],
+        "outputs": [{"name": "embedding", "parameters": {"binary_data": True}}],
+    }).encode()  # fmt: skip
+    body = header + len(text).to_bytes(4, "little") + text
+    conn = http.client.HTTPConnection("127.0.0.1", served["serve_port"], timeout=120)
+    try:
+        conn.request("POST", f"/{MODEL}", body=body, headers={
+            "Content-Type": "application/octet-stream",
+            "Inference-Header-Content-Length": str(len(header)),
+        })  # fmt: skip
+        resp = conn.getresponse()
+        data = resp.read()
+        assert resp.status == 200, (resp.status, data[:500])
+        n = int(resp.getheader("Inference-Header-Content-Length"))
+    finally:
+        conn.close()
+    (out,) = json.loads(data[:n])["outputs"]
+    assert out["shape"] == [1, 384] and out["parameters"]["binary_data_size"] == 384 * 4, out
+    _assert_embedding(np.frombuffer(data[n:], dtype="<f4"), case, "binary")
