@@ -217,3 +217,24 @@ def test_triton_wording_of_the_errors_clients_parse(server, http, grpc):
         "contents field must not be specified when using raw_input_contents for 'INPUT_FP32' "
         "for model 'dtypes'"
     ), e.value.details()
+
+
+def test_a_reload_keeps_the_model_tenants_counters(server, http):
+    """`tpubox_tenant_executions_total{tenant="model:dtypes"}` goes on across a reload (the new
+    model has a new tenant; the old one's count is kept when the old model is dropped)."""
+    from serve_util import metric, scrape, wait_metric
+
+    data = dtypes_data()
+    http.infer("dtypes", http_inputs(data, binary=True), headers=HH)
+    name, label = "tpubox_tenant_executions_total", {"tenant": "model:dtypes"}
+    before = metric(scrape(server), name, **label)
+    assert before >= 1
+    try:
+        http.load_model("dtypes", headers=HH)
+        _ensure_loaded(http)
+        # The replaced model is dropped once nothing holds it; from then on its count is in.
+        assert wait_metric(server, name, before, timeout=15, **label) >= before
+        http.infer("dtypes", http_inputs(data, binary=True), headers=HH)
+        assert wait_metric(server, name, before + 1, timeout=15, **label) >= before + 1
+    finally:
+        _ensure_loaded(http)

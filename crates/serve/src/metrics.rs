@@ -34,6 +34,19 @@ pub struct Metrics {
     instances: IntGaugeVec,
     stream_responses: IntCounterVec,
     streams_cancelled: IntCounterVec,
+    /// What the tenants of replaced or unloaded models had counted when they were dropped, by
+    /// tenant name (`model:NAME`): added to the live model's, so a reload does not reset the
+    /// per-tenant counters.
+    retired: std::sync::Mutex<std::collections::BTreeMap<String, Retired>>,
+}
+
+/// A retired model tenant's counters ([`Metrics::retire`]).
+#[derive(Debug, Default, Clone, Copy)]
+struct Retired {
+    executions: u64,
+    compiles: u64,
+    refused: u64,
+    device_seconds: f64,
 }
 
 fn counter(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntCounterVec {
@@ -166,6 +179,7 @@ impl Metrics {
                 "Streams a decoupled model stopped before their end: the client went away, or took no response for tpubox.decoupled.stall_seconds",
                 &["model", "reason"],
             ),
+            retired: Default::default(),
             refused: counter(
                 &r,
                 "tpubox_refused_requests_total",
@@ -231,6 +245,19 @@ impl Metrics {
         self.instances.with_label_values(&[model])
     }
 
+    /// Keeps what a model's tenant counted (`usage`, read as its model is dropped: after a
+    /// reload or an unload), so that `tpubox_tenant_*_total{tenant}` go on from there when the
+    /// model is loaded again. What the dropped model's instances still run after this is not
+    /// counted.
+    pub fn retire(&self, tenant: &str, usage: &TenantUsage) {
+        let mut r = self.retired.lock().unwrap_or_else(|p| p.into_inner());
+        let e = r.entry(tenant.to_string()).or_default();
+        e.executions += usage.executions;
+        e.compiles += usage.compiles;
+        e.refused += usage.refused;
+        e.device_seconds += usage.device_seconds;
+    }
+
     /// Counts one streamed response computed by `model`.
     pub fn stream_response(&self, model: &str) {
         self.stream_responses.with_label_values(&[model]).inc();
@@ -258,10 +285,36 @@ impl Metrics {
     ) -> String {
         // Per-tenant totals: the session tenants' budgets and the models' tenants, copied at
         // each scrape from the counters the tenants keep.
+        let retired = self
+            .retired
+            .lock()
+            .unwrap_or_else(|p| p.into_inner())
+            .clone();
+        let mut model_totals: std::collections::BTreeMap<&str, TenantUsage> = retired
+            .iter()
+            .map(|(n, r)| {
+                let u = TenantUsage {
+                    executions: r.executions,
+                    compiles: r.compiles,
+                    refused: r.refused,
+                    device_seconds: r.device_seconds,
+                    ..TenantUsage::default()
+                };
+                (n.as_str(), u)
+            })
+            .collect();
+        for m in models {
+            let live = m.tenant.usage();
+            let t = model_totals.entry(m.tenant.name()).or_default();
+            t.executions += live.executions;
+            t.compiles += live.compiles;
+            t.refused += live.refused;
+            t.device_seconds += live.device_seconds;
+        }
         let totals = budgets
             .iter()
             .map(|(n, u)| (n.as_str(), u.clone()))
-            .chain(models.iter().map(|m| (m.tenant.name(), m.tenant.usage())));
+            .chain(model_totals);
         for (tenant, u) in totals {
             for (c, v) in [
                 (&self.tenant_executions, u.executions),

@@ -104,6 +104,8 @@ pub struct Model {
     /// A decoupled model: it answers only streaming calls ([`Model::infer_stream`]).
     pub decoupled: bool,
     workers: Vec<JoinHandle<()>>,
+    /// Told the tenant's counters when the model is dropped ([`super::metrics::Metrics::retire`]).
+    metrics: Arc<super::metrics::Metrics>,
 }
 
 fn to_dims(d: &TensorDecl) -> (String, Datatype, Vec<i64>) {
@@ -451,6 +453,7 @@ impl Model {
             decoupled: config.model_transaction_policy.decoupled,
             config,
             workers,
+            metrics: Arc::clone(&ctx.metrics),
         }))
     }
 
@@ -772,6 +775,8 @@ impl Drop for Model {
         for q in &self.queues {
             q.close();
         }
+        self.metrics
+            .retire(self.tenant.name(), &self.tenant.usage());
     }
 }
 
