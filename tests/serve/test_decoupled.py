@@ -422,7 +422,8 @@ def test_more_streams_than_an_instance_runs_each_keep_their_own_state(d):
         t.join(120)
     assert not errors, errors
     for i, p in enumerate(prompts):
-        assert results[i] == reference_tokens(p, 20) or check_tokens(p, results[i]) is None
+        assert len(results[i]) == 20
+        check_tokens(p, results[i])
 
 
 # ---------------------------------------------------------------------------------------------
@@ -519,7 +520,8 @@ def test_a_stream_flooded_with_requests_answers_them_in_order(d):
         for i in range(n):
             ids, _, results = s.collect()
             assert {r.get_response().id for r in results} == {str(i)}
-            assert ids == reference_tokens(f"flood {i % 7}", 2) or check_tokens(f"flood {i % 7}", ids) is None
+            assert len(ids) == 2
+            check_tokens(f"flood {i % 7}", ids)
     finally:
         s.close()
 
