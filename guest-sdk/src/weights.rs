@@ -28,6 +28,32 @@ pub fn available() -> Vec<String> {
     raw::available()
 }
 
+/// The latest version of the weight set `name` (0 once unpublished) and every version the
+/// host holds now, ascending.
+///
+/// Errors: [`ErrorKind::NotFound`](crate::ErrorKind::NotFound) for an unknown name.
+pub fn versions(name: &str) -> Result<(u64, Vec<u64>)> {
+    Ok(raw::versions(name)?)
+}
+
+/// Publishes `tensors` (name, tensor) as the next version of the weight set `name`, readable
+/// by this guest's tenant and the tenants in `readers` (`"*"`: every tenant); returns the
+/// version. Nothing is copied: the version shares the tensors' device buffers, and they become
+/// read-only for everyone (donating one fails with
+/// [`ErrorKind::PermissionDenied`](crate::ErrorKind::PermissionDenied)).
+///
+/// Errors: `PermissionDenied` when the tenant may not publish or the name is taken by the
+/// host or another tenant; `ResourceExhausted` naming `max-published-bytes` or
+/// `max-published-versions`; `FailedPrecondition` for a donated tensor; `InvalidArgument`.
+pub fn publish(name: &str, tensors: &[(&str, &Tensor)], readers: &[&str]) -> Result<u64> {
+    let list: Vec<(String, &crate::bindings::tpubox::device::types::Tensor)> = tensors
+        .iter()
+        .map(|(n, t)| (n.to_string(), t.as_raw()))
+        .collect();
+    let readers: Vec<String> = readers.iter().map(|r| r.to_string()).collect();
+    Ok(raw::publish(name, &list, &readers)?)
+}
+
 impl WeightSet {
     /// Opens the weight set `name`.
     ///
@@ -38,6 +64,22 @@ impl WeightSet {
             raw: raw::open(name)?,
             name: name.to_string(),
         })
+    }
+
+    /// Opens version `version` of the weight set `name`.
+    ///
+    /// Errors: [`ErrorKind::NotFound`](crate::ErrorKind::NotFound) for an unknown name or a
+    /// version the host no longer holds.
+    pub fn open_version(name: &str, version: u64) -> Result<WeightSet> {
+        Ok(WeightSet {
+            raw: raw::open_version(name, version)?,
+            name: name.to_string(),
+        })
+    }
+
+    /// The version this handle opened (1 for a set's first load or publish).
+    pub fn version(&self) -> u64 {
+        self.raw.version()
     }
 
     /// The name the set was opened with.

@@ -783,6 +783,9 @@ async fn run(args: RunArgs) -> Result<bool> {
         max_pending_launches: args.max_pending_launches,
         // One guest per run: nobody of its own to share the slots with.
         max_running_executions: u64::MAX,
+        // The guest owns this host: it may publish weight versions (for itself to read).
+        max_published_bytes: args.max_device_mib << 20,
+        max_published_versions: tpubox_core::tenant::DEFAULT_MAX_PUBLISHED_VERSIONS,
     };
     config.sandbox = SandboxConfig {
         max_guest_memory: args.max_memory_mib << 20,

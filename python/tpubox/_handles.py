@@ -73,7 +73,12 @@ class Tensor(_Handle):
         dtype: the NumPy dtype.
         device: the device index it lives on.
         nbytes: dense size in bytes (dtype size × product of dims), what it is charged.
-        read_only: a shared weight (may be read and passed, never donated).
+        read_only: a shared weight, or a tensor its session published (may be read and
+            passed, never donated).
+        weights: the weight-set versions it is a tensor of or was computed from, as sorted
+            ``(set name, version)`` pairs: a tensor of :meth:`Session.weights` carries its set's
+            version, and an execution's results carry their arguments' (through any number of
+            executions); ``()`` for others. One set named twice means two versions were mixed.
     """
 
     __slots__ = (
@@ -84,6 +89,7 @@ class Tensor(_Handle):
         "device",
         "nbytes",
         "read_only",
+        "weights",
         "_freed",
         "_donated",
         "_host",
@@ -99,6 +105,7 @@ class Tensor(_Handle):
         device: int = 0,
         nbytes: int = 0,
         read_only: bool = False,
+        weights: tuple[tuple[str, int], ...] = (),
     ):
         self._session = session
         self.handle: int = handle
@@ -107,6 +114,7 @@ class Tensor(_Handle):
         self.device: int = device
         self.nbytes: int = nbytes
         self.read_only: bool = read_only
+        self.weights: tuple[tuple[str, int], ...] = weights
         self._freed = False
         self._donated = False
         # Its bytes when a call fetched them as it kept the tensor (Executable.call's `keep`):
@@ -123,6 +131,7 @@ class Tensor(_Handle):
             info.device,
             info.byte_size,
             info.read_only,
+            tuple((w.name, int(w.version)) for w in info.weights),
         )
 
     @classmethod
@@ -136,6 +145,7 @@ class Tensor(_Handle):
             int(info.get("device", 0)),
             int(info.get("byte_size", 0)),
             bool(info.get("read_only", False)),
+            tuple((str(w["name"]), int(w["version"])) for w in info.get("weights", ())),
         )
 
     @property

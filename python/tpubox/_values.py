@@ -75,6 +75,11 @@ class Limits:
             is attached.
         max_pending_launches: launches queued for the device or running at once
             (``max-pending-launches``).
+        max_published_bytes: device bytes the tenant's live published weight versions may
+            hold, all its sessions together (``max-published-bytes``; 0: it may not publish).
+            Set by the operator; only reported.
+        max_published_versions: live published versions of the tenant
+            (``max-published-versions``). Set by the operator; only reported.
     """
 
     max_device_bytes: int = 0
@@ -86,6 +91,8 @@ class Limits:
     max_guest_memory_bytes: int = 0
     idle_timeout_seconds: float = 0.0
     max_pending_launches: int = 0
+    max_published_bytes: int = 0
+    max_published_versions: int = 0
 
     @staticmethod
     def coerce(value: Limits | Mapping[str, Any] | None) -> Limits:
@@ -142,6 +149,11 @@ class Usage:
         executions_running: executions holding an execution slot now.
         transfer_bytes: host bytes the daemon holds now for transfers in flight.
         peak_live_tensors: the most tensor handles held at once.
+        host_to_device_bytes: tensor bytes copied to the device for it so far.
+        device_to_host_bytes: tensor bytes copied from the device for it so far.
+        published_bytes: device bytes of the tenant's live published weight versions (its
+            ledger, all its sessions together; :meth:`Session.publish_weights`).
+        published_versions: the tenant's live published versions.
     """
 
     device_bytes: int = 0
@@ -156,10 +168,27 @@ class Usage:
     executions_running: int = 0
     transfer_bytes: int = 0
     peak_live_tensors: int = 0
+    host_to_device_bytes: int = 0
+    device_to_host_bytes: int = 0
+    published_bytes: int = 0
+    published_versions: int = 0
 
     @staticmethod
     def _from_pb(m: pb.UsageResponse) -> Usage:
         return Usage(**{f.name: getattr(m, f.name) for f in fields(Usage)})
+
+
+@dataclass(frozen=True)
+class WeightVersions:
+    """What :meth:`Session.weight_versions` returns.
+
+    Attributes:
+        latest: the latest version of the set (0 once its publisher unpublished it).
+        held: every version the daemon holds now (the latest included), ascending.
+    """
+
+    latest: int
+    held: tuple[int, ...]
 
 
 @dataclass(frozen=True)

@@ -48,6 +48,7 @@ from ._values import (
     TenantUsage,
     TensorSpec,
     Usage,
+    WeightVersions,
 )
 from .errors import (
     Internal,
@@ -72,6 +73,8 @@ __all__ = [
     "Device",
     "SessionInfo",
     "RunResult",
+    "WeightSet",
+    "WeightVersions",
     "ENV_ADDRESS",
     "ENV_SESSION_TOKEN",
     "ENV_SESSION_ID",
@@ -604,16 +607,89 @@ class Session:
             return 0
         return self._free_handles(tensors, executables)
 
-    def weights(self, name: str) -> dict[str, Tensor]:
-        """Opens the daemon's weight set NAME (``tpubox serve --weights NAME=FILE``): one
-        read-only Tensor per tensor of the file, by name. They are charged to nobody but count
-        as live tensors.
+    def weights(self, name: str, version: int | None = None) -> WeightSet:
+        """Opens a version of the weight set NAME: one the daemon loaded (``tpubox serve
+        --weights NAME=FILE``) or one a tenant published (:meth:`publish_weights`) for this
+        session's tenant. Returns one read-only Tensor per tensor of the set, by name, in a
+        :class:`WeightSet` that says which version it is. They are charged to nobody but count
+        as live tensors, and keep their version alive while any of them is held.
+
+        Args:
+            version: the version to open; ``None`` for the latest.
 
         Raises:
-            tpubox.NotFound: no such weight set (``info().weight_sets`` lists them).
+            tpubox.NotFound: no such weight set for this tenant (``info().weight_sets`` lists
+                them), or a version the daemon no longer holds (a version is freed once no
+                reader holds it and a newer one exists).
         """
-        r = self._unary("OpenWeights", pb.OpenWeightsRequest(name=name), _DEFAULT)
-        return {e.name: Tensor._from_pb(self, e.tensor) for e in r.tensors}
+        r = self._unary(
+            "OpenWeights", pb.OpenWeightsRequest(name=name, version=version or 0), _DEFAULT
+        )
+        return WeightSet(
+            name, int(r.version), {e.name: Tensor._from_pb(self, e.tensor) for e in r.tensors}
+        )
+
+    def publish_weights(
+        self,
+        name: str,
+        tensors: Mapping[str, Tensor],
+        *,
+        readers: Sequence[str] = (),
+        timeout: float | None = None,
+    ) -> int:
+        """Publishes TENSORS (tensor name -> a Tensor of this session) as the next version of
+        the weight set NAME and returns the version (1 for the first).
+
+        Nothing is copied, on the device or to the host: the version shares the tensors'
+        device memory, and they become read-only for everyone, this session included (donating
+        one raises :class:`tpubox.PermissionDenied`; compute new values into new tensors, as a
+        train step without donation does). Readers (:meth:`weights`) always get one whole
+        version; the daemon keeps the latest and frees an older one once no reader holds it.
+        The version is charged to the tenant's publish ledger (``Usage.published_bytes``),
+        which outlives its sessions, until it is freed. Pending tensors are waited for first.
+
+        Args:
+            readers: tenants besides this one that may open the set (``"*"``: every tenant).
+
+        Raises:
+            tpubox.PermissionDenied: the tenant may not publish (its operator sets
+                ``publish_weights = true`` in its ``[tenant.session]`` table), or NAME is a set
+                the daemon loaded or another tenant published.
+            tpubox.ResourceExhausted: over ``max-published-bytes`` or
+                ``max-published-versions`` (the message says which).
+            tpubox.FailedPrecondition: a donated tensor.
+            tpubox.InvalidArgument: no tensors, or a name that is empty or over 256 bytes.
+        """
+        req = pb.PublishWeightsRequest(name=name, readers=list(readers))
+        for tname, t in tensors.items():
+            if not isinstance(t, Tensor) or t.session is not self:
+                raise TypeError(f"tensor {tname!r}: publish_weights takes Tensors of this session")
+            req.tensors.add(name=tname, handle=t.handle)
+        r = self._unary("PublishWeights", req, _DEFAULT if timeout is None else timeout)
+        for t in tensors.values():
+            t.read_only = True
+        return int(r.version)
+
+    def weight_versions(self, name: str) -> WeightVersions:
+        """The latest version of the weight set NAME (0 once unpublished) and the versions the
+        daemon holds now: a cheap call for a reader waiting for a new version.
+
+        Raises:
+            tpubox.NotFound: no such weight set for this tenant.
+        """
+        r = self._unary("WeightVersions", pb.WeightVersionsRequest(name=name), _DEFAULT)
+        return WeightVersions(int(r.latest), tuple(int(v) for v in r.held))
+
+    def unpublish_weights(self, name: str) -> None:
+        """Ends the weight set NAME this tenant published: the daemon lets go of its latest
+        version (readers keep the versions they hold; a later publish continues the
+        numbering).
+
+        Raises:
+            tpubox.NotFound: no such set; tpubox.PermissionDenied: a set the daemon loaded or
+                another tenant published.
+        """
+        self._unary("UnpublishWeights", pb.UnpublishWeightsRequest(name=name), _DEFAULT)
 
     # -- programs ---------------------------------------------------------------------------
 
@@ -764,6 +840,20 @@ class Session:
             stdout=b"".join(got_out),
             stderr=b"".join(got_err),
         )
+
+
+class WeightSet(dict):  # type: ignore[type-arg]
+    """One version of a weight set, as :meth:`Session.weights` opens it: a ``dict`` of tensor
+    name -> read-only :class:`Tensor`, with the set's ``name`` and ``version``. The version is
+    unchanged for as long as its tensors are held, whatever is published meanwhile."""
+
+    def __init__(self, name: str, version: int, tensors: Mapping[str, Tensor]):
+        super().__init__(tensors)
+        self.name: str = name
+        self.version: int = version
+
+    def __repr__(self) -> str:
+        return f"WeightSet({self.name!r}, version={self.version}, tensors={sorted(self)})"
 
 
 def _raw(a: np.ndarray) -> memoryview:

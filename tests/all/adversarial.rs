@@ -57,6 +57,7 @@ fn limits() -> TenantLimits {
         program_policy: Default::default(),
         max_pending_launches: 64,
         max_running_executions: u64::MAX,
+        ..TenantLimits::default()
     }
 }
 

@@ -294,3 +294,51 @@ async fn guests_share_read_only_weights() {
     let set = host().weights().get("test").unwrap();
     assert_eq!(set.device_bytes(), 16 + 24);
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guests_publish_weight_versions_through_wit_when_their_tenant_may() {
+    // The suite's host gives its tenants no max-published-bytes: publishing is refused.
+    let o = run("tpubox-probe", &["publish"], |_| {}).await.unwrap();
+    let out = stdout(&o);
+    assert_eq!(kind(&out, "publish-1"), "permission-denied", "{out}");
+    assert!(
+        line(&out, "publish-1").contains("max-published-bytes"),
+        "{out}"
+    );
+
+    // A host whose tenants may publish.
+    let mut config = test_host_config();
+    config.sandbox.tenant_limits.max_published_bytes = 1 << 20;
+    let publishing = Host::new(config).expect("host starts on the CPU plugin");
+    let probe = publishing
+        .load_component(&wasm("tpubox-probe"))
+        .expect("component loads");
+    let opts = RunOptions {
+        args: vec!["publish".into()],
+        capture_output: true,
+        stdin: Some(Vec::new()),
+        deadline: Some(Duration::from_secs(60)),
+        ..RunOptions::default()
+    };
+    let o = publishing.run(&probe, "publisher", &opts).await.unwrap();
+    let out = stdout(&o);
+    assert!(o.success, "{out}\n{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(line(&out, "publish-1"), "1");
+    assert_eq!(line(&out, "opened"), "1");
+    assert_eq!(line(&out, "publish-2"), "2");
+    assert_eq!(
+        line(&out, "versions"),
+        "2 [1, 2]",
+        "the guest still holds version 1"
+    );
+    assert_eq!(line(&out, "read-v1"), "[1.0, 2.0, 3.0, 4.0]");
+    assert_eq!(line(&out, "read-latest"), "2 [10.0, 20.0, 30.0, 40.0]");
+    assert_eq!(line(&out, "versions-after-drop"), "2 [2]");
+    assert_eq!(kind(&out, "open-freed"), "not-found");
+    assert_eq!(kind(&out, "donate-published"), "permission-denied");
+    assert_eq!(line(&out, "a-plus-b"), "[11.0, 22.0, 33.0, 44.0]");
+    // The version outlives the guest's run (its session), charged to its tenant's ledger.
+    let set = publishing.weights().get("pub").unwrap();
+    assert_eq!((set.version(), set.publisher()), (2, Some("publisher")));
+    assert_eq!(publishing.weights().published_usage("publisher").bytes, 16);
+}

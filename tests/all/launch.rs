@@ -17,12 +17,10 @@ use std::time::Duration;
 
 use tpubox_core::cache::{CacheConfig, CacheMode};
 use tpubox_core::compiler::CompileIsolation;
-use tpubox_core::session::{ExecutableHandle, ProgramFormat, TensorHandle};
+use tpubox_core::session::{ExecutableHandle, ProgramFormat};
 use tpubox_core::tenant::ProgramPolicy;
 use tpubox_core::weights::WeightRegistry;
-use tpubox_core::{
-    DeviceConfig, DeviceService, ErrorKind, PrimitiveType, Session, Tenant, TenantLimits,
-};
+use tpubox_core::{DeviceConfig, DeviceService, ErrorKind, Session, Tenant, TenantLimits};
 
 /// `f32[4] -> f32[4]`: x · 2.
 const DOUBLE: &str = r#"func.func public @main(%a: tensor<4xf32>) -> tensor<4xf32> {
@@ -103,20 +101,7 @@ async fn compile(s: &Session, program: &str) -> ExecutableHandle {
         .expect("the program compiles")
 }
 
-fn put(s: &Session, v: [f32; 4]) -> TensorHandle {
-    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
-    s.tensor_from_bytes(PrimitiveType::F32, &[4], &bytes, None)
-        .expect("the tensor is created")
-}
-
-async fn get(s: &Session, t: &TensorHandle) -> Vec<f32> {
-    s.read(t)
-        .await
-        .expect("the tensor reads")
-        .chunks_exact(4)
-        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
-        .collect()
-}
+use crate::support::{put4 as put, read_f32 as get};
 
 /// Polls `cond` every 10 ms; the bound (60 s) only keeps a broken host from hanging the suite.
 async fn eventually(what: &str, mut cond: impl FnMut() -> bool) {

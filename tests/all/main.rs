@@ -21,6 +21,7 @@ mod loop_budget;
 mod minilm;
 mod plugins;
 mod polyglot;
+mod publish;
 mod sessions;
 mod support;
 mod templates;

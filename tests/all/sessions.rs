@@ -384,6 +384,7 @@ async fn tensors_compile_execute_donate_and_free() {
         .open_weights(authed(
             OpenWeightsRequest {
                 name: "tiny".into(),
+                version: 0,
             },
             t,
         ))
@@ -407,6 +408,7 @@ async fn tensors_compile_execute_donate_and_free() {
         .open_weights(authed(
             OpenWeightsRequest {
                 name: "nope".into(),
+                version: 0,
             },
             t,
         ))

@@ -116,3 +116,23 @@ pub async fn scale_and_check(
     assert_eq!(got, want);
     Ok(())
 }
+
+/// A session tensor `f32[4]` holding `v`.
+pub fn put4(s: &tpubox_core::Session, v: [f32; 4]) -> tpubox_core::session::TensorHandle {
+    let bytes: Vec<u8> = v.iter().flat_map(|x| x.to_le_bytes()).collect();
+    s.tensor_from_bytes(PrimitiveType::F32, &[4], &bytes, None)
+        .expect("the tensor is created")
+}
+
+/// A session tensor's values as f32s (read once its launch finished).
+pub async fn read_f32(
+    s: &tpubox_core::Session,
+    t: &tpubox_core::session::TensorHandle,
+) -> Vec<f32> {
+    s.read(t)
+        .await
+        .expect("the tensor reads")
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
+        .collect()
+}

@@ -414,9 +414,29 @@ def test_a_model_without_batch_dimension(http, grpc, srv, ref):
 
 
 def _flat_y(http, a):
+    return _flat_y_version(http, a)[0]
+
+
+def _flat_y_version(http, a):
+    """y of model `flat` for A, and the version of its weight set `flat` the response names
+    (the `tpubox_weight_versions` response parameter)."""
     inp = httpclient.InferInput("a", list(a.shape), "FP32")
     inp.set_data_from_numpy(a)
-    return http.infer("flat", [inp]).as_numpy("y")
+    r = http.infer("flat", [inp])
+    (v,) = json.loads(r.get_response()["parameters"]["tpubox_weight_versions"])
+    assert v["name"] == "flat", v
+    return r.as_numpy("y"), int(v["version"])
+
+
+def test_responses_name_the_weight_version_on_both_doors(http, grpc, ref):
+    a = ref["mlp_x"][:2]
+    _, v = _flat_y_version(http, a)
+    inp = grpcclient.InferInput("a", list(a.shape), "FP32")
+    inp.set_data_from_numpy(a)
+    p = grpc.infer("flat", [inp]).get_response().parameters
+    assert json.loads(p["tpubox_weight_versions"].string_param) == [
+        {"name": "flat", "version": v}
+    ]
 
 
 def _rewrite_weight(path: Path, name: str, value: np.ndarray) -> None:
@@ -440,18 +460,25 @@ def test_reload_reads_a_changed_weight_file_again(http, srv, ref):
     original = path.read_bytes()
     w = _weights(path)["w"].copy()
     a = ref["mlp_x"][:2]
-    _close(_flat_y(http, a), a @ w, "y before")
+    y, v0 = _flat_y_version(http, a)
+    _close(y, a @ w, "y before")
     w2 = (w * 2.0 + 1.0).astype(np.float32)
     try:
         _rewrite_weight(path, "w", w2)
         # Not read again until the model loads again.
-        _close(_flat_y(http, a), a @ w, "y, file changed, model not reloaded")
+        y, v = _flat_y_version(http, a)
+        _close(y, a @ w, "y, file changed, model not reloaded")
+        assert v == v0
         http.load_model("flat")
-        _close(_flat_y(http, a), a @ w2, "y after the reload")
+        y, v = _flat_y_version(http, a)
+        _close(y, a @ w2, "y after the reload")
+        assert v == v0 + 1, "the reloaded set is the next version, and responses say so"
         assert srv.log().count("the weight file changed on disk") == 1, srv.log()
         # An unchanged file is not read again.
         http.load_model("flat")
-        _close(_flat_y(http, a), a @ w2, "y after a second reload")
+        y, v = _flat_y_version(http, a)
+        _close(y, a @ w2, "y after a second reload")
+        assert v == v0 + 1, "an unchanged file shares the set, and its version"
         assert srv.log().count("the weight file changed on disk") == 1, srv.log()
     finally:
         # The original back (the other tests read the file), and loaded again.

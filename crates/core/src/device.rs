@@ -75,6 +75,9 @@ pub struct DeviceService {
     compiles: Compiles,
     /// [`with_launch_blocking`](Self::with_launch_blocking).
     launch_blocking: bool,
+    /// Bytes copied host → device and device → host so far ([`Self::transferred_bytes`]).
+    host_to_device: std::sync::atomic::AtomicU64,
+    device_to_host: std::sync::atomic::AtomicU64,
 }
 
 impl std::fmt::Debug for DeviceService {
@@ -120,6 +123,8 @@ impl DeviceService {
             identity: OnceLock::new(),
             scheduler: FairShare::new(DEFAULT_EXECUTION_SLOTS),
             launch_blocking: false,
+            host_to_device: Default::default(),
+            device_to_host: Default::default(),
         })
     }
 
@@ -279,6 +284,8 @@ impl DeviceService {
             .client
             .buffer_from_host(data, ty, dims, dev)
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))?;
+        self.host_to_device
+            .fetch_add(data.len() as u64, std::sync::atomic::Ordering::Relaxed);
         let spec = TensorSpec {
             ty,
             dims: dims.to_vec(),
@@ -292,11 +299,26 @@ impl DeviceService {
     /// Errors: `failed-precondition` when the buffer was donated or deleted; `internal` from the
     /// plugin.
     pub async fn read(&self, tensor: &DeviceTensor) -> DeviceResult<Vec<u8>> {
-        tensor
+        let bytes = tensor
             .buffer()
             .to_host()
             .await
-            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))?;
+        self.device_to_host
+            .fetch_add(bytes.len() as u64, std::sync::atomic::Ordering::Relaxed);
+        Ok(bytes)
+    }
+
+    /// Bytes copied so far from the host to the device (every [`Self::tensor_from_bytes`]:
+    /// uploads, inline arguments, weight files) and from the device to the host (every
+    /// [`Self::read`]: reads, fetched results, served outputs), in that order. These two
+    /// functions are the only places the service moves tensor bytes between host and device.
+    pub fn transferred_bytes(&self) -> (u64, u64) {
+        use std::sync::atomic::Ordering::Relaxed;
+        (
+            self.host_to_device.load(Relaxed),
+            self.device_to_host.load(Relaxed),
+        )
     }
 
     /// Copies a tensor to device `device`.

@@ -99,6 +99,8 @@ pub struct Session {
     tenant: Arc<Tenant>,
     max_read_bytes: u64,
     launches: Launches,
+    /// Weight-set versions of the tensors read since [`Session::take_weights_read`].
+    weights_read: Mutex<Vec<WeightTag>>,
 }
 
 impl Drop for Session {
@@ -452,11 +454,32 @@ pub struct TensorHandle {
     spec: TensorSpec,
     device: u32,
     read_only: bool,
+    /// The weight-set versions this tensor is, or was computed from ([`Self::weight_versions`]).
+    lineage: Lineage,
+    /// The weight-set version this handle was opened from, kept alive while the handle lives.
+    _version: Option<Arc<WeightSet>>,
     /// `None` once donated.
     held: Mutex<Option<Held>>,
     /// The host copy concurrent readers share while any of them holds it
     /// ([`Session::read_shared`]).
     host_copy: tokio::sync::Mutex<Weak<HostCopy>>,
+}
+
+/// A weight-set version: the set's name and the version number.
+pub type WeightTag = (Arc<str>, u64);
+
+/// The weight-set versions a tensor is or came from, sorted, each name once (usually empty).
+type Lineage = Arc<[WeightTag]>;
+
+/// The union of `parts`, sorted by name then version.
+fn merge_lineage<'a>(parts: impl Iterator<Item = &'a Lineage>) -> Lineage {
+    let mut all: Vec<WeightTag> = Vec::new();
+    for p in parts {
+        all.extend(p.iter().cloned());
+    }
+    all.sort();
+    all.dedup();
+    all.into()
 }
 
 /// A tensor's bytes copied to the host for readers ([`Session::read_shared`]), charged to the
@@ -506,6 +529,8 @@ impl TensorHandle {
             spec: tensor.spec().clone(),
             device: tensor.device(),
             read_only,
+            lineage: Arc::new([]),
+            _version: None,
             held: Mutex::new(Some(Held {
                 source: Source::Ready(tensor),
                 charge,
@@ -520,12 +545,15 @@ impl TensorHandle {
         device: u32,
         tensor: Arc<PendingTensor>,
         charge: Charge,
+        lineage: Lineage,
     ) -> Self {
         TensorHandle {
             session,
             spec,
             device,
             read_only: false,
+            lineage,
+            _version: None,
             held: Mutex::new(Some(Held {
                 source: Source::Pending(tensor),
                 charge,
@@ -586,9 +614,22 @@ impl TensorHandle {
         spec_byte_size(&self.spec)
     }
 
-    /// Whether this is a shared, read-only tensor (a weight).
+    /// Whether this is a shared, read-only tensor (a weight), or a tensor of this session
+    /// that it published ([`Session::publish_weights`]): either way it cannot be donated.
     pub fn is_read_only(&self) -> bool {
         self.read_only
+            || matches!(
+                self.lock().as_ref().map(|h| &h.source),
+                Some(Source::Ready(t)) if t.is_published()
+            )
+    }
+
+    /// The weight-set versions (set name, version; sorted by name) this tensor is a tensor of,
+    /// or was computed from: a handle opened from a weight set carries its set's version, and
+    /// an execution's results carry the union of its arguments' (so a result reached through
+    /// several executions still names the versions it used). Empty for everything else.
+    pub fn weight_versions(&self) -> &[WeightTag] {
+        &self.lineage
     }
 
     /// Whether the tensor was donated to an execution (the handle then holds nothing).
@@ -666,6 +707,7 @@ impl Session {
             tenant,
             max_read_bytes: u64::MAX,
             launches: Launches::default(),
+            weights_read: Mutex::new(Vec::new()),
         }
     }
 
@@ -701,9 +743,10 @@ impl Session {
         self.device.devices()
     }
 
-    /// Names of the weight sets this session may open, sorted.
+    /// Names of the weight sets this session may open, sorted: the host's and those
+    /// published for its tenant.
     pub fn weight_sets(&self) -> Vec<String> {
-        self.weights.names()
+        self.weights.names_for(self.tenant.name())
     }
 
     /// Errors: `permission-denied` for a handle another session made.
@@ -741,6 +784,7 @@ impl Session {
         let t = self
             .device
             .tensor_from_bytes(ty, &dims, data, device.unwrap_or(0))?;
+        self.tenant.count_transfer(data.len() as u64, 0);
         Ok(self.owned_tensor(t, charge))
     }
 
@@ -804,7 +848,31 @@ impl Session {
     /// errors.
     pub async fn read(&self, t: &TensorHandle) -> DeviceResult<Vec<u8>> {
         let tensor = self.readable(t).await?;
-        self.device.read(&tensor).await
+        let bytes = self.device.read(&tensor).await?;
+        self.tenant.count_transfer(0, bytes.len() as u64);
+        self.note_read(t);
+        Ok(bytes)
+    }
+
+    /// Remembers the weight-set versions of a tensor read ([`Session::take_weights_read`]).
+    fn note_read(&self, t: &TensorHandle) {
+        if !t.lineage.is_empty() {
+            let mut read = self.weights_read.lock().unwrap_or_else(|p| p.into_inner());
+            for tag in t.lineage.iter() {
+                if !read.contains(tag) {
+                    read.push(tag.clone());
+                }
+            }
+        }
+    }
+
+    /// The weight-set versions (sorted) of the tensors this session read since the last call,
+    /// and forgets them: what a served model's outputs were computed from, for its response.
+    pub fn take_weights_read(&self) -> Vec<WeightTag> {
+        let mut read =
+            std::mem::take(&mut *self.weights_read.lock().unwrap_or_else(|p| p.into_inner()));
+        read.sort();
+        read
     }
 
     /// Reads a tensor back into a host copy that concurrent readers of the same handle share
@@ -824,6 +892,8 @@ impl Session {
             .tenant
             .charge_transfer(tensor.byte_size(), "the host copy of a tensor being read")?;
         let bytes = self.device.read(&tensor).await?;
+        self.tenant.count_transfer(0, bytes.len() as u64);
+        self.note_read(t);
         let copy = Arc::new(HostCopy {
             bytes,
             _charge: charge,
@@ -863,7 +933,9 @@ impl Session {
         let tensor = t.tensor()?;
         let charge = self.charge_one(tensor.byte_size())?;
         let copy = self.device.copy_to_device(&tensor, device)?;
-        Ok(self.owned_tensor(copy, charge))
+        let mut h = self.owned_tensor(copy, charge);
+        h.lineage = Arc::clone(&t.lineage);
+        Ok(h)
     }
 
     /// Compiles a program for `device` (default 0) at the plugin's default optimisation level:
@@ -1138,6 +1210,16 @@ impl Session {
             .filter(|(_, (_, d))| **d)
         {
             match h.take() {
+                Some(held) if matches!(&held.source, Source::Ready(t) if t.is_published()) => {
+                    taken.push((h, held));
+                    restore(taken);
+                    return Err(DeviceError::new(
+                        ErrorKind::PermissionDenied,
+                        format!(
+                            "argument {i} is published as a weight version (read-only for everyone) and cannot be donated; pass it without donating, or donate a copy"
+                        ),
+                    ));
+                }
                 Some(held) => taken.push((h, held)),
                 None => {
                     restore(taken);
@@ -1199,12 +1281,20 @@ impl Session {
         if let Some(job) = self.submit_here(job) {
             self.enqueue(job, &runtime);
         }
+        let lineage = merge_lineage(args.iter().map(|h| &h.lineage));
         let handles = outputs
             .into_iter()
             .zip(exe.exe.outputs())
             .zip(charges)
             .map(|((p, spec), c)| {
-                TensorHandle::pending(self.id, spec.clone(), exe.exe.device(), p, c)
+                TensorHandle::pending(
+                    self.id,
+                    spec.clone(),
+                    exe.exe.device(),
+                    p,
+                    c,
+                    Arc::clone(&lineage),
+                )
             })
             .collect();
         Ok((
@@ -1269,22 +1359,135 @@ impl Session {
         }
     }
 
-    /// Opens the weight set `name`.
+    /// Opens the latest version of the weight set `name`.
     ///
     /// Errors: `not-found` naming the set and those available.
     pub fn open_weights(&self, name: &str) -> DeviceResult<Arc<WeightSet>> {
-        self.weights.get(name)
+        self.open_weights_version(name, None)
+    }
+
+    /// Opens version `version` of the weight set `name` (the latest when `None`): a host set,
+    /// or a published one this session's tenant may read
+    /// ([`WeightRegistry::open`](crate::weights::WeightRegistry::open)).
+    ///
+    /// Errors: `not-found` for a name the tenant may not see, and for a version not held.
+    pub fn open_weights_version(
+        &self,
+        name: &str,
+        version: Option<u64>,
+    ) -> DeviceResult<Arc<WeightSet>> {
+        self.weights.open(name, version, self.tenant.name())
+    }
+
+    /// The latest version of the weight set `name` (0 once unpublished) and the versions held
+    /// now, ascending.
+    ///
+    /// Errors: `not-found` for a name the tenant may not see.
+    pub fn weight_versions(&self, name: &str) -> DeviceResult<(u64, Vec<u64>)> {
+        self.weights.versions(name, self.tenant.name())
+    }
+
+    /// What this session's tenant has published and is still alive (its ledger, across all its
+    /// sessions).
+    pub fn published_usage(&self) -> crate::weights::PublishedUsage {
+        self.weights.published_usage(self.tenant.name())
     }
 
     /// A read-only handle to tensor `name` of `set`: no device bytes are charged (the host
-    /// holds one copy for everyone), but the handle counts as a live tensor.
+    /// holds one copy for everyone), but the handle counts as a live tensor. The handle keeps
+    /// the set's version alive, and says which it is ([`TensorHandle::weight_versions`]).
     ///
     /// Errors: `not-found` for a tensor the set lacks; `resource-exhausted` naming
     /// `max-live-tensors`.
-    pub fn weight(&self, set: &WeightSet, name: &str) -> DeviceResult<TensorHandle> {
+    pub fn weight(&self, set: &Arc<WeightSet>, name: &str) -> DeviceResult<TensorHandle> {
         let tensor = Arc::clone(set.get(name)?);
         let charge = self.charge_one(0)?;
-        Ok(TensorHandle::new(self.id, tensor, true, charge))
+        let mut h = TensorHandle::new(self.id, tensor, true, charge);
+        h.lineage = Arc::new([(Arc::from(set.name()), set.version())]);
+        h._version = Some(Arc::clone(set));
+        Ok(h)
+    }
+
+    /// Publishes `tensors` (tensor name → a handle of this session) as the next version of the
+    /// weight set `name`, readable by this session's tenant and by the tenants in `readers`
+    /// (`"*"`: every tenant). Outputs of launches are waited for first. The version shares the
+    /// tensors' device buffers (nothing is copied, on the device or to the host) and they
+    /// become read-only for everyone, this session included: donating one is then
+    /// `permission-denied`. The session keeps its handles and their charges; the version is
+    /// charged to the tenant's ledger ([`crate::weights`]) until it is freed. Returns the
+    /// version.
+    ///
+    /// The handles are held locked while the version is made, so a concurrent launch of this
+    /// session cannot donate one of them meanwhile: either it donated first (and this fails
+    /// with `failed-precondition`) or the publish did (and the launch fails with
+    /// `permission-denied`).
+    ///
+    /// Errors: `permission-denied` for another session's handle, for a tenant without
+    /// `max-published-bytes`, and for a name the host loaded or another tenant published;
+    /// `failed-precondition` for a donated tensor; a launch's error for an output of a launch
+    /// that failed; `resource-exhausted` naming `max-published-bytes` or
+    /// `max-published-versions`; `invalid-argument` as
+    /// [`WeightRegistry::publish`](crate::weights::WeightRegistry::publish).
+    pub async fn publish_weights(
+        &self,
+        name: &str,
+        tensors: &[(String, &TensorHandle)],
+        readers: &[String],
+    ) -> DeviceResult<Arc<WeightSet>> {
+        for (tname, h) in tensors {
+            self.owns(h.session)?;
+            self.wait(h).await.map_err(|e| {
+                DeviceError::new(e.kind, format!("tensor `{tname}`: {}", e.message))
+            })?;
+        }
+        // Lock each distinct handle once (a handle may be given under two names), in the
+        // order given; a launch takes one handle lock at a time, so this cannot deadlock.
+        let mut distinct: Vec<&TensorHandle> = Vec::new();
+        for (_, h) in tensors {
+            if !distinct.iter().any(|d| std::ptr::eq(*d, *h)) {
+                distinct.push(h);
+            }
+        }
+        let guards: Vec<_> = distinct.iter().map(|h| h.lock()).collect();
+        let mut named = Vec::with_capacity(tensors.len());
+        for (tname, h) in tensors {
+            let at = distinct
+                .iter()
+                .position(|d| std::ptr::eq(*d, *h))
+                .expect("every handle is in `distinct`");
+            let tensor = match guards[at].as_ref().map(|held| &held.source) {
+                None => {
+                    return Err(DeviceError::new(
+                        ErrorKind::FailedPrecondition,
+                        format!(
+                            "tensor `{tname}` was donated to an execution and cannot be published"
+                        ),
+                    ));
+                }
+                Some(Source::Ready(t)) => Arc::clone(t),
+                Some(Source::Pending(p)) => match (p.launch.result.get(), p.tensor.get()) {
+                    (Some(Ok(())), Some(t)) => Arc::clone(t),
+                    _ => {
+                        return Err(DeviceError::new(
+                            ErrorKind::FailedPrecondition,
+                            format!(
+                                "tensor `{tname}` has no value (its launch did not finish well)"
+                            ),
+                        ));
+                    }
+                },
+            };
+            named.push((tname.clone(), tensor));
+        }
+        let set = self.weights.publish(
+            self.tenant.name(),
+            self.tenant.limits(),
+            name,
+            named,
+            readers,
+        );
+        drop(guards);
+        set
     }
 }
 

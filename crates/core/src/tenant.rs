@@ -70,6 +70,14 @@ pub struct TenantLimits {
     /// ([`Tenant::with_budget`]), so that one tenant's sessions together cannot take every
     /// slot while another tenant waits ([`crate::scheduler`]).
     pub max_running_executions: u64,
+    /// Dense device bytes of the weight versions the tenant has published that are alive
+    /// (the latest of each name and those readers still hold), counted by tenant name across
+    /// all its sessions and surviving them ([`crate::weights`]); `max-published-bytes`. `0`
+    /// (the default) means the tenant may not publish at all.
+    pub max_published_bytes: u64,
+    /// Live published versions of the tenant, all names together (default 8;
+    /// `max-published-versions`).
+    pub max_published_versions: u64,
 }
 
 /// What an untrusted tenant's programs may contain. PJRT cannot cancel an execution, so a
@@ -183,9 +191,14 @@ impl Default for TenantLimits {
             program_policy: ProgramPolicy::default(),
             max_pending_launches: DEFAULT_MAX_PENDING_LAUNCHES,
             max_running_executions: u64::MAX,
+            max_published_bytes: 0,
+            max_published_versions: DEFAULT_MAX_PUBLISHED_VERSIONS,
         }
     }
 }
+
+/// Default [`TenantLimits::max_published_versions`].
+pub const DEFAULT_MAX_PUBLISHED_VERSIONS: u64 = 8;
 
 /// A snapshot of what a tenant holds and has done.
 #[derive(Debug, Clone, Default, PartialEq, Serialize)]
@@ -219,6 +232,12 @@ pub struct TenantUsage {
     /// device finished or the launch failed before it was submitted; see
     /// [`TenantLimits::max_pending_launches`]).
     pub pending_launches: u64,
+    /// Tensor bytes copied from the host to the device for the tenant so far (uploads,
+    /// inline arguments).
+    pub host_to_device_bytes: u64,
+    /// Tensor bytes copied from the device to the host for the tenant so far (reads, fetched
+    /// results).
+    pub device_to_host_bytes: u64,
 }
 
 #[derive(Debug, Default)]
@@ -253,6 +272,8 @@ pub struct Tenant {
     device_ns: AtomicU64,
     refused: AtomicU64,
     running: AtomicU64,
+    host_to_device: AtomicU64,
+    device_to_host: AtomicU64,
 }
 
 /// What a [`Charge`] holds back.
@@ -355,6 +376,8 @@ impl Tenant {
             executions: AtomicU64::new(0),
             device_ns: AtomicU64::new(0),
             refused: AtomicU64::new(0),
+            host_to_device: AtomicU64::new(0),
+            device_to_host: AtomicU64::new(0),
             running: AtomicU64::new(0),
         })
     }
@@ -385,6 +408,19 @@ impl Tenant {
             executions_running: self.running.load(Ordering::Relaxed),
             transfer_bytes: h.transfer_bytes,
             pending_launches: h.pending_launches,
+            host_to_device_bytes: self.host_to_device.load(Ordering::Relaxed),
+            device_to_host_bytes: self.device_to_host.load(Ordering::Relaxed),
+        }
+    }
+
+    /// Counts `host_to_device` and `device_to_host` tensor bytes moved for this tenant (and
+    /// its budget): [`TenantUsage::host_to_device_bytes`], [`TenantUsage::device_to_host_bytes`].
+    pub fn count_transfer(&self, host_to_device: u64, device_to_host: u64) {
+        for t in std::iter::once(self).chain(self.budget.as_deref()) {
+            t.host_to_device
+                .fetch_add(host_to_device, Ordering::Relaxed);
+            t.device_to_host
+                .fetch_add(device_to_host, Ordering::Relaxed);
         }
     }
 

@@ -5,6 +5,8 @@
 //! This is a leaf module (it imports only [`crate::error`] and the PJRT wrapper), so the
 //! dependency order inside the host is `types ← cache ← device ← session ← wit`.
 
+use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
+
 use pjrt::{Buffer, LoadedExecutable, PrimitiveType};
 
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
@@ -24,16 +26,54 @@ pub struct DeviceTensor {
     buffer: Buffer,
     spec: TensorSpec,
     device: u32,
+    /// Set once the tensor is part of a published weight version: read-only from then on.
+    published: AtomicBool,
+}
+
+/// Dense bytes of every [`DeviceTensor`] alive in the process now, and the most at once.
+static LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
+static PEAK_LIVE_BYTES: AtomicU64 = AtomicU64::new(0);
+
+/// Dense bytes of all device tensors the process holds now (every PJRT buffer tpubox owns:
+/// sessions' tensors, weight sets and published versions, outputs in flight), and the most
+/// held at once since the process started, in bytes. Counted when a [`DeviceTensor`] is made
+/// and dropped, so a buffer shared by several holders counts once.
+pub fn live_device_bytes() -> (u64, u64) {
+    (
+        LIVE_BYTES.load(Ordering::Relaxed),
+        PEAK_LIVE_BYTES.load(Ordering::Relaxed),
+    )
+}
+
+impl Drop for DeviceTensor {
+    fn drop(&mut self) {
+        LIVE_BYTES.fetch_sub(self.byte_size(), Ordering::Relaxed);
+    }
 }
 
 impl DeviceTensor {
     /// Wraps a PJRT buffer whose element type and dims are `spec`, on device index `device`.
     pub(crate) fn new(buffer: Buffer, spec: TensorSpec, device: u32) -> Self {
+        let bytes = spec_byte_size(&spec);
+        let now = LIVE_BYTES.fetch_add(bytes, Ordering::Relaxed) + bytes;
+        PEAK_LIVE_BYTES.fetch_max(now, Ordering::Relaxed);
         DeviceTensor {
             buffer,
             spec,
             device,
+            published: AtomicBool::new(false),
         }
+    }
+
+    /// Whether the tensor is part of a published weight version
+    /// ([`crate::weights::WeightRegistry::publish`]): nobody may donate it any more.
+    pub fn is_published(&self) -> bool {
+        self.published.load(Ordering::Acquire)
+    }
+
+    /// Marks the tensor published (final).
+    pub(crate) fn mark_published(&self) {
+        self.published.store(true, Ordering::Release);
     }
 
     /// Element type and dims.

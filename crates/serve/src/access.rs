@@ -180,7 +180,11 @@ impl Access {
             repository_control: true,
             metrics: true,
             admin: true,
-            session: Some(SessionPolicy::default()),
+            // Without a tokens file the one tenant may do everything, publishing included.
+            session: Some(SessionPolicy {
+                publish_weights: true,
+                ..SessionPolicy::default()
+            }),
         });
         Access {
             tokens: RwLock::new(Arc::new(Tokens {

@@ -46,6 +46,8 @@ pub struct Batched {
     pub queued: Duration,
     /// How long the `infer` call took.
     pub compute: Duration,
+    /// The weight-set versions the batch's outputs were read from.
+    pub weights: std::sync::Arc<[tpubox_core::session::WeightTag]>,
 }
 
 impl Pending {

@@ -857,13 +857,24 @@ fn encode_response(resp: super::protocol::InferResponse) -> ModelInferResponse {
         });
         raw.push(t.data);
     }
+    let mut parameters = std::collections::HashMap::new();
+    if !resp.weights.is_empty() {
+        parameters.insert(
+            super::protocol::WEIGHT_VERSIONS_PARAMETER.to_string(),
+            InferParameter {
+                parameter_choice: Some(infer_parameter::ParameterChoice::StringParam(
+                    super::protocol::weight_versions_value(&resp.weights),
+                )),
+            },
+        );
+    }
     ModelInferResponse {
         model_name: resp.model_name,
         model_version: resp.model_version,
         id: resp.id.unwrap_or_default(),
         outputs,
         raw_output_contents: raw,
-        ..Default::default()
+        parameters,
     }
 }
 

@@ -257,6 +257,12 @@ impl Instance {
         self.outcome("infer", deadline, result.map(|r| r.map(tensors)))
     }
 
+    /// The weight-set versions of the tensors the guest read since the last call (what its
+    /// outputs came from), forgotten by this call.
+    pub fn take_weights_read(&self) -> Vec<tpubox_core::session::WeightTag> {
+        self.store.data().session().take_weights_read()
+    }
+
     /// Whether the component is a decoupled model (it exports `decoupled`).
     pub fn is_decoupled(&self) -> bool {
         self.decoupled.is_some()

@@ -379,6 +379,11 @@ impl Server {
                     id,
                     outputs: done.outputs,
                     shm_outputs: Vec::new(),
+                    weights: done
+                        .weights
+                        .iter()
+                        .map(|(n, v)| (n.to_string(), *v))
+                        .collect(),
                 };
                 self.shm
                     .write_outputs(admission.tenant(), &shm_outputs, &mut resp)?;
@@ -489,6 +494,7 @@ impl Server {
                             id: id.clone(),
                             outputs,
                             shm_outputs: Vec::new(),
+                            weights: Vec::new(),
                         };
                         (Ok(Some(resp)), false, true)
                     }
@@ -581,11 +587,21 @@ impl Server {
     /// The metrics text.
     pub fn metrics_text(&self) -> String {
         let cache = self.device.cache().map(|c| c.stats());
+        let (host_to_device_bytes, device_to_host_bytes) = self.device.transferred_bytes();
+        let (live_bytes, peak_live_bytes) = tpubox_core::types::live_device_bytes();
+        let device = metrics::DeviceStats {
+            host_to_device_bytes,
+            device_to_host_bytes,
+            live_bytes,
+            peak_live_bytes,
+            published: self.sessions.weights().published_usages(),
+        };
         self.metrics.render(
             &self.ready_models(),
             cache,
             &self.sessions.tenants(),
             &self.sessions.budgets(),
+            &device,
         )
     }
 

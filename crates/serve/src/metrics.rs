@@ -34,6 +34,10 @@ pub struct Metrics {
     instances: IntGaugeVec,
     stream_responses: IntCounterVec,
     streams_cancelled: IntCounterVec,
+    transfers: IntCounterVec,
+    live_bytes: IntGaugeVec,
+    published_bytes: IntGaugeVec,
+    published_versions: IntGaugeVec,
     /// What the tenants of replaced or unloaded models had counted when they were dropped, by
     /// tenant name (`model:NAME`): added to the live model's, so a reload does not reset the
     /// per-tenant counters.
@@ -59,6 +63,23 @@ fn gauge(r: &Registry, name: &str, help: &str, labels: &[&str]) -> IntGaugeVec {
     let g = IntGaugeVec::new(Opts::new(name, help), labels).expect("a valid metric");
     r.register(Box::new(g.clone())).expect("a unique metric");
     g
+}
+
+/// What the device service and the weight registry counted, for [`Metrics::render`].
+#[derive(Debug, Clone, Default)]
+pub struct DeviceStats {
+    /// Tensor bytes copied host → device so far
+    /// ([`DeviceService::transferred_bytes`](tpubox_core::DeviceService::transferred_bytes)).
+    pub host_to_device_bytes: u64,
+    /// Tensor bytes copied device → host so far.
+    pub device_to_host_bytes: u64,
+    /// Dense bytes of the device buffers held now, and the most at once
+    /// ([`tpubox_core::types::live_device_bytes`]).
+    pub live_bytes: u64,
+    /// See `live_bytes`.
+    pub peak_live_bytes: u64,
+    /// Each publishing tenant's ledger.
+    pub published: Vec<(String, tpubox_core::weights::PublishedUsage)>,
 }
 
 /// One request's numbers, for [`Metrics::record`].
@@ -179,6 +200,30 @@ impl Metrics {
                 "Streams a decoupled model stopped before their end: the client went away, or took no response for tpubox.decoupled.stall_seconds",
                 &["model", "reason"],
             ),
+            transfers: counter(
+                &r,
+                "tpubox_transfer_bytes_total",
+                "Tensor bytes the daemon copied between host and device, by direction (host_to_device: uploads, inline arguments, weight files; device_to_host: reads, fetched results, served outputs)",
+                &["direction"],
+            ),
+            live_bytes: gauge(
+                &r,
+                "tpubox_device_live_bytes",
+                "Dense bytes of every device buffer the daemon holds (sessions, models, weight sets, published versions, outputs in flight); `peak` is the most at once since start",
+                &["at"],
+            ),
+            published_bytes: gauge(
+                &r,
+                "tpubox_published_weight_bytes",
+                "Device bytes of a tenant's live published weight versions (its ledger, against max-published-bytes)",
+                &["tenant"],
+            ),
+            published_versions: gauge(
+                &r,
+                "tpubox_published_weight_versions",
+                "A tenant's live published weight versions (against max-published-versions)",
+                &["tenant"],
+            ),
             retired: Default::default(),
             refused: counter(
                 &r,
@@ -275,14 +320,40 @@ impl Metrics {
         self.refused.with_label_values(&[tenant, limit]).inc();
     }
 
-    /// The text exposition, with gauges read now from `models` and `cache`.
+    /// The text exposition, with gauges read now from `models`, `cache` and `device`.
     pub fn render(
         &self,
         models: &[std::sync::Arc<Model>],
         cache: Option<CacheStats>,
         sessions: &[(String, u32, TenantUsage)],
         budgets: &[(String, TenantUsage)],
+        device: &DeviceStats,
     ) -> String {
+        for (direction, n) in [
+            ("host_to_device", device.host_to_device_bytes),
+            ("device_to_host", device.device_to_host_bytes),
+        ] {
+            let m = self.transfers.with_label_values(&[direction]);
+            m.reset();
+            m.inc_by(n);
+        }
+        self.live_bytes
+            .with_label_values(&["now"])
+            .set(device.live_bytes as i64);
+        self.live_bytes
+            .with_label_values(&["peak"])
+            .set(device.peak_live_bytes as i64);
+        // Tenants whose versions are all freed drop out.
+        self.published_bytes.reset();
+        self.published_versions.reset();
+        for (tenant, u) in &device.published {
+            self.published_bytes
+                .with_label_values(&[tenant])
+                .set(u.bytes as i64);
+            self.published_versions
+                .with_label_values(&[tenant])
+                .set(u.versions as i64);
+        }
         // Per-tenant totals: the session tenants' budgets and the models' tenants, copied at
         // each scrape from the counters the tenants keep.
         let retired = self

@@ -19,6 +19,7 @@ use super::protocol::{Datatype, InferRequest, Tensor};
 use super::sequence::Sequencer;
 use super::stablehlo::{NativeInstance, Plan};
 use tpubox_core::device::DeviceService;
+use tpubox_core::session::WeightTag;
 use tpubox_core::tenant::Tenant;
 use tpubox_core::weights::WeightRegistry;
 use tpubox_wasm::sandbox::{RunOptions, Sandbox};
@@ -65,6 +66,9 @@ pub struct Inferred {
     pub queued: Duration,
     /// Time of the `infer` call it was part of.
     pub compute: Duration,
+    /// The weight-set versions its outputs were read from (sorted; empty for a model that
+    /// uses no weight set).
+    pub weights: Arc<[WeightTag]>,
 }
 
 /// Everything a model needs from the server to load.
@@ -265,6 +269,13 @@ impl Runner {
         match self {
             Runner::Guest(i) => i.infer(inputs).await,
             Runner::Native(i) => i.infer(inputs).await,
+        }
+    }
+
+    fn take_weights_read(&self) -> Arc<[WeightTag]> {
+        match self {
+            Runner::Guest(i) => i.take_weights_read().into(),
+            Runner::Native(i) => i.take_weights_read().into(),
         }
     }
 }
@@ -653,6 +664,7 @@ impl Model {
                 outputs,
                 queued,
                 compute,
+                weights,
             }) => {
                 s.success.fetch_add(1, Ordering::Relaxed);
                 s.success_ns.fetch_add(ns, Ordering::Relaxed);
@@ -679,6 +691,7 @@ impl Model {
                     items: batch,
                     queued,
                     compute,
+                    weights,
                 })
             }
             Err(e) => {
@@ -837,7 +850,12 @@ fn check_declared(config: &ModelConfig, m: &GuestMetadata) -> Result<()> {
 }
 
 /// Sends each request of `batch` its part of the outputs.
-fn reply(batch: Vec<Pending>, parts: Vec<Vec<Tensor>>, compute: Duration) {
+fn reply(
+    batch: Vec<Pending>,
+    parts: Vec<Vec<Tensor>>,
+    compute: Duration,
+    weights: &Arc<[WeightTag]>,
+) {
     let now = Instant::now();
     for (p, outputs) in batch.into_iter().zip(parts) {
         let queued = now
@@ -847,6 +865,7 @@ fn reply(batch: Vec<Pending>, parts: Vec<Vec<Tensor>>, compute: Duration) {
             outputs,
             queued,
             compute,
+            weights: Arc::clone(weights),
         }));
     }
 }
@@ -933,7 +952,7 @@ impl Worker {
                 self.replaced();
             }
             match outcome {
-                Ok(parts) => reply(batch, parts, compute),
+                Ok((parts, weights)) => reply(batch, parts, compute, &weights),
                 // One request the guest refused would fail every request merged with it: run
                 // them one by one, so only the bad one fails.
                 Err(e) if e.kind == ServeErrorKind::BadRequest && batch.len() > 1 => {
@@ -949,7 +968,7 @@ impl Worker {
                             self.replaced();
                         }
                         match outcome {
-                            Ok(parts) => reply(vec![p], parts, compute),
+                            Ok((parts, weights)) => reply(vec![p], parts, compute, &weights),
                             Err(e) => {
                                 let _ = p.reply.send(Err(e));
                             }
@@ -1218,13 +1237,18 @@ impl Worker {
         &self,
         inst: &mut Runner,
         batch: &[Pending],
-    ) -> (ServeResult<Vec<Vec<Tensor>>>, Duration, bool) {
+    ) -> (
+        ServeResult<(Vec<Vec<Tensor>>, Arc<[WeightTag]>)>,
+        Duration,
+        bool,
+    ) {
         let sizes: Vec<u64> = batch.iter().map(|p| p.batch).collect();
         let started = Instant::now();
         let inputs = merge(batch);
         self.stats.execution_count.fetch_add(1, Ordering::Relaxed);
         self.ctx.metrics.executed(&self.name);
         let result = inst.infer(inputs).await;
+        let weights = inst.take_weights_read();
         let compute = started.elapsed();
         {
             let mut b = self.stats.batches.lock().unwrap();
@@ -1234,7 +1258,9 @@ impl Worker {
         }
         match result {
             Ok(outputs) => (
-                self.check_outputs(outputs).and_then(|o| split(o, &sizes)),
+                self.check_outputs(outputs)
+                    .and_then(|o| split(o, &sizes))
+                    .map(|parts| (parts, weights)),
                 compute,
                 false,
             ),

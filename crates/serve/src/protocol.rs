@@ -364,6 +364,25 @@ pub struct InferResponse {
     /// Outputs written to shared memory: their name and the slice, `byte_size` the bytes
     /// written.
     pub shm_outputs: Vec<(String, ShmRef)>,
+    /// The weight-set versions the outputs were computed from (set name, version), sent as
+    /// the response parameter [`WEIGHT_VERSIONS_PARAMETER`] when not empty.
+    pub weights: Vec<(String, u64)>,
+}
+
+/// The response parameter naming the weight-set versions a response was computed from: a
+/// string holding a JSON list of `{"name": SET, "version": N}`, sorted by name (a set named
+/// twice means the model read two versions of it in one call).
+pub const WEIGHT_VERSIONS_PARAMETER: &str = "tpubox_weight_versions";
+
+/// The value of [`WEIGHT_VERSIONS_PARAMETER`] for `weights`.
+pub fn weight_versions_value(weights: &[(String, u64)]) -> String {
+    Value::Array(
+        weights
+            .iter()
+            .map(|(name, version)| json!({"name": name, "version": version}))
+            .collect(),
+    )
+    .to_string()
 }
 
 // --- JSON -------------------------------------------------------------------------------------
@@ -567,6 +586,10 @@ pub fn response_to_json(resp: &InferResponse, req: &InferRequest) -> (Vec<u8>, V
     });
     if let Some(id) = &resp.id {
         v["id"] = json!(id);
+    }
+    if !resp.weights.is_empty() {
+        v["parameters"] =
+            json!({ WEIGHT_VERSIONS_PARAMETER: weight_versions_value(&resp.weights) });
     }
     (serde_json::to_vec(&v).unwrap_or_default(), binary)
 }

@@ -486,6 +486,12 @@ pub struct NativeInstance {
 }
 
 impl NativeInstance {
+    /// The weight-set versions of the tensors read since the last call (the outputs' sets),
+    /// forgotten by this call.
+    pub fn take_weights_read(&self) -> Vec<tpubox_core::session::WeightTag> {
+        self.session.take_weights_read()
+    }
+
     /// A new instance: a session of `tenant`, the plan's programs compiled and checked in it
     /// (tier 1 of the compile cache serves every instance after the first), the weights of
     /// the set [`Plan::weight_set`] (already loaded) opened read-only.

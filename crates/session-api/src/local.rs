@@ -32,7 +32,8 @@
 //! - `{"op": "wait", "token": SESSION_TOKEN, "tensors": [..], "all": false}` → `{"ok": {}}`,
 //!   as `Wait`;
 //!
-//! where `TENSOR_INFO` is `{"handle", "dtype", "dims", "device", "byte_size", "read_only"}`,
+//! where `TENSOR_INFO` is `{"handle", "dtype", "dims", "device", "byte_size", "read_only",
+//! "weights"}` (`weights`: `[{"name", "version"}, ..]`, as `TensorInfo.weights`),
 //! and a failure is `{"error": {"kind": KIND, "message": ...}}` with the kinds of the gRPC API.
 //! A connection may carry any number of requests, one after another.
 //!
@@ -242,6 +243,11 @@ fn info(handle: u64, t: &TensorHandle) -> Value {
         "device": t.device(),
         "byte_size": t.byte_size(),
         "read_only": t.is_read_only(),
+        "weights": t
+            .weight_versions()
+            .iter()
+            .map(|(name, version)| json!({"name": &**name, "version": version}))
+            .collect::<Vec<_>>(),
     })
 }
 

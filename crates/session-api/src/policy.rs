@@ -47,6 +47,15 @@ pub struct SessionPolicy {
     /// slots at once (default: one fewer than the device has, at least 1, so that one tenant
     /// cannot hold every slot while another waits).
     pub tenant_max_running_executions: Option<u64>,
+    /// The tenant's sessions (and the guests they run) may publish weight versions from
+    /// device tensors they hold (default false; [`tpubox_core::weights`]).
+    #[serde(default)]
+    pub publish_weights: bool,
+    /// Device memory of the tenant's live published versions, all its sessions together and
+    /// outliving them, in MiB (default: `max_device_mib`'s value). Only with `publish_weights`.
+    pub max_published_mib: Option<u64>,
+    /// Live published versions of the tenant (default 8). Only with `publish_weights`.
+    pub max_published_versions: Option<u64>,
 }
 
 fn default_max_sessions() -> u32 {
@@ -69,6 +78,9 @@ impl Default for SessionPolicy {
             trusted: false,
             tenant_max_device_mib: None,
             tenant_max_running_executions: None,
+            publish_weights: false,
+            max_published_mib: None,
+            max_published_versions: None,
         }
     }
 }
@@ -149,6 +161,12 @@ impl SessionPolicy {
             trusted: self.trusted,
             ..ProgramPolicy::default()
         };
+        if self.publish_weights {
+            t.max_published_bytes = self.max_published_mib.map_or(t.max_device_bytes, mib);
+            if let Some(n) = self.max_published_versions {
+                t.max_published_versions = n;
+            }
+        }
         SessionLimits {
             tenant: t,
             idle_timeout: self
@@ -193,6 +211,19 @@ impl SessionPolicy {
             if v.is_some_and(|s| !(s.is_finite() && s > 0.0)) {
                 return Err(format!("{name} must be a positive number of seconds"));
             }
+        }
+        if !self.publish_weights
+            && (self.max_published_mib.is_some() || self.max_published_versions.is_some())
+        {
+            return Err(
+                "max_published_mib and max_published_versions need publish_weights = true".into(),
+            );
+        }
+        if self.publish_weights && self.max_published_mib == Some(0) {
+            return Err(
+                "max_published_mib must be at least 1 (set publish_weights = false to forbid publishing)"
+                    .into(),
+            );
         }
         if self.tenant_max_running_executions == Some(0) {
             return Err("tenant_max_running_executions must be at least 1".into());

@@ -971,6 +971,8 @@ pub fn add_usage(a: &mut TenantUsage, b: &TenantUsage) {
     a.executions_running += b.executions_running;
     a.transfer_bytes += b.transfer_bytes;
     a.pending_launches += b.pending_launches;
+    a.host_to_device_bytes += b.host_to_device_bytes;
+    a.device_to_host_bytes += b.device_to_host_bytes;
 }
 
 /// Ends idle sessions once a second while `registry` is alive.

@@ -389,6 +389,36 @@ impl weights::Host for DeviceState {
         let set = self.session.open_weights(&name)?;
         self.push(GuestWeightSet(set))
     }
+
+    async fn open_version(
+        &mut self,
+        name: String,
+        version: u64,
+    ) -> HostResult<Resource<GuestWeightSet>> {
+        let set = self.session.open_weights_version(&name, Some(version))?;
+        self.push(GuestWeightSet(set))
+    }
+
+    async fn versions(&mut self, name: String) -> HostResult<(u64, Vec<u64>)> {
+        Ok(self.session.weight_versions(&name)?)
+    }
+
+    async fn publish(
+        &mut self,
+        name: String,
+        tensors: Vec<(String, Resource<TensorHandle>)>,
+        readers: Vec<String>,
+    ) -> HostResult<u64> {
+        let mut named = Vec::with_capacity(tensors.len());
+        for (tname, r) in &tensors {
+            named.push((tname.clone(), self.table.get(r)?));
+        }
+        let set = self
+            .session
+            .publish_weights(&name, &named, &readers)
+            .await?;
+        Ok(set.version())
+    }
 }
 
 impl weights::HostWeightSet for DeviceState {
@@ -413,6 +443,10 @@ impl weights::HostWeightSet for DeviceState {
         let set = Arc::clone(&self.table.get(&r)?.0);
         let t = self.session.weight(&set, &name)?;
         self.push(t)
+    }
+
+    async fn version(&mut self, r: Resource<GuestWeightSet>) -> wasmtime::Result<u64> {
+        Ok(self.table.get(&r)?.0.version())
     }
 
     async fn drop(&mut self, r: Resource<GuestWeightSet>) -> wasmtime::Result<()> {

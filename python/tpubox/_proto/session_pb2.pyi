@@ -51,7 +51,7 @@ class TensorSpec(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_device_bytes", "max_live_tensors", "max_live_executables", "max_program_bytes", "max_compiles_per_minute", "max_call_seconds", "max_guest_memory_bytes", "idle_timeout_seconds", "max_pending_launches")
+    __slots__ = ("max_device_bytes", "max_live_tensors", "max_live_executables", "max_program_bytes", "max_compiles_per_minute", "max_call_seconds", "max_guest_memory_bytes", "idle_timeout_seconds", "max_pending_launches", "max_published_bytes", "max_published_versions")
     MAX_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_LIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
     MAX_LIVE_EXECUTABLES_FIELD_NUMBER: _ClassVar[int]
@@ -61,6 +61,8 @@ class Limits(_message.Message):
     MAX_GUEST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_LAUNCHES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PUBLISHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    MAX_PUBLISHED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     max_device_bytes: int
     max_live_tensors: int
     max_live_executables: int
@@ -70,7 +72,9 @@ class Limits(_message.Message):
     max_guest_memory_bytes: int
     idle_timeout_seconds: float
     max_pending_launches: int
-    def __init__(self, max_device_bytes: _Optional[int] = ..., max_live_tensors: _Optional[int] = ..., max_live_executables: _Optional[int] = ..., max_program_bytes: _Optional[int] = ..., max_compiles_per_minute: _Optional[int] = ..., max_call_seconds: _Optional[float] = ..., max_guest_memory_bytes: _Optional[int] = ..., idle_timeout_seconds: _Optional[float] = ..., max_pending_launches: _Optional[int] = ...) -> None: ...
+    max_published_bytes: int
+    max_published_versions: int
+    def __init__(self, max_device_bytes: _Optional[int] = ..., max_live_tensors: _Optional[int] = ..., max_live_executables: _Optional[int] = ..., max_program_bytes: _Optional[int] = ..., max_compiles_per_minute: _Optional[int] = ..., max_call_seconds: _Optional[float] = ..., max_guest_memory_bytes: _Optional[int] = ..., idle_timeout_seconds: _Optional[float] = ..., max_pending_launches: _Optional[int] = ..., max_published_bytes: _Optional[int] = ..., max_published_versions: _Optional[int] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("limits", "end_on_disconnect", "label")
@@ -189,18 +193,28 @@ class PutTensorChunk(_message.Message):
     def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., device: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class TensorInfo(_message.Message):
-    __slots__ = ("handle", "spec", "device", "byte_size", "read_only")
+    __slots__ = ("handle", "spec", "device", "byte_size", "read_only", "weights")
     HANDLE_FIELD_NUMBER: _ClassVar[int]
     SPEC_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
     READ_ONLY_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_FIELD_NUMBER: _ClassVar[int]
     handle: int
     spec: TensorSpec
     device: int
     byte_size: int
     read_only: bool
-    def __init__(self, handle: _Optional[int] = ..., spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., device: _Optional[int] = ..., byte_size: _Optional[int] = ..., read_only: bool = ...) -> None: ...
+    weights: _containers.RepeatedCompositeFieldContainer[WeightVersion]
+    def __init__(self, handle: _Optional[int] = ..., spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., device: _Optional[int] = ..., byte_size: _Optional[int] = ..., read_only: bool = ..., weights: _Optional[_Iterable[_Union[WeightVersion, _Mapping]]] = ...) -> None: ...
+
+class WeightVersion(_message.Message):
+    __slots__ = ("name", "version")
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class GetTensorRequest(_message.Message):
     __slots__ = ("handle", "chunk_bytes")
@@ -371,13 +385,15 @@ class SetLaunchBlockingResponse(_message.Message):
     def __init__(self, blocking: bool = ...) -> None: ...
 
 class OpenWeightsRequest(_message.Message):
-    __slots__ = ("name",)
+    __slots__ = ("name", "version")
     NAME_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     name: str
-    def __init__(self, name: _Optional[str] = ...) -> None: ...
+    version: int
+    def __init__(self, name: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class OpenWeightsResponse(_message.Message):
-    __slots__ = ("tensors",)
+    __slots__ = ("tensors", "version")
     class Entry(_message.Message):
         __slots__ = ("name", "tensor")
         NAME_FIELD_NUMBER: _ClassVar[int]
@@ -386,8 +402,59 @@ class OpenWeightsResponse(_message.Message):
         tensor: TensorInfo
         def __init__(self, name: _Optional[str] = ..., tensor: _Optional[_Union[TensorInfo, _Mapping]] = ...) -> None: ...
     TENSORS_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
     tensors: _containers.RepeatedCompositeFieldContainer[OpenWeightsResponse.Entry]
-    def __init__(self, tensors: _Optional[_Iterable[_Union[OpenWeightsResponse.Entry, _Mapping]]] = ...) -> None: ...
+    version: int
+    def __init__(self, tensors: _Optional[_Iterable[_Union[OpenWeightsResponse.Entry, _Mapping]]] = ..., version: _Optional[int] = ...) -> None: ...
+
+class PublishWeightsRequest(_message.Message):
+    __slots__ = ("name", "tensors", "readers")
+    class Entry(_message.Message):
+        __slots__ = ("name", "handle")
+        NAME_FIELD_NUMBER: _ClassVar[int]
+        HANDLE_FIELD_NUMBER: _ClassVar[int]
+        name: str
+        handle: int
+        def __init__(self, name: _Optional[str] = ..., handle: _Optional[int] = ...) -> None: ...
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    TENSORS_FIELD_NUMBER: _ClassVar[int]
+    READERS_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    tensors: _containers.RepeatedCompositeFieldContainer[PublishWeightsRequest.Entry]
+    readers: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, name: _Optional[str] = ..., tensors: _Optional[_Iterable[_Union[PublishWeightsRequest.Entry, _Mapping]]] = ..., readers: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PublishWeightsResponse(_message.Message):
+    __slots__ = ("version", "byte_size")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    byte_size: int
+    def __init__(self, version: _Optional[int] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class WeightVersionsRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class WeightVersionsResponse(_message.Message):
+    __slots__ = ("latest", "held")
+    LATEST_FIELD_NUMBER: _ClassVar[int]
+    HELD_FIELD_NUMBER: _ClassVar[int]
+    latest: int
+    held: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, latest: _Optional[int] = ..., held: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class UnpublishWeightsRequest(_message.Message):
+    __slots__ = ("name",)
+    NAME_FIELD_NUMBER: _ClassVar[int]
+    name: str
+    def __init__(self, name: _Optional[str] = ...) -> None: ...
+
+class UnpublishWeightsResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
 
 class RunComponentRequest(_message.Message):
     __slots__ = ("wasm", "name", "args", "stdin", "timeout_seconds")
@@ -427,7 +494,7 @@ class UsageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class UsageResponse(_message.Message):
-    __slots__ = ("device_bytes", "peak_device_bytes", "live_tensors", "live_executables", "compiles", "executions", "device_seconds", "refused", "pending_launches", "executions_running", "transfer_bytes", "peak_live_tensors")
+    __slots__ = ("device_bytes", "peak_device_bytes", "live_tensors", "live_executables", "compiles", "executions", "device_seconds", "refused", "pending_launches", "executions_running", "transfer_bytes", "peak_live_tensors", "host_to_device_bytes", "device_to_host_bytes", "published_bytes", "published_versions")
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -440,6 +507,10 @@ class UsageResponse(_message.Message):
     EXECUTIONS_RUNNING_FIELD_NUMBER: _ClassVar[int]
     TRANSFER_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_LIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
+    HOST_TO_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_TO_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_BYTES_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     device_bytes: int
     peak_device_bytes: int
     live_tensors: int
@@ -452,7 +523,11 @@ class UsageResponse(_message.Message):
     executions_running: int
     transfer_bytes: int
     peak_live_tensors: int
-    def __init__(self, device_bytes: _Optional[int] = ..., peak_device_bytes: _Optional[int] = ..., live_tensors: _Optional[int] = ..., live_executables: _Optional[int] = ..., compiles: _Optional[int] = ..., executions: _Optional[int] = ..., device_seconds: _Optional[float] = ..., refused: _Optional[int] = ..., pending_launches: _Optional[int] = ..., executions_running: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., peak_live_tensors: _Optional[int] = ...) -> None: ...
+    host_to_device_bytes: int
+    device_to_host_bytes: int
+    published_bytes: int
+    published_versions: int
+    def __init__(self, device_bytes: _Optional[int] = ..., peak_device_bytes: _Optional[int] = ..., live_tensors: _Optional[int] = ..., live_executables: _Optional[int] = ..., compiles: _Optional[int] = ..., executions: _Optional[int] = ..., device_seconds: _Optional[float] = ..., refused: _Optional[int] = ..., pending_launches: _Optional[int] = ..., executions_running: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., peak_live_tensors: _Optional[int] = ..., host_to_device_bytes: _Optional[int] = ..., device_to_host_bytes: _Optional[int] = ..., published_bytes: _Optional[int] = ..., published_versions: _Optional[int] = ...) -> None: ...
 
 class TenantUsageRequest(_message.Message):
     __slots__ = ()

@@ -99,6 +99,21 @@ class SessionStub(object):
                 request_serializer=tpubox_dot___proto_dot_session__pb2.OpenWeightsRequest.SerializeToString,
                 response_deserializer=tpubox_dot___proto_dot_session__pb2.OpenWeightsResponse.FromString,
                 _registered_method=True)
+        self.PublishWeights = channel.unary_unary(
+                '/tpubox.v1.Session/PublishWeights',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.PublishWeightsRequest.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.PublishWeightsResponse.FromString,
+                _registered_method=True)
+        self.WeightVersions = channel.unary_unary(
+                '/tpubox.v1.Session/WeightVersions',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.WeightVersionsRequest.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.WeightVersionsResponse.FromString,
+                _registered_method=True)
+        self.UnpublishWeights = channel.unary_unary(
+                '/tpubox.v1.Session/UnpublishWeights',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.UnpublishWeightsRequest.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.UnpublishWeightsResponse.FromString,
+                _registered_method=True)
         self.RunComponent = channel.unary_stream(
                 '/tpubox.v1.Session/RunComponent',
                 request_serializer=tpubox_dot___proto_dot_session__pb2.RunComponentRequest.SerializeToString,
@@ -233,8 +248,43 @@ class SessionServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def OpenWeights(self, request, context):
-        """Opens a weight set the daemon holds (`tpubox serve --weights NAME=FILE`): one read-only
-        handle per tensor, charged to nobody but counted as live tensors.
+        """Opens a version of a weight set: one the daemon loaded (`tpubox serve --weights
+        NAME=FILE`) or one a tenant published for this session's tenant. One read-only handle per
+        tensor, charged to nobody but counted as live tensors; the handles keep that version alive
+        (a version is freed once no reader holds it and a newer one exists). Errors: NOT_FOUND for
+        a name this tenant may not see (as for one nobody used) and for a version not held.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def PublishWeights(self, request, context):
+        """Publishes tensors this session holds as the next version of a named weight set, without
+        copying them (on the device or to the host): the version shares their device buffers,
+        which become read-only for everyone (donating one is PERMISSION_DENIED). Outputs of
+        launches are waited for first. The version is charged to the tenant's publish ledger,
+        which outlives its sessions, until it is freed. Errors: PERMISSION_DENIED (the tenant may
+        not publish: `publish_weights` in its [tenant.session] table; a name the daemon loaded or
+        another tenant published), RESOURCE_EXHAUSTED (`max-published-bytes`,
+        `max-published-versions`), FAILED_PRECONDITION (a donated tensor), NOT_FOUND (an unknown
+        handle), INVALID_ARGUMENT (no tensors, a name empty, over 256 bytes or given twice).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WeightVersions(self, request, context):
+        """The latest version of a weight set and the versions held now (cheap: for a reader polling
+        for a new version). Errors: NOT_FOUND as OpenWeights.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UnpublishWeights(self, request, context):
+        """Ends a weight set this session's tenant published: the daemon lets go of its latest
+        version (readers keep what they hold; a later publish continues the numbering). Errors:
+        NOT_FOUND, PERMISSION_DENIED (a set the daemon loaded or another tenant published).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -330,6 +380,21 @@ def add_SessionServicer_to_server(servicer, server):
                     servicer.OpenWeights,
                     request_deserializer=tpubox_dot___proto_dot_session__pb2.OpenWeightsRequest.FromString,
                     response_serializer=tpubox_dot___proto_dot_session__pb2.OpenWeightsResponse.SerializeToString,
+            ),
+            'PublishWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.PublishWeights,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.PublishWeightsRequest.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.PublishWeightsResponse.SerializeToString,
+            ),
+            'WeightVersions': grpc.unary_unary_rpc_method_handler(
+                    servicer.WeightVersions,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.WeightVersionsRequest.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.WeightVersionsResponse.SerializeToString,
+            ),
+            'UnpublishWeights': grpc.unary_unary_rpc_method_handler(
+                    servicer.UnpublishWeights,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.UnpublishWeightsRequest.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.UnpublishWeightsResponse.SerializeToString,
             ),
             'RunComponent': grpc.unary_stream_rpc_method_handler(
                     servicer.RunComponent,
@@ -698,6 +763,87 @@ class Session(object):
             '/tpubox.v1.Session/OpenWeights',
             tpubox_dot___proto_dot_session__pb2.OpenWeightsRequest.SerializeToString,
             tpubox_dot___proto_dot_session__pb2.OpenWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PublishWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpubox.v1.Session/PublishWeights',
+            tpubox_dot___proto_dot_session__pb2.PublishWeightsRequest.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.PublishWeightsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WeightVersions(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpubox.v1.Session/WeightVersions',
+            tpubox_dot___proto_dot_session__pb2.WeightVersionsRequest.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.WeightVersionsResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UnpublishWeights(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpubox.v1.Session/UnpublishWeights',
+            tpubox_dot___proto_dot_session__pb2.UnpublishWeightsRequest.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.UnpublishWeightsResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -10,6 +10,9 @@
 //! - `donate`: donates a tensor and checks it can no longer be used.
 //! - `weights`: opens the host's weight set `test` (tensor `w`: `f32[2,2]`) and checks names,
 //!   specs, reads, use in an execution and that donating a weight is refused.
+//! - `publish`: publishes a tensor as weight set `pub` twice (WIT `weights.publish`), holds
+//!   version 1 while 2 is the latest, reads both, and checks a published tensor cannot be
+//!   donated; stops after the first line when the host refuses to publish.
 //! - `noop`: returns at once (for timing instantiation).
 //! - `exec-loop N`: executes a scalar add N times with inputs kept on the device and prints the
 //!   guest-measured time (for the per-call benchmark).
@@ -256,6 +259,54 @@ fn weights() {
     );
 }
 
+fn publish() {
+    use tpubox_guest::weights::{self, WeightSet};
+    let a = Tensor::from_slice(&[1.0f32, 2.0, 3.0, 4.0], &[2, 2]).unwrap();
+    match weights::publish("pub", &[("w", &a)], &["*"]) {
+        Ok(v) => println!("publish-1: {v}"),
+        Err(e) => {
+            println!("publish-1: {} ({})", e.kind().name(), e.message());
+            return;
+        }
+    }
+    let v1 = WeightSet::open("pub").expect("the guest reads its own set");
+    println!("opened: {}", v1.version());
+    let b = Tensor::from_slice(&[10.0f32, 20.0, 30.0, 40.0], &[2, 2]).unwrap();
+    println!(
+        "publish-2: {}",
+        weights::publish("pub", &[("w", &b)], &["*"]).unwrap()
+    );
+    let (latest, held) = weights::versions("pub").unwrap();
+    println!("versions: {latest} {held:?}");
+    let old = WeightSet::open_version("pub", 1).unwrap();
+    println!(
+        "read-v1: {:?}",
+        old.get("w").unwrap().to_vec::<f32>().unwrap()
+    );
+    let new = WeightSet::open("pub").unwrap();
+    println!(
+        "read-latest: {} {:?}",
+        new.version(),
+        new.get("w").unwrap().to_vec::<f32>().unwrap()
+    );
+    drop((v1, old));
+    let (latest, held) = weights::versions("pub").unwrap();
+    println!("versions-after-drop: {latest} {held:?}");
+    report(
+        "open-freed",
+        WeightSet::open_version("pub", 1).map_err(types::Error::from),
+    );
+    let exe = compile_mlir(ADD).expect("ADD compiles");
+    report(
+        "donate-published",
+        client::execute(exe.as_raw(), &[a.as_raw(), b.as_raw()], &[0]),
+    );
+    let sum = exe
+        .call(&[&a, &b])
+        .expect("published tensors can be arguments");
+    println!("a-plus-b: {:?}", sum[0].to_vec::<f32>().unwrap());
+}
+
 fn main() {
     let args: Vec<String> = std::env::args().collect();
     match args.get(1).map(String::as_str) {
@@ -282,6 +333,7 @@ fn main() {
         Some("errors") => errors(),
         Some("noop") => {}
         Some("weights") => weights(),
+        Some("publish") => publish(),
         Some("exec-loop") => match args.get(2).and_then(|n| n.parse().ok()) {
             Some(n) => exec_loop(n),
             None => {
@@ -295,7 +347,7 @@ fn main() {
         Some("launch") if args.len() >= 3 => launch::run(&args[2], args.get(3).map(String::as_str)),
         _ => {
             eprintln!(
-                "usage: probe env|read PATH|loop|alloc MIB|errors|check NAME|abuse NAME [ARG]|launch NAME [ARG]|donate|weights|noop|exec-loop N"
+                "usage: probe env|read PATH|loop|alloc MIB|errors|check NAME|abuse NAME [ARG]|launch NAME [ARG]|donate|weights|publish|noop|exec-loop N"
             );
             std::process::exit(2);
         }
