@@ -14,7 +14,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 from conftest import ALICE, BOB, BUDGET, EXITS, FEW, NO_SESSIONS, SMALL
-from tpubox_daemon import Daemon, binary
+from tpubox_daemon import Daemon, binary, wait_until
 
 import tpubox
 
@@ -25,16 +25,6 @@ func.func @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf32> {
 }
 """
 
-
-def wait_until(pred, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout} s (last: {v!r})")
-        time.sleep(0.05)
 
 
 def test_open_info_usage(alice, daemon):

@@ -23,6 +23,20 @@ READY_TIMEOUT = 60.0
 DRAIN_SECONDS = 5
 
 
+def wait_until(pred, timeout: float = 10.0, what: str = "condition", every: float = 0.02):
+    """Polls PRED every EVERY seconds until it returns something true, and returns that;
+    AssertionError naming WHAT (and PRED's last value) after TIMEOUT seconds. The bound only
+    keeps a broken daemon from hanging a suite; no test asserts a duration with it."""
+    deadline = time.monotonic() + timeout
+    while True:
+        v = pred()
+        if v:
+            return v
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what} not reached in {timeout} s (last: {v!r})")
+        time.sleep(every)
+
+
 def target_dir() -> Path:
     t = Path(os.environ.get("CARGO_TARGET_DIR") or "target")
     return t if t.is_absolute() else REPO / t

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import re
 from dataclasses import dataclass, field, fields
-from typing import Any, Mapping
+from typing import Any, Iterator, Mapping
 
 import numpy as np
 
@@ -189,6 +189,10 @@ class WeightVersions:
 
     latest: int
     held: tuple[int, ...]
+
+    def __iter__(self) -> Iterator[Any]:
+        """``latest, held = s.weight_versions(name)``."""
+        return iter((self.latest, self.held))
 
 
 @dataclass(frozen=True)

@@ -89,16 +89,6 @@ def usage(daemon, token):
     return tpubox.tenant_usage(daemon.unix, token)
 
 
-def wait_until(pred, timeout=10.0, what="condition"):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout} s (last: {v!r})")
-        time.sleep(0.1)
-
 
 def test_kernelspecs(kernelspecs, daemon):
     a = kernel_spec_json(kernelspecs["alice"])

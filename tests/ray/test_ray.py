@@ -20,6 +20,7 @@ import ray
 
 import tpubox
 import tpubox.ray
+from tpubox_daemon import wait_until  # python/tests, on sys.path by conftest.py
 
 ADD = """
 func.func @main(%a: tensor<2x2xf32>, %b: tensor<2x2xf32>) -> tensor<2x2xf32> {
@@ -100,16 +101,6 @@ def is_loopback(addr: str) -> bool:
         ip = ip.ipv4_mapped
     return ip.is_loopback
 
-
-def wait_until(pred, timeout: float, what: str):
-    deadline = time.monotonic() + timeout
-    while True:
-        v = pred()
-        if v:
-            return v
-        if time.monotonic() > deadline:
-            raise AssertionError(f"{what} not reached in {timeout} s (last: {v!r})")
-        time.sleep(0.02)
 
 
 def expected(i: int) -> list:
