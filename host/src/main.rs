@@ -783,8 +783,8 @@ async fn run(args: RunArgs) -> Result<bool> {
         max_pending_launches: args.max_pending_launches,
         // One guest per run: nobody of its own to share the slots with.
         max_running_executions: u64::MAX,
-        // The guest owns this host: it may publish weight versions (for itself to read).
-        max_published_bytes: args.max_device_mib << 20,
+        // Publishing weight versions is for sessions and guests of a daemon (`tpubox serve`).
+        max_published_bytes: 0,
         max_published_versions: tpubox_core::tenant::DEFAULT_MAX_PUBLISHED_VERSIONS,
     };
     config.sandbox = SandboxConfig {

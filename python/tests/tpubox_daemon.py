@@ -37,6 +37,22 @@ def wait_until(pred, timeout: float = 10.0, what: str = "condition", every: floa
         time.sleep(every)
 
 
+def metric(text: str, name: str, **labels: str) -> float | None:
+    """The sum of the samples of metric NAME in the Prometheus text TEXT (a daemon's
+    ``GET /metrics``) whose labels include LABELS; None when there is none."""
+    total, seen = 0.0, False
+    for line in text.splitlines():
+        if line.startswith("#"):
+            continue
+        head, _, value = line.rpartition(" ")
+        metric_name, _, rest = head.partition("{")
+        if metric_name != name or any(f'{k}="{v}"' not in rest for k, v in labels.items()):
+            continue
+        total += float(value)
+        seen = True
+    return total if seen else None
+
+
 def target_dir() -> Path:
     t = Path(os.environ.get("CARGO_TARGET_DIR") or "target")
     return t if t.is_absolute() else REPO / t

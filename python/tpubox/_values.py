@@ -75,11 +75,6 @@ class Limits:
             is attached.
         max_pending_launches: launches queued for the device or running at once
             (``max-pending-launches``).
-        max_published_bytes: device bytes the tenant's live published weight versions may
-            hold, all its sessions together (``max-published-bytes``; 0: it may not publish).
-            Set by the operator; only reported.
-        max_published_versions: live published versions of the tenant
-            (``max-published-versions``). Set by the operator; only reported.
     """
 
     max_device_bytes: int = 0
@@ -91,8 +86,6 @@ class Limits:
     max_guest_memory_bytes: int = 0
     idle_timeout_seconds: float = 0.0
     max_pending_launches: int = 0
-    max_published_bytes: int = 0
-    max_published_versions: int = 0
 
     @staticmethod
     def coerce(value: Limits | Mapping[str, Any] | None) -> Limits:

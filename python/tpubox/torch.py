@@ -89,6 +89,17 @@ __all__ = [
     "reset_stats",
     "BACKEND_NAME",
     "export",
+    # Eager tensors on the device (tpubox.torch_eager)
+    "device",
+    "EagerMode",
+    "eager_mode",
+    "set_eager_mode",
+    "mark_step",
+    "max_fused_ops",
+    "set_max_fused_ops",
+    "eager_stats",
+    "reset_eager_stats",
+    "CpuFallbackWarning",
 ]
 
 #: The name ``torch.compile`` takes: ``torch.compile(model, backend="tpubox")``.
@@ -1090,3 +1101,18 @@ def _register() -> None:
 
 
 _register()
+
+
+# Eager tensors on the device, in TorchTPU's eager modes (tpubox.torch_eager; docs/PYTORCH.md).
+from .torch_eager import (  # noqa: E402
+    CpuFallbackWarning,
+    EagerMode,
+    device,
+    eager_mode,
+    eager_stats,
+    mark_step,
+    max_fused_ops,
+    reset_eager_stats,
+    set_eager_mode,
+    set_max_fused_ops,
+)

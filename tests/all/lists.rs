@@ -1776,6 +1776,45 @@ const LIMITS: &[LimitRow] = &[
         model: Some("max_pending_launches"),
         cli: Some("--max-pending-launches"),
     },
+    // The publish ledger (issue 34): a tenant's live published weight versions, counted by
+    // tenant name and outliving its sessions. Set by the operator only (not on the wire: a
+    // session cannot narrow what its tenant's other sessions share), for daemon sessions only
+    // (`tpubox run` leaves it 0).
+    LimitRow {
+        key: "max_published_bytes",
+        session_only: false,
+        unit: Unit::Bytes,
+        name: Some("max-published-bytes"),
+        refused: true,
+        wire: None,
+        policy: Some("max_published_mib"),
+        model: None,
+        cli: None,
+    },
+    // `publish_weights` turns publishing on (at `max_device_mib` unless `max_published_mib`
+    // says otherwise): the same limit, a second key.
+    LimitRow {
+        key: "max_published_bytes",
+        session_only: true,
+        unit: Unit::Other,
+        name: None,
+        refused: false,
+        wire: None,
+        policy: Some("publish_weights"),
+        model: None,
+        cli: None,
+    },
+    LimitRow {
+        key: "max_published_versions",
+        session_only: false,
+        unit: Unit::Count,
+        name: Some("max-published-versions"),
+        refused: true,
+        wire: None,
+        policy: Some("max_published_versions"),
+        model: None,
+        cli: None,
+    },
     // Slots of the device's execution queue a tenant's executions hold at once: the
     // scheduler waits (it refuses nothing), and only a budget's value is set (below).
     LimitRow {

@@ -108,8 +108,10 @@ impl ServeError {
 /// The tenant limit a `resource-exhausted` message names, for metrics labels.
 fn limit_named_in(message: &str) -> &'static str {
     // A name that another one starts with comes after it (`max-compile-workers`).
-    const LIMITS: [&str; 12] = [
+    const LIMITS: [&str; 14] = [
         "max-device-bytes",
+        "max-published-bytes",
+        "max-published-versions",
         "max-live-tensors",
         "max-live-executables",
         "max-program-bytes",

@@ -184,8 +184,6 @@ fn wire_limits(t: &TenantLimits, idle: Duration) -> Limits {
         max_guest_memory_bytes: t.max_guest_memory as u64,
         idle_timeout_seconds: idle.as_secs_f64(),
         max_pending_launches: t.max_pending_launches,
-        max_published_bytes: t.max_published_bytes,
-        max_published_versions: t.max_published_versions,
     }
 }
 

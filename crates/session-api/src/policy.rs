@@ -161,11 +161,13 @@ impl SessionPolicy {
             trusted: self.trusted,
             ..ProgramPolicy::default()
         };
-        if self.publish_weights {
-            t.max_published_bytes = self.max_published_mib.map_or(t.max_device_bytes, mib);
-            if let Some(n) = self.max_published_versions {
-                t.max_published_versions = n;
-            }
+        t.max_published_bytes = match (self.publish_weights, self.max_published_mib) {
+            (false, _) => 0,
+            (true, None) => t.max_device_bytes,
+            (true, Some(m)) => mib(m),
+        };
+        if let Some(n) = self.max_published_versions {
+            t.max_published_versions = n;
         }
         SessionLimits {
             tenant: t,

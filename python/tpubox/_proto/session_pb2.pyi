@@ -51,7 +51,7 @@ class TensorSpec(_message.Message):
     def __init__(self, dtype: _Optional[_Union[DType, str]] = ..., dims: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class Limits(_message.Message):
-    __slots__ = ("max_device_bytes", "max_live_tensors", "max_live_executables", "max_program_bytes", "max_compiles_per_minute", "max_call_seconds", "max_guest_memory_bytes", "idle_timeout_seconds", "max_pending_launches", "max_published_bytes", "max_published_versions")
+    __slots__ = ("max_device_bytes", "max_live_tensors", "max_live_executables", "max_program_bytes", "max_compiles_per_minute", "max_call_seconds", "max_guest_memory_bytes", "idle_timeout_seconds", "max_pending_launches")
     MAX_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     MAX_LIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
     MAX_LIVE_EXECUTABLES_FIELD_NUMBER: _ClassVar[int]
@@ -61,8 +61,6 @@ class Limits(_message.Message):
     MAX_GUEST_MEMORY_BYTES_FIELD_NUMBER: _ClassVar[int]
     IDLE_TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     MAX_PENDING_LAUNCHES_FIELD_NUMBER: _ClassVar[int]
-    MAX_PUBLISHED_BYTES_FIELD_NUMBER: _ClassVar[int]
-    MAX_PUBLISHED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
     max_device_bytes: int
     max_live_tensors: int
     max_live_executables: int
@@ -72,9 +70,7 @@ class Limits(_message.Message):
     max_guest_memory_bytes: int
     idle_timeout_seconds: float
     max_pending_launches: int
-    max_published_bytes: int
-    max_published_versions: int
-    def __init__(self, max_device_bytes: _Optional[int] = ..., max_live_tensors: _Optional[int] = ..., max_live_executables: _Optional[int] = ..., max_program_bytes: _Optional[int] = ..., max_compiles_per_minute: _Optional[int] = ..., max_call_seconds: _Optional[float] = ..., max_guest_memory_bytes: _Optional[int] = ..., idle_timeout_seconds: _Optional[float] = ..., max_pending_launches: _Optional[int] = ..., max_published_bytes: _Optional[int] = ..., max_published_versions: _Optional[int] = ...) -> None: ...
+    def __init__(self, max_device_bytes: _Optional[int] = ..., max_live_tensors: _Optional[int] = ..., max_live_executables: _Optional[int] = ..., max_program_bytes: _Optional[int] = ..., max_compiles_per_minute: _Optional[int] = ..., max_call_seconds: _Optional[float] = ..., max_guest_memory_bytes: _Optional[int] = ..., idle_timeout_seconds: _Optional[float] = ..., max_pending_launches: _Optional[int] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
     __slots__ = ("limits", "end_on_disconnect", "label")
