@@ -472,10 +472,28 @@ pub type WeightTag = (Arc<str>, u64);
 type Lineage = Arc<[WeightTag]>;
 
 /// The union of `parts`, sorted by name then version.
+/// The empty lineage, shared: most tensors come from no weight set, and a launch or an upload
+/// should not allocate to say so.
+fn no_lineage() -> Lineage {
+    static EMPTY: OnceLock<Lineage> = OnceLock::new();
+    Arc::clone(EMPTY.get_or_init(|| Arc::new([])))
+}
+
+/// The union of `parts`, sorted by name then version; a launch whose arguments carry at most
+/// one lineage (the common case: none) shares it without allocating.
 fn merge_lineage<'a>(parts: impl Iterator<Item = &'a Lineage>) -> Lineage {
-    let mut all: Vec<WeightTag> = Vec::new();
-    for p in parts {
+    let mut non_empty = parts.filter(|p| !p.is_empty());
+    let Some(first) = non_empty.next() else {
+        return no_lineage();
+    };
+    let mut all: Vec<WeightTag> = first.to_vec();
+    let mut merged = false;
+    for p in non_empty {
         all.extend(p.iter().cloned());
+        merged = true;
+    }
+    if !merged {
+        return Arc::clone(first);
     }
     all.sort();
     all.dedup();
@@ -529,7 +547,7 @@ impl TensorHandle {
             spec: tensor.spec().clone(),
             device: tensor.device(),
             read_only,
-            lineage: Arc::new([]),
+            lineage: no_lineage(),
             _version: None,
             held: Mutex::new(Some(Held {
                 source: Source::Ready(tensor),
@@ -1434,6 +1452,15 @@ impl Session {
         tensors: &[(String, &TensorHandle)],
         readers: &[String],
     ) -> DeviceResult<Arc<WeightSet>> {
+        // The registry checks the count too; checking it first bounds the work below (a
+        // hostile list of handles costs at most this many waits and one lock each).
+        if tensors.len() > crate::weights::MAX_PUBLISHED_TENSORS {
+            return Err(DeviceError::invalid(format!(
+                "{} tensors in one version; at most {}",
+                tensors.len(),
+                crate::weights::MAX_PUBLISHED_TENSORS
+            )));
+        }
         for (tname, h) in tensors {
             self.owns(h.session)?;
             self.wait(h).await.map_err(|e| {
@@ -1442,20 +1469,19 @@ impl Session {
         }
         // Lock each distinct handle once (a handle may be given under two names), in the
         // order given; a launch takes one handle lock at a time, so this cannot deadlock.
-        let mut distinct: Vec<&TensorHandle> = Vec::new();
+        let mut at: std::collections::HashMap<*const TensorHandle, usize> =
+            std::collections::HashMap::with_capacity(tensors.len());
+        let mut guards = Vec::with_capacity(tensors.len());
         for (_, h) in tensors {
-            if !distinct.iter().any(|d| std::ptr::eq(*d, *h)) {
-                distinct.push(h);
-            }
+            at.entry(std::ptr::from_ref(*h)).or_insert_with(|| {
+                guards.push(h.lock());
+                guards.len() - 1
+            });
         }
-        let guards: Vec<_> = distinct.iter().map(|h| h.lock()).collect();
         let mut named = Vec::with_capacity(tensors.len());
         for (tname, h) in tensors {
-            let at = distinct
-                .iter()
-                .position(|d| std::ptr::eq(*d, *h))
-                .expect("every handle is in `distinct`");
-            let tensor = match guards[at].as_ref().map(|held| &held.source) {
+            let i = at[&std::ptr::from_ref(*h)];
+            let tensor = match guards[i].as_ref().map(|held| &held.source) {
                 None => {
                     return Err(DeviceError::new(
                         ErrorKind::FailedPrecondition,
