@@ -293,7 +293,6 @@ async fn ends_with(name: &str, program: &str, dims: &[u64], arg: &[f32], limit: 
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "recompiling the optimized HLO aborts XLA's CPU emitter on this program (computation_partitioner.cc: operand_maps.size() == 1); in process, that aborts the test"]
 async fn an_endless_loop_ends_with_max_loop_iterations() {
     ends_with(
         "endless",
@@ -306,7 +305,6 @@ async fn an_endless_loop_ends_with_max_loop_iterations() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "recompiling the optimized HLO aborts XLA's CPU emitter on this program (computation_partitioner.cc: operand_maps.size() == 1); in process, that aborts the test"]
 async fn a_loop_endless_after_a_data_dependent_start_ends() {
     ends_with(
         "after-data",
@@ -319,19 +317,16 @@ async fn a_loop_endless_after_a_data_dependent_start_ends() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "recompiling the optimized HLO aborts XLA's CPU emitter on this program (computation_partitioner.cc: operand_maps.size() == 1); in process, that aborts the test"]
 async fn a_loop_nested_in_a_bounded_loop_ends() {
     ends_with("nested", NESTED, &[4], &[1.0; 4], "max-loop-iterations").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "recompiling the optimized HLO aborts XLA's CPU emitter on this program (computation_partitioner.cc: operand_maps.size() == 1); in process, that aborts the test"]
 async fn a_loop_in_a_called_function_ends() {
     ends_with("called", CALLED, &[4], &[1.0; 4], "max-loop-iterations").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "recompiling the optimized HLO aborts XLA's CPU emitter on this program (computation_partitioner.cc: operand_maps.size() == 1); in process, that aborts the test"]
 async fn a_loop_in_a_conditional_ends() {
     ends_with(
         "conditional",
@@ -344,7 +339,6 @@ async fn a_loop_in_a_conditional_ends() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "recompiling the optimized HLO aborts XLA's CPU emitter on this program (computation_partitioner.cc: operand_maps.size() == 1); in process, that aborts the test"]
 async fn an_endless_loop_over_a_large_matmul_ends_with_max_loop_work() {
     let n = usize::try_from(N * N).unwrap();
     ends_with("matmul", &matmul(), &[N, N], &vec![0.0; n], "max-loop-work").await;
@@ -369,7 +363,6 @@ async fn a_convergence_loop_runs_untrusted_as_trusted() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-#[ignore = "recompiling the optimized HLO aborts XLA's CPU emitter on this program (computation_partitioner.cc: operand_maps.size() == 1); in process, that aborts the test"]
 async fn a_program_may_not_call_the_budget_itself() {
     let forged = r#"func.func public @main(%a: tensor<4xf32>) -> tensor<i1> {
   %r = stablehlo.custom_call @tpubox_loop_budget() {api_version = 4 : i32, has_side_effect = true, backend_config = {iterations = 9223372036854775807 : i64, work = 9223372036854775807 : i64, step = 1 : i64}} : () -> tensor<i1>

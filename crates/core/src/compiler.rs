@@ -137,7 +137,7 @@ pub(crate) struct CompiledProgram {
 
 /// Compiles MLIR (`code`, text or bytecode) with `client`; `plugin_path` goes into the fallback
 /// fingerprint. With a `budget`, a program whose optimized form has `while` loops XLA cannot
-/// bound is compiled a second time with those loops budgeted ([`budget_loops`]).
+/// bound is compiled a second time with those loops budgeted ([`compile_budgeted`]).
 ///
 /// Errors: `compile-failed` with the compiler's message; `unsupported` when the plugin cannot
 /// describe the parameters or results; `permission-denied` when, with a budget, the program
@@ -159,14 +159,10 @@ pub(crate) fn compile_program(
         err.message = tidy_compile_message(&err.message);
         err
     };
-    let mut exe = client.compile(&program, options).map_err(compile_failed)?;
-    if let Some(budget) = budget
-        && let Some(budgeted) = budget_loops(&exe, budget)?
-    {
-        exe = client
-            .compile(&Program::hlo(budgeted), options)
-            .map_err(compile_failed)?;
-    }
+    let exe = match budget {
+        None => client.compile(&program, options).map_err(compile_failed)?,
+        Some(budget) => compile_budgeted(client, &program, options, budget, compile_failed)?,
+    };
     let compile_ms = start.elapsed().as_secs_f64() * 1e3;
     let unsupported = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Unsupported);
     let inputs = exe.parameter_specs().map_err(unsupported)?;
@@ -192,53 +188,136 @@ pub(crate) fn compile_program(
     })
 }
 
-/// Work one trip of a loop stands for, in the loop budget's units: the compiled program's
-/// `"flops"` plus `"bytes accessed"` from its cost analysis
-/// ([`pjrt::LoadedExecutable::cost_analysis`]), the whole program's (which counts each loop
-/// body once), so at least one trip of any of its loops; 1 where the plugin reports neither.
-pub fn work_per_trip(exe: &pjrt::LoadedExecutable) -> u64 {
-    let props = exe.cost_analysis().unwrap_or_default();
-    let get = |name: &str| {
-        props
-            .iter()
-            .find(|(n, _)| n == name)
-            .map_or(0.0, |(_, v)| match v {
-                pjrt::NamedValue::Float(f) => f64::from(*f),
-                pjrt::NamedValue::Int64(i) => *i as f64,
-                _ => 0.0,
-            })
-    };
-    let w = get("flops").max(0.0) + get("bytes accessed").max(0.0);
-    if w.is_finite() {
-        (w as u64).max(1)
-    } else {
-        u64::MAX
-    }
-}
-
-/// The optimized program of `exe` with its unbounded loops budgeted
-/// ([`pjrt::loop_budget::budget_unbounded_loops`], one trip costing [`work_per_trip`]), as an
-/// `HloModuleProto` to compile again; `None` when it has no loop XLA cannot bound.
+/// Compiles `program` for a tenant with a loop budget. The first compile dumps the module as
+/// it was before XLA's passes ([`CompileOptions::dump_hlo_to`], into a private temporary
+/// directory); when the optimized program has `while` loops XLA cannot bound, that module is
+/// rewritten so that those loops' conditions ask the budget
+/// ([`pjrt::loop_budget::budget_loops`]) and compiled again, as format `"hlo"`. The loops are
+/// found in the earlier module by name, one trip of each costing the most work
+/// ([`pjrt::LoadedExecutable::loop_trip_work`]) of any of them; when a name is not there, or
+/// the compiled result still has an unbounded loop without the budget (XLA renames
+/// instructions in its passes, so a name may point at another loop), every loop of the module
+/// is budgeted instead, one trip costing the most work of any loop. The program policy then
+/// checks, on the program that will run, that each unbounded loop asks the budget
+/// ([`crate::Tenant::admit_program`]).
 ///
-/// Errors: `permission-denied` when the program calls the budget's custom call itself;
-/// `unsupported` when the plugin cannot return the optimized program or it does not decode.
-pub(crate) fn budget_loops(
-    exe: &pjrt::LoadedExecutable,
+/// Errors: `compile-failed` with the compiler's message; `permission-denied` when the program
+/// calls the budget's custom call itself; `unsupported` when the plugin cannot return the
+/// optimized program, did not dump the module, or the module does not decode.
+fn compile_budgeted(
+    client: &Client,
+    program: &Program,
+    options: &CompileOptions,
     budget: LoopBudgetLimits,
-) -> DeviceResult<Option<Vec<u8>>> {
+    compile_failed: impl Fn(pjrt::Error) -> DeviceError,
+) -> DeviceResult<LoadedExecutable> {
     let unsupported = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Unsupported);
-    let (format, code) = exe.optimized_program().map_err(unsupported)?;
-    let b = pjrt::loop_budget::LoopBudget {
+    let io = |what: &str, e: std::io::Error| {
+        DeviceError::new(
+            ErrorKind::Unsupported,
+            format!("the loop budget cannot {what}: {e}"),
+        )
+    };
+    let dump = tempfile::Builder::new()
+        .prefix("tpubox-hlo-")
+        .tempdir()
+        .map_err(|e| io("make a directory for the compiler's dump", e))?;
+    let dumping = options
+        .clone()
+        .dump_hlo_to(Some(dump.path().to_string_lossy().into_owned()));
+    let exe = client.compile(program, &dumping).map_err(&compile_failed)?;
+    let facts = exe.program_facts().map_err(unsupported)?;
+    let target = pjrt::loop_budget::LOOP_BUDGET_TARGET;
+    if facts.custom_call_targets.iter().any(|t| t == target) {
+        return Err(DeviceError::new(
+            ErrorKind::PermissionDenied,
+            format!("the program calls {target}, which only the host may"),
+        ));
+    }
+    let unbounded: Vec<String> = facts
+        .while_loops
+        .iter()
+        .filter(|w| w.known_trip_count.is_none())
+        .map(|w| w.name.clone())
+        .collect();
+    if unbounded.is_empty() {
+        return Ok(exe);
+    }
+    let before =
+        before_optimizations(dump.path()).map_err(|e| io("read the compiler's dump", e))?;
+    let trip_work = exe.loop_trip_work().map_err(unsupported)?;
+    drop(exe);
+    let budget_for = |step: Option<u64>| pjrt::loop_budget::LoopBudget {
         iterations: budget.max_loop_iterations,
         work: budget.max_loop_work,
-        step: work_per_trip(exe),
+        step: step.unwrap_or(1).max(1),
     };
-    match pjrt::loop_budget::budget_unbounded_loops(&format, &code, b) {
-        Ok(r) => Ok(r.map(|r| r.module)),
-        Err(e) if e.code == pjrt::ErrorCode::PermissionDenied => {
-            Err(DeviceError::new(ErrorKind::PermissionDenied, e.message))
+    let rewrite =
+        |select, b| match pjrt::loop_budget::budget_loops(pjrt::HLO_PROTO, &before, b, select) {
+            Ok(r) => Ok(r),
+            Err(e) if e.code == pjrt::ErrorCode::PermissionDenied => {
+                Err(DeviceError::new(ErrorKind::PermissionDenied, e.message))
+            }
+            Err(e) => Err(unsupported(e)),
+        };
+    // First the loops XLA could not bound, found by name; one trip of each costs the most
+    // work of any of them.
+    let named_step = unbounded
+        .iter()
+        .filter_map(|n| trip_work.get(n))
+        .max()
+        .copied();
+    let named = rewrite(
+        pjrt::loop_budget::LoopSelection::Named(&unbounded),
+        budget_for(named_step),
+    )?;
+    if let Some(r) = named
+        && r.loops.len() >= unbounded.len()
+    {
+        let exe = client
+            .compile(&Program::hlo(r.module), options)
+            .map_err(&compile_failed)?;
+        let facts = exe.program_facts().map_err(unsupported)?;
+        if facts
+            .while_loops
+            .iter()
+            .all(|w| w.known_trip_count.is_some() || w.budgeted)
+        {
+            return Ok(exe);
         }
-        Err(e) => Err(unsupported(e)),
+    }
+    // Else every loop, one trip costing the most work of any loop of the program.
+    let all_step = trip_work.values().max().copied();
+    let all =
+        rewrite(pjrt::loop_budget::LoopSelection::All, budget_for(all_step))?.ok_or_else(|| {
+            DeviceError::new(
+                ErrorKind::Unsupported,
+                "the loop budget found no while loop in the program before optimization",
+            )
+        })?;
+    client
+        .compile(&Program::hlo(all.module), options)
+        .map_err(compile_failed)
+}
+
+/// The module XLA dumped into `dir` before its passes: the one
+/// `*.before_optimizations.hlo.pb` file there (an `xla.HloProto`).
+fn before_optimizations(dir: &std::path::Path) -> std::io::Result<Vec<u8>> {
+    let mut found = Vec::new();
+    for e in std::fs::read_dir(dir)? {
+        let p = e?.path();
+        if p.to_string_lossy()
+            .ends_with(".before_optimizations.hlo.pb")
+        {
+            found.push(p);
+        }
+    }
+    match found.as_slice() {
+        [one] => std::fs::read(one),
+        other => Err(std::io::Error::other(format!(
+            "expected one module dumped before optimization, found {}",
+            other.len()
+        ))),
     }
 }
 

@@ -593,8 +593,19 @@ impl Tenant {
         for w in &facts.while_loops {
             match w.known_trip_count {
                 // Compiled with the loop budget (`DeviceService::compile_for` gives it to every
-                // compile of a tenant with one, and the cache key holds it).
-                None if budgeted => {}
+                // compile of a tenant with one, and the cache key holds it), and the compiled
+                // loop's condition asks it: checked here on the program that will run, not
+                // taken on trust from the rewrite.
+                None if budgeted && w.budgeted => {}
+                None if budgeted => {
+                    return Err(deny(
+                        "unbounded-loop",
+                        format!(
+                            "the program has a while loop ({}) whose trip count XLA cannot bound, and the loop budget could not be put into it",
+                            w.name
+                        ),
+                    ));
+                }
                 None => {
                     return Err(deny(
                         "unbounded-loop",

@@ -43,12 +43,40 @@ struct CompileOptionsProto {
     env_option_overrides: BTreeMap<String, OptionOverrideProto>,
 }
 
-/// `xla.OptionOverrideProto`; only the `int_field` member of its `value` oneof (a oneof with
-/// one member set encodes exactly like this optional field).
+/// `xla.OptionOverrideProto { oneof value { string string_field = 1; bool bool_field = 2;
+/// int64 int_field = 3; double double_field = 4; } }`, without `double_field`; exactly one
+/// member is set (a oneof with one member set encodes exactly like that optional field).
 #[derive(Clone, PartialEq, prost::Message)]
 struct OptionOverrideProto {
+    #[prost(string, optional, tag = "1")]
+    string_field: Option<String>,
+    #[prost(bool, optional, tag = "2")]
+    bool_field: Option<bool>,
     #[prost(int64, optional, tag = "3")]
     int_field: Option<i64>,
+}
+
+impl OptionOverrideProto {
+    fn int(v: i64) -> Self {
+        Self {
+            int_field: Some(v),
+            ..Self::default()
+        }
+    }
+
+    fn boolean(v: bool) -> Self {
+        Self {
+            bool_field: Some(v),
+            ..Self::default()
+        }
+    }
+
+    fn string(v: &str) -> Self {
+        Self {
+            string_field: Some(v.to_string()),
+            ..Self::default()
+        }
+    }
 }
 
 /// `xla.ExecutableBuildOptionsProto`, only the fields this crate sets.
@@ -144,6 +172,31 @@ impl std::str::FromStr for OptimizationLevel {
     }
 }
 
+impl CompileOptions {
+    /// The `DebugOptions` overrides these options set, by field name.
+    fn overrides(&self) -> BTreeMap<String, OptionOverrideProto> {
+        let mut o = BTreeMap::new();
+        if let Some(l) = self.optimization_level {
+            o.insert(
+                BACKEND_LEVEL_OPTION.to_string(),
+                OptionOverrideProto::int(l.backend_level()),
+            );
+        }
+        if let Some(dir) = &self.dump_hlo_to {
+            o.insert("xla_dump_to".into(), OptionOverrideProto::string(dir));
+            o.insert(
+                "xla_dump_hlo_as_proto".into(),
+                OptionOverrideProto::boolean(true),
+            );
+            o.insert(
+                "xla_dump_hlo_as_text".into(),
+                OptionOverrideProto::boolean(false),
+            );
+        }
+        o
+    }
+}
+
 /// The `DebugOptions` field an [`OptimizationLevel`] overrides by name.
 const BACKEND_LEVEL_OPTION: &str = "xla_backend_optimization_level";
 
@@ -185,6 +238,10 @@ pub struct CompileOptions {
     /// How hard to optimise; `None` (the default) leaves the plugin's defaults and adds nothing
     /// to the serialized options, so they are byte-identical to those of builds without it.
     pub optimization_level: Option<OptimizationLevel>,
+    /// A directory where XLA writes the module before and after its HLO passes, as serialized
+    /// `HloModuleProto`s (`*.before_optimizations.hlo.pb`, `*.after_optimizations.hlo.pb`;
+    /// see [`CompileOptions::dump_hlo_to`]); `None` (the default) dumps nothing.
+    pub dump_hlo_to: Option<String>,
 }
 
 impl Default for CompileOptions {
@@ -194,6 +251,7 @@ impl Default for CompileOptions {
             num_replicas: 1,
             num_partitions: 1,
             optimization_level: None,
+            dump_hlo_to: None,
         }
     }
 }
@@ -227,6 +285,19 @@ impl CompileOptions {
     /// Sets the optimisation level (`None`: the plugin's default).
     pub fn optimization_level(mut self, level: Option<OptimizationLevel>) -> Self {
         self.optimization_level = level;
+        self
+    }
+
+    /// Makes XLA write the module it compiles into `dir`, as serialized `HloModuleProto`s,
+    /// before and after its HLO passes: `DebugOptions` overrides `xla_dump_to = dir`,
+    /// `xla_dump_hlo_as_proto = true`, `xla_dump_hlo_as_text = false` (`xla/xla.proto`; XLA
+    /// names the files `module_NNNN.<name>.before_optimizations.hlo.pb` and
+    /// `….after_optimizations.hlo.pb`, `xla/service/dump.cc`). The directory must exist and be
+    /// the caller's alone; XLA may write other files there too (the CPU backend's LLVM IR).
+    /// The program before the passes is what the loop budget rewrites
+    /// ([`crate::loop_budget`]).
+    pub fn dump_hlo_to(mut self, dir: Option<String>) -> Self {
+        self.dump_hlo_to = dir;
         self
     }
 
@@ -273,18 +344,7 @@ impl CompileOptions {
                 device_assignment,
                 optimization_level: self.optimization_level.map_or(0, |l| l.effort_level()),
             }),
-            env_option_overrides: self
-                .optimization_level
-                .map(|l| {
-                    (
-                        BACKEND_LEVEL_OPTION.to_string(),
-                        OptionOverrideProto {
-                            int_field: Some(l.backend_level()),
-                        },
-                    )
-                })
-                .into_iter()
-                .collect(),
+            env_option_overrides: self.overrides(),
         };
         Ok(proto.encode_to_vec())
     }

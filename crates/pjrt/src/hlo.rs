@@ -25,11 +25,19 @@ struct HloModuleProtoWithConfig {
     hlo_module: Vec<u8>,
 }
 
+/// Format name tpubox uses for a serialized `xla.HloProto` (a module dumped by XLA), accepted
+/// wherever a module's format is asked for ([`crate::loop_budget::budget_loops`]); not a
+/// program format PJRT compiles.
+pub const HLO_PROTO: &str = "hlo_proto";
+
 /// The encoded `HloModuleProto` inside an optimized program of `format`.
 pub(crate) fn module_bytes<'a>(format: &str, code: &'a [u8]) -> Result<std::borrow::Cow<'a, [u8]>> {
     match format {
         "hlo" => Ok(std::borrow::Cow::Borrowed(code)),
-        "hlo_with_config" => {
+        // `HloProto { HloModuleProto hlo_module = 1; … }` (`xla/service/hlo.proto`): what
+        // XLA's dumps hold (`CompileOptions::dump_hlo_to`); same field as the module of an
+        // `HloModuleProtoWithConfig`.
+        "hlo_with_config" | HLO_PROTO => {
             let m = HloModuleProtoWithConfig::decode(code)
                 .map_err(decode_err)?
                 .hlo_module;
@@ -41,7 +49,7 @@ pub(crate) fn module_bytes<'a>(format: &str, code: &'a [u8]) -> Result<std::borr
             Ok(std::borrow::Cow::Owned(m))
         }
         other => Err(Error::unimplemented(format!(
-            "optimized program has format {other:?}; expected \"hlo\" or \"hlo_with_config\""
+            "optimized program has format {other:?}; expected \"hlo\", \"hlo_with_config\" or \"hlo_proto\""
         ))),
     }
 }
@@ -87,6 +95,8 @@ struct HloModuleFacts {
 struct HloComputationFacts {
     #[prost(message, repeated, tag = "2")]
     instructions: Vec<HloInstructionFacts>,
+    #[prost(int64, tag = "5")]
+    id: i64,
 }
 
 #[derive(Clone, PartialEq, prost::Message)]
@@ -99,6 +109,33 @@ struct HloInstructionFacts {
     custom_call_target: String,
     #[prost(bytes = "vec", tag = "43")]
     backend_config: Vec<u8>,
+    #[prost(int64, repeated, tag = "38")]
+    called_computation_ids: Vec<i64>,
+    #[prost(message, optional, tag = "3")]
+    shape: Option<ShapeProto>,
+    #[prost(int64, tag = "35")]
+    id: i64,
+    #[prost(int64, repeated, tag = "36")]
+    operand_ids: Vec<i64>,
+    #[prost(message, optional, tag = "30")]
+    dot_dimension_numbers: Option<DotDimensionNumbers>,
+    #[prost(message, optional, tag = "16")]
+    convolution_dimension_numbers: Option<ConvolutionDimensionNumbers>,
+}
+
+/// `xla.DotDimensionNumbers` (`xla/xla_data.proto`): `lhs_contracting_dimensions = 1`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct DotDimensionNumbers {
+    #[prost(int64, repeated, tag = "1")]
+    lhs_contracting_dimensions: Vec<i64>,
+}
+
+/// `xla.ConvolutionDimensionNumbers` (`xla/xla_data.proto`):
+/// `kernel_output_feature_dimension = 4`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct ConvolutionDimensionNumbers {
+    #[prost(int64, tag = "4")]
+    kernel_output_feature_dimension: i64,
 }
 
 /// One `while` instruction of an optimized program.
@@ -109,6 +146,10 @@ pub struct WhileLoop {
     /// The trip count XLA proved for it (`known_trip_count` in the instruction's backend
     /// config, `xla.WhileLoopBackendConfig`), or `None` when XLA could not bound the loop.
     pub known_trip_count: Option<u64>,
+    /// Whether the loop's condition calls the loop budget
+    /// ([`crate::loop_budget::LOOP_BUDGET_TARGET`]), itself or through any computation it
+    /// calls (a fusion, a call): then every trip asks the budget first.
+    pub budgeted: bool,
 }
 
 /// What an optimized program contains that matters to a host sharing a device: loops that may
@@ -146,12 +187,19 @@ pub(crate) fn program_facts(format: &str, code: &[u8]) -> Result<ProgramFacts> {
     let mut facts = ProgramFacts::default();
     let mut transfers = std::collections::BTreeSet::new();
     let mut targets = std::collections::BTreeSet::new();
+    let budgeted = budgeted_computations(&m);
     for i in m.computations.iter().flat_map(|c| &c.instructions) {
         facts.instructions += 1;
         match i.opcode.as_str() {
             "while" => facts.while_loops.push(WhileLoop {
                 name: i.name.clone(),
                 known_trip_count: known_trip_count(&i.backend_config),
+                // `called_computation_ids` of a while are `[body, condition]`
+                // (crate::loop_budget's module docs).
+                budgeted: i
+                    .called_computation_ids
+                    .get(1)
+                    .is_some_and(|c| budgeted.contains(c)),
             }),
             "custom-call" => {
                 targets.insert(i.custom_call_target.clone());
@@ -165,6 +213,192 @@ pub(crate) fn program_facts(format: &str, code: &[u8]) -> Result<ProgramFacts> {
     facts.host_transfers = transfers.into_iter().collect();
     facts.custom_call_targets = targets.into_iter().collect();
     Ok(facts)
+}
+
+/// Elements of a shape (a tuple's: the sum of its members'), as a float (no overflow).
+fn elements(s: &ShapeProto) -> f64 {
+    if s.element_type == TUPLE || !s.tuple_shapes.is_empty() {
+        return s.tuple_shapes.iter().map(elements).sum();
+    }
+    s.dimensions.iter().map(|d| (*d).max(0) as f64).product()
+}
+
+/// Bytes of a shape (a tuple's: the sum of its members'); 4 per element for a type this crate
+/// does not name.
+fn shape_bytes(s: &ShapeProto) -> f64 {
+    if s.element_type == TUPLE || !s.tuple_shapes.is_empty() {
+        return s.tuple_shapes.iter().map(shape_bytes).sum();
+    }
+    let size = PrimitiveType::from_xla_proto(s.element_type).map_or(4, |t| t.byte_size());
+    elements(s) * size as f64
+}
+
+/// Work estimates of a module's computations (see [`loop_trip_work`]), memoized; a
+/// computation being estimated counts 0 where it calls itself (a cycle in a hostile module).
+struct Work<'m> {
+    by_id: std::collections::HashMap<i64, &'m HloComputationFacts>,
+    done: std::collections::HashMap<i64, f64>,
+}
+
+impl<'m> Work<'m> {
+    fn new(m: &'m HloModuleFacts) -> Self {
+        Self {
+            by_id: m.computations.iter().map(|c| (c.id, c)).collect(),
+            done: std::collections::HashMap::new(),
+        }
+    }
+
+    fn computation(&mut self, id: i64) -> f64 {
+        if let Some(w) = self.done.get(&id) {
+            return *w;
+        }
+        let Some(c) = self.by_id.get(&id).copied() else {
+            return 0.0;
+        };
+        self.done.insert(id, 0.0);
+        let shapes: std::collections::HashMap<i64, &ShapeProto> = c
+            .instructions
+            .iter()
+            .filter_map(|i| i.shape.as_ref().map(|s| (i.id, s)))
+            .collect();
+        let mut total = 0.0;
+        for i in &c.instructions {
+            total += self.instruction(i, &shapes);
+        }
+        self.done.insert(id, total);
+        total
+    }
+
+    fn called(&mut self, i: &HloInstructionFacts) -> f64 {
+        i.called_computation_ids
+            .iter()
+            .map(|c| self.computation(*c))
+            .sum()
+    }
+
+    /// One instruction: the bytes it writes plus one operation per result element, plus what
+    /// its kind adds (a dot's or convolution's multiply-adds, a called computation's work).
+    fn instruction(
+        &mut self,
+        i: &HloInstructionFacts,
+        shapes: &std::collections::HashMap<i64, &ShapeProto>,
+    ) -> f64 {
+        let out = i.shape.as_ref().map_or(0.0, elements);
+        let base = i.shape.as_ref().map_or(0.0, shape_bytes) + out;
+        let operand = |k: usize| i.operand_ids.get(k).and_then(|o| shapes.get(o)).copied();
+        let operands_elements: f64 = i
+            .operand_ids
+            .iter()
+            .filter_map(|o| shapes.get(o))
+            .map(|s| elements(s))
+            .sum();
+        let extra = match i.opcode.as_str() {
+            "dot" => {
+                let k: f64 = match (operand(0), &i.dot_dimension_numbers) {
+                    (Some(lhs), Some(d)) => d
+                        .lhs_contracting_dimensions
+                        .iter()
+                        .filter_map(|x| usize::try_from(*x).ok())
+                        .filter_map(|x| lhs.dimensions.get(x))
+                        .map(|n| (*n).max(0) as f64)
+                        .product(),
+                    _ => operands_elements,
+                };
+                2.0 * out * k
+            }
+            "convolution" => {
+                let per_output = match (operand(1), &i.convolution_dimension_numbers) {
+                    (Some(k), Some(d)) => {
+                        let features = usize::try_from(d.kernel_output_feature_dimension)
+                            .ok()
+                            .and_then(|x| k.dimensions.get(x))
+                            .map_or(1.0, |n| (*n).max(1) as f64);
+                        elements(k) / features
+                    }
+                    _ => operands_elements,
+                };
+                2.0 * out * per_output
+            }
+            "while" => {
+                let trips = known_trip_count(&i.backend_config).map_or(1.0, |n| n as f64);
+                self.called(i) * trips
+            }
+            // A computation applied per element (or per pair, for a sort's comparator).
+            "reduce" | "reduce-window" | "map" | "scatter" | "select-and-scatter"
+            | "all-reduce" | "reduce-scatter" => operands_elements * self.called(i).max(1.0),
+            "sort" => {
+                let n = operands_elements.max(2.0);
+                n * n.log2().ceil() * self.called(i).max(1.0)
+            }
+            _ => self.called(i),
+        };
+        base + extra
+    }
+}
+
+/// Work one trip of each `while` loop of an optimized program stands for, by the loop's
+/// instruction name, in the loop budget's units: its body's and condition's estimated
+/// floating-point operations plus bytes written (each instruction: its result's bytes and
+/// one operation per element; a dot 2·M·N·K more, a convolution 2 per multiply-add; a fusion
+/// or call its computation's work; a reduce, map or scatter its operands' elements times its
+/// applied computation's work; a sort n·⌈log₂ n⌉ comparisons; a nested loop its body's work
+/// times its known trip count, or once when it has none, since such a loop draws from the
+/// budget itself). XLA's own cost analysis is not used because a CPU plugin may not report
+/// it (`lammps-jax-pjrt-cpu` 0.11.2 answers `PJRT_Executable_GetCostAnalysis` with
+/// UNIMPLEMENTED).
+///
+/// Errors: as [`program_facts`].
+pub(crate) fn loop_trip_work(
+    format: &str,
+    code: &[u8],
+) -> Result<std::collections::HashMap<String, u64>> {
+    let m = HloModuleFacts::decode(&*module_bytes(format, code)?).map_err(decode_err)?;
+    let mut work = Work::new(&m);
+    let mut out = std::collections::HashMap::new();
+    for i in m.computations.iter().flat_map(|c| &c.instructions) {
+        if i.opcode == "while" {
+            let w = work.called(i);
+            let w = if w.is_finite() && w < u64::MAX as f64 {
+                (w as u64).max(1)
+            } else {
+                u64::MAX
+            };
+            out.insert(i.name.clone(), w);
+        }
+    }
+    Ok(out)
+}
+
+/// Ids of the computations of `m` that call the loop budget's custom call, directly or
+/// through the computations they call (a fixed point over the call graph, so a cycle in a
+/// hostile module ends).
+fn budgeted_computations(m: &HloModuleFacts) -> std::collections::HashSet<i64> {
+    let target = crate::loop_budget::LOOP_BUDGET_TARGET;
+    let mut set: std::collections::HashSet<i64> = m
+        .computations
+        .iter()
+        .filter(|c| {
+            c.instructions
+                .iter()
+                .any(|i| i.opcode == "custom-call" && i.custom_call_target == target)
+        })
+        .map(|c| c.id)
+        .collect();
+    loop {
+        let before = set.len();
+        for c in &m.computations {
+            if !set.contains(&c.id)
+                && c.instructions
+                    .iter()
+                    .any(|i| i.called_computation_ids.iter().any(|x| set.contains(x)))
+            {
+                set.insert(c.id);
+            }
+        }
+        if set.len() == before {
+            return set;
+        }
+    }
 }
 
 /// Parameter specs of the entry computation of an optimized program: a serialized
@@ -225,47 +459,143 @@ mod tests {
 
     #[test]
     fn facts_of_a_hand_built_module() {
-        let ins = |name: &str, opcode: &str, target: &str, config: &str| HloInstructionFacts {
-            name: name.into(),
-            opcode: opcode.into(),
-            custom_call_target: target.into(),
-            backend_config: config.as_bytes().to_vec(),
+        let ins = |name: &str, opcode: &str, target: &str, config: &str, called: &[i64]| {
+            HloInstructionFacts {
+                name: name.into(),
+                opcode: opcode.into(),
+                custom_call_target: target.into(),
+                backend_config: config.as_bytes().to_vec(),
+                called_computation_ids: called.to_vec(),
+                ..Default::default()
+            }
         };
+        let budget = crate::loop_budget::LOOP_BUDGET_TARGET;
         let m = HloModuleFacts {
             computations: vec![
                 HloComputationFacts {
+                    id: 1,
                     instructions: vec![
-                        ins("w1", "while", "", r#"{"known_trip_count":{"n":"3"}}"#),
-                        ins("w2", "while", "", ""),
-                        ins("in", "infeed", "", ""),
+                        ins(
+                            "w1",
+                            "while",
+                            "",
+                            r#"{"known_trip_count":{"n":"3"}}"#,
+                            &[2, 2],
+                        ),
+                        ins("w2", "while", "", "", &[2, 3]),
+                        ins("w3", "while", "", "", &[2, 2]),
+                        ins("in", "infeed", "", "", &[]),
                     ],
                 },
                 HloComputationFacts {
+                    id: 2,
                     instructions: vec![
-                        ins("c", "custom-call", "lapack_sgetrf_ffi", ""),
-                        ins("c2", "custom-call", "lapack_sgetrf_ffi", ""),
-                        ins("a", "add", "", ""),
+                        ins("c", "custom-call", "lapack_sgetrf_ffi", "", &[]),
+                        ins("c2", "custom-call", "lapack_sgetrf_ffi", "", &[]),
+                        ins("a", "add", "", "", &[]),
+                    ],
+                },
+                // A condition that reaches the budget through a fusion (and a cycle).
+                HloComputationFacts {
+                    id: 3,
+                    instructions: vec![ins("f", "fusion", "", "", &[4])],
+                },
+                HloComputationFacts {
+                    id: 4,
+                    instructions: vec![
+                        ins("b", "custom-call", budget, "", &[]),
+                        ins("k", "call", "", "", &[3]),
                     ],
                 },
             ],
         };
         let f = program_facts("hlo", &m.encode_to_vec()).unwrap();
-        assert_eq!(f.instructions, 6);
+        assert_eq!(f.instructions, 10);
         assert_eq!(
             f.while_loops,
             vec![
                 WhileLoop {
                     name: "w1".into(),
-                    known_trip_count: Some(3)
+                    known_trip_count: Some(3),
+                    budgeted: false,
                 },
                 WhileLoop {
                     name: "w2".into(),
-                    known_trip_count: None
+                    known_trip_count: None,
+                    budgeted: true,
+                },
+                WhileLoop {
+                    name: "w3".into(),
+                    known_trip_count: None,
+                    budgeted: false,
                 },
             ]
         );
         assert_eq!(f.host_transfers, vec!["infeed".to_string()]);
-        assert_eq!(f.custom_call_targets, vec!["lapack_sgetrf_ffi".to_string()]);
+        assert_eq!(
+            f.custom_call_targets,
+            vec!["lapack_sgetrf_ffi".to_string(), budget.to_string()]
+        );
+    }
+
+    #[test]
+    fn work_of_a_loop_over_a_matmul() {
+        let f32s = |dims: &[i64]| ShapeProto {
+            element_type: 11, // F32
+            dimensions: dims.to_vec(),
+            tuple_shapes: vec![],
+        };
+        let ins =
+            |id: i64, opcode: &str, shape: ShapeProto, operands: &[i64]| HloInstructionFacts {
+                name: format!("{opcode}.{id}"),
+                opcode: opcode.into(),
+                id,
+                shape: Some(shape),
+                operand_ids: operands.to_vec(),
+                ..Default::default()
+            };
+        // body (2): p = f32[8,16], q = f32[16,4], dot contracting p's dim 1 -> f32[8,4]
+        let mut dot = ins(3, "dot", f32s(&[8, 4]), &[1, 2]);
+        dot.dot_dimension_numbers = Some(DotDimensionNumbers {
+            lhs_contracting_dimensions: vec![1],
+        });
+        let body = HloComputationFacts {
+            id: 2,
+            instructions: vec![
+                ins(1, "parameter", f32s(&[8, 16]), &[]),
+                ins(2, "parameter", f32s(&[16, 4]), &[]),
+                dot,
+            ],
+        };
+        let cond = HloComputationFacts {
+            id: 3,
+            instructions: vec![ins(4, "constant", f32s(&[]), &[])],
+        };
+        let mut w = ins(5, "while", f32s(&[8, 4]), &[]);
+        w.called_computation_ids = vec![2, 3];
+        let mut bounded = w.clone();
+        bounded.name = "bounded".into();
+        bounded.backend_config = br#"{"known_trip_count":{"n":"10"}}"#.to_vec();
+        let mut outer = ins(6, "while", f32s(&[8, 4]), &[]);
+        outer.called_computation_ids = vec![4, 3];
+        let outer_body = HloComputationFacts {
+            id: 4,
+            instructions: vec![bounded],
+        };
+        let entry = HloComputationFacts {
+            id: 1,
+            instructions: vec![w, outer],
+        };
+        let m = HloModuleFacts {
+            computations: vec![entry, body, cond, outer_body],
+        };
+        let work = loop_trip_work("hlo", &m.encode_to_vec()).unwrap();
+        // parameters 8·16 and 16·4 elements (5 units each: 4 bytes + 1), the dot 32 elements
+        // (5 units each) + 2·32·16 multiply-adds, the condition's constant 5.
+        let one = (128 * 5 + 64 * 5 + 32 * 5 + 2 * 32 * 16 + 5) as u64;
+        assert_eq!(work["while.5"], one);
+        // The outer loop's body runs the bounded loop's 10 trips; its condition, once.
+        assert_eq!(work["while.6"], 10 * one + 5);
     }
 
     #[test]

@@ -55,7 +55,7 @@ pub use device::Device;
 pub use error::{Error, ErrorCode, Result};
 pub use event::Event;
 pub use executable::{CompiledMemoryStats, Execution, LoadedExecutable};
-pub use hlo::{ProgramFacts, WhileLoop};
+pub use hlo::{HLO_PROTO, ProgramFacts, WhileLoop};
 pub use host_bytes::HostBytes;
 pub use mapped_file::MappedFile;
 pub use named_value::NamedValue;

@@ -194,19 +194,48 @@ pub struct BudgetedProgram {
     pub loops: Vec<String>,
 }
 
-/// Gives every `while` loop of the optimized program `code` (format `"hlo"` or
-/// `"hlo_with_config"`, as [`crate::LoadedExecutable::optimized_program`] returns it) that has
-/// no `known_trip_count` a call to the [`LOOP_BUDGET_TARGET`] custom call in its condition,
-/// with `budget` as its attributes (see the module docs). `None` when the program has no such
-/// loop.
+/// Which `while` loops of a module [`budget_loops`] budgets.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum LoopSelection<'a> {
+    /// Those without a `known_trip_count` in their backend config (in an optimized program:
+    /// the loops XLA could not bound).
+    Unbounded,
+    /// Those with one of these instruction names.
+    Named(&'a [String]),
+    /// Every loop.
+    All,
+}
+
+/// [`budget_loops`] with [`LoopSelection::Unbounded`]: the unbounded loops of an optimized
+/// program.
 ///
-/// Errors: `PermissionDenied` when the program already calls [`LOOP_BUDGET_TARGET`] (only
-/// this rewrite may); `Internal` when the bytes do not decode as a module or a loop's
-/// condition cannot be found; `Unimplemented` for another format.
+/// Errors: as [`budget_loops`].
 pub fn budget_unbounded_loops(
     format: &str,
     code: &[u8],
     budget: LoopBudget,
+) -> Result<Option<BudgetedProgram>> {
+    budget_loops(format, code, budget, LoopSelection::Unbounded)
+}
+
+/// Gives every `while` loop of the program `code` (a serialized `HloModuleProto`, format
+/// `"hlo"`, or `"hlo_with_config"` as [`crate::LoadedExecutable::optimized_program`] returns
+/// it) that `select` picks a call to the [`LOOP_BUDGET_TARGET`] custom call in its condition,
+/// with `budget` as its attributes (see the module docs). `None` when it picks no loop.
+///
+/// The host gives it the module XLA dumps before its HLO passes
+/// ([`crate::CompileOptions::dump_hlo_to`]) with the names of the loops the optimized program
+/// could not bound: an optimized module does not compile again on the CPU plugins (its
+/// fusions abort XLA's CPU emitter), the module before the passes does.
+///
+/// Errors: `PermissionDenied` when the program already calls [`LOOP_BUDGET_TARGET`] (only
+/// this rewrite may); `Internal` when the bytes do not decode as a module or a loop's
+/// condition cannot be found; `Unimplemented` for another format.
+pub fn budget_loops(
+    format: &str,
+    code: &[u8],
+    budget: LoopBudget,
+    select: LoopSelection<'_>,
 ) -> Result<Option<BudgetedProgram>> {
     let module = crate::hlo::module_bytes(format, code)?;
     let top = fields(&module)?;
@@ -223,8 +252,14 @@ pub fn budget_unbounded_loops(
                     format!("the program calls {LOOP_BUDGET_TARGET}, which only the host may"),
                 ));
             }
-            if ins.opcode == b"while" && crate::hlo::known_trip_count(ins.backend_config).is_none()
-            {
+            let picked = match select {
+                LoopSelection::Unbounded => {
+                    crate::hlo::known_trip_count(ins.backend_config).is_none()
+                }
+                LoopSelection::Named(names) => names.iter().any(|n| n.as_bytes() == ins.name),
+                LoopSelection::All => true,
+            };
+            if ins.opcode == b"while" && picked {
                 let cond = *ins
                     .called
                     .get(1)
