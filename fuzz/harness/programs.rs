@@ -152,6 +152,10 @@ pub fn run_program(program: &Program, fill: &[u8]) -> Outcome {
         ..TenantLimits::default()
     };
     limits.program_policy.max_loop_trips = LOOP_TRIPS;
+    // Loops XLA cannot bound run on the loop budget: as many trips as a bounded loop may
+    // have, and little work, so that an endless one ends in milliseconds.
+    limits.program_policy.max_loop_iterations = LOOP_TRIPS;
+    limits.program_policy.max_loop_work = 1 << 30;
     let tenant = Tenant::new("fuzz-programs", limits.clone());
     let session = Session::new(
         Arc::clone(device),

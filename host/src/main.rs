@@ -55,6 +55,20 @@ struct RemoteUsage {
 
 /// tpubox: one process owns the accelerator (through a PJRT plugin) and lends it to sandboxed
 /// WebAssembly guests.
+/// The loop budget of an untrusted tenant (docs/SECURITY.md): how far loops XLA cannot bound
+/// may run in one execution before it fails with `resource-exhausted`.
+#[derive(clap::Args, Debug, Clone, Copy)]
+struct LoopBudgetArgs {
+    /// Most trips of loops XLA cannot bound in one execution, all of them together
+    /// (`max-loop-iterations`); 0 refuses such loops at compile (`unbounded-loop`).
+    #[arg(long, value_name = "N", default_value_t = tpubox_core::tenant::DEFAULT_MAX_LOOP_ITERATIONS)]
+    max_loop_iterations: u64,
+    /// Most work of those trips in one execution, in estimated operations plus bytes written
+    /// (`max-loop-work`).
+    #[arg(long, value_name = "UNITS", default_value_t = tpubox_core::tenant::DEFAULT_MAX_LOOP_WORK)]
+    max_loop_work: u64,
+}
+
 #[derive(Parser)]
 #[command(name = "tpubox", version, about, long_about = None)]
 struct Cli {
@@ -109,10 +123,13 @@ enum Cmd {
         /// Directory that receives out{N}.npy and outputs.json.
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
-        /// Trust the program: skip the program policy (unbounded while loops, loops over
-        /// 1,048,576 trips, infeed/outfeed/send/recv, custom calls are refused without it).
+        /// Trust the program: skip the program policy (loops over 1,048,576 trips,
+        /// infeed/outfeed/send/recv, custom calls are refused without it, and loops XLA
+        /// cannot bound run on the loop budget).
         #[arg(long)]
         trusted: bool,
+        #[command(flatten)]
+        loops: LoopBudgetArgs,
     },
     /// Serve the models of a repository over the Open Inference Protocol (KServe v2, as
     /// Triton speaks it): REST, gRPC and Prometheus metrics, until SIGTERM or Ctrl-C.
@@ -712,10 +729,12 @@ struct RunArgs {
     #[arg(long)]
     allow_clock: bool,
     /// Trust the guest's programs: skip the program policy that refuses, for untrusted tenants,
-    /// while loops XLA cannot bound, loops over 1,048,576 trips, infeed/outfeed/send/recv and
-    /// custom calls (PJRT cannot stop a running program).
+    /// loops over 1,048,576 trips, infeed/outfeed/send/recv and custom calls, and runs loops
+    /// XLA cannot bound on the loop budget (PJRT cannot stop a running program).
     #[arg(long)]
     trusted: bool,
+    #[command(flatten)]
+    loops: LoopBudgetArgs,
     /// Print the tenant's usage (device bytes, handles, compiles, executions) as JSON on
     /// stderr when the guest ends.
     #[arg(long)]
@@ -778,6 +797,8 @@ async fn run(args: RunArgs) -> Result<bool> {
         fuel: args.fuel,
         program_policy: tpubox_core::tenant::ProgramPolicy {
             trusted: args.trusted,
+            max_loop_iterations: args.loops.max_loop_iterations,
+            max_loop_work: args.loops.max_loop_work,
             ..Default::default()
         },
         max_pending_launches: args.max_pending_launches,
@@ -948,11 +969,14 @@ async fn main_inner(cli: Cli) -> Result<bool> {
             args,
             out,
             trusted,
+            loops,
         } => {
             let svc = device.open()?;
             let limits = TenantLimits {
                 program_policy: tpubox_core::tenant::ProgramPolicy {
                     trusted,
+                    max_loop_iterations: loops.max_loop_iterations,
+                    max_loop_work: loops.max_loop_work,
                     ..Default::default()
                 },
                 ..TenantLimits::default()

@@ -142,7 +142,9 @@ def test_compile_errors(s):
         s.compile(ADD, format="hlo")
 
 
-def test_unbounded_loop_is_refused_by_policy(s):
+def test_unbounded_loop_runs_on_the_loop_budget(s):
+    # `while v > 0: v += 1`: XLA cannot bound it. It compiles under the default policy; it
+    # ends at once for v <= 0, and runs until the loop budget is spent for v > 0.
     loop = """
     func.func @main(%x: tensor<f32>) -> tensor<f32> {
       %r = stablehlo.while(%v = %x) : tensor<f32>
@@ -157,8 +159,12 @@ def test_unbounded_loop_is_refused_by_policy(s):
         }
       func.return %r : tensor<f32>
     }"""
-    with pytest.raises(tpubox.PermissionDenied, match="unbounded-loop"):
-        s.compile(loop)
+    exe = s.compile(loop)
+    assert exe(np.float32(-2.5))[0].numpy() == np.float32(-2.5)
+    with pytest.raises(tpubox.ResourceExhausted, match="max-loop-iterations"):
+        exe(np.float32(1.0))
+    # The session is still served.
+    assert exe(np.float32(0.0))[0].numpy() == np.float32(0.0)
 
 
 def test_executables_free_and_context_managers(s):

@@ -6,7 +6,6 @@ listing each case with its tolerance and whether it is expected to fail here (an
 Run with the venv's python: python make_corpus.py DIR. Nothing it writes is committed."""
 
 import json
-import os
 import sys
 from pathlib import Path
 
@@ -205,11 +204,8 @@ LOOPS = {
     "loop_bfgs": (bfgs, [f32(3)]),
     "loop_sqrtm": (jax.scipy.linalg.sqrtm, [spd(4)]),
 }
-# Not in the corpus yet: the loop budget is off by default (docs/SECURITY.md), so `tpubox exec`
-# refuses these (unbounded-loop). TPUBOX_JAX_LOOPS=1 adds them, for work on the budget.
-if os.environ.get("TPUBOX_JAX_LOOPS") == "1":
-    for _name, (_fn, _args) in LOOPS.items():
-        CASES[_name] = (_fn, _args, 1e-4, 1e-5, None)
+for _name, (_fn, _args) in LOOPS.items():
+    CASES[_name] = (_fn, _args, 1e-4, 1e-5, None)
 
 
 def main(out: Path):

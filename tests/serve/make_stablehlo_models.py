@@ -16,8 +16,9 @@ programs are exported for the CPU plugin.
                      total FP32[] = sum(a)
     repo/broken_*/   copies of mlp, each broken in one way (see BROKEN in the test)
     repo/loop/       doubles x until it passes a threshold: a `while` XLA cannot bound, which
-                     the default program policy refuses; repo/loop_trusted/ is the same export
-                     with `[tpubox.limits] trusted = true`
+                     runs on the loop budget under the default program policy;
+                     repo/loop_trusted/ is the same export with `[tpubox.limits] trusted =
+                     true`, repo/loop_no_budget/ with `max_loop_iterations = 0` (refused)
 """
 
 from __future__ import annotations
@@ -163,6 +164,9 @@ def main(out: Path) -> None:
     shutil.copytree(repo / "loop", repo / "loop_trusted")
     c = (repo / "loop" / "config.toml").read_text().replace('name = "loop"', 'name = "loop_trusted"')
     (repo / "loop_trusted" / "config.toml").write_text(c + "\n[tpubox.limits]\ntrusted = true\n")
+    shutil.copytree(repo / "loop", repo / "loop_no_budget")
+    c = (repo / "loop" / "config.toml").read_text().replace('name = "loop"', 'name = "loop_no_budget"')
+    (repo / "loop_no_budget" / "config.toml").write_text(c + "\n[tpubox.limits]\nmax_loop_iterations = 0\n")
 
     x = rng.standard_normal((16, D_IN)).astype(np.float32)
     ids = rng.integers(0, VOCAB, (6, SEQ)).astype(np.int32)

@@ -60,8 +60,9 @@ BROKEN = {
     ],
     "broken_program": ["model.b4.mlirbc: compile-failed"],
     "broken_symbolic": ["model.b4.mlirbc: compile-failed", "dimensions of unknown size"],
-    # The model's tenant gets the default program policy: no `while` the compiler cannot bound.
-    "loop": ["model.b2.mlirbc: permission-denied", "unbounded-loop"],
+    # With the loop budget off (`[tpubox.limits] max_loop_iterations = 0`), a `while` the
+    # compiler cannot bound is refused.
+    "loop_no_budget": ["model.b2.mlirbc: permission-denied", "unbounded-loop"],
 }
 
 
@@ -361,17 +362,32 @@ def test_model_check_cli(srv):
             assert w in r.stderr, (name, w, r.stderr)
 
 
-def test_trusted_lifts_the_program_policy(http):
-    """`loop` is refused by the default program policy (see BROKEN); the same export with
-    `[tpubox.limits] trusted = true` serves, and its loop gives what the loop gives."""
-    inp = httpclient.InferInput("x", [2, 2], "FP32")
+def test_loops_run_on_the_budget_and_trusted_lifts_the_policy(http, grpc):
+    """`loop` (a `while` XLA cannot bound) serves under the default program policy, on the
+    loop budget, and gives what `loop_trusted` (`[tpubox.limits] trusted = true`) gives; an
+    input on which the loop never ends fails with `max-loop-iterations` on both doors, and the
+    model goes on serving."""
     x = np.array([[1.0, 2.0], [0.5, 3.0]], np.float32)
-    inp.set_data_from_numpy(x)
-    got = http.infer("loop_trusted", [inp]).as_numpy("y")
     want = x.copy()
     while want.max() < 100.0:
         want = want * 2.0 + 1.0
-    np.testing.assert_array_equal(got, want)
+    for model in ("loop", "loop_trusted"):
+        inp = httpclient.InferInput("x", [2, 2], "FP32")
+        inp.set_data_from_numpy(x)
+        np.testing.assert_array_equal(http.infer(model, [inp]).as_numpy("y"), want)
+    # -1 -> -1 * 2 + 1 = -1: the maximum never reaches 100.
+    endless = np.array([[-1.0, -2.0], [-3.0, -4.0]], np.float32)
+    inp = httpclient.InferInput("x", [2, 2], "FP32")
+    inp.set_data_from_numpy(endless)
+    with pytest.raises(InferenceServerException, match="max-loop-iterations"):
+        http.infer("loop", [inp])
+    ginp = grpcclient.InferInput("x", [2, 2], "FP32")
+    ginp.set_data_from_numpy(endless)
+    with pytest.raises(InferenceServerException, match="max-loop-iterations"):
+        grpc.infer("loop", [ginp])
+    inp = httpclient.InferInput("x", [2, 2], "FP32")
+    inp.set_data_from_numpy(x)
+    np.testing.assert_array_equal(http.infer("loop", [inp]).as_numpy("y"), want)
 
 
 def _weights(path: Path) -> dict[str, np.ndarray]:

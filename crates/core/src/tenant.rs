@@ -89,20 +89,24 @@ pub struct ProgramPolicy {
     /// Skip every rule below (default `false`): for tenants whose programs the operator trusts.
     pub trusted: bool,
     /// Largest trip count of one `while` loop, as XLA proves it on the optimized program
-    /// (default 1 048 576). A loop XLA cannot bound (`known_trip_count` missing) is refused
-    /// (rule `unbounded-loop`), one above this is refused (rule `max-loop-trips`).
+    /// (default 1 048 576; rule `max-loop-trips`). A loop XLA cannot bound
+    /// (`known_trip_count` missing) runs on the loop budget (next two fields), or is refused
+    /// (rule `unbounded-loop`) when the budget is off.
     pub max_loop_trips: u64,
     /// Most trips of loops XLA cannot bound in one execution, all such loops of the program
-    /// together (nested, in called computations and conditionals alike; default 0, off, see
-    /// [`DEFAULT_MAX_LOOP_ITERATIONS`]; `max-loop-iterations`). Such a loop is compiled with a budget instead of refused: a
+    /// together (nested, in called computations and conditionals alike; default
+    /// [`DEFAULT_MAX_LOOP_ITERATIONS`], 1 048 576, the same number as `max_loop_trips`;
+    /// `max-loop-iterations`). Such a loop is compiled with a budget instead of refused: a
     /// custom call in its condition counts each evaluation, and the execution fails with
-    /// `resource-exhausted` naming the limit once the budget is spent ([`LoopBudgetLimits`]).
-    /// `0` turns the budget off: such loops are refused again (rule `unbounded-loop`).
+    /// `resource-exhausted` naming the limit once the budget is spent ([`LoopBudgetLimits`];
+    /// docs/SECURITY.md). `0` turns the budget off: such loops are refused again (rule
+    /// `unbounded-loop`).
     pub max_loop_iterations: u64,
-    /// Most work of loops XLA cannot bound in one execution (default 10^11; `max-loop-work`):
-    /// each trip counts the compiled program's cost-analysis flops plus bytes accessed
-    /// ([`crate::compiler::work_per_trip`]), so that a few trips over a large matmul end the
-    /// execution as surely as many cheap ones.
+    /// Most work of loops XLA cannot bound in one execution (default
+    /// [`DEFAULT_MAX_LOOP_WORK`], 10^11; `max-loop-work`): each trip counts the work of one
+    /// trip of the loop, estimated from the optimized program
+    /// ([`pjrt::LoadedExecutable::loop_trip_work`]: operations plus bytes written), so that
+    /// a few trips over a large matmul end the execution as surely as many cheap ones.
     pub max_loop_work: u64,
     /// Custom-call targets allowed (default [`default_custom_calls`]: [`XLA_CUSTOM_CALLS`],
     /// which XLA implements itself, and the LAPACK and tpubox targets whose handlers the host
@@ -111,16 +115,15 @@ pub struct ProgramPolicy {
     pub allowed_custom_calls: Vec<String>,
 }
 
-/// Default [`ProgramPolicy::max_loop_iterations`]: 0, the budget off (loops XLA cannot bound
-/// are refused, rule `unbounded-loop`). Experimental: recompiling an optimized program with the
-/// budget aborts XLA's CPU emitter on some programs (already fused computations), which a
-/// compile worker contains but an in-process compile does not. [`BUDGET_MAX_LOOP_ITERATIONS`]
-/// is the value meant to become the default.
-pub const DEFAULT_MAX_LOOP_ITERATIONS: u64 = 0;
+/// Default [`ProgramPolicy::max_loop_iterations`]: 1 048 576 trips per execution, the trip
+/// limit of loops XLA can bound (`max_loop_trips`). Measured (docs/BENCHMARKS.md, "Loop
+/// budget"): JAX's `igamma`, `betainc`, `random.gamma`/`poisson`, Newton `while_loop`s, BFGS
+/// and `sqrtm` finish far below it, and an endless loop of cheap trips reaches it in well
+/// under a second on the CPU plugin.
+pub const DEFAULT_MAX_LOOP_ITERATIONS: u64 = 1 << 20;
 
-/// The trip budget meant as the default once the budget is safe everywhere: 1 048 576, the trip
-/// limit of loops XLA can bound.
-pub const BUDGET_MAX_LOOP_ITERATIONS: u64 = 1 << 20;
+/// [`DEFAULT_MAX_LOOP_ITERATIONS`] under its earlier name.
+pub const BUDGET_MAX_LOOP_ITERATIONS: u64 = DEFAULT_MAX_LOOP_ITERATIONS;
 
 /// Default [`ProgramPolicy::max_loop_work`]: 10^11 units (flops plus bytes accessed), a few
 /// seconds of a CPU core's work.

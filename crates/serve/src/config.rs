@@ -190,11 +190,18 @@ pub struct ModelLimits {
     pub max_guest_memory_mib: Option<u64>,
     /// Launches queued for the device or running at once (default 256).
     pub max_pending_launches: Option<u64>,
-    /// Skip the program policy for the model's programs (default `false`: no unbounded
-    /// `while`, at most 1,048,576 loop trips, no host transfers, only the default custom
-    /// calls, [`tpubox_core::tenant::default_custom_calls`]). For models whose programs the
-    /// operator trusts.
+    /// Skip the program policy for the model's programs (default `false`: at most 1,048,576
+    /// trips of a loop XLA can bound, loops it cannot bound on the loop budget, no host
+    /// transfers, only the default custom calls,
+    /// [`tpubox_core::tenant::default_custom_calls`]). For models whose programs the operator
+    /// trusts.
     pub trusted: Option<bool>,
+    /// Most trips of loops XLA cannot bound in one execution (default 1 048 576; 0 refuses
+    /// such loops at compile). `max-loop-iterations`.
+    pub max_loop_iterations: Option<u64>,
+    /// Most work of those trips in one execution, in estimated operations plus bytes written
+    /// (default 10^11). `max-loop-work`.
+    pub max_loop_work: Option<u64>,
 }
 
 /// Where one parameter of a StableHLO model's program comes from
@@ -530,6 +537,12 @@ impl ModelConfig {
         }
         if let Some(trusted) = l.trusted {
             t.program_policy.trusted = trusted;
+        }
+        if let Some(n) = l.max_loop_iterations {
+            t.program_policy.max_loop_iterations = n;
+        }
+        if let Some(n) = l.max_loop_work {
+            t.program_policy.max_loop_work = n;
         }
         t.max_call_time = Some(Duration::from_secs_f64(
             l.max_call_seconds.unwrap_or(60.0).clamp(0.001, 86_400.0),

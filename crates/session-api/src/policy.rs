@@ -39,6 +39,13 @@ pub struct SessionPolicy {
     /// programs (default false).
     #[serde(default)]
     pub trusted: bool,
+    /// Most trips of loops XLA cannot bound in one execution of the tenant's programs
+    /// (default 1 048 576, [`tpubox_core::tenant::DEFAULT_MAX_LOOP_ITERATIONS`]; 0 refuses
+    /// such loops at compile). `max-loop-iterations`.
+    pub max_loop_iterations: Option<u64>,
+    /// Most work of those trips in one execution, in estimated operations plus bytes written
+    /// (default 10^11, [`tpubox_core::tenant::DEFAULT_MAX_LOOP_WORK`]). `max-loop-work`.
+    pub max_loop_work: Option<u64>,
     /// Device memory all of the tenant's sessions (and the guests they run) may hold
     /// together, in MiB (default: `max_device_mib`, so that opening more sessions does not
     /// multiply the tenant's memory).
@@ -76,6 +83,8 @@ impl Default for SessionPolicy {
             idle_timeout_seconds: None,
             max_pending_launches: None,
             trusted: false,
+            max_loop_iterations: None,
+            max_loop_work: None,
             tenant_max_device_mib: None,
             tenant_max_running_executions: None,
             publish_weights: false,
@@ -161,6 +170,12 @@ impl SessionPolicy {
             trusted: self.trusted,
             ..ProgramPolicy::default()
         };
+        if let Some(n) = self.max_loop_iterations {
+            t.program_policy.max_loop_iterations = n;
+        }
+        if let Some(n) = self.max_loop_work {
+            t.program_policy.max_loop_work = n;
+        }
         t.max_published_bytes = match (self.publish_weights, self.max_published_mib) {
             (false, _) => 0,
             (true, None) => t.max_device_bytes,
