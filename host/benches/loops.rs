@@ -3,7 +3,7 @@
 //! number it reads from its argument (`while i < n`, so XLA cannot bound it) and updates a
 //! `f32[16]` each trip, a convergence loop's shape. Per compile: the median of `ROUNDS`
 //! compiles (cache off, in process; with the budget a program compiles twice, the second time
-//! from its rewritten optimized HLO). Per trip: the median execution of `TRIPS` trips, minus
+//! from the module XLA dumped before its passes, with its loop budgeted). Per trip: the median execution of `TRIPS` trips, minus
 //! that of a 1-trip run, divided by the trips. Run with
 //! `cargo bench -p tpubox --bench all -- loops`.
 
@@ -68,9 +68,9 @@ pub fn main() {
         .unwrap();
     rt.block_on(async {
         let svc = crate::isolation::service(false, CacheMode::Off);
-        // The budget meant as the default (off by default for now, docs/SECURITY.md).
+        // The default budget (docs/SECURITY.md).
         let budget = Some(tpubox_core::LoopBudgetLimits {
-            max_loop_iterations: tpubox_core::tenant::BUDGET_MAX_LOOP_ITERATIONS,
+            max_loop_iterations: tpubox_core::tenant::DEFAULT_MAX_LOOP_ITERATIONS,
             max_loop_work: tpubox_core::tenant::DEFAULT_MAX_LOOP_WORK,
         });
         println!(

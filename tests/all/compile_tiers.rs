@@ -252,9 +252,21 @@ async fn the_program_size_is_checked_before_tier_1() {
 async fn every_compile_reports_its_tier() {
     let dir = tempfile::tempdir().unwrap();
     let first = service(Some(dir.path()), CacheMode::ReadWrite, None);
-    let o = first.compile_as(scale(3), true, 0, "t").await.unwrap();
+    // As the session below compiles: with the default tenant's loop budget, which is part of
+    // the cache key.
+    let settings = CompileSettings {
+        loop_budget: TenantLimits::default().program_policy.loop_budget(),
+        ..Default::default()
+    };
+    let o = first
+        .compile_with(scale(3), true, settings, "t")
+        .await
+        .unwrap();
     assert_eq!(o.tier, CacheTier::Compiled);
-    let o = first.compile_as(scale(3), true, 0, "t").await.unwrap();
+    let o = first
+        .compile_with(scale(3), true, settings, "t")
+        .await
+        .unwrap();
     assert_eq!(o.tier, CacheTier::Memory);
     let st = first.cache().unwrap().stats();
     assert_eq!((st.compiles, st.memory.hits, st.disk.hits), (1, 1, 0));

@@ -1765,6 +1765,33 @@ const LIMITS: &[LimitRow] = &[
         model: Some("trusted"),
         cli: Some("--trusted"),
     },
+    // The loop budget (issue 31): fields of `ProgramPolicy`, inside `TenantLimits`'s
+    // `program_policy`. Like the session-only rows they are no `TenantLimits` field of their
+    // own; `[tenant.session]`, `[tpubox.limits]` and the flags of `tpubox run`/`exec` set them.
+    // `resource-exhausted` names them from the budget's custom call (crates/pjrt-kernels), not
+    // from a `refuse(`.
+    LimitRow {
+        key: "program_policy",
+        session_only: true,
+        unit: Unit::Count,
+        name: Some("max-loop-iterations"),
+        refused: false,
+        wire: None,
+        policy: Some("max_loop_iterations"),
+        model: Some("max_loop_iterations"),
+        cli: Some("--max-loop-iterations"),
+    },
+    LimitRow {
+        key: "program_policy",
+        session_only: true,
+        unit: Unit::Other,
+        name: Some("max-loop-work"),
+        refused: false,
+        wire: None,
+        policy: Some("max_loop_work"),
+        model: Some("max_loop_work"),
+        cli: Some("--max-loop-work"),
+    },
     LimitRow {
         key: "max_pending_launches",
         session_only: false,
@@ -2484,7 +2511,12 @@ fn tenant_limits() {
             ));
         }
         let (want, source) = match (&flag, cli_defaults.get(l.key), default_of(l.key)) {
-            (Some(_), Some((_, d)), _) => (d.as_deref().map_or(Ok(None), number), HOST_MAIN),
+            // The flag's own default (not another flag's that sets the same field, as
+            // `--trusted` and `--max-loop-iterations` both set `program_policy`).
+            (Some(f), Some((cf, d)), _) if f == cf => {
+                (d.as_deref().map_or(Ok(None), number), HOST_MAIN)
+            }
+            (Some(_), _, _) => continue,
             (None, _, Some(d)) => (d, CORE_TENANT),
             _ => continue,
         };

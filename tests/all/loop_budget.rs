@@ -6,10 +6,7 @@
 //! failure surfaces at a later read of a launch, while another tenant is served.
 //!
 //! Compiles run in process (no cache), so each case compiles its program afresh. The tenants
-//! here turn the budget on (`BUDGET_MAX_LOOP_ITERATIONS`; the default is off for now). Cases
-//! marked `ignore` abort XLA's CPU emitter when the rewritten optimized HLO is compiled again
-//! (see the reason on each): the next step is to compile the rewrite with the backend only, or
-//! to rewrite the program before optimization.
+//! here have the default budget (`DEFAULT_MAX_LOOP_ITERATIONS`, `DEFAULT_MAX_LOOP_WORK`).
 
 use std::sync::{Arc, OnceLock};
 use std::time::{Duration, Instant};
@@ -62,7 +59,7 @@ fn tenant(name: &str, trusted: bool) -> Arc<Tenant> {
         TenantLimits {
             program_policy: ProgramPolicy {
                 trusted,
-                max_loop_iterations: tpubox_core::tenant::BUDGET_MAX_LOOP_ITERATIONS,
+                max_loop_iterations: tpubox_core::tenant::DEFAULT_MAX_LOOP_ITERATIONS,
                 ..ProgramPolicy::default()
             },
             ..TenantLimits::default()
