@@ -252,6 +252,22 @@ fn compile_budgeted(
         work: budget.max_loop_work,
         step: step.unwrap_or(1).max(1),
     };
+    // A plugin where the budget's handler is not found at compile (`xla-cpu-pjrt` 0.0.1
+    // finds no FFI handler the host registers): such loops are refused there, as without a
+    // budget.
+    let compile_failed = |e: pjrt::Error| {
+        let err = compile_failed(e);
+        if err.message.contains(target) && err.message.contains("No FFI handler") {
+            return DeviceError::new(
+                ErrorKind::PermissionDenied,
+                format!(
+                    "the program has a while loop XLA cannot bound, and this plugin cannot run the loop budget ({}); it could run forever, and a running program cannot be stopped (policy rule unbounded-loop)",
+                    err.message
+                ),
+            );
+        }
+        err
+    };
     let rewrite =
         |select, b| match pjrt::loop_budget::budget_loops(pjrt::HLO_PROTO, &before, b, select) {
             Ok(r) => Ok(r),
