@@ -26,7 +26,10 @@ What travels, and what stays:
 Shapes are static: a graph compiles one program per concrete signature of its inputs. When
 Dynamo hands over a graph with symbolic sizes (``dynamic=True``, or automatic dynamic shapes
 after a second shape), each concrete signature met at run time is traced and compiled on its
-own, as ``dynamic=False`` would.
+own, as ``dynamic=False`` would. Dimensions marked with ``torch._dynamo.mark_dynamic(t, dim,
+min=, max=)`` are bucketed instead, as TorchTPU does: one program per bucket, the inputs
+padded with zeros to the bucket's size and the outputs cut back (:func:`bucket_of`; options
+``num_dynamic_buckets``, ``bucket_size``).
 
 Precision of f32 matrix products and convolutions, TorchTPU's names: :class:`Precision`
 ``DEFAULT`` / ``HIGH`` / ``HIGHEST`` is StableHLO's ``precision_config`` of every
@@ -49,9 +52,10 @@ Backend options (``torch.compile(model, backend="tpubox", options={...})``):
 - ``debug_callback``: called with a :class:`GraphInfo` for every program compiled (its kind,
   FX graph, StableHLO text, precision, executable), TorchTPU's option of that name.
 - ``session``, ``address``, ``token``: where to run (above).
-- ``async_compile`` (False), ``num_dynamic_buckets`` (1), ``bucket_size`` (128),
-  ``serializable``: TorchTPU's; only their defaults are accepted (buckets are not supported:
-  every shape compiles its own program).
+- ``num_dynamic_buckets`` (1, at most 8) and ``bucket_size`` (128): TorchTPU's buckets of a
+  ``mark_dynamic`` dimension: with ``max=``, that many buckets dividing ``(min, max]``;
+  without, multiples of ``bucket_size``.
+- ``async_compile`` (False), ``serializable``: TorchTPU's; only their defaults are accepted.
 
 :func:`export` writes a model for ``tpubox serve``'s repository instead (StableHLO programs per
 batch size, the weights, ``config.toml``), as :func:`tpubox.jax.export_model` does for JAX.
@@ -88,6 +92,8 @@ __all__ = [
     "stats",
     "reset_stats",
     "BACKEND_NAME",
+    "bucket_of",
+    "MAX_DYNAMIC_BUCKETS",
     "export",
     # Eager tensors on the device (tpubox.torch_eager)
     "device",
@@ -239,12 +245,12 @@ _OPTIMIZATION_LEVELS = ("O0", "O1", "O2", "O3")
 # TorchTPU's options that tpubox accepts only at their default value.
 _DEFAULT_ONLY = {
     "async_compile": False,
-    "num_dynamic_buckets": 1,
-    "bucket_size": 128,
     "serializable": True,
 }
 _KNOWN = {"xla_optimization_level", "name", "debug_callback", "session", "address", "token"}
-_KNOWN |= set(_DEFAULT_ONLY)
+_KNOWN |= set(_DEFAULT_ONLY) | {"num_dynamic_buckets", "bucket_size"}
+#: TorchTPU's most buckets of one dynamic dimension.
+MAX_DYNAMIC_BUCKETS = 8
 
 
 class _Options:
@@ -262,8 +268,20 @@ class _Options:
                 raise Unsupported(
                     "unsupported",
                     f"tpubox backend: option {k}={options[k]!r} is not supported (only "
-                    f"{default!r}): every concrete shape compiles its own static program",
+                    f"{default!r})",
                 )
+        buckets = options.get("num_dynamic_buckets", 1)
+        if not isinstance(buckets, int) or isinstance(buckets, bool) or not (
+            1 <= buckets <= MAX_DYNAMIC_BUCKETS
+        ):
+            raise ValueError(
+                f"num_dynamic_buckets must be an int in 1..{MAX_DYNAMIC_BUCKETS}, not {buckets!r}"
+            )
+        size = options.get("bucket_size", 128)
+        if not isinstance(size, int) or isinstance(size, bool) or size < 1:
+            raise ValueError(f"bucket_size must be a positive int, not {size!r}")
+        self.num_dynamic_buckets: int = buckets
+        self.bucket_size: int = size
         level = options.get("xla_optimization_level")
         if level is not None and level not in _OPTIMIZATION_LEVELS:
             raise ValueError(
@@ -866,6 +884,157 @@ class _Specialized:
         return fn(*args)
 
 
+def bucket_of(size: int, lo: int | None, hi: int | None, buckets: int, bucket_size: int) -> int:
+    """The bucket SIZE falls in, as the size its program is compiled for (TorchTPU's bounded
+    dynamism): with an upper bound HI (``mark_dynamic(t, dim, min=LO, max=HI)``), BUCKETS
+    buckets whose upper edges divide ``(LO, HI]`` evenly (rounded up; LO defaults to 0); without
+    one, the next multiple of BUCKET_SIZE. A size above HI is its own bucket (Dynamo guards
+    the bound, so it does not reach here marked).
+
+    >>> bucket_of(20, 2, 64, 4, 128), bucket_of(3, None, None, 1, 8)
+    (33, 8)
+    """
+    if hi is not None and size <= hi:
+        lo = max(0, lo or 0)
+        for k in range(1, buckets + 1):
+            edge = lo + -(-(hi - lo) * k // buckets)
+            if size <= edge:
+                return edge
+        return hi
+    if hi is not None:
+        return size
+    return -(-size // bucket_size) * bucket_size
+
+
+class _Buckets:
+    """The dimensions of a graph's inputs marked dynamic with ``torch._dynamo.mark_dynamic``,
+    run padded to their bucket (:func:`bucket_of`) and sliced back.
+
+    Each marked dimension is a size symbol of Dynamo's graph. At a call, every input dimension
+    and size argument that is that symbol is padded with zeros (or set) to the bucket's size,
+    the program for that padded signature runs (one per bucket), and each output dimension is
+    cut back to the size its symbolic shape gives for the real sizes. Padding is zeros: rows of
+    a batch are independent, and a model that attends or reduces over a padded dimension must
+    take a mask that is padded too (a Hugging Face ``attention_mask`` marked dynamic in the
+    same dimension: its zeros keep the padding out).
+    """
+
+    def __init__(
+        self,
+        dims: dict[Any, list[tuple[int, int]]],
+        sizes: dict[int, Any],
+        marked: dict[Any, tuple[int | None, int | None]],
+        outputs: list[list[Any] | None],
+        opts: _Options,
+    ):
+        self.dims, self.sizes, self.marked, self.outputs = dims, sizes, marked, outputs
+        self.opts = opts
+
+    @classmethod
+    def of(
+        cls, gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: _Options
+    ) -> "_Buckets | None":
+        """The buckets of GM, or None when no input dimension is marked dynamic (or a size
+        is an expression the padding cannot follow)."""
+        from torch._dynamo.decorators import _get_dim_range
+
+        placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+        dims: dict[Any, list[tuple[int, int]]] = {}
+        sizes: dict[int, Any] = {}
+        marked: dict[Any, tuple[int | None, int | None]] = {}
+        for i, (node, x) in enumerate(zip(placeholders, example_inputs)):
+            if isinstance(x, torch.SymInt):
+                if not x.node.expr.is_Symbol:
+                    return None
+                sizes[i] = x.node.expr
+                continue
+            if not isinstance(x, torch.Tensor):
+                continue
+            # Dynamo hands the backend real tensors; their symbolic sizes are on the graph's
+            # placeholders (fake tensors).
+            fake = node.meta.get("example_value")
+            if not isinstance(fake, torch.Tensor):
+                continue
+            try:
+                real = node.meta["grapharg"].example
+            except (KeyError, AttributeError, AssertionError):
+                real = x
+            indices = getattr(real, "_dynamo_dynamic_indices", set())
+            for d, n in enumerate(fake.shape):
+                if not isinstance(n, torch.SymInt):
+                    continue
+                e = n.node.expr
+                if not e.is_Symbol:
+                    return None
+                dims.setdefault(e, []).append((i, d))
+                if d in indices:
+                    r = _get_dim_range(real, d)
+                    marked[e] = (r.min, r.max) if r is not None else (None, None)
+        if not marked:
+            return None
+        out = next(n for n in gm.graph.nodes if n.op == "output").args[0]
+        outputs: list[list[Any] | None] = []
+        for o in out if isinstance(out, (tuple, list)) else (out,):
+            v = o.meta.get("example_value") if isinstance(o, torch.fx.Node) else None
+            if isinstance(v, torch.Tensor):
+                outputs.append(
+                    [n.node.expr if isinstance(n, torch.SymInt) else int(n) for n in v.shape]
+                )
+            else:
+                outputs.append(None)
+        return cls(dims, sizes, marked, outputs, opts)
+
+    def pad(self, args: Sequence[Any]) -> tuple[list[Any], dict[Any, int]]:
+        """ARGS padded to their buckets, and the real value of every size symbol."""
+        values: dict[Any, int] = {}
+        for sym, where in self.dims.items():
+            i, d = where[0]
+            values[sym] = int(args[i].shape[d])
+        for i, sym in self.sizes.items():
+            values.setdefault(sym, int(args[i]))
+        padded = list(args)
+        for sym, (lo, hi) in self.marked.items():
+            v = values[sym]
+            b = bucket_of(v, lo, hi, self.opts.num_dynamic_buckets, self.opts.bucket_size)
+            if b == v:
+                continue
+            for i, d in self.dims.get(sym, []):
+                t = padded[i]
+                extra = list(t.shape)
+                extra[d] = b - t.shape[d]
+                padded[i] = torch.cat([t, t.new_zeros(extra)], dim=d)
+            for i, s in self.sizes.items():
+                if s == sym:
+                    padded[i] = b
+        return padded, values
+
+    def cut(self, outs: Any, values: dict[Any, int]) -> Any:
+        """Each output cut back to the shape its symbolic shape gives for VALUES."""
+        import sympy
+
+        subs = {k: sympy.Integer(v) for k, v in values.items()}
+        cut = list(outs)
+        for j, shape in enumerate(self.outputs):
+            if shape is None or j >= len(cut) or not isinstance(cut[j], torch.Tensor):
+                continue
+            want = [int(e.xreplace(subs)) if not isinstance(e, int) else e for e in shape]
+            if list(cut[j].shape) != want:
+                cut[j] = cut[j][tuple(slice(0, n) for n in want)]
+        return type(outs)(cut) if isinstance(outs, tuple) else cut
+
+
+class _Bucketed:
+    """A graph with ``mark_dynamic`` dimensions: run padded to buckets (:class:`_Buckets`),
+    each bucket a static program of :class:`_Specialized`."""
+
+    def __init__(self, inner: _Specialized, buckets: _Buckets):
+        self.inner, self.buckets = inner, buckets
+
+    def __call__(self, *args: Any) -> Any:
+        padded, values = self.buckets.pad(args)
+        return self.buckets.cut(self.inner(*padded), values)
+
+
 def backend(
     gm: torch.fx.GraphModule,
     example_inputs: Sequence[Any],
@@ -898,7 +1067,9 @@ def backend(
     ):
         _unfuse_attention(gm)
     if _has_symbols(example_inputs):
-        return _Specialized(gm, opts, weights)
+        buckets = _Buckets.of(gm, example_inputs, opts)
+        inner = _Specialized(gm, opts, weights)
+        return inner if buckets is None else _Bucketed(inner, buckets)
     return _aot(gm, example_inputs, opts, weights)
 
 

@@ -298,7 +298,9 @@ def test_options(alice):
     for bad, kind in (
         ({"session": alice, "no_such_option": 1}, ValueError),
         ({"session": alice, "xla_optimization_level": "O9"}, ValueError),
-        ({"session": alice, "num_dynamic_buckets": 4}, tpubox.Unsupported),
+        ({"session": alice, "num_dynamic_buckets": 9}, ValueError),
+        ({"session": alice, "bucket_size": 0}, ValueError),
+        ({"session": alice, "async_compile": True}, tpubox.Unsupported),
     ):
         torch._dynamo.reset()
         c = torch.compile(nn.Linear(2, 2), backend="tpubox", options=bad)
@@ -320,6 +322,48 @@ def test_new_shapes_compile_static_programs(alice):
             close(compiled(x), model(x))
     st = tt.stats()
     assert st["compiles"] == 3 and st["executions"] == 4, st
+
+
+def test_mark_dynamic_compiles_one_program_per_bucket(alice):
+    """`mark_dynamic` on the batch dimension: the sizes of one bucket share a program; inputs are
+    padded to the bucket and outputs cut back, with eager's numbers (TorchTPU's bounded
+    dynamism; without bounds the buckets are multiples of `bucket_size`)."""
+    torch.manual_seed(9)
+    model = MLP().eval()
+    compiled = torch.compile(model, backend="tpubox", options={"session": alice, "bucket_size": 8})
+    with torch.no_grad():
+        for n in (3, 5, 8, 9, 16, 2):
+            x = torch.randn(n, 16)
+            torch._dynamo.mark_dynamic(x, 0)
+            got = compiled(x)
+            assert got.shape == (n, 4)
+            close(got, model(x))
+    st = tt.stats()
+    # Two buckets (8 and 16); the first call may compile the static graph Dynamo traced.
+    assert st["specializations"] == 2, st
+    assert st["executions"] == 6, st
+
+
+def test_mark_dynamic_with_bounds_and_a_mask_matches_eager(alice):
+    """A tiny BERT with the sequence dimension of its ids and attention mask marked dynamic in
+    [2, 32], 2 buckets: (2, 17] and (17, 32]. The padded mask keeps the padding out of
+    attention, so the real positions get eager's numbers."""
+    model, _ = _hf("bert")
+    model.eval()
+    compiled = torch.compile(
+        model, backend="tpubox", options={"session": alice, "num_dynamic_buckets": 2}
+    )
+    with torch.no_grad():
+        for n in (5, 12, 20, 31):
+            ids = torch.randint(0, 200, (2, n))
+            mask = torch.ones(2, n, dtype=torch.long)
+            mask[1, n - 2 :] = 0
+            for t in (ids, mask):
+                torch._dynamo.mark_dynamic(t, 1, min=2, max=32)
+            got = compiled(input_ids=ids, attention_mask=mask).last_hidden_state
+            assert got.shape == (2, n, 64)
+            close(got, model(input_ids=ids, attention_mask=mask).last_hidden_state)
+    assert tt.stats()["specializations"] == 2, tt.stats()
 
 
 # ---------------------------------------------------------------------------------------------
