@@ -223,6 +223,54 @@ def check(name: str, build: Callable[[], Any], inputs: Callable[[], dict], sessi
     return row
 
 
+def check_eager(name: str, build: Callable[[], Any], inputs: Callable[[], dict], session: Any,
+                mode: str) -> dict:  # fmt: skip
+    """Runs one architecture on eager device tensors (``model.to(tpubox.torch.device())``) in
+    eager MODE (an ``EagerMode`` name); returns the row's eager columns: whether it ran, whether
+    the first output matches PyTorch on the CPU, and the distinct ops that fell back to the
+    CPU."""
+    import warnings
+
+    import numpy as np
+    import torch
+
+    import tpubox.torch as tt
+
+    torch.manual_seed(0)
+    out: dict[str, Any] = {"eager_runs": False, "eager_match": False, "eager_error": "", "eager_fallbacks": []}
+    t0 = time.monotonic()
+    try:
+        model = build().eval()
+        x = inputs()
+        with torch.no_grad():
+            want = first_output(model(**x))
+        import tpubox.torch_eager as te
+
+        dev = tt.device(session=session)
+        tt.reset_eager_stats()
+        te._WARNED.clear()  # each fallback op warns once per process: once per model here
+        with warnings.catch_warnings(record=True) as caught, tt.set_eager_mode(tt.EagerMode[mode]):
+            warnings.simplefilter("always", tt.CpuFallbackWarning)
+            m = model.to(dev)
+            xd = {k: v.to(dev) for k, v in x.items()}
+            with torch.no_grad():
+                got = first_output(m(**xd)).cpu()
+        out["eager_fallbacks"] = sorted({str(w.message).split(" ")[2] for w in caught
+                                         if issubclass(w.category, tt.CpuFallbackWarning)})  # fmt: skip
+        st = tt.eager_stats()
+        out["eager_runs"] = st["launches"] > 0
+        out["eager_max_abs_err"] = float((got.float() - want.float()).abs().max())
+        out["eager_match"] = bool(
+            got.shape == want.shape
+            and np.allclose(got.float().numpy(), want.float().numpy(), rtol=RTOL, atol=ATOL)
+        )
+    except Exception as e:  # a row, not a crash
+        msg = f"{type(e).__name__}: {e}".splitlines()
+        out["eager_error"] = msg[0][:160] if msg else type(e).__name__
+    out["eager_seconds"] = time.monotonic() - t0
+    return out
+
+
 def _no_dropout(model: Any) -> None:
     """Training mode without randomness: every dropout probability of MODEL set to 0 (random
     ops in a graph need a custom call the daemon's default program policy refuses)."""
@@ -312,8 +360,10 @@ def table(rows: list[dict]) -> str:
     """The Markdown table of ROWS."""
     yes = lambda b: "yes" if b else "no"  # noqa: E731
     train = any("train" in r for r in rows)
+    eager = any("eager_runs" in r for r in rows)
     head = "| model | tested | runs | numbers match | max abs error | time (s) |"
     head += " training step (gradients match) |" if train else ""
+    head += " eager: runs | eager: numbers match | eager: ops on the CPU |" if eager else ""
     lines = [head + " note |", "|---" * (head.count("|") - 1 + 1) + "|"]
     for r in rows:
         err = r.get("max_abs_err")
@@ -326,6 +376,11 @@ def table(rows: list[dict]) -> str:
             line += f" {yes(r.get('train'))} |"
             if r.get("train_error"):
                 note = (note + "; " if note else "") + "training: " + r["train_error"]
+        if eager:
+            fb = ", ".join(r.get("eager_fallbacks", [])) or "none"
+            line += f" {yes(r.get('eager_runs'))} | {yes(r.get('eager_match'))} | {fb} |"
+            if r.get("eager_error"):
+                note = (note + "; " if note else "") + "eager: " + r["eager_error"]
         lines.append(line + f" {note.replace('|', '/')} |")
     return "\n".join(lines)
 
@@ -340,6 +395,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument(
         "--train", action="store_true",
         help="also one training step's backward (dropout off), gradients against eager",
+    )
+    ap.add_argument(
+        "--eager", metavar="MODE", nargs="?", const="DEFER_AND_FUSE",
+        help="also on eager device tensors in eager MODE (default DEFER_AND_FUSE)",
     )
     ap.add_argument("--train-only", help=argparse.SUPPRESS)  # one training check, JSON out
     args = ap.parse_args(argv)
@@ -376,10 +435,14 @@ def main(argv: list[str] | None = None) -> int:
                 row = check(n, build, inputs, s)
                 if args.train:
                     row.update(_train_in_child(n, address, token))
+                if args.eager:
+                    row.update(check_eager(n, build, inputs, s, args.eager))
                 rows.append(row)
                 status = "ok" if row["match"] else ("MISMATCH" if row["runs"] else "FAILED")
                 if args.train:
                     status += " / training " + ("ok" if row["train"] else "FAILED")
+                if args.eager:
+                    status += " / eager " + ("ok" if row["eager_match"] else "FAILED")
                 print(f"{n}: {status} ({row['seconds']:.1f} s) {row['error']}", file=sys.stderr)
                 if args.verbose and row.get("traceback"):
                     print(row["traceback"], file=sys.stderr)

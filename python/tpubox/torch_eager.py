@@ -1291,6 +1291,21 @@ def _copy_(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
     return dst
 
 
+def _copy_from(src: Any, dst: Any, non_blocking: bool = False) -> Any:
+    """``aten::_copy_from(self, dst)``: what PyTorch's ``copy_`` of a host tensor calls when its
+    source is on another device (``cpu_tensor.copy_(device_tensor)``, seen in Llama's rotary
+    embedding): SRC copied into DST, DST returned."""
+    if isinstance(dst, DeviceTensor):
+        out = _copy_(aten.copy_.default, (dst, src), {})
+        if out is NotImplemented:
+            raise NotImplementedError(
+                "tpubox.torch eager: copying into a view of a device tensor is not supported"
+            )
+        return out
+    dst.copy_(_to_host(src) if isinstance(src, DeviceTensor) else src)
+    return dst
+
+
 def _local_scalar_dense(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
     return _to_host(args[0]).item()
 
@@ -1394,6 +1409,7 @@ def _register() -> None:
     _DEVICE = torch.device(DEVICE_TYPE, 0)
     lib = torch.library.Library("aten", "IMPL")
     lib.impl("empty.memory_format", _empty, "PrivateUse1")
+    lib.impl("_copy_from", _copy_from, "PrivateUse1")
     lib.impl("empty_strided", _empty, "PrivateUse1")
     for op in (
         "arange",

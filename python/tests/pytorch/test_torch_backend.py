@@ -589,3 +589,45 @@ def test_export_writes_a_model_tpubox_serve_checks_and_runs(alice, tmp_path):
             np.testing.assert_allclose(got, model(x).numpy(), rtol=RTOL, atol=ATOL)
     with pytest.raises(ValueError):
         tt.export(model, [torch.randn(2, 6)], tmp_path / "repo", "mlp")  # not empty
+
+
+def test_export_command_writes_a_model_that_checks(tmp_path):
+    """`tpubox-torch-export` (python -m tpubox.torch_export): a model factory in a file, its
+    inputs as shapes; the directory passes `tpubox model check` and its config names the
+    inputs and batch sizes asked for."""
+    import tomllib
+
+    from tpubox_daemon import binary
+
+    (tmp_path / "mymodel.py").write_text(
+        textwrap.dedent(
+            """
+            import torch
+            from torch import nn
+
+            def build():
+                torch.manual_seed(3)
+                return nn.Sequential(nn.Linear(6, 8), nn.Tanh(), nn.Linear(8, 2))
+            """
+        )
+    )
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]))
+    r = subprocess.run(
+        [sys.executable, "-m", "tpubox.torch_export", str(tmp_path / "mymodel.py") + ":build",
+         "--input", "1x6", "--repo", str(tmp_path / "repo"), "--name", "cli_mlp",
+         "--batch-sizes", "1,4", "--input-name", "x", "--output-name", "y"],
+        capture_output=True, text=True, timeout=600, env=env,
+    )  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    d = Path(r.stdout.strip().splitlines()[-1])
+    assert d == tmp_path / "repo" / "cli_mlp"
+    cfg = tomllib.loads((d / "config.toml").read_text())
+    assert cfg["max_batch_size"] == 4
+    assert cfg["input"] == [{"name": "x", "data_type": "TYPE_FP32", "dims": [6]}]
+    assert cfg["output"] == [{"name": "y", "data_type": "TYPE_FP32", "dims": [2]}]
+    check = subprocess.run([str(binary()), "model", "check", str(d)], capture_output=True, text=True, timeout=300)
+    assert check.returncode == 0, check.stdout + check.stderr
+    bad = subprocess.run([sys.executable, "-m", "tpubox.torch_export", "nomodule", "--input", "1x6",
+                          "--repo", str(tmp_path / "r2"), "--name", "m"],
+                         capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert bad.returncode != 0 and "module:factory" in bad.stderr, bad.stderr
