@@ -36,7 +36,7 @@ from tpubox_daemon import Daemon  # noqa: E402
 _spec = importlib.util.spec_from_file_location("tpubox_tests_conftest", HERE.parent / "conftest.py")
 _parent = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_parent)
-ALICE, BOB, TENANTS = _parent.ALICE, _parent.BOB, _parent.TENANTS
+ALICE, SMALL, TENANTS = _parent.ALICE, _parent.SMALL, _parent.TENANTS
 
 RTOL = 1e-4
 ATOL = 1e-4
@@ -469,6 +469,7 @@ _CHILD = textwrap.dedent(
     import tpubox, tpubox.torch as tt
     u = tpubox.tenant_usage(address, token)
     print(json.dumps({"max_err": max(errs), "executions": u.usage.executions,
+                      "peak_device_bytes": u.usage.peak_device_bytes,
                       "entry_point": entry_point,
                       "tenant": u.tenant, "stats": tt.stats(),
                       "sum": float(compiled(x).sum()), "want": float(model(x).sum())}))
@@ -498,7 +499,8 @@ def test_entry_point_is_declared():
 @pytest.mark.timeout(600)
 def test_two_tenants_compile_at_once(daemon):
     """Two processes of two tenants compile and run their own models at the same time: each
-    gets its own numbers, and each tenant's session did the executions."""
+    gets its own numbers, each tenant's session did the executions, and each stayed within its
+    limits (carol may hold 1 MiB of device memory)."""
     procs = [
         subprocess.Popen(
             [sys.executable, "-c", _CHILD, daemon.unix, token, str(seed)],
@@ -507,7 +509,7 @@ def test_two_tenants_compile_at_once(daemon):
             text=True,
             env=_child_env(),
         )
-        for token, seed in ((ALICE, 1), (BOB, 2))
+        for token, seed in ((ALICE, 1), (SMALL, 2))
     ]
     installed = "tpubox" in entry_points(group="torch_dynamo_backends").names
     outs = []
@@ -515,8 +517,11 @@ def test_two_tenants_compile_at_once(daemon):
         out, err = p.communicate(timeout=500)
         assert p.returncode == 0, err[-4000:]
         outs.append(json.loads(out.strip().splitlines()[-1]))
-    for o, tenant in zip(outs, ("alice", "bob")):
+    limits = {"alice": TENANTS["alice"]["session"]["max_device_mib"] << 20,
+              "carol": TENANTS["carol"]["session"]["max_device_mib"] << 20}  # fmt: skip
+    for o, tenant in zip(outs, ("alice", "carol")):
         assert o["tenant"] == tenant
+        assert 0 < o["peak_device_bytes"] <= limits[tenant], o
         assert o["entry_point"] == installed
         assert o["max_err"] < 1e-4, o
         assert o["executions"] >= 20 and o["stats"]["executions"] == 20, o
