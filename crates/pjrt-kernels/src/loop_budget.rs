@@ -1,6 +1,6 @@
 //! The handler of `tpubox_loop_budget` ([`LOOP_BUDGET`]), the custom call that
-//! [`pjrt::loop_budget::budget_unbounded_loops`] puts into the condition of every `while` loop
-//! XLA cannot bound.
+//! [`pjrt::loop_budget::budget_loops`] puts into the condition of every `while` loop XLA
+//! cannot bound.
 //!
 //! Operands: none. Result: one `pred[]`, set to `true`. Attributes (`i64`): `iterations` (most
 //! condition evaluations of budgeted loops in one execution, `max-loop-iterations`), `work`

@@ -1,5 +1,8 @@
-//! Rewrites an optimized program so that every `while` loop XLA cannot bound asks a budget
-//! before each trip: [`budget_unbounded_loops`].
+//! Rewrites an HLO module so that `while` loops XLA cannot bound ask a budget before each
+//! trip: [`budget_loops`]. The host rewrites the module XLA dumped *before* its passes
+//! ([`crate::CompileOptions::dump_hlo_to`]), picking the loops the optimized program could not
+//! bound, and compiles the result again (an optimized module does not compile again on the
+//! CPU plugins: its fusions abort XLA's CPU emitter).
 //!
 //! The rewrite edits a serialized `xla.HloModuleProto` at the protobuf wire level: fields it
 //! does not touch are copied as raw bytes, so nothing of the module is lost to a partial
@@ -66,7 +69,9 @@ struct Field<'a> {
 }
 
 fn bad(what: &str) -> Error {
-    Error::internal(format!("cannot rewrite the optimized program: {what}"))
+    Error::internal(format!(
+        "cannot rewrite the program for the loop budget: {what}"
+    ))
 }
 
 /// Splits an encoded message into its fields, in order.
