@@ -21,7 +21,6 @@ import argparse
 import json
 import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -32,39 +31,16 @@ os.environ.setdefault("TORCHINDUCTOR_CACHE_DIR", tempfile.mkdtemp(prefix="tpubox
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent / "tests"))
+sys.path.insert(0, str(HERE.parent / "tests" / "pytorch"))
 
 import torch  # noqa: E402
 
 import tpubox  # noqa: E402
 import tpubox.torch as tt  # noqa: E402
-from tpubox_daemon import Daemon, binary  # noqa: E402
+from minilm_torch import load  # noqa: E402
+from tpubox_daemon import Daemon  # noqa: E402
 
 TOKEN = "bench-token"
-
-
-class SentenceEmbedding(torch.nn.Module):
-    """BertModel -> mean over the attention mask -> L2 normalise (all-MiniLM-L6-v2)."""
-
-    def __init__(self, bert):
-        super().__init__()
-        self.bert = bert
-
-    def forward(self, input_ids, attention_mask):
-        h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        m = attention_mask.unsqueeze(-1).to(h.dtype)
-        pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, p=2, dim=1)
-
-
-def minilm_dir() -> Path:
-    env = os.environ.get("TPUBOX_MINILM_DIR")
-    if env:
-        return Path(env)
-    out = subprocess.run([str(binary()), "setup", "minilm"], capture_output=True, text=True, timeout=900)
-    for line in out.stdout.splitlines():
-        if line.startswith("minilm: "):
-            return Path(line.removeprefix("minilm: ").strip())
-    raise SystemExit(f"`tpubox setup minilm` printed no directory:\n{out.stdout}\n{out.stderr}")
 
 
 def percentile(xs: list[float], q: float) -> float:
@@ -93,9 +69,7 @@ def main() -> int:
     ap.add_argument("--json", action="store_true")
     args = ap.parse_args()
     torch.set_num_threads(os.cpu_count() or 1)
-    from transformers import BertModel
-
-    model = SentenceEmbedding(BertModel.from_pretrained(str(minilm_dir()), attn_implementation="eager")).eval()
+    model = load()
     g = torch.Generator().manual_seed(0)
     ids = torch.randint(1000, 30000, (args.batch, args.seq), generator=g)
     mask = torch.ones_like(ids)

@@ -3,6 +3,9 @@ compared with the same functions run by JAX itself on the CPU."""
 
 from __future__ import annotations
 
+import sys
+from pathlib import Path
+
 import jax
 import jax.numpy as jnp
 import ml_dtypes
@@ -86,63 +89,16 @@ def test_bounded_loops(alice):
     close(tj.jit(loops, session=alice)(x), reference(loops, x), rtol=1e-6, atol=1e-6)
 
 
-def _newton_sqrt(x):
-    def body(c):
-        i, v, _ = c
-        return i + 1, 0.5 * (v + x / v), v
-
-    def go_on(c):
-        i, v, prev = c
-        return (jnp.max(jnp.abs(v - prev) / v) > 1e-6) & (i < 100)
-
-    return lax.while_loop(go_on, body, (0, x, x + 1.0))[1]
+# Convergence loops XLA cannot bound (issue 31), with their inputs: the same cases the
+# jax.export corpus runs through `tpubox exec` (tests/jax/make_corpus.py, LOOPS). Under the
+# default program policy they run on the loop budget and end by their own conditions.
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "tests" / "jax"))
+from make_corpus import LOOPS  # noqa: E402
 
 
-def _bfgs(x0):
-    target = jnp.arange(x0.shape[0], dtype=x0.dtype)
-    return jax.scipy.optimize.minimize(
-        lambda x: jnp.sum((x - target) ** 2) + 0.01 * jnp.sum(x**4), x0, method="BFGS"
-    ).x
-
-
-def _positive(*shape):
-    return (np.abs(f32(*shape)) * 3 + 0.1).astype(np.float32)
-
-
-def _spd(n):
-    a = f32(n, n)
-    return (a @ a.T + n * np.eye(n)).astype(np.float32)
-
-
-# Convergence loops XLA cannot bound (issue 31): under the default program policy they run on
-# the loop budget and end by their own conditions.
-CONVERGENCE = {
-    "igamma": (lax.igamma, lambda: (_positive(8), _positive(8))),
-    "igammac": (lax.igammac, lambda: (_positive(8), _positive(8))),
-    "betainc": (
-        lax.betainc,
-        lambda: (_positive(8), _positive(8), RNG.uniform(0.05, 0.95, 8).astype(np.float32)),
-    ),
-    "random_gamma": (
-        lambda k: jax.random.gamma(jax.random.key(k), jnp.array([0.5, 1.0, 2.5, 7.0]), (3, 4)),
-        lambda: (np.uint32(7),),
-    ),
-    "random_poisson": (
-        lambda k: jax.random.poisson(jax.random.key(k), jnp.array([0.5, 3.0, 12.0, 40.0]), (3, 4)),
-        lambda: (np.uint32(9),),
-    ),
-    "newton_while_loop": (_newton_sqrt, lambda: (_positive(6),)),
-    "bfgs": (_bfgs, lambda: (f32(3),)),
-    "sqrtm": (jax.scipy.linalg.sqrtm, lambda: (_spd(4),)),
-}
-
-
-@pytest.mark.parametrize("name", list(CONVERGENCE))
+@pytest.mark.parametrize("name", list(LOOPS))
 def test_convergence_loops_run_on_the_loop_budget(alice, name):
-    import jax.scipy.optimize  # noqa: F401 (loaded lazily otherwise)
-
-    fn, make = CONVERGENCE[name]
-    args = make()
+    fn, args = LOOPS[name]
     close(tj.jit(fn, session=alice)(*args), reference(fn, *args), rtol=1e-4, atol=1e-5)
 
 

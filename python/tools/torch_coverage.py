@@ -185,9 +185,24 @@ def first_output(out: Any) -> Any:
     return out[0]
 
 
+def _compare(got: Any, want: Any) -> tuple[float, bool]:
+    """GOT's largest absolute difference from WANT, and whether it matches (same shape, within
+    RTOL and ATOL)."""
+    import numpy as np
+
+    g, w = got.float(), want.float()
+    err = float((g - w).abs().max())
+    return err, bool(got.shape == want.shape and np.allclose(g.numpy(), w.numpy(), rtol=RTOL, atol=ATOL))
+
+
+def _first_line(e: Exception) -> str:
+    """E as one line for the table: its type and the first line of its message (160 chars)."""
+    msg = f"{type(e).__name__}: {e}".splitlines()
+    return msg[0][:160] if msg else type(e).__name__
+
+
 def check(name: str, build: Callable[[], Any], inputs: Callable[[], dict], session: Any) -> dict:
     """Runs one architecture eager and through the backend; returns its row."""
-    import numpy as np
     import torch
 
     import tpubox.torch as tt
@@ -208,15 +223,9 @@ def check(name: str, build: Callable[[], Any], inputs: Callable[[], dict], sessi
         ran = session.usage().executions - before
         row["runs"] = ran > 0
         row["executions"] = ran
-        err = float((got.float() - want.float()).abs().max())
-        row["max_abs_err"] = err
-        row["match"] = bool(
-            got.shape == want.shape
-            and np.allclose(got.float().numpy(), want.float().numpy(), rtol=RTOL, atol=ATOL)
-        )
+        row["max_abs_err"], row["match"] = _compare(got, want)
     except Exception as e:  # a row, not a crash: the table says what failed
-        msg = f"{type(e).__name__}: {e}".splitlines()
-        row["error"] = msg[0][:160] if msg else type(e).__name__
+        row["error"] = _first_line(e)
         row["traceback"] = traceback.format_exc()
     row["seconds"] = time.monotonic() - t0
     row["graphs"] = tt.stats()["graphs"]
@@ -229,9 +238,6 @@ def check_eager(name: str, build: Callable[[], Any], inputs: Callable[[], dict],
     eager MODE (an ``EagerMode`` name); returns the row's eager columns: whether it ran, whether
     the first output matches PyTorch on the CPU, and the distinct ops that fell back to the
     CPU."""
-    import warnings
-
-    import numpy as np
     import torch
 
     import tpubox.torch as tt
@@ -244,29 +250,18 @@ def check_eager(name: str, build: Callable[[], Any], inputs: Callable[[], dict],
         x = inputs()
         with torch.no_grad():
             want = first_output(model(**x))
-        import tpubox.torch_eager as te
-
         dev = tt.device(session=session)
         tt.reset_eager_stats()
-        te._WARNED.clear()  # each fallback op warns once per process: once per model here
-        with warnings.catch_warnings(record=True) as caught, tt.set_eager_mode(tt.EagerMode[mode]):
-            warnings.simplefilter("always", tt.CpuFallbackWarning)
+        with tt.set_eager_mode(tt.EagerMode[mode]):
             m = model.to(dev)
             xd = {k: v.to(dev) for k, v in x.items()}
             with torch.no_grad():
                 got = first_output(m(**xd)).cpu()
-        out["eager_fallbacks"] = sorted({str(w.message).split(" ")[2] for w in caught
-                                         if issubclass(w.category, tt.CpuFallbackWarning)})  # fmt: skip
-        st = tt.eager_stats()
-        out["eager_runs"] = st["launches"] > 0
-        out["eager_max_abs_err"] = float((got.float() - want.float()).abs().max())
-        out["eager_match"] = bool(
-            got.shape == want.shape
-            and np.allclose(got.float().numpy(), want.float().numpy(), rtol=RTOL, atol=ATOL)
-        )
+        out["eager_fallbacks"] = tt.cpu_fallback_ops()
+        out["eager_runs"] = tt.eager_stats()["launches"] > 0
+        out["eager_max_abs_err"], out["eager_match"] = _compare(got, want)
     except Exception as e:  # a row, not a crash
-        msg = f"{type(e).__name__}: {e}".splitlines()
-        out["eager_error"] = msg[0][:160] if msg else type(e).__name__
+        out["eager_error"] = _first_line(e)
     out["eager_seconds"] = time.monotonic() - t0
     return out
 

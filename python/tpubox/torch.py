@@ -105,6 +105,7 @@ __all__ = [
     "set_max_fused_ops",
     "eager_stats",
     "reset_eager_stats",
+    "cpu_fallback_ops",
     "CpuFallbackWarning",
 ]
 
@@ -1278,6 +1279,7 @@ _register()
 from .torch_eager import (  # noqa: E402
     CpuFallbackWarning,
     EagerMode,
+    cpu_fallback_ops,
     device,
     eager_mode,
     eager_stats,

@@ -63,6 +63,7 @@ __all__ = [
     "set_max_fused_ops",
     "eager_stats",
     "reset_eager_stats",
+    "cpu_fallback_ops",
     "CpuFallbackWarning",
     "is_device_tensor",
 ]
@@ -190,17 +191,29 @@ def eager_stats() -> dict[str, int]:
 
 
 def reset_eager_stats() -> None:
-    """Sets every counter of :func:`eager_stats` to zero."""
+    """Sets every counter of :func:`eager_stats` to zero and forgets :func:`cpu_fallback_ops`."""
     with _STATS_LOCK:
         _STATS.clear()
+        _FELL_BACK.clear()
+
+
+def cpu_fallback_ops() -> list[str]:
+    """The distinct ATen ops (``aten.nonzero``) that ran on the CPU for lack of a lowering since
+    :func:`reset_eager_stats`, sorted; each also counts in ``eager_stats()["cpu_fallbacks"]``
+    and warns (:class:`CpuFallbackWarning`) the first time in the process."""
+    with _STATS_LOCK:
+        return sorted(_FELL_BACK)
 
 
 _WARNED: set[str] = set()
+_FELL_BACK: set[str] = set()
 
 
 def _warn_fallback(func: Any, why: str) -> None:
     name = _op_name(func)
     _count("cpu_fallbacks")
+    with _STATS_LOCK:
+        _FELL_BACK.add(name)
     if name in _WARNED:
         return
     _WARNED.add(name)

@@ -7,14 +7,19 @@ and, where a client would refuse to send something malformed, with raw HTTP.
 
 from __future__ import annotations
 
+import contextlib
 import http.client
 import json
 import os
 import re
+import signal
 import socket
 import struct
+import subprocess
 import time
+from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import ml_dtypes
 import numpy as np
@@ -23,6 +28,46 @@ import tritonclient.http as httpclient
 from tritonclient.utils import InferenceServerException
 
 REPO = Path(__file__).resolve().parents[2]
+
+# ---------------------------------------------------------------------------------------------
+# A `tpubox serve` of a repository a test module wrote (no tokens file: loopback only).
+
+
+
+@contextlib.contextmanager
+def serve_repository(root: Path, repo: Path, ready_within: float = 180.0) -> Iterator[Any]:
+    """A `tpubox serve --model-repository REPO` on loopback ports of its own, without a tokens
+    file, logging to ROOT/serve.log (conftest's `Server`): started, waited for until
+    `/v2/health/ready` answers 200 (READY_WITHIN seconds), yielded; on exit sent SIGTERM, and
+    its exit asserted clean (status 0 within 40 s)."""
+    from conftest import Server, _binary, _free_ports
+
+    s = Server(root, repo, None, root / "serve.log", _free_ports(3))
+    cmd = [
+        str(_binary()), "serve", "--model-repository", str(repo), "--host", s.host,
+        "--http-port", str(s.http_port), "--grpc-port", str(s.grpc_port),
+        "--metrics-port", str(s.metrics_port),
+    ]  # fmt: skip
+    env = dict(os.environ)
+    env.setdefault("TPUBOX_LOG", "info")
+    with open(s.log_path, "wb") as log:
+        s.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
+    try:
+        deadline = time.monotonic() + ready_within
+        while s.ready_status() != 200:
+            assert s.proc.poll() is None, f"tpubox serve exited {s.proc.returncode}:\n{s.log()}"
+            assert time.monotonic() < deadline, f"tpubox serve not ready:\n{s.log()}"
+            time.sleep(0.2)
+        yield s
+    finally:
+        s.proc.send_signal(signal.SIGTERM)
+        try:
+            rc = s.proc.wait(timeout=40)
+        except subprocess.TimeoutExpired:
+            s.proc.kill()
+            rc = None
+        assert rc == 0, f"tpubox serve exited {rc} after SIGTERM:\n{s.log()}"
+
 
 # ---------------------------------------------------------------------------------------------
 # Tenants (the tokens file conftest.py writes).

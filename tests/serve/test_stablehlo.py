@@ -13,12 +13,9 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import threading
-import time
-from http.client import HTTPConnection
 from pathlib import Path
 
 import numpy as np
@@ -29,8 +26,8 @@ from tritonclient.utils import InferenceServerException
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import _binary, _free_ports  # noqa: E402
-from serve_util import REPO, grpc_status  # noqa: E402
+from conftest import _binary  # noqa: E402
+from serve_util import REPO, grpc_status, serve_repository  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("TPUBOX_CACHE_DIR") or Path.home() / ".cache" / "tpubox")
@@ -73,39 +70,6 @@ def _jax_python() -> Path:
     return p
 
 
-class _Server:
-    host = "127.0.0.1"
-
-    def __init__(self, root: Path, repo: Path):
-        self.root, self.repo = root, repo
-        self.http_port, self.grpc_port, self.metrics_port = _free_ports(3)
-        self.log_path = root / "serve.log"
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def http_url(self) -> str:
-        return f"{self.host}:{self.http_port}"
-
-    @property
-    def grpc_url(self) -> str:
-        return f"{self.host}:{self.grpc_port}"
-
-    def log(self) -> str:
-        return self.log_path.read_text(errors="replace") if self.log_path.exists() else ""
-
-    def ready(self) -> bool:
-        conn = HTTPConnection(self.host, self.http_port, timeout=2)
-        try:
-            conn.request("GET", "/v2/health/ready")
-            resp = conn.getresponse()
-            resp.read()
-            return resp.status == 200
-        except OSError:
-            return False
-        finally:
-            conn.close()
-
-
 @pytest.fixture(scope="module")
 def exported(tmp_path_factory):
     out = tmp_path_factory.mktemp("stablehlo")
@@ -125,31 +89,8 @@ def ref(exported):
 
 @pytest.fixture(scope="module")
 def srv(exported):
-    s = _Server(exported, exported / "repo")
-    cmd = [
-        str(_binary()), "serve", "--model-repository", str(s.repo), "--host", s.host,
-        "--http-port", str(s.http_port), "--grpc-port", str(s.grpc_port),
-        "--metrics-port", str(s.metrics_port),
-    ]  # fmt: skip
-    env = dict(os.environ)
-    env.setdefault("TPUBOX_LOG", "info")
-    with open(s.log_path, "wb") as log:
-        s.proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
-    try:
-        deadline = time.monotonic() + 180
-        while not s.ready():
-            assert s.proc.poll() is None, f"tpubox serve exited {s.proc.returncode}:\n{s.log()}"
-            assert time.monotonic() < deadline, f"tpubox serve not ready:\n{s.log()}"
-            time.sleep(0.2)
+    with serve_repository(exported, exported / "repo") as s:
         yield s
-    finally:
-        s.proc.send_signal(signal.SIGTERM)
-        try:
-            rc = s.proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            s.proc.kill()
-            rc = None
-        assert rc == 0, f"tpubox serve exited {rc} after SIGTERM:\n{s.log()}"
 
 
 @pytest.fixture

@@ -11,11 +11,8 @@ tiny BERT encoder (two inputs, two outputs, INT64 token ids and mask).
 from __future__ import annotations
 
 import os
-import signal
 import subprocess
 import sys
-import time
-from http.client import HTTPConnection
 from pathlib import Path
 
 import numpy as np
@@ -25,8 +22,7 @@ import tritonclient.http as httpclient
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from conftest import _binary, _free_ports  # noqa: E402
-from serve_util import REPO  # noqa: E402
+from serve_util import REPO, serve_repository  # noqa: E402
 
 HERE = Path(__file__).resolve().parent
 CACHE = Path(os.environ.get("TPUBOX_CACHE_DIR") or Path.home() / ".cache" / "tpubox")
@@ -59,44 +55,8 @@ def ref(exported):
 
 @pytest.fixture(scope="module")
 def srv(exported):
-    http_port, grpc_port, metrics_port = _free_ports(3)
-    log_path = exported / "serve.log"
-    cmd = [
-        str(_binary()), "serve", "--model-repository", str(exported / "repo"), "--host", "127.0.0.1",
-        "--http-port", str(http_port), "--grpc-port", str(grpc_port), "--metrics-port", str(metrics_port),
-    ]  # fmt: skip
-    env = dict(os.environ)
-    env.setdefault("TPUBOX_LOG", "info")
-    with open(log_path, "wb") as log:
-        proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT, env=env)
-
-    def ready() -> bool:
-        conn = HTTPConnection("127.0.0.1", http_port, timeout=2)
-        try:
-            conn.request("GET", "/v2/health/ready")
-            resp = conn.getresponse()
-            resp.read()
-            return resp.status == 200
-        except OSError:
-            return False
-        finally:
-            conn.close()
-
-    try:
-        deadline = time.monotonic() + 180
-        while not ready():
-            assert proc.poll() is None, f"tpubox serve exited {proc.returncode}:\n{log_path.read_text()}"
-            assert time.monotonic() < deadline, f"tpubox serve not ready:\n{log_path.read_text()}"
-            time.sleep(0.2)
-        yield f"127.0.0.1:{http_port}", f"127.0.0.1:{grpc_port}"
-    finally:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            rc = proc.wait(timeout=40)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            rc = None
-        assert rc == 0, f"tpubox serve exited {rc} after SIGTERM:\n{log_path.read_text()}"
+    with serve_repository(exported, exported / "repo") as s:
+        yield s.http_url, s.grpc_url
 
 
 def _close(got, want, what):

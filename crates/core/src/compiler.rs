@@ -194,7 +194,7 @@ pub(crate) fn compile_program(
 /// rewritten so that those loops' conditions ask the budget
 /// ([`pjrt::loop_budget::budget_loops`]) and compiled again, as format `"hlo"`. The loops are
 /// found in the earlier module by name, one trip of each costing the most work
-/// ([`pjrt::LoadedExecutable::loop_trip_work`]) of any of them; when a name is not there, or
+/// ([`pjrt::WhileLoop::trip_work`]) of any of them; when a name is not there, or
 /// the compiled result still has an unbounded loop without the budget (XLA renames
 /// instructions in its passes, so a name may point at another loop), every loop of the module
 /// is budgeted instead, one trip costing the most work of any loop. The program policy then
@@ -234,23 +234,30 @@ fn compile_budgeted(
             format!("the program calls {target}, which only the host may"),
         ));
     }
-    let unbounded: Vec<String> = facts
+    let unbounded: Vec<&pjrt::WhileLoop> = facts
         .while_loops
         .iter()
         .filter(|w| w.known_trip_count.is_none())
-        .map(|w| w.name.clone())
         .collect();
     if unbounded.is_empty() {
         return Ok(exe);
     }
+    let names: Vec<String> = unbounded.iter().map(|w| w.name.clone()).collect();
+    // One trip of a budgeted loop costs the most work of any loop picked.
+    let named_step = unbounded.iter().map(|w| w.trip_work).max().unwrap_or(1);
+    let all_step = facts
+        .while_loops
+        .iter()
+        .map(|w| w.trip_work)
+        .max()
+        .unwrap_or(1);
     let before =
         before_optimizations(dump.path()).map_err(|e| io("read the compiler's dump", e))?;
-    let trip_work = exe.loop_trip_work().map_err(unsupported)?;
     drop(exe);
-    let budget_for = |step: Option<u64>| pjrt::loop_budget::LoopBudget {
+    let budget_for = |step: u64| pjrt::loop_budget::LoopBudget {
         iterations: budget.max_loop_iterations,
         work: budget.max_loop_work,
-        step: step.unwrap_or(1).max(1),
+        step: step.max(1),
     };
     // A plugin where the budget's handler is not found at compile (`xla-cpu-pjrt` 0.0.1
     // finds no FFI handler the host registers): such loops are refused there, as without a
@@ -276,19 +283,13 @@ fn compile_budgeted(
             }
             Err(e) => Err(unsupported(e)),
         };
-    // First the loops XLA could not bound, found by name; one trip of each costs the most
-    // work of any of them.
-    let named_step = unbounded
-        .iter()
-        .filter_map(|n| trip_work.get(n))
-        .max()
-        .copied();
+    // First the loops XLA could not bound, found by name.
     let named = rewrite(
-        pjrt::loop_budget::LoopSelection::Named(&unbounded),
+        pjrt::loop_budget::LoopSelection::Named(&names),
         budget_for(named_step),
     )?;
     if let Some(r) = named
-        && r.loops.len() >= unbounded.len()
+        && r.loops.len() >= names.len()
     {
         let exe = client
             .compile(&Program::hlo(r.module), options)
@@ -303,7 +304,6 @@ fn compile_budgeted(
         }
     }
     // Else every loop, one trip costing the most work of any loop of the program.
-    let all_step = trip_work.values().max().copied();
     let all =
         rewrite(pjrt::loop_budget::LoopSelection::All, budget_for(all_step))?.ok_or_else(|| {
             DeviceError::new(

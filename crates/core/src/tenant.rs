@@ -105,7 +105,7 @@ pub struct ProgramPolicy {
     /// Most work of loops XLA cannot bound in one execution (default
     /// [`DEFAULT_MAX_LOOP_WORK`], 10^11; `max-loop-work`): each trip counts the work of one
     /// trip of the loop, estimated from the optimized program
-    /// ([`pjrt::LoadedExecutable::loop_trip_work`]: operations plus bytes written), so that
+    /// ([`pjrt::WhileLoop::trip_work`]: operations plus bytes written), so that
     /// a few trips over a large matmul end the execution as surely as many cheap ones.
     pub max_loop_work: u64,
     /// Custom-call targets allowed (default [`default_custom_calls`]: [`XLA_CUSTOM_CALLS`],
@@ -121,9 +121,6 @@ pub struct ProgramPolicy {
 /// and `sqrtm` finish far below it, and an endless loop of cheap trips reaches it in well
 /// under a second on the CPU plugin.
 pub const DEFAULT_MAX_LOOP_ITERATIONS: u64 = 1 << 20;
-
-/// [`DEFAULT_MAX_LOOP_ITERATIONS`] under its earlier name.
-pub const BUDGET_MAX_LOOP_ITERATIONS: u64 = DEFAULT_MAX_LOOP_ITERATIONS;
 
 /// Default [`ProgramPolicy::max_loop_work`]: 10^11 units (flops plus bytes accessed), a few
 /// seconds of a CPU core's work.

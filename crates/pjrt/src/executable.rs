@@ -303,17 +303,6 @@ impl LoadedExecutable {
             .collect())
     }
 
-    /// Work one trip of each `while` loop of the optimized program stands for, by the loop's
-    /// instruction name (the loop budget's units: estimated operations plus bytes written;
-    /// see `hlo::loop_trip_work`, which says why XLA's cost analysis is not used).
-    ///
-    /// Errors: as [`optimized_program`](Self::optimized_program); `Internal` if it does not
-    /// decode.
-    pub fn loop_trip_work(&self) -> Result<std::collections::HashMap<String, u64>> {
-        let (format, code) = self.optimized_program()?;
-        hlo::loop_trip_work(&format, &code)
-    }
-
     /// What the optimized program does that a host may want to refuse before running it:
     /// `while` loops and their trip counts, host transfers, custom-call targets (decoded from
     /// [`optimized_program`](Self::optimized_program)).

@@ -150,6 +150,10 @@ pub struct WhileLoop {
     /// ([`crate::loop_budget::LOOP_BUDGET_TARGET`]), itself or through any computation it
     /// calls (a fusion, a call): then every trip asks the budget first.
     pub budgeted: bool,
+    /// Work one trip stands for, in the loop budget's units, at least 1: the body's and
+    /// condition's operations plus bytes written, estimated from the optimized program
+    /// (docs/SECURITY.md, "Loops the compiler cannot bound").
+    pub trip_work: u64,
 }
 
 /// What an optimized program contains that matters to a host sharing a device: loops that may
@@ -188,6 +192,7 @@ pub(crate) fn program_facts(format: &str, code: &[u8]) -> Result<ProgramFacts> {
     let mut transfers = std::collections::BTreeSet::new();
     let mut targets = std::collections::BTreeSet::new();
     let budgeted = budgeted_computations(&m);
+    let mut work = Work::new(&m);
     for i in m.computations.iter().flat_map(|c| &c.instructions) {
         facts.instructions += 1;
         match i.opcode.as_str() {
@@ -200,6 +205,7 @@ pub(crate) fn program_facts(format: &str, code: &[u8]) -> Result<ProgramFacts> {
                     .called_computation_ids
                     .get(1)
                     .is_some_and(|c| budgeted.contains(c)),
+                trip_work: trip_work(&mut work, i),
             }),
             "custom-call" => {
                 targets.insert(i.custom_call_target.clone());
@@ -233,7 +239,7 @@ fn shape_bytes(s: &ShapeProto) -> f64 {
     elements(s) * size as f64
 }
 
-/// Work estimates of a module's computations (see [`loop_trip_work`]), memoized; a
+/// Work estimates of a module's computations (see [`trip_work`]), memoized; a
 /// computation being estimated counts 0 where it calls itself (a cycle in a hostile module).
 struct Work<'m> {
     by_id: std::collections::HashMap<i64, &'m HloComputationFacts>,
@@ -336,37 +342,22 @@ impl<'m> Work<'m> {
     }
 }
 
-/// Work one trip of each `while` loop of an optimized program stands for, by the loop's
-/// instruction name, in the loop budget's units: its body's and condition's estimated
-/// floating-point operations plus bytes written (each instruction: its result's bytes and
-/// one operation per element; a dot 2·M·N·K more, a convolution 2 per multiply-add; a fusion
-/// or call its computation's work; a reduce, map or scatter its operands' elements times its
-/// applied computation's work; a sort n·⌈log₂ n⌉ comparisons; a nested loop its body's work
-/// times its known trip count, or once when it has none, since such a loop draws from the
-/// budget itself). XLA's own cost analysis is not used because a CPU plugin may not report
-/// it (`lammps-jax-pjrt-cpu` 0.11.2 answers `PJRT_Executable_GetCostAnalysis` with
-/// UNIMPLEMENTED).
-///
-/// Errors: as [`program_facts`].
-pub(crate) fn loop_trip_work(
-    format: &str,
-    code: &[u8],
-) -> Result<std::collections::HashMap<String, u64>> {
-    let m = HloModuleFacts::decode(&*module_bytes(format, code)?).map_err(decode_err)?;
-    let mut work = Work::new(&m);
-    let mut out = std::collections::HashMap::new();
-    for i in m.computations.iter().flat_map(|c| &c.instructions) {
-        if i.opcode == "while" {
-            let w = work.called(i);
-            let w = if w.is_finite() && w < u64::MAX as f64 {
-                (w as u64).max(1)
-            } else {
-                u64::MAX
-            };
-            out.insert(i.name.clone(), w);
-        }
+/// Work one trip of the `while` loop `w` stands for, in the loop budget's units: its body's and
+/// condition's estimated floating-point operations plus bytes written (each instruction: its
+/// result's bytes and one operation per element; a dot 2·M·N·K more, a convolution 2 per
+/// multiply-add; a fusion or call its computation's work; a reduce, map or scatter its
+/// operands' elements times its applied computation's work; a sort n·⌈log₂ n⌉ comparisons; a
+/// nested loop its body's work times its known trip count, or once when it has none, since
+/// such a loop draws from the budget itself); at least 1, `u64::MAX` past it. XLA's own cost
+/// analysis is not used because a CPU plugin may not report it (`lammps-jax-pjrt-cpu` 0.11.2
+/// answers `PJRT_Executable_GetCostAnalysis` with UNIMPLEMENTED).
+fn trip_work(work: &mut Work<'_>, w: &HloInstructionFacts) -> u64 {
+    let units = work.called(w);
+    if units.is_finite() && units < u64::MAX as f64 {
+        (units as u64).max(1)
+    } else {
+        u64::MAX
     }
-    Ok(out)
 }
 
 /// Ids of the computations of `m` that call the loop budget's custom call, directly or
@@ -518,16 +509,19 @@ mod tests {
                     name: "w1".into(),
                     known_trip_count: Some(3),
                     budgeted: false,
+                    trip_work: 1,
                 },
                 WhileLoop {
                     name: "w2".into(),
                     known_trip_count: None,
                     budgeted: true,
+                    trip_work: 1,
                 },
                 WhileLoop {
                     name: "w3".into(),
                     known_trip_count: None,
                     budgeted: false,
+                    trip_work: 1,
                 },
             ]
         );
@@ -589,7 +583,12 @@ mod tests {
         let m = HloModuleFacts {
             computations: vec![entry, body, cond, outer_body],
         };
-        let work = loop_trip_work("hlo", &m.encode_to_vec()).unwrap();
+        let facts = program_facts("hlo", &m.encode_to_vec()).unwrap();
+        let work: std::collections::HashMap<&str, u64> = facts
+            .while_loops
+            .iter()
+            .map(|w| (w.name.as_str(), w.trip_work))
+            .collect();
         // parameters 8·16 and 16·4 elements (5 units each: 4 bytes + 1), the dot 32 elements
         // (5 units each) + 2·32·16 multiply-adds, the condition's constant 5.
         let one = (128 * 5 + 64 * 5 + 32 * 5 + 2 * 32 * 16 + 5) as u64;

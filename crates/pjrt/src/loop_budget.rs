@@ -190,7 +190,7 @@ fn instr<'a>(bytes: &'a [u8]) -> Result<Instr<'a>> {
     })
 }
 
-/// Result of [`budget_unbounded_loops`].
+/// Result of [`budget_loops`].
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct BudgetedProgram {
     /// The rewritten `HloModuleProto`, to compile as format `"hlo"`.
@@ -209,18 +209,6 @@ pub enum LoopSelection<'a> {
     Named(&'a [String]),
     /// Every loop.
     All,
-}
-
-/// [`budget_loops`] with [`LoopSelection::Unbounded`]: the unbounded loops of an optimized
-/// program.
-///
-/// Errors: as [`budget_loops`].
-pub fn budget_unbounded_loops(
-    format: &str,
-    code: &[u8],
-    budget: LoopBudget,
-) -> Result<Option<BudgetedProgram>> {
-    budget_loops(format, code, budget, LoopSelection::Unbounded)
 }
 
 /// Gives every `while` loop of the program `code` (a serialized `HloModuleProto`, format
@@ -435,7 +423,9 @@ mod tests {
             ),
         );
         put_bytes(&mut m, 7, b"\x0a\x00"); // a schedule, dropped
-        let r = budget_unbounded_loops("hlo", &m, BUDGET).unwrap().unwrap();
+        let r = budget_loops("hlo", &m, BUDGET, LoopSelection::Unbounded)
+            .unwrap()
+            .unwrap();
         assert_eq!(r.loops, vec!["w".to_string()]);
         let top = fields(&r.module).unwrap();
         assert!(top.iter().all(|f| f.number != 7));
@@ -477,14 +467,19 @@ mod tests {
             3,
             &computation(1, 10, &[instruction("c", "compare", 10, &[], "")]),
         );
-        assert_eq!(budget_unbounded_loops("hlo", &m, BUDGET).unwrap(), None);
+        assert_eq!(
+            budget_loops("hlo", &m, BUDGET, LoopSelection::Unbounded).unwrap(),
+            None
+        );
         let mut forged = instruction("x", "custom-call", 11, &[], "");
         put_bytes(&mut forged, 28, LOOP_BUDGET_TARGET.as_bytes());
         put_bytes(&mut m, 3, &computation(2, 11, &[forged]));
         assert_eq!(
-            budget_unbounded_loops("hlo", &m, BUDGET).unwrap_err().code,
+            budget_loops("hlo", &m, BUDGET, LoopSelection::Unbounded)
+                .unwrap_err()
+                .code,
             ErrorCode::PermissionDenied
         );
-        assert!(budget_unbounded_loops("hlo", b"\xff", BUDGET).is_err());
+        assert!(budget_loops("hlo", b"\xff", BUDGET, LoopSelection::Unbounded).is_err());
     }
 }

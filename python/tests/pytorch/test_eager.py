@@ -283,6 +283,9 @@ def test_cpu_fallback_warns_with_the_op_name(dev):
             out = (idx + 1).cpu()  # the result is a device tensor again
         np.testing.assert_array_equal(out.numpy(), (x * 2).nonzero().numpy() + 1)
     assert tt.eager_stats()["cpu_fallbacks"] == 2
+    assert tt.cpu_fallback_ops() == ["aten.nonzero"]
+    tt.reset_eager_stats()
+    assert tt.cpu_fallback_ops() == []
 
 
 def test_random_factories_and_inplace_init(dev):

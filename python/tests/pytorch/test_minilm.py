@@ -8,66 +8,23 @@ sentences and their 384-dimensional embeddings, made with sentence-transformers 
 from __future__ import annotations
 
 import json
-import os
-import subprocess
 import sys
 from pathlib import Path
 
 import numpy as np
-import pytest
 import torch
 
-HERE = Path(__file__).resolve().parent
-sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from tpubox_daemon import REPO, binary  # noqa: E402
-
-
-def reference_path() -> Path:
-    """$TPUBOX_MINILM_REFERENCE, else `shared/` beside the checkout, else /work/shared (the
-    search tests/all/minilm.rs and tests/serve make)."""
-    env = os.environ.get("TPUBOX_MINILM_REFERENCE")
-    if env:
-        return Path(env)
-    beside = REPO.parent / "shared" / "reference" / "minilm_public.json"
-    return beside if beside.is_file() else Path("/work/shared/reference/minilm_public.json")
-
-
-def minilm_dir() -> Path:
-    """$TPUBOX_MINILM_DIR, else the directory `tpubox setup minilm` prints."""
-    env = os.environ.get("TPUBOX_MINILM_DIR")
-    if env:
-        return Path(env)
-    out = subprocess.run([str(binary()), "setup", "minilm"], capture_output=True, text=True, timeout=900)
-    for line in out.stdout.splitlines():
-        if line.startswith("minilm: "):
-            return Path(line.removeprefix("minilm: ").strip())
-    pytest.fail(f"`tpubox setup minilm` printed no directory:\n{out.stdout}\n{out.stderr}")
-
-
-class SentenceEmbedding(torch.nn.Module):
-    """BertModel -> mean over the attention mask -> L2 normalise (all-MiniLM-L6-v2's
-    modules.json: Transformer, Pooling with mean tokens, Normalize)."""
-
-    def __init__(self, bert):
-        super().__init__()
-        self.bert = bert
-
-    def forward(self, input_ids, attention_mask):
-        h = self.bert(input_ids=input_ids, attention_mask=attention_mask).last_hidden_state
-        m = attention_mask.unsqueeze(-1).to(h.dtype)
-        pooled = (h * m).sum(1) / m.sum(1).clamp(min=1e-9)
-        return torch.nn.functional.normalize(pooled, p=2, dim=1)
+from minilm_torch import load, reference_path  # noqa: E402
 
 
 def test_real_minilm_through_the_backend_matches_the_reference(alice):
-    from transformers import BertModel
-
     import tpubox.torch as tt
 
     cases = json.loads(reference_path().read_text())["cases"]
     assert len(cases) == 8
-    model = SentenceEmbedding(BertModel.from_pretrained(str(minilm_dir()), attn_implementation="eager")).eval()
+    model = load()
     compiled = torch.compile(model, backend="tpubox", options={"session": alice})
     before = alice.usage().executions
     worst = 0.0
