@@ -68,7 +68,9 @@ pub struct DeviceService {
     max_program_bytes: usize,
     cache: Option<Arc<CompileCache>>,
     identity: OnceLock<PluginIdentity>,
-    scheduler: FairShare,
+    /// One fair-share queue per device (same order as `devices`): tenants on different
+    /// devices never wait for each other's slots.
+    schedulers: Vec<FairShare>,
     isolation: CompileIsolation,
     /// The compile slots, and the worker pool when compiles go to workers (a worker is
     /// configured and the platform allows it).
@@ -112,6 +114,9 @@ impl DeviceService {
             worker: None,
             ..CompileIsolation::default()
         };
+        let schedulers = (0..devices.len())
+            .map(|_| FairShare::new(DEFAULT_EXECUTION_SLOTS))
+            .collect();
         Ok(DeviceService {
             compiles: Compiles::new(&isolation, None),
             isolation,
@@ -121,7 +126,7 @@ impl DeviceService {
             max_program_bytes,
             cache: None,
             identity: OnceLock::new(),
-            scheduler: FairShare::new(DEFAULT_EXECUTION_SLOTS),
+            schedulers,
             launch_blocking: false,
             host_to_device: Default::default(),
             device_to_host: Default::default(),
@@ -148,11 +153,13 @@ impl DeviceService {
         self
     }
 
-    /// Lets `slots` executions run on the device at once; more wait, and the waiting tenant
-    /// with the least device time used goes first ([`FairShare`]). Default
-    /// [`DEFAULT_EXECUTION_SLOTS`].
+    /// Lets `slots` executions run on each device at once; more wait, and the waiting tenant
+    /// with the least device time used on that device goes first ([`FairShare`]; each device
+    /// has its own queue). Default [`DEFAULT_EXECUTION_SLOTS`].
     pub fn with_execution_slots(mut self, slots: usize) -> Self {
-        self.scheduler = FairShare::new(slots);
+        self.schedulers = (0..self.devices.len())
+            .map(|_| FairShare::new(slots))
+            .collect();
         self
     }
 
@@ -196,9 +203,23 @@ impl DeviceService {
         self.compiles.stats()
     }
 
-    /// The execution scheduler.
+    /// The execution scheduler of device 0 ([`scheduler_for`](Self::scheduler_for) names a
+    /// device).
     pub fn scheduler(&self) -> &FairShare {
-        &self.scheduler
+        &self.schedulers[0]
+    }
+
+    /// The execution scheduler of device `device` (device 0's for an index past the last:
+    /// executables and tensors are checked against the device list before they get here).
+    pub fn scheduler_for(&self, device: u32) -> &FairShare {
+        self.schedulers
+            .get(device as usize)
+            .unwrap_or(&self.schedulers[0])
+    }
+
+    /// Number of addressable devices.
+    pub fn device_count(&self) -> u32 {
+        self.devices.len() as u32
     }
 
     /// The compile cache, if any.

@@ -34,6 +34,7 @@ pub mod exec;
 pub mod mlir_text;
 pub mod npy;
 pub mod open;
+pub mod placement;
 pub mod plugin;
 pub mod plugin_env;
 pub mod protection;

@@ -76,6 +76,7 @@ use pjrt::PrimitiveType;
 use crate::cache::CacheTier;
 use crate::device::{CompileSettings, DeviceService};
 use crate::error::{DeviceError, DeviceResult, ErrorKind};
+use crate::placement::Placement;
 use crate::tenant::{Charge, ChargeKind, Tenant, TenantUsage};
 use crate::types::{
     ArgSpec, Call, DeviceExecutable, DeviceInfo, DeviceTensor, PlatformInfo, TensorSpec,
@@ -97,6 +98,8 @@ pub struct Session {
     device: Arc<DeviceService>,
     weights: Arc<WeightRegistry>,
     tenant: Arc<Tenant>,
+    /// The devices this session may use, its default first ([`crate::placement`]).
+    placement: Placement,
     max_read_bytes: u64,
     launches: Launches,
     /// Weight-set versions of the tensors read since [`Session::take_weights_read`].
@@ -440,7 +443,10 @@ async fn submit_job(device: &Arc<DeviceService>, tenant: &Arc<Tenant>, job: Job)
     let Some((call, submission, on_done)) = job.prepare() else {
         return;
     };
-    let slot = device.scheduler().acquire(tenant).await;
+    let slot = device
+        .scheduler_for(call.executable().device())
+        .acquire(tenant)
+        .await;
     submission.record(device.submit_for(slot, call, on_done).await);
 }
 
@@ -712,7 +718,8 @@ pub enum ProgramFormat {
 
 impl Session {
     /// A session of `tenant` on `device`, that may open the weight sets in `weights`. Reads are
-    /// unbounded until [`with_max_read_bytes`](Self::with_max_read_bytes).
+    /// unbounded until [`with_max_read_bytes`](Self::with_max_read_bytes). It may use every
+    /// device, device 0 by default, until [`with_placement`](Self::with_placement).
     pub fn new(
         device: Arc<DeviceService>,
         weights: Arc<WeightRegistry>,
@@ -720,6 +727,7 @@ impl Session {
     ) -> Self {
         Session {
             id: NEXT_SESSION.fetch_add(1, Ordering::Relaxed),
+            placement: Placement::all(device.device_count()),
             device,
             weights,
             tenant,
@@ -727,6 +735,19 @@ impl Session {
             launches: Launches::default(),
             weights_read: Mutex::new(Vec::new()),
         }
+    }
+
+    /// Places the session on `placement`'s devices: a call naming another device is refused
+    /// (`permission-denied`), and one naming none uses the placement's first device. The
+    /// session keeps the placement (and its lease) until it ends.
+    pub fn with_placement(mut self, placement: Placement) -> Self {
+        self.placement = placement;
+        self
+    }
+
+    /// The devices this session may use, its default first.
+    pub fn placement(&self) -> &Placement {
+        &self.placement
     }
 
     /// Refuses reads of tensors larger than `bytes` (for a guest: its linear memory limit, as
@@ -782,13 +803,14 @@ impl Session {
         TensorHandle::new(self.id, Arc::new(tensor), false, charge)
     }
 
-    /// Creates a tensor from dense row-major little-endian bytes on `device` (default 0),
-    /// charged to the tenant.
+    /// Creates a tensor from dense row-major little-endian bytes on `device` (default: the
+    /// session's default device), charged to the tenant.
     ///
     /// Errors: `invalid-argument` when the rank exceeds [`crate::types::MAX_RANK`], a dim
     /// exceeds `i64::MAX`, or `data.len()` is not element size × product of dims;
-    /// `resource-exhausted` naming `max-live-tensors` or `max-device-bytes`; `not-found` for an
-    /// unknown device; plugin errors.
+    /// `resource-exhausted` naming `max-live-tensors`, `max-device-bytes` or
+    /// `max-device-bytes-per-device`; `not-found` for an unknown device; `permission-denied`
+    /// for a device outside the session's placement; plugin errors.
     pub fn tensor_from_bytes(
         &self,
         ty: PrimitiveType,
@@ -798,10 +820,9 @@ impl Session {
     ) -> DeviceResult<TensorHandle> {
         let dims = dims_from_u64(dims)?;
         let bytes = check_tensor_bytes(ty, &dims, data.len())?;
-        let charge = self.charge_one(bytes as u64)?;
-        let t = self
-            .device
-            .tensor_from_bytes(ty, &dims, data, device.unwrap_or(0))?;
+        let device = self.place(device)?;
+        let charge = self.charge_one(device, bytes as u64)?;
+        let t = self.device.tensor_from_bytes(ty, &dims, data, device)?;
         self.tenant.count_transfer(data.len() as u64, 0);
         Ok(self.owned_tensor(t, charge))
     }
@@ -852,9 +873,26 @@ impl Session {
         Ok((bytes, charge))
     }
 
-    fn charge_one(&self, bytes: u64) -> DeviceResult<Charge> {
-        let mut c = self.tenant.charge_tensors(&[bytes], 0)?;
+    fn charge_one(&self, device: u32, bytes: u64) -> DeviceResult<Charge> {
+        let mut c = self.tenant.charge_tensors_on(device, &[bytes], 0)?;
         Ok(c.remove(0))
+    }
+
+    /// `device` (the default device when `None`) if it exists and the session may use it.
+    ///
+    /// Errors: `not-found` for a device the host does not have; `permission-denied` for one
+    /// outside the session's placement.
+    fn place(&self, device: Option<u32>) -> DeviceResult<u32> {
+        if let Some(d) = device.filter(|&d| d >= self.device.device_count()) {
+            return Err(DeviceError::new(
+                ErrorKind::NotFound,
+                format!(
+                    "device {d} does not exist (this host has {} device(s))",
+                    self.device.device_count()
+                ),
+            ));
+        }
+        self.placement.resolve(device)
     }
 
     /// Reads a tensor back as dense row-major bytes; an output of a launch is read once the
@@ -948,15 +986,17 @@ impl Session {
     /// limit; `not-found` for an unknown device; plugin errors.
     pub fn copy_to_device(&self, t: &TensorHandle, device: u32) -> DeviceResult<TensorHandle> {
         self.owns(t.session)?;
+        let device = self.place(Some(device))?;
         let tensor = t.tensor()?;
-        let charge = self.charge_one(tensor.byte_size())?;
+        let charge = self.charge_one(device, tensor.byte_size())?;
         let copy = self.device.copy_to_device(&tensor, device)?;
         let mut h = self.owned_tensor(copy, charge);
         h.lineage = Arc::clone(&t.lineage);
         Ok(h)
     }
 
-    /// Compiles a program for `device` (default 0) at the plugin's default optimisation level:
+    /// Compiles a program for `device` (default: the session's default device) at the plugin's
+    /// default optimisation level:
     /// [`compile_with`](Self::compile_with) with those [`CompileSettings`].
     ///
     /// Errors: as [`compile_with`](Self::compile_with).
@@ -967,7 +1007,7 @@ impl Session {
         device: Option<u32>,
     ) -> DeviceResult<ExecutableHandle> {
         let settings = CompileSettings {
-            device: device.unwrap_or(0),
+            device: self.place(device)?,
             optimization_level: None,
             ..Default::default()
         };
@@ -994,6 +1034,7 @@ impl Session {
         format: ProgramFormat,
         settings: CompileSettings,
     ) -> DeviceResult<ExecutableHandle> {
+        self.place(Some(settings.device))?;
         self.tenant.admit_program_size(code.len())?;
         let charge = self.tenant.charge_executable()?;
         let text = format == ProgramFormat::MlirText;
@@ -1258,7 +1299,12 @@ impl Session {
         let credit = taken.iter().map(|(_, h)| h.charged_bytes()).sum();
         let charged =
             self.tenant
-                .charge_execution(&exe.exe.output_bytes(), credit, exe.exe.temp_bytes());
+                .charge_execution(
+                    exe.exe.device(),
+                    &exe.exe.output_bytes(),
+                    credit,
+                    exe.exe.temp_bytes(),
+                );
         let (charges, scratch) = match charged {
             Ok(c) => c,
             Err(e) => {
@@ -1339,7 +1385,11 @@ impl Session {
         if DeviceService::may_block(&job.exe) {
             return Some(job);
         }
-        let Some(slot) = self.device.scheduler().try_acquire(&self.tenant) else {
+        let Some(slot) = self
+            .device
+            .scheduler_for(job.exe.device())
+            .try_acquire(&self.tenant)
+        else {
             return Some(job);
         };
         // A launch that fails here is published as failed: it is handled, like a submitted one.
@@ -1418,8 +1468,9 @@ impl Session {
     /// Errors: `not-found` for a tensor the set lacks; `resource-exhausted` naming
     /// `max-live-tensors`.
     pub fn weight(&self, set: &Arc<WeightSet>, name: &str) -> DeviceResult<TensorHandle> {
-        let tensor = Arc::clone(set.get(name)?);
-        let charge = self.charge_one(0)?;
+        let device = self.placement.default_device();
+        let tensor = set.get_on(name, device, &self.device)?;
+        let charge = self.charge_one(device, 0)?;
         let mut h = TensorHandle::new(self.id, tensor, true, charge);
         h.lineage = Arc::new([(Arc::from(set.name()), set.version())]);
         h._version = Some(Arc::clone(set));

@@ -14,7 +14,7 @@
 //!
 //! The order in which tenants get the device is [`crate::scheduler`]'s job.
 
-use std::collections::VecDeque;
+use std::collections::{BTreeMap, VecDeque};
 use std::sync::atomic::{AtomicU64, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -37,6 +37,11 @@ pub struct TenantLimits {
     /// Device bytes held at once, summed over the tenant's tensors (dense dtype × dims);
     /// default 8 GiB.
     pub max_device_bytes: u64,
+    /// Device bytes held at once on any one device (dense dtype × dims, the tensors and
+    /// temporaries placed on that device); default `u64::MAX`, so that only
+    /// [`max_device_bytes`](Self::max_device_bytes) applies. A refusal names the device and
+    /// `max-device-bytes-per-device`.
+    pub max_device_bytes_per_device: u64,
     /// Live tensor handles at once, shared weight handles included (default 10 000). This is
     /// what bounds a guest that only frees handles when its garbage collector runs.
     pub max_live_tensors: u64,
@@ -181,6 +186,7 @@ impl Default for TenantLimits {
     fn default() -> Self {
         TenantLimits {
             max_device_bytes: 8 << 30,
+            max_device_bytes_per_device: u64::MAX,
             max_live_tensors: 10_000,
             max_live_executables: 1_000,
             max_program_bytes: 64 << 20,
@@ -207,6 +213,9 @@ pub struct TenantUsage {
     pub device_bytes: u64,
     /// Most device bytes held at once.
     pub peak_device_bytes: u64,
+    /// Device bytes held now on each device that holds any, by device index (ascending);
+    /// they sum to [`device_bytes`](Self::device_bytes).
+    pub device_bytes_by_device: Vec<DeviceBytes>,
     /// Live tensor handles now.
     pub live_tensors: u64,
     /// Most live tensor handles held at once.
@@ -240,9 +249,23 @@ pub struct TenantUsage {
     pub device_to_host_bytes: u64,
 }
 
+/// Device bytes a tenant holds on one device ([`TenantUsage::device_bytes_by_device`]).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize)]
+pub struct DeviceBytes {
+    /// Device index (as in [`crate::device::DeviceService::devices`]).
+    pub device: u32,
+    /// Dense bytes held there now.
+    pub bytes: u64,
+    /// Most bytes held there at once.
+    pub peak_bytes: u64,
+}
+
 #[derive(Debug, Default)]
 struct Held {
     device_bytes: u64,
+    /// Bytes and peak bytes held per device index (entries stay once created, at most one per
+    /// device of the host).
+    by_device: BTreeMap<u32, (u64, u64)>,
     peak_device_bytes: u64,
     live_tensors: u64,
     peak_live_tensors: u64,
@@ -297,6 +320,14 @@ pub enum ChargeKind {
 pub struct Charge {
     tenant: Arc<Tenant>,
     kind: ChargeKind,
+    /// The device a `Tensor` or `Scratch` charge's bytes are on.
+    device: u32,
+}
+
+impl Held {
+    fn on_device(&mut self, device: u32) -> &mut (u64, u64) {
+        self.by_device.entry(device).or_insert((0, 0))
+    }
 }
 
 impl Drop for Charge {
@@ -304,16 +335,22 @@ impl Drop for Charge {
         if let (Some(b), ChargeKind::Tensor(bytes) | ChargeKind::Scratch(bytes)) =
             (&self.tenant.budget, self.kind)
         {
-            b.held.lock().expect("tenant lock").device_bytes -= bytes;
+            let mut bh = b.held.lock().expect("tenant lock");
+            bh.device_bytes -= bytes;
+            bh.on_device(self.device).0 -= bytes;
         }
         let mut h = self.tenant.held.lock().expect("tenant lock");
         match self.kind {
             ChargeKind::Tensor(bytes) => {
                 h.device_bytes -= bytes;
+                h.on_device(self.device).0 -= bytes;
                 h.live_tensors -= 1;
             }
             ChargeKind::Executable => h.live_executables -= 1,
-            ChargeKind::Scratch(bytes) => h.device_bytes -= bytes,
+            ChargeKind::Scratch(bytes) => {
+                h.device_bytes -= bytes;
+                h.on_device(self.device).0 -= bytes;
+            }
             ChargeKind::Transfer(bytes) => h.transfer_bytes -= bytes,
             ChargeKind::Launch => h.pending_launches -= 1,
         }
@@ -324,6 +361,11 @@ impl Charge {
     /// What this charge holds.
     pub fn kind(&self) -> ChargeKind {
         self.kind
+    }
+
+    /// The device index a tensor or scratch charge's bytes are on (0 for other kinds).
+    pub fn device(&self) -> u32 {
+        self.device
     }
 }
 
@@ -398,6 +440,16 @@ impl Tenant {
         TenantUsage {
             device_bytes: h.device_bytes,
             peak_device_bytes: h.peak_device_bytes,
+            device_bytes_by_device: h
+                .by_device
+                .iter()
+                .filter(|(_, (b, p))| *b > 0 || *p > 0)
+                .map(|(&device, &(bytes, peak_bytes))| DeviceBytes {
+                    device,
+                    bytes,
+                    peak_bytes,
+                })
+                .collect(),
             live_tensors: h.live_tensors,
             peak_live_tensors: h.peak_live_tensors,
             live_executables: h.live_executables,
@@ -447,27 +499,46 @@ impl Tenant {
         )
     }
 
-    /// Charges tensors of the given device-byte sizes (one handle each) at once, after
-    /// crediting `credit_bytes` that the caller is about to give back (donated inputs).
+    /// Charges tensors of the given device-byte sizes (one handle each) at once, on device 0,
+    /// after crediting `credit_bytes` that the caller is about to give back (donated inputs):
+    /// [`charge_tensors_on`](Self::charge_tensors_on) for device 0.
     ///
-    /// Errors: `resource-exhausted` naming `max-live-tensors` or `max-device-bytes`.
+    /// Errors: as [`charge_tensors_on`](Self::charge_tensors_on).
     pub fn charge_tensors(
         self: &Arc<Self>,
         sizes: &[u64],
         credit_bytes: u64,
     ) -> DeviceResult<Vec<Charge>> {
-        self.charge_execution(sizes, credit_bytes, 0)
+        self.charge_tensors_on(0, sizes, credit_bytes)
+    }
+
+    /// Charges tensors of the given device-byte sizes (one handle each) on device `device`,
+    /// after crediting `credit_bytes` of that device that the caller is about to give back.
+    ///
+    /// Errors: `resource-exhausted` naming `max-live-tensors`, `max-device-bytes` or
+    /// `max-device-bytes-per-device` (with the device).
+    pub fn charge_tensors_on(
+        self: &Arc<Self>,
+        device: u32,
+        sizes: &[u64],
+        credit_bytes: u64,
+    ) -> DeviceResult<Vec<Charge>> {
+        self.charge_execution(device, sizes, credit_bytes, 0)
             .map(|(c, _)| c)
     }
 
-    /// Charges an execution: its results (`sizes`, one handle each) and `scratch_bytes` of
-    /// temporaries it uses on the device while it runs, after crediting `credit_bytes` the
-    /// caller gives back when it succeeds (donated inputs). Returns the results' charges and
-    /// the temporaries' charge, to be dropped when the device is done.
+    /// Charges an execution on device `device`: its results (`sizes`, one handle each) and
+    /// `scratch_bytes` of temporaries it uses on the device while it runs, after crediting
+    /// `credit_bytes` (of that device) the caller gives back when it succeeds (donated
+    /// inputs). Returns the results' charges and the temporaries' charge, to be dropped when
+    /// the device is done. Bytes count against `max-device-bytes` (all devices together) and
+    /// `max-device-bytes-per-device` (this device), on the tenant and on its budget.
     ///
-    /// Errors: `resource-exhausted` naming `max-live-tensors` or `max-device-bytes`.
+    /// Errors: `resource-exhausted` naming `max-live-tensors`, `max-device-bytes` or
+    /// `max-device-bytes-per-device` (with the device).
     pub fn charge_execution(
         self: &Arc<Self>,
+        device: u32,
         sizes: &[u64],
         credit_bytes: u64,
         scratch_bytes: u64,
@@ -492,19 +563,31 @@ impl Tenant {
             .device_bytes
             .saturating_sub(credit_bytes)
             .saturating_add(total);
+        let temps = if scratch_bytes > 0 {
+            format!(" ({scratch_bytes} of them the program's temporaries)")
+        } else {
+            String::new()
+        };
         if after > self.limits.max_device_bytes {
             let held = h.device_bytes;
             drop(h);
-            let temps = if scratch_bytes > 0 {
-                format!(" ({scratch_bytes} of them the program's temporaries)")
-            } else {
-                String::new()
-            };
             return Err(self.refuse(
                 "max-device-bytes",
                 format!(
                     "holding {held} device bytes, {total} more{temps} would exceed {}",
                     self.limits.max_device_bytes
+                ),
+            ));
+        }
+        let on = h.by_device.get(&device).map_or(0, |d| d.0);
+        let on_after = on.saturating_sub(credit_bytes).saturating_add(total);
+        if on_after > self.limits.max_device_bytes_per_device {
+            drop(h);
+            return Err(self.refuse(
+                "max-device-bytes-per-device",
+                format!(
+                    "holding {on} bytes on device {device}, {total} more{temps} there would exceed {}",
+                    self.limits.max_device_bytes_per_device
                 ),
             ));
         }
@@ -515,22 +598,39 @@ impl Tenant {
                 .device_bytes
                 .saturating_sub(credit_bytes)
                 .saturating_add(total);
-            if b_after > b.limits.max_device_bytes {
-                let held = bh.device_bytes;
+            let b_on = bh.by_device.get(&device).map_or(0, |d| d.0);
+            let b_on_after = b_on.saturating_sub(credit_bytes).saturating_add(total);
+            let refusal = if b_after > b.limits.max_device_bytes {
+                Some((
+                    "max-device-bytes",
+                    format!(
+                        "its sessions hold {} device bytes, {total} more would exceed {}",
+                        bh.device_bytes, b.limits.max_device_bytes
+                    ),
+                ))
+            } else if b_on_after > b.limits.max_device_bytes_per_device {
+                Some((
+                    "max-device-bytes-per-device",
+                    format!(
+                        "its sessions hold {b_on} bytes on device {device}, {total} more there would exceed {}",
+                        b.limits.max_device_bytes_per_device
+                    ),
+                ))
+            } else {
+                None
+            };
+            if let Some((limit, message)) = refusal {
                 drop(bh);
                 drop(h);
                 // Counted on the budget by its own refusal.
                 self.refused.fetch_add(1, Ordering::Relaxed);
-                return Err(b.refuse(
-                    "max-device-bytes",
-                    format!(
-                        "its sessions hold {held} device bytes, {total} more would exceed {}",
-                        b.limits.max_device_bytes
-                    ),
-                ));
+                return Err(b.refuse(limit, message));
             }
             bh.device_bytes += total;
             bh.peak_device_bytes = bh.peak_device_bytes.max(b_after);
+            let d = bh.on_device(device);
+            d.0 += total;
+            d.1 = d.1.max(b_on_after);
         }
         h.live_tensors += count;
         h.peak_live_tensors = h.peak_live_tensors.max(h.live_tensors);
@@ -538,10 +638,14 @@ impl Tenant {
         // the state after that, which is what the limit was checked against.
         h.device_bytes += total;
         h.peak_device_bytes = h.peak_device_bytes.max(after);
+        let d = h.on_device(device);
+        d.0 += total;
+        d.1 = d.1.max(on_after);
         drop(h);
         let charge = |kind| Charge {
             tenant: Arc::clone(self),
             kind,
+            device,
         };
         Ok((
             sizes
@@ -680,6 +784,7 @@ impl Tenant {
         Ok(Charge {
             tenant: Arc::clone(self),
             kind: ChargeKind::Transfer(bytes),
+            device: 0,
         })
     }
 
@@ -704,6 +809,7 @@ impl Tenant {
         Ok(Charge {
             tenant: Arc::clone(self),
             kind: ChargeKind::Launch,
+            device: 0,
         })
     }
 
@@ -727,6 +833,7 @@ impl Tenant {
         Ok(Charge {
             tenant: Arc::clone(self),
             kind: ChargeKind::Executable,
+            device: 0,
         })
     }
 
@@ -911,9 +1018,9 @@ mod tests {
         let t = Tenant::new("a", small());
         let input = t.charge_tensors(&[400], 0).unwrap();
         // 400 held, the donated input credited: 100 out + 500 temporaries fit in 1000.
-        let (out, temps) = t.charge_execution(&[100], 400, 500).unwrap();
+        let (out, temps) = t.charge_execution(0, &[100], 400, 500).unwrap();
         assert_eq!(t.usage().device_bytes, 1000);
-        let e = t.charge_execution(&[0], 0, 1).unwrap_err();
+        let e = t.charge_execution(0, &[0], 0, 1).unwrap_err();
         assert!(
             e.message.contains("max-device-bytes") && e.message.contains("temporaries"),
             "{}",

@@ -51,6 +51,9 @@ pub struct WeightSet {
     readers: Vec<String>,
     /// The publisher's ledger charge, returned when the version is freed.
     _ledger: Option<LedgerCharge>,
+    /// Copies of tensors on devices other than the one they were loaded on, made on first use
+    /// by a session placed there ([`WeightSet::get_on`]) and shared like the originals.
+    replicas: Mutex<BTreeMap<(String, u32), Arc<DeviceTensor>>>,
 }
 
 impl WeightSet {
@@ -91,6 +94,32 @@ impl WeightSet {
     /// Whether the set holds no tensor.
     pub fn is_empty(&self) -> bool {
         self.tensors.is_empty()
+    }
+
+    /// The tensor `name` on device `device`: the loaded tensor when it is there, otherwise a
+    /// copy made once per device (device to device, held by the set for every session placed
+    /// there, charged to nobody, as the original is) and shared from then on.
+    ///
+    /// Errors: `not-found` naming the set and the tensor, or for an unknown device; plugin
+    /// errors from the copy.
+    pub fn get_on(
+        &self,
+        name: &str,
+        device: u32,
+        service: &DeviceService,
+    ) -> DeviceResult<Arc<DeviceTensor>> {
+        let t = self.get(name)?;
+        if t.device() == device {
+            return Ok(Arc::clone(t));
+        }
+        // The map holds finished copies only; consistent after any panic.
+        let mut replicas = self.replicas.lock().unwrap_or_else(|p| p.into_inner());
+        if let Some(r) = replicas.get(&(name.to_string(), device)) {
+            return Ok(Arc::clone(r));
+        }
+        let copy = Arc::new(service.copy_to_device(t, device)?);
+        replicas.insert((name.to_string(), device), Arc::clone(&copy));
+        Ok(copy)
     }
 
     /// Total dense size of the tensors on the device, in bytes.
@@ -289,6 +318,7 @@ fn read_set(
         publisher: None,
         readers: Vec::new(),
         _ledger: None,
+        replicas: Mutex::default(),
     })
 }
 
@@ -604,6 +634,7 @@ impl WeightRegistry {
             publisher: Some(publisher.to_string()),
             readers: readers.to_vec(),
             _ledger: Some(charge),
+            replicas: Mutex::default(),
         });
         let old = entry.install(Arc::clone(&set));
         drop(sets);
