@@ -71,6 +71,8 @@ pub struct DeviceService {
     /// One fair-share queue per device (same order as `devices`): tenants on different
     /// devices never wait for each other's slots.
     schedulers: Vec<FairShare>,
+    /// Which sessions are placed on which device ([`crate::placement`]).
+    leases: Arc<crate::placement::DeviceLeases>,
     isolation: CompileIsolation,
     /// The compile slots, and the worker pool when compiles go to workers (a worker is
     /// configured and the platform allows it).
@@ -114,6 +116,7 @@ impl DeviceService {
             worker: None,
             ..CompileIsolation::default()
         };
+        let leases = crate::placement::DeviceLeases::new(devices.len() as u32);
         let schedulers = (0..devices.len())
             .map(|_| FairShare::new(DEFAULT_EXECUTION_SLOTS))
             .collect();
@@ -126,6 +129,7 @@ impl DeviceService {
             max_program_bytes,
             cache: None,
             identity: OnceLock::new(),
+            leases,
             schedulers,
             launch_blocking: false,
             host_to_device: Default::default(),
@@ -215,6 +219,12 @@ impl DeviceService {
         self.schedulers
             .get(device as usize)
             .unwrap_or(&self.schedulers[0])
+    }
+
+    /// The sessions placed on each device, and those holding devices alone
+    /// ([`crate::placement::DeviceLeases::place`]).
+    pub fn leases(&self) -> &Arc<crate::placement::DeviceLeases> {
+        &self.leases
     }
 
     /// Number of addressable devices.

@@ -13,6 +13,7 @@ use serde::Deserialize;
 
 use super::error::{ServeError, ServeErrorKind, ServeResult};
 use tpubox_core::error::{DeviceError, ErrorKind};
+use tpubox_core::placement::{TenantDevices, TenantRule, plan};
 use tpubox_session_api::SessionAccess;
 use tpubox_session_api::policy::SessionPolicy;
 use tpubox_session_api::registry::{AccessError, AccessResult, OpenGrant};
@@ -152,6 +153,9 @@ struct Tokens {
 #[derive(Debug)]
 pub struct Access {
     tokens: RwLock<Arc<Tokens>>,
+    /// The host's device count, for planning the tenants' devices
+    /// ([`Access::set_device_count`]; 1 until set).
+    device_count: std::sync::atomic::AtomicU32,
     /// The tokens file (`None`: no authentication, [`Access::open`]).
     path: Option<PathBuf>,
 }
@@ -193,6 +197,7 @@ impl Access {
                 anonymous: Some(t),
             })),
             path: None,
+            device_count: std::sync::atomic::AtomicU32::new(1),
         }
     }
 
@@ -204,6 +209,7 @@ impl Access {
         Ok(Access {
             tokens: RwLock::new(Arc::new(Access::read(path, &[])?)),
             path: Some(path.to_path_buf()),
+            device_count: std::sync::atomic::AtomicU32::new(1),
         })
     }
 
@@ -218,6 +224,8 @@ impl Access {
         };
         let old = self.current();
         let new = Access::read(path, &old.tenants)?;
+        Access::plan_devices(&new, self.devices())
+            .with_context(|| format!("{}: devices", path.display()))?;
         let name = |t: &Arc<RequestTenant>| t.entry.name.clone();
         let find =
             |ts: &[Arc<RequestTenant>], n: &str| ts.iter().find(|t| t.entry.name == n).cloned();
@@ -237,6 +245,58 @@ impl Access {
             .collect();
         *self.tokens.write().unwrap_or_else(|p| p.into_inner()) = Arc::new(new);
         Ok(r)
+    }
+
+    /// Tells the access rules how many devices the host has, and checks every tenant's
+    /// `devices` against them ([`tpubox_core::placement::plan`]).
+    ///
+    /// Errors: a tenant's `devices` names a device the host lacks, asks for more than are
+    /// left, or overlaps a device another tenant holds alone.
+    pub fn set_device_count(&self, n: u32) -> Result<()> {
+        Access::plan_devices(&self.current(), n)?;
+        self.device_count
+            .store(n.max(1), std::sync::atomic::Ordering::Relaxed);
+        Ok(())
+    }
+
+    fn devices(&self) -> u32 {
+        self.device_count
+            .load(std::sync::atomic::Ordering::Relaxed)
+    }
+
+    /// Every session tenant's devices on a host of `n` devices.
+    fn plan_devices(
+        tokens: &Tokens,
+        n: u32,
+    ) -> Result<std::collections::BTreeMap<String, TenantDevices>> {
+        let rules: Vec<TenantRule> = tokens
+            .tenants
+            .iter()
+            .filter_map(|t| {
+                t.entry.session.as_ref().map(|p| TenantRule {
+                    tenant: t.entry.name.clone(),
+                    rule: p.device_rule(),
+                    exclusive: p.exclusive_devices,
+                })
+            })
+            .collect();
+        plan(&rules, n).map_err(|e| anyhow::anyhow!("{}", e.message))
+    }
+
+    /// The devices some session tenant holds alone (`exclusive_devices`), ascending: served
+    /// models are not spread onto them.
+    pub fn exclusive_devices(&self) -> Vec<u32> {
+        let mut v: Vec<u32> = Access::plan_devices(&self.current(), self.devices())
+            .map(|p| {
+                p.values()
+                    .filter(|d| d.exclusive)
+                    .flat_map(|d| d.devices.iter().copied())
+                    .collect()
+            })
+            .unwrap_or_default();
+        v.sort_unstable();
+        v.dedup();
+        v
     }
 
     /// Whether it was read from a tokens file (which [`Access::reload`] can read again).
@@ -448,10 +508,18 @@ impl SessionAccess for Access {
             })
         })?;
         match &tenant.entry.session {
-            Some(p) => Ok(OpenGrant {
-                tenant: tenant.entry.name.clone(),
-                policy: p.clone(),
-            }),
+            Some(p) => {
+                let n = self.devices();
+                let devices = Access::plan_devices(&self.current(), n)
+                    .ok()
+                    .and_then(|mut plan| plan.remove(&tenant.entry.name))
+                    .unwrap_or_else(|| TenantDevices::all(n));
+                Ok(OpenGrant {
+                    tenant: tenant.entry.name.clone(),
+                    policy: p.clone(),
+                    devices,
+                })
+            }
             None => Err(AccessError::Device(DeviceError::new(
                 ErrorKind::PermissionDenied,
                 format!(

@@ -673,6 +673,12 @@ pub async fn run(
         Some(p) => Access::from_file(p)?,
         None => Access::open(),
     });
+    access
+        .set_device_count(device.device_count())
+        .with_context(|| match &config.tokens {
+            Some(p) => format!("{}: devices", p.display()),
+            None => "devices".to_string(),
+        })?;
     if let Some(repo) = &config.repository {
         if !repo.exists() {
             anyhow::bail!(

@@ -17,6 +17,7 @@ use super::SessionAccess;
 use super::policy::RequestedLimits;
 use super::registry::{AccessError, CallArg, CallSpec, LiveSession, Registry};
 use tpubox_core::error::{DeviceError, ErrorKind};
+use tpubox_core::placement::PlacementRequest;
 use tpubox_core::session::{ProgramFormat, TensorHandle};
 use tpubox_core::tenant::{TenantLimits, TenantUsage};
 use tpubox_core::types::TensorSpec;
@@ -225,6 +226,15 @@ fn wire_usage(u: &TenantUsage, published: PublishedUsage) -> UsageResponse {
         executions_running: u.executions_running,
         transfer_bytes: u.transfer_bytes,
         peak_live_tensors: u.peak_live_tensors,
+        device_bytes_by_device: u
+            .device_bytes_by_device
+            .iter()
+            .map(|d| DeviceBytes {
+                device: d.device,
+                bytes: d.bytes,
+                peak_bytes: d.peak_bytes,
+            })
+            .collect(),
     }
 }
 
@@ -375,8 +385,19 @@ impl SessionRpc for Service {
         let r = req.into_inner();
         let (s, token) = self
             .registry
-            .open(&grant, &requested(r.limits), r.end_on_disconnect, &r.label)
+            .open(
+                &grant,
+                &requested(r.limits),
+                &PlacementRequest {
+                    count: (r.devices > 0).then_some(r.devices),
+                    devices: r.device_ids,
+                    exclusive: r.exclusive_devices,
+                },
+                r.end_on_disconnect,
+                &r.label,
+            )
             .map_err(device_status)?;
+        let placement = s.session().placement();
         Ok(Response::new(OpenResponse {
             session_id: s.id.clone(),
             session_token: token,
@@ -384,6 +405,8 @@ impl SessionRpc for Service {
             limits: Some(wire_limits(&s.limits.tenant, s.limits.idle_timeout)),
             platform: Some(self.platform()),
             local_socket: self.local_socket(),
+            session_devices: placement.devices().to_vec(),
+            exclusive_devices: placement.exclusive(),
         }))
     }
 
@@ -877,6 +900,7 @@ impl SessionRpc for Service {
             stdin: Some(r.stdin.to_vec()),
             deadline,
             tenant: Some(Arc::clone(s.tenant())),
+            devices: Some(s.session().placement().devices().to_vec()),
             output_sink: Some(OutputSink {
                 stdout: out_tx,
                 stderr: err_tx,

@@ -6,6 +6,7 @@ use std::time::Duration;
 use serde::Deserialize;
 
 use tpubox_core::error::{DeviceError, DeviceResult};
+use tpubox_core::placement::DeviceRule;
 use tpubox_core::tenant::{ProgramPolicy, TenantLimits};
 
 /// `[tenant.session]` of the tokens file: the tenant may open sessions, each with these
@@ -63,6 +64,41 @@ pub struct SessionPolicy {
     pub max_published_mib: Option<u64>,
     /// Live published versions of the tenant (default 8). Only with `publish_weights`.
     pub max_published_versions: Option<u64>,
+    /// Which of the host's devices the tenant's sessions may use: a list of device indices
+    /// (`devices = [1, 2]`) or a count the daemon picks when it reads the tokens file
+    /// (`devices = 2`: those given to the fewest tenants). Default: every device no other
+    /// tenant holds alone ([`tpubox_core::placement`]).
+    pub devices: Option<DevicesField>,
+    /// The tenant holds its devices alone: no other tenant's session or model is placed on
+    /// them (default false).
+    #[serde(default)]
+    pub exclusive_devices: bool,
+    /// Device memory one session may hold on any one device, in MiB (default: no limit
+    /// besides `max_device_mib`). `max-device-bytes-per-device`.
+    pub max_device_mib_per_device: Option<u64>,
+    /// Device memory all of the tenant's sessions may hold together on any one device, in
+    /// MiB (default: `max_device_mib_per_device`'s value).
+    pub tenant_max_device_mib_per_device: Option<u64>,
+}
+
+/// `devices` of `[tenant.session]` (and of a model's `[tpubox.limits]`): a count or a list.
+#[derive(Debug, Clone, Deserialize, PartialEq, Eq)]
+#[serde(untagged)]
+pub enum DevicesField {
+    /// This many devices, picked by the daemon.
+    Count(u32),
+    /// These device indices.
+    List(Vec<u32>),
+}
+
+impl DevicesField {
+    /// The core's rule for it.
+    pub fn rule(&self) -> DeviceRule {
+        match self {
+            DevicesField::Count(n) => DeviceRule::Count(*n),
+            DevicesField::List(l) => DeviceRule::List(l.clone()),
+        }
+    }
 }
 
 fn default_max_sessions() -> u32 {
@@ -90,6 +126,10 @@ impl Default for SessionPolicy {
             publish_weights: false,
             max_published_mib: None,
             max_published_versions: None,
+            devices: None,
+            exclusive_devices: false,
+            max_device_mib_per_device: None,
+            tenant_max_device_mib_per_device: None,
         }
     }
 }
@@ -129,6 +169,13 @@ pub struct RequestedLimits {
     pub max_pending_launches: Option<u64>,
 }
 
+impl SessionPolicy {
+    /// The tenant's placement rule ([`tpubox_core::placement::plan`] resolves it).
+    pub fn device_rule(&self) -> DeviceRule {
+        self.devices.as_ref().map_or(DeviceRule::All, DevicesField::rule)
+    }
+}
+
 fn mib(m: u64) -> u64 {
     m.saturating_mul(1 << 20)
 }
@@ -144,6 +191,9 @@ impl SessionPolicy {
         let mut t = TenantLimits::default();
         if let Some(m) = self.max_device_mib {
             t.max_device_bytes = mib(m);
+        }
+        if let Some(m) = self.max_device_mib_per_device {
+            t.max_device_bytes_per_device = mib(m);
         }
         if let Some(n) = self.max_live_tensors {
             t.max_live_tensors = n;
@@ -205,6 +255,12 @@ impl SessionPolicy {
         if let Some(m) = self.tenant_max_device_mib {
             t.max_device_bytes = mib(m);
         }
+        if let Some(m) = self
+            .tenant_max_device_mib_per_device
+            .or(self.max_device_mib_per_device)
+        {
+            t.max_device_bytes_per_device = mib(m);
+        }
         if let Some(n) = self.tenant_max_running_executions {
             t.max_running_executions = n.max(1);
         }
@@ -241,6 +297,18 @@ impl SessionPolicy {
                 "max_published_mib must be at least 1 (set publish_weights = false to forbid publishing)"
                     .into(),
             );
+        }
+        match &self.devices {
+            Some(DevicesField::Count(0)) => return Err("devices = 0 leaves no device".into()),
+            Some(DevicesField::List(l)) if l.is_empty() => {
+                return Err("devices = [] leaves no device".into());
+            }
+            _ => {}
+        }
+        if self.max_device_mib_per_device == Some(0)
+            || self.tenant_max_device_mib_per_device == Some(0)
+        {
+            return Err("max_device_mib_per_device must be at least 1".into());
         }
         if self.tenant_max_running_executions == Some(0) {
             return Err("tenant_max_running_executions must be at least 1".into());

@@ -17,6 +17,7 @@ use tokio::sync::watch;
 use super::policy::{RequestedLimits, SessionLimits, SessionPolicy};
 use tpubox_core::device::DeviceService;
 use tpubox_core::error::{DeviceError, DeviceResult, ErrorKind};
+use tpubox_core::placement::{PlacementRequest, TenantDevices};
 use tpubox_core::session::{ExecutableHandle, Session, TensorHandle, position_mask};
 use tpubox_core::tenant::{Charge, Tenant, TenantUsage};
 use tpubox_core::weights::WeightRegistry;
@@ -658,6 +659,9 @@ pub struct OpenGrant {
     pub tenant: String,
     /// Its `[tenant.session]` table.
     pub policy: SessionPolicy,
+    /// The devices it may use, as the daemon planned them from every tenant's `devices`
+    /// ([`tpubox_core::placement::plan`]).
+    pub devices: TenantDevices,
 }
 
 /// The live sessions of a daemon.
@@ -732,13 +736,18 @@ impl Registry {
     /// Opens a session for `grant`'s tenant; returns it and its token (64 hex digits from
     /// the OS's random source; only its SHA-256 is kept).
     ///
-    /// Errors: `resource-exhausted` naming `max-sessions`; `invalid-argument` for requested
-    /// limits above the tenant's; `unavailable`-like `failed-precondition` while the daemon
-    /// stops.
+    /// The session is placed on its tenant's devices as `placement` asks
+    /// ([`tpubox_core::placement::DeviceLeases::place`]).
+    ///
+    /// Errors: `resource-exhausted` naming `max-sessions` or `devices`; `invalid-argument` for
+    /// requested limits above the tenant's; `not-found` and `permission-denied` for devices
+    /// the host lacks or the tenant may not use (see `place`); `unavailable`-like
+    /// `failed-precondition` while the daemon stops.
     pub fn open(
         &self,
         grant: &OpenGrant,
         requested: &RequestedLimits,
+        placement: &PlacementRequest,
         end_on_disconnect: bool,
         label: &str,
     ) -> DeviceResult<(Arc<LiveSession>, String)> {
@@ -763,9 +772,14 @@ impl Registry {
                 ),
             ));
         }
+        let placed = self
+            .device
+            .leases()
+            .place(&grant.tenant, &grant.devices, placement)?;
         let budget = self.budget(grant);
         let tenant = Tenant::with_budget(grant.tenant.clone(), limits.tenant.clone(), budget);
-        let session = Session::new(Arc::clone(&self.device), Arc::clone(&self.weights), tenant);
+        let session = Session::new(Arc::clone(&self.device), Arc::clone(&self.weights), tenant)
+            .with_placement(placed);
         let label: String = label.chars().take(200).collect();
         let live = Arc::new(LiveSession {
             id: id.clone(),

@@ -92,6 +92,10 @@ pub struct RunOptions {
     /// Send stdout and stderr, as the guest writes them, to these channels (takes precedence
     /// over [`capture_output`](Self::capture_output)).
     pub output_sink: Option<OutputSink>,
+    /// The devices the guest may use, its default first (`None`: every device, device 0 by
+    /// default). A call naming another device is `permission-denied`; `list-devices` still
+    /// lists every device of the host ([`tpubox_core::placement`]).
+    pub devices: Option<Vec<u32>>,
 }
 
 /// Where a guest's output goes as it is written: each write is one message on the channel.
@@ -434,8 +438,12 @@ impl Sandbox {
             .build();
         let mut table = ResourceTable::new();
         table.set_max_capacity(self.config.max_resources);
-        let session = Session::new(Arc::clone(device), Arc::clone(weights), Arc::clone(&tenant))
-            .with_max_read_bytes(max_memory as u64);
+        let mut session =
+            Session::new(Arc::clone(device), Arc::clone(weights), Arc::clone(&tenant))
+                .with_max_read_bytes(max_memory as u64);
+        if let Some(d) = &opts.devices {
+            session = session.with_placement(tpubox_core::placement::Placement::fixed(d.clone()));
+        }
         let state = GuestState {
             wasi: wasi.build(),
             limits,
