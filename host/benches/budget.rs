@@ -16,10 +16,10 @@ use tpubox_core::weights::WeightRegistry;
 use tpubox_core::{DeviceConfig, PrimitiveType, Session, Tenant, TenantLimits};
 
 /// Tiny calls measured per configuration.
-const CALLS: usize = 400;
+pub(crate) const CALLS: usize = 400;
 
 /// A heavy program: a 40-trip loop of a 256×256 matmul and tanh (tens of ms on 2 cores).
-const HEAVY: &str = r#"func.func public @main(%a: tensor<256x256xf32>) -> tensor<256x256xf32> {
+pub(crate) const HEAVY: &str = r#"func.func public @main(%a: tensor<256x256xf32>) -> tensor<256x256xf32> {
   %c0 = stablehlo.constant dense<0> : tensor<i64>
   %c1 = stablehlo.constant dense<1> : tensor<i64>
   %n = stablehlo.constant dense<40> : tensor<i64>
@@ -37,7 +37,7 @@ const HEAVY: &str = r#"func.func public @main(%a: tensor<256x256xf32>) -> tensor
 }
 "#;
 
-const TINY: &str = r#"func.func public @main(%a: tensor<f32>, %b: tensor<f32>) -> tensor<f32> {
+pub(crate) const TINY: &str = r#"func.func public @main(%a: tensor<f32>, %b: tensor<f32>) -> tensor<f32> {
   %0 = stablehlo.add %a, %b : tensor<f32>
   return %0 : tensor<f32>
 }
@@ -48,7 +48,7 @@ fn percentile(sorted: &[f64], p: f64) -> f64 {
 }
 
 /// B's tiny calls: (p50, p99) in ms.
-async fn tiny_calls(s: &Session) -> (f64, f64) {
+pub(crate) async fn tiny_calls(s: &Session) -> (f64, f64) {
     let exe = s
         .compile(TINY.as_bytes().to_vec(), ProgramFormat::MlirText, None)
         .await
@@ -69,7 +69,7 @@ async fn tiny_calls(s: &Session) -> (f64, f64) {
 }
 
 /// A heavy client: runs [`HEAVY`] back to back until `stop`.
-async fn heavy_client(s: Session, stop: Arc<AtomicBool>) -> usize {
+pub(crate) async fn heavy_client(s: Session, stop: Arc<AtomicBool>) -> usize {
     let exe = s
         .compile(HEAVY.as_bytes().to_vec(), ProgramFormat::MlirText, None)
         .await

@@ -4,6 +4,7 @@
 
 mod budget;
 mod cache;
+mod devices;
 mod eager;
 mod exported;
 mod isolation;
@@ -58,6 +59,11 @@ const BENCHES: &[(&str, &str, fn())] = &[
         "budget",
         "per-tenant budgets: a tenant's tiny calls beside another tenant's two heavy clients",
         budget::main,
+    ),
+    (
+        "devices",
+        "placement: a tenant's tiny calls beside another tenant's two heavy clients, on one device and on devices of their own",
+        devices::main,
     ),
     (
         "eager",

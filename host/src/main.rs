@@ -728,6 +728,11 @@ struct RunArgs {
     /// Give the guest the host's clocks (without it, wall and monotonic clocks read zero).
     #[arg(long)]
     allow_clock: bool,
+    /// The devices the guest may use, comma-separated indices, its default first (default:
+    /// every device, device 0 by default). A call naming another device is
+    /// `permission-denied`.
+    #[arg(long, value_name = "I,J,...", value_delimiter = ',')]
+    devices: Vec<u32>,
     /// Trust the guest's programs: skip the program policy that refuses, for untrusted tenants,
     /// loops over 1,048,576 trips, infeed/outfeed/send/recv and custom calls, and runs loops
     /// XLA cannot bound on the loop budget (PJRT cannot stop a running program).
@@ -817,6 +822,7 @@ async fn run(args: RunArgs) -> Result<bool> {
     let mut opts = RunOptions {
         args: args.args,
         allow_clock: args.allow_clock,
+        devices: (!args.devices.is_empty()).then(|| args.devices.clone()),
         ..RunOptions::default()
     };
     for d in &args.dirs {
@@ -833,6 +839,12 @@ async fn run(args: RunArgs) -> Result<bool> {
         opts.env.push((k.to_string(), v.to_string()));
     }
     let host = Host::new(config)?;
+    let count = host.device().device_count();
+    if let Some(d) = args.devices.iter().find(|&&d| d >= count) {
+        anyhow::bail!(
+            "--devices: device {d} does not exist (this host has {count} device(s); `tpubox devices` lists them)"
+        );
+    }
     for w in &args.weights {
         let (name, path) = w
             .split_once('=')

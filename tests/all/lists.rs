@@ -1895,6 +1895,55 @@ const LIMITS: &[LimitRow] = &[
         model: None,
         cli: None,
     },
+    // Device bytes on any one device (issue 44): the operator's rule (not on the wire), for
+    // daemon sessions; `tpubox run` places a guest with `--devices` but sets no per-device cap.
+    LimitRow {
+        key: "max_device_bytes_per_device",
+        session_only: false,
+        unit: Unit::Bytes,
+        name: Some("max-device-bytes-per-device"),
+        refused: true,
+        wire: None,
+        policy: Some("max_per_device_mib"),
+        model: None,
+        cli: None,
+    },
+    LimitRow {
+        key: "tenant_max_per_device_mib",
+        session_only: true,
+        unit: Unit::Bytes,
+        name: None,
+        refused: false,
+        wire: None,
+        policy: Some("tenant_max_per_device_mib"),
+        model: None,
+        cli: None,
+    },
+    // Which devices a tenant's sessions may use and hold (issue 44, `tpubox_core::placement`):
+    // a rule of the tokens file; a session's request that its devices cannot meet is refused
+    // naming `devices`.
+    LimitRow {
+        key: "devices",
+        session_only: true,
+        unit: Unit::Other,
+        name: Some("devices"),
+        refused: true,
+        wire: None,
+        policy: Some("devices"),
+        model: None,
+        cli: Some("--devices"),
+    },
+    LimitRow {
+        key: "exclusive_devices",
+        session_only: true,
+        unit: Unit::Other,
+        name: None,
+        refused: false,
+        wire: None,
+        policy: Some("exclusive_devices"),
+        model: None,
+        cli: None,
+    },
     LimitRow {
         key: "tenant_max_running_executions",
         session_only: true,

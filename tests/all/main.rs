@@ -19,6 +19,7 @@ mod layering;
 mod lists;
 mod loop_budget;
 mod minilm;
+mod placement;
 mod plugins;
 mod polyglot;
 mod publish;

@@ -75,10 +75,10 @@ pub struct SessionPolicy {
     pub exclusive_devices: bool,
     /// Device memory one session may hold on any one device, in MiB (default: no limit
     /// besides `max_device_mib`). `max-device-bytes-per-device`.
-    pub max_device_mib_per_device: Option<u64>,
+    pub max_per_device_mib: Option<u64>,
     /// Device memory all of the tenant's sessions may hold together on any one device, in
-    /// MiB (default: `max_device_mib_per_device`'s value).
-    pub tenant_max_device_mib_per_device: Option<u64>,
+    /// MiB (default: `max_per_device_mib`'s value).
+    pub tenant_max_per_device_mib: Option<u64>,
 }
 
 /// `devices` of `[tenant.session]` (and of a model's `[tpubox.limits]`): a count or a list.
@@ -128,8 +128,8 @@ impl Default for SessionPolicy {
             max_published_versions: None,
             devices: None,
             exclusive_devices: false,
-            max_device_mib_per_device: None,
-            tenant_max_device_mib_per_device: None,
+            max_per_device_mib: None,
+            tenant_max_per_device_mib: None,
         }
     }
 }
@@ -172,7 +172,9 @@ pub struct RequestedLimits {
 impl SessionPolicy {
     /// The tenant's placement rule ([`tpubox_core::placement::plan`] resolves it).
     pub fn device_rule(&self) -> DeviceRule {
-        self.devices.as_ref().map_or(DeviceRule::All, DevicesField::rule)
+        self.devices
+            .as_ref()
+            .map_or(DeviceRule::All, DevicesField::rule)
     }
 }
 
@@ -192,7 +194,7 @@ impl SessionPolicy {
         if let Some(m) = self.max_device_mib {
             t.max_device_bytes = mib(m);
         }
-        if let Some(m) = self.max_device_mib_per_device {
+        if let Some(m) = self.max_per_device_mib {
             t.max_device_bytes_per_device = mib(m);
         }
         if let Some(n) = self.max_live_tensors {
@@ -256,8 +258,8 @@ impl SessionPolicy {
             t.max_device_bytes = mib(m);
         }
         if let Some(m) = self
-            .tenant_max_device_mib_per_device
-            .or(self.max_device_mib_per_device)
+            .tenant_max_per_device_mib
+            .or(self.max_per_device_mib)
         {
             t.max_device_bytes_per_device = mib(m);
         }
@@ -305,10 +307,10 @@ impl SessionPolicy {
             }
             _ => {}
         }
-        if self.max_device_mib_per_device == Some(0)
-            || self.tenant_max_device_mib_per_device == Some(0)
+        if self.max_per_device_mib == Some(0)
+            || self.tenant_max_per_device_mib == Some(0)
         {
-            return Err("max_device_mib_per_device must be at least 1".into());
+            return Err("max_per_device_mib must be at least 1".into());
         }
         if self.tenant_max_running_executions == Some(0) {
             return Err("tenant_max_running_executions must be at least 1".into());
