@@ -124,6 +124,21 @@ class Limits:
 
 
 @dataclass(frozen=True)
+class DeviceBytes:
+    """Device memory held on one device (:attr:`Usage.device_bytes_by_device`).
+
+    Attributes:
+        device: the device index.
+        bytes: device bytes held there now.
+        peak_bytes: the most held there at once.
+    """
+
+    device: int
+    bytes: int = 0
+    peak_bytes: int = 0
+
+
+@dataclass(frozen=True)
 class Usage:
     """What a session holds and has done (or, in :class:`TenantUsage`, all live sessions of a
     tenant summed).
@@ -147,6 +162,9 @@ class Usage:
         published_bytes: device bytes of the tenant's live published weight versions (its
             ledger, all its sessions together; :meth:`Session.publish_weights`).
         published_versions: the tenant's live published versions.
+        device_bytes_by_device: the device bytes held on each device that holds any, one
+            :class:`DeviceBytes` per device, ascending (they sum to ``device_bytes``);
+            :meth:`on_device` reads one.
     """
 
     device_bytes: int = 0
@@ -165,10 +183,25 @@ class Usage:
     device_to_host_bytes: int = 0
     published_bytes: int = 0
     published_versions: int = 0
+    device_bytes_by_device: tuple[DeviceBytes, ...] = ()
+
+    def on_device(self, device: int) -> DeviceBytes:
+        """What is held on DEVICE (zeros for a device that holds nothing)."""
+        for d in self.device_bytes_by_device:
+            if d.device == device:
+                return d
+        return DeviceBytes(device)
 
     @staticmethod
     def _from_pb(m: pb.UsageResponse) -> Usage:
-        return Usage(**{f.name: getattr(m, f.name) for f in fields(Usage)})
+        kw: dict[str, Any] = {
+            f.name: getattr(m, f.name) for f in fields(Usage) if f.name != "device_bytes_by_device"
+        }
+        by_device = sorted(m.device_bytes_by_device, key=lambda d: d.device)
+        kw["device_bytes_by_device"] = tuple(
+            DeviceBytes(int(d.device), int(d.bytes), int(d.peak_bytes)) for d in by_device
+        )
+        return Usage(**kw)
 
 
 @dataclass(frozen=True)

@@ -41,6 +41,7 @@ from ._transport import CHUNK_BYTES
 from ._values import (
     ArrayLike,
     Device,
+    DeviceBytes,
     Limits,
     Platform,
     RunResult,
@@ -71,6 +72,7 @@ __all__ = [
     "TenantUsage",
     "Platform",
     "Device",
+    "DeviceBytes",
     "SessionInfo",
     "RunResult",
     "WeightSet",
@@ -157,7 +159,14 @@ class Session:
         tenant: the tenant it is charged to.
         address: the daemon's address as given.
         limits: the :class:`Limits` in force.
-        platform: the daemon's :class:`Platform` (``platform.name``: cpu, cuda, tpu).
+        platform: the daemon's :class:`Platform` (``platform.name``: cpu, cuda, tpu;
+            ``platform.devices``: every device of the host).
+        devices: the device indices this session may use, its default first: a tensor or
+            compile that names no device lands on ``devices[0]``, and one naming a device not
+            listed is refused (:class:`tpubox.PermissionDenied`). Empty for a joined session
+            (the daemon's ``Info`` does not say them).
+        exclusive_devices: whether the session holds its devices alone (no other session is
+            placed on them while it lives).
         owned: True when this process opened the session (it is closed by :meth:`close`, at
             exit, and by the daemon when this process goes away); False when it joined one a
             provisioner opened (:meth:`close` then only disconnects).
@@ -176,12 +185,16 @@ class Session:
         channel: grpc.Channel,
         timeout: float | None,
         local: _local.LocalChannel | None = None,
+        devices: Sequence[int] = (),
+        exclusive_devices: bool = False,
     ):
         self.address = address
         self.session_id = session_id
         self.tenant = tenant
         self.limits = limits
         self.platform = platform
+        self.devices: tuple[int, ...] = tuple(int(d) for d in devices)
+        self.exclusive_devices = bool(exclusive_devices)
         self.owned = owned
         self.timeout = timeout
         self._token = token
@@ -220,7 +233,9 @@ class Session:
         state = "closed" if self._closed else ("owned" if self.owned else "joined")
         return (
             f"tpubox.Session(session_id={self.session_id!r}, tenant={self.tenant!r}, "
-            f"address={self.address!r}, platform={self.platform.name!r}, {state})"
+            f"address={self.address!r}, platform={self.platform.name!r}, "
+            f"devices={list(self.devices)}{', exclusive' if self.exclusive_devices else ''}, "
+            f"{state})"
         )
 
     def __enter__(self) -> Session:
@@ -529,13 +544,16 @@ class Session:
                 and big-endian arrays are converted (copied) first; others are sent from their
                 own memory in 4 MiB chunks.
             dtype: convert to this dtype first (``numpy.asarray(value, dtype)``).
-            device: the device index (default 0).
+            device: the device index, one of :attr:`devices` (default: the session's first
+                device, ``devices[0]``).
             timeout: deadline of the upload in seconds (default none).
 
         Raises:
             TypeError: a dtype tpubox tensors cannot hold (strings, objects, datetimes, ...).
-            tpubox.ResourceExhausted: over ``max-device-bytes`` or ``max-live-tensors``
-            (nothing allocated); tpubox.InvalidArgument: a device that does not exist.
+            tpubox.ResourceExhausted: over ``max-device-bytes`` or ``max-live-tensors``, or
+            the per-device limit on that device (nothing allocated);
+            tpubox.PermissionDenied: a device that is not one of the session's
+            (:attr:`devices`); tpubox.NotFound: a device the host does not have.
         """
         a = _dtypes.as_device_array(value, dtype)
         header = pb.PutTensorChunk(spec=pb.TensorSpec(dtype=_dtypes.to_wire(a.dtype), dims=a.shape))
@@ -713,7 +731,8 @@ class Session:
                 ``jax.export``'s ``mlir_module_serialized``), or a path to a file of either.
             format: ``"auto"`` (bytecode when it starts with ``ML\\xefR``), ``"text"``,
                 ``"bytecode"``.
-            device: the device index (default 0).
+            device: the device the executable runs on, one of :attr:`devices` (default: the
+                session's first device, ``devices[0]``); its arguments must live there.
             optimization_level: how hard XLA optimises, TorchTPU's ``xla_optimization_level``:
                 ``"O0"`` (fastest compile, for single ops) … ``"O3"`` (most optimisation, for
                 fused programs); default: the plugin's. Part of the compile-cache key.
@@ -724,7 +743,9 @@ class Session:
             tpubox.CompileFailed: it did not parse or compile; tpubox.PermissionDenied: the
             program policy refused it (rule named); tpubox.ResourceExhausted:
             ``max-program-bytes``, ``max-compiles-per-minute``, ``max-live-executables``, or
-            results and temporaries that cannot fit ``max-device-bytes``.
+            results and temporaries that cannot fit ``max-device-bytes``;
+            tpubox.PermissionDenied also for a device that is not one of the session's
+            (:attr:`devices`).
         """
         if isinstance(program, os.PathLike):
             data = Path(program).read_bytes()
@@ -742,6 +763,9 @@ class Session:
                 f"not {optimization_level!r}"
             )
         req = pb.CompileRequest(program=data, format=fmt)
+        if device is None and self.devices:
+            # Named, not left to the daemon: its Compile takes an unset device as 0.
+            device = self.devices[0]
         if device is not None:
             req.device = device
         if optimization_level is not None:
@@ -897,6 +921,8 @@ def connect(
     timeout: float | None = DEFAULT_TIMEOUT,
     local: bool | None = None,
     tls: Any = None,
+    devices: int | Sequence[int] | None = None,
+    exclusive_devices: bool = False,
 ) -> Session:
     """Opens (or joins) a session on the tpubox daemon.
 
@@ -927,14 +953,31 @@ def connect(
             Default: ``TPUBOX_TLS_CA``/``TPUBOX_TLS_CERT``/``TPUBOX_TLS_KEY`` from the
             environment when set, TLS with the system's roots for a ``grpcs://`` or
             ``https://`` address, else plain text. A Unix socket never uses TLS.
+        devices: which of the tenant's devices the session uses (:attr:`Session.devices`): an
+            int is a count the daemon picks (the devices with the fewest sessions); a sequence
+            names device indices, in order, the first the session's default. Default: every
+            device the tenant may use (its ``[tenant.session]`` ``devices`` in the tokens
+            file; all of the host's unless another tenant holds them alone), the lowest its
+            default.
+        exclusive_devices: hold the devices alone: no other session, of this tenant or any
+            other, is placed on them while this one lives (a Ray task's device of its own).
+            They must have no session when it opens.
 
     Raises:
         ValueError: no address and no TPUBOX_ADDRESS/TPUBOX_SESSION_TOKEN in the environment;
-            ``tls`` given for a Unix socket.
+            ``tls`` given for a Unix socket; ``devices`` that is not a positive count or a
+            non-empty sequence of indices; ``limits`` or ``devices`` given to join a
+            kernel's session.
         tpubox.Unavailable: the daemon is not reachable at the address (at once, no waiting);
         tpubox.Unauthenticated: an unknown token; tpubox.PermissionDenied: a tenant that may
-        not open sessions; tpubox.ResourceExhausted: ``max-sessions``;
-        tpubox.InvalidArgument: a limit above the tenant's.
+            not open sessions, a named device the tenant may not use, or one another tenant's
+            session holds alone; tpubox.NotFound: a named device the host does not have;
+        tpubox.ResourceExhausted: ``max-sessions``; or ``devices`` (the message ends in
+            ``(limit devices)``): more devices than the tenant may use, a device another of
+            its sessions holds alone, too few free devices for the count, or, with
+            ``exclusive_devices``, a device that has other sessions now;
+        tpubox.InvalidArgument: a limit above the tenant's; a count above the host's devices;
+            a device named twice.
     """
     if address is None and token is None:
         env_address = os.environ.get(ENV_ADDRESS)
@@ -948,12 +991,56 @@ def connect(
             )
         if limits is not None:
             raise ValueError("limits apply to a new session, not to the kernel's (joined) one")
+        if devices is not None or exclusive_devices:
+            raise ValueError(
+                "devices and exclusive_devices apply to a new session, not to the kernel's "
+                "(joined) one"
+            )
         return _join(env_address, env_token, timeout, local, tls)
     if address is None:
         address = os.environ.get(ENV_ADDRESS)
         if not address:
             raise ValueError(f"tpubox.connect(): no address given and {ENV_ADDRESS} is not set")
-    return _open(os.fspath(address), token, Limits.coerce(limits), label, timeout, local, tls)
+    count, device_ids = _placement(devices)
+    return _open(
+        os.fspath(address),
+        token,
+        Limits.coerce(limits),
+        label,
+        timeout,
+        local,
+        tls,
+        count=count,
+        device_ids=device_ids,
+        exclusive_devices=bool(exclusive_devices),
+    )
+
+
+def _placement(devices: int | Sequence[int] | None) -> tuple[int, list[int]]:
+    """``connect``'s ``devices=`` as ``OpenRequest``'s ``devices`` (a count, 0 for every
+    device) and ``device_ids``.
+
+    Raises:
+        ValueError: a count below 1, an empty sequence, or something that is neither.
+    """
+    if devices is None:
+        return 0, []
+    if isinstance(devices, (int, np.integer)) and not isinstance(devices, bool):
+        if devices < 1:
+            raise ValueError(f"devices={devices}: a session needs at least one device")
+        return int(devices), []
+    if isinstance(devices, (str, bytes)) or not isinstance(devices, (Sequence, np.ndarray)):
+        raise ValueError(
+            f"devices must be a count (int) or a sequence of device indices, not {devices!r}"
+        )
+    ids = []
+    for d in devices:
+        if isinstance(d, bool) or not isinstance(d, (int, np.integer)) or d < 0:
+            raise ValueError(f"devices={devices!r}: {d!r} is not a device index")
+        ids.append(int(d))
+    if not ids:
+        raise ValueError("devices=[]: a session needs at least one device")
+    return 0, ids
 
 
 def _channel(address: str | os.PathLike[str], tls: Any) -> Any:
@@ -983,12 +1070,23 @@ def _open(
     timeout: float | None,
     local: bool | None = None,
     tls: Any = None,
+    *,
+    count: int = 0,
+    device_ids: Sequence[int] = (),
+    exclusive_devices: bool = False,
 ) -> Session:
     channel = _channel(address, tls)
     stub = pb_grpc.SessionStub(channel)
     try:
         r = stub.Open(
-            pb.OpenRequest(limits=limits._to_pb(), end_on_disconnect=True, label=label),
+            pb.OpenRequest(
+                limits=limits._to_pb(),
+                end_on_disconnect=True,
+                label=label,
+                devices=count,
+                device_ids=list(device_ids),
+                exclusive_devices=exclusive_devices,
+            ),
             metadata=_transport.auth_metadata(token),
             timeout=timeout,
         )
@@ -1005,6 +1103,8 @@ def _open(
         owned=True,
         channel=channel,
         timeout=timeout,
+        devices=r.session_devices,
+        exclusive_devices=r.exclusive_devices,
     )
     try:
         s._local = _transport.local_channel(address, r.local_socket, r.session_token, local)

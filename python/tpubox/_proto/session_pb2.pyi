@@ -73,30 +73,40 @@ class Limits(_message.Message):
     def __init__(self, max_device_bytes: _Optional[int] = ..., max_live_tensors: _Optional[int] = ..., max_live_executables: _Optional[int] = ..., max_program_bytes: _Optional[int] = ..., max_compiles_per_minute: _Optional[int] = ..., max_call_seconds: _Optional[float] = ..., max_guest_memory_bytes: _Optional[int] = ..., idle_timeout_seconds: _Optional[float] = ..., max_pending_launches: _Optional[int] = ...) -> None: ...
 
 class OpenRequest(_message.Message):
-    __slots__ = ("limits", "end_on_disconnect", "label")
+    __slots__ = ("limits", "end_on_disconnect", "label", "devices", "device_ids", "exclusive_devices")
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     END_ON_DISCONNECT_FIELD_NUMBER: _ClassVar[int]
     LABEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_IDS_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_DEVICES_FIELD_NUMBER: _ClassVar[int]
     limits: Limits
     end_on_disconnect: bool
     label: str
-    def __init__(self, limits: _Optional[_Union[Limits, _Mapping]] = ..., end_on_disconnect: bool = ..., label: _Optional[str] = ...) -> None: ...
+    devices: int
+    device_ids: _containers.RepeatedScalarFieldContainer[int]
+    exclusive_devices: bool
+    def __init__(self, limits: _Optional[_Union[Limits, _Mapping]] = ..., end_on_disconnect: bool = ..., label: _Optional[str] = ..., devices: _Optional[int] = ..., device_ids: _Optional[_Iterable[int]] = ..., exclusive_devices: bool = ...) -> None: ...
 
 class OpenResponse(_message.Message):
-    __slots__ = ("session_id", "session_token", "tenant", "limits", "platform", "local_socket")
+    __slots__ = ("session_id", "session_token", "tenant", "limits", "platform", "local_socket", "session_devices", "exclusive_devices")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     SESSION_TOKEN_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
     PLATFORM_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
+    SESSION_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_DEVICES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     session_token: str
     tenant: str
     limits: Limits
     platform: Platform
     local_socket: str
-    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tenant: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., platform: _Optional[_Union[Platform, _Mapping]] = ..., local_socket: _Optional[str] = ...) -> None: ...
+    session_devices: _containers.RepeatedScalarFieldContainer[int]
+    exclusive_devices: bool
+    def __init__(self, session_id: _Optional[str] = ..., session_token: _Optional[str] = ..., tenant: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., platform: _Optional[_Union[Platform, _Mapping]] = ..., local_socket: _Optional[str] = ..., session_devices: _Optional[_Iterable[int]] = ..., exclusive_devices: bool = ...) -> None: ...
 
 class Platform(_message.Message):
     __slots__ = ("name", "version", "plugin", "devices")
@@ -490,7 +500,7 @@ class UsageRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class UsageResponse(_message.Message):
-    __slots__ = ("device_bytes", "peak_device_bytes", "live_tensors", "live_executables", "compiles", "executions", "device_seconds", "refused", "pending_launches", "executions_running", "transfer_bytes", "peak_live_tensors", "host_to_device_bytes", "device_to_host_bytes", "published_bytes", "published_versions")
+    __slots__ = ("device_bytes", "peak_device_bytes", "live_tensors", "live_executables", "compiles", "executions", "device_seconds", "refused", "pending_launches", "executions_running", "transfer_bytes", "peak_live_tensors", "host_to_device_bytes", "device_to_host_bytes", "published_bytes", "published_versions", "device_bytes_by_device")
     DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     PEAK_DEVICE_BYTES_FIELD_NUMBER: _ClassVar[int]
     LIVE_TENSORS_FIELD_NUMBER: _ClassVar[int]
@@ -507,6 +517,7 @@ class UsageResponse(_message.Message):
     DEVICE_TO_HOST_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_BYTES_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    DEVICE_BYTES_BY_DEVICE_FIELD_NUMBER: _ClassVar[int]
     device_bytes: int
     peak_device_bytes: int
     live_tensors: int
@@ -523,7 +534,18 @@ class UsageResponse(_message.Message):
     device_to_host_bytes: int
     published_bytes: int
     published_versions: int
-    def __init__(self, device_bytes: _Optional[int] = ..., peak_device_bytes: _Optional[int] = ..., live_tensors: _Optional[int] = ..., live_executables: _Optional[int] = ..., compiles: _Optional[int] = ..., executions: _Optional[int] = ..., device_seconds: _Optional[float] = ..., refused: _Optional[int] = ..., pending_launches: _Optional[int] = ..., executions_running: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., peak_live_tensors: _Optional[int] = ..., host_to_device_bytes: _Optional[int] = ..., device_to_host_bytes: _Optional[int] = ..., published_bytes: _Optional[int] = ..., published_versions: _Optional[int] = ...) -> None: ...
+    device_bytes_by_device: _containers.RepeatedCompositeFieldContainer[DeviceBytes]
+    def __init__(self, device_bytes: _Optional[int] = ..., peak_device_bytes: _Optional[int] = ..., live_tensors: _Optional[int] = ..., live_executables: _Optional[int] = ..., compiles: _Optional[int] = ..., executions: _Optional[int] = ..., device_seconds: _Optional[float] = ..., refused: _Optional[int] = ..., pending_launches: _Optional[int] = ..., executions_running: _Optional[int] = ..., transfer_bytes: _Optional[int] = ..., peak_live_tensors: _Optional[int] = ..., host_to_device_bytes: _Optional[int] = ..., device_to_host_bytes: _Optional[int] = ..., published_bytes: _Optional[int] = ..., published_versions: _Optional[int] = ..., device_bytes_by_device: _Optional[_Iterable[_Union[DeviceBytes, _Mapping]]] = ...) -> None: ...
+
+class DeviceBytes(_message.Message):
+    __slots__ = ("device", "bytes", "peak_bytes")
+    DEVICE_FIELD_NUMBER: _ClassVar[int]
+    BYTES_FIELD_NUMBER: _ClassVar[int]
+    PEAK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    device: int
+    bytes: int
+    peak_bytes: int
+    def __init__(self, device: _Optional[int] = ..., bytes: _Optional[int] = ..., peak_bytes: _Optional[int] = ...) -> None: ...
 
 class TenantUsageRequest(_message.Message):
     __slots__ = ()
