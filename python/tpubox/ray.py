@@ -52,7 +52,8 @@ import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from . import session as _session
-from .errors import TpuboxError, Unavailable
+from ._values import Device
+from .errors import ResourceExhausted, TpuboxError, Unavailable
 
 NAMESPACE = "tpubox"
 """The Ray namespace of the node actors."""
@@ -72,6 +73,17 @@ _BACKOFF_FIRST = 0.1
 _BACKOFF_MAX = 5.0
 _STABLE_SECONDS = 10.0
 _TENANT_NAME = re.compile(r"^[A-Za-z0-9_.-]{1,64}$")
+# How long session() sleeps between tries while it waits for a free device: doubled from 0.05 s
+# up to 1 s.
+_DEVICE_WAIT_FIRST = 0.05
+_DEVICE_WAIT_MAX = 1.0
+# A `devices` refusal that waiting cannot cure: more devices than the tenant may use at all.
+_NEVER_ENOUGH = re.compile(r"asks for \d+ devices, and may use \d+")
+
+DEVICE_RESOURCE = "tpubox_device"
+"""The Ray custom resource that stands for one device of a node's daemon in docs/RAY.md
+(``ray start --resources '{"tpubox_device": 4}'``, ``@ray.remote(resources={"tpubox_device":
+1})``): only a name the docs and tests use; Ray counts it, tpubox never reads it."""
 _log = logging.getLogger("tpubox.ray")
 
 
@@ -204,6 +216,9 @@ class _Node:
             port, kept across restarts).
         grpc_port: the gRPC door's port likewise.
         drain_seconds: the daemon's ``--drain-seconds`` at shutdown.
+        cpu_devices: the CPU plugin's device count (``--cpu-devices N``: N CPU devices stand in
+            for a host's chips); None: the plugin's default (one). A TPU or GPU plugin shows
+            the host's devices as they are.
         ready_timeout: seconds to wait for the first start to answer.
 
     Raises:
@@ -225,6 +240,7 @@ class _Node:
         http_port: int | None = None,
         grpc_port: int | None = None,
         drain_seconds: int = 5,
+        cpu_devices: int | None = None,
         ready_timeout: float = 60.0,
     ):
         if tenants is not None and tokens_file is not None:
@@ -249,6 +265,11 @@ class _Node:
             while self._grpc_port == self._http_port and not grpc_port:
                 self._grpc_port = _free_port()
         self._drain_seconds = drain_seconds
+        if cpu_devices is not None and (isinstance(cpu_devices, bool) or int(cpu_devices) < 1):
+            raise ValueError(f"cpu_devices={cpu_devices!r}: at least 1")
+        self._cpu_devices = None if cpu_devices is None else int(cpu_devices)
+        # The daemon's devices (its platform's), learnt when it first answers (_learn_devices).
+        self._devices: list[Device] | None = None
         self._ready_timeout = ready_timeout
         self._lock = threading.Lock()
         self._ready = threading.Event()
@@ -317,6 +338,8 @@ class _Node:
             cmd += ["--session-port", str(self._port)]
         if self._cache_dir is not None:
             cmd += ["--cache-dir", str(self._cache_dir)]
+        if self._cpu_devices is not None:
+            cmd += ["--cpu-devices", str(self._cpu_devices)]
         if self._repository is not None:
             cmd += [
                 "--model-repository", self._repository,
@@ -372,6 +395,9 @@ class _Node:
             while proc.poll() is None and not self._stopping.is_set():
                 if self._answers():
                     self._failure = None
+                    # Before any task has the address: the probe's session takes no device a
+                    # task could be refused for.
+                    self._learn_devices()
                     self._ready.set()
                     break
                 time.sleep(0.02)
@@ -395,6 +421,51 @@ class _Node:
                 backoff = _BACKOFF_FIRST
             self._stopping.wait(backoff)
             backoff = min(backoff * 2, _BACKOFF_MAX)
+
+    def _probe_tokens(self) -> list[str]:
+        """Tenant tokens that may open a session: the actor's tenants', or those of the
+        operator's tokens file that have a ``[tenant.session]`` table (read with tomllib,
+        Python 3.11+)."""
+        if self._managed:
+            with self._lock:
+                return [t["token"] for t in self._tenants.values()]
+        try:
+            import tomllib
+
+            with open(self._tokens_path, "rb") as f:
+                doc = tomllib.load(f)
+        except (ImportError, OSError, ValueError):
+            return []
+        return [
+            tok
+            for t in doc.get("tenant", [])
+            if isinstance(t, dict) and isinstance(t.get("session"), dict)
+            for tok in t.get("tokens", [])
+            if isinstance(tok, str)
+        ]
+
+    def _learn_devices(self) -> None:
+        """The daemon's devices, from the platform a short session of the first tenant that
+        may open one sees (on one device, not held alone, closed at once). Left as they were
+        when no tenant can open one (the log says why)."""
+        last: Exception | None = None
+        for token in self._probe_tokens():
+            try:
+                with _session.connect(
+                    f"unix:{self._socket}",
+                    token,
+                    devices=1,
+                    local=False,
+                    timeout=10.0,
+                    label="tpubox.ray node actor: devices",
+                ) as s:
+                    self._devices = list(s.platform.devices)
+                    return
+            except TpuboxError as e:
+                last = e
+        _log.warning(
+            "tpubox node %s: could not learn the daemon's devices (%s)", self._node_id, last
+        )
 
     # ----------------------------------------------------------------------------------------
     # The actor's methods
@@ -439,7 +510,8 @@ class _Node:
         (Unix seconds, the current process), ``last_exit`` (the last exit status, negative: the
         signal), ``last_failure``, ``tenants`` (names), ``plugin``, ``log`` (the daemon's log
         file), ``tokens_file``, ``model_repository`` (None: none served), ``http`` and
-        ``grpc`` (the inference doors, ``127.0.0.1:PORT``, or None)."""
+        ``grpc`` (the inference doors, ``127.0.0.1:PORT``, or None), ``devices`` (the daemon's
+        device indices; None until learnt), ``cpu_devices`` (the actor's option)."""
         with self._lock:
             proc = self._proc
             return {
@@ -460,7 +532,31 @@ class _Node:
                 "model_repository": self._repository,
                 "http": None if self._http_port is None else f"127.0.0.1:{self._http_port}",
                 "grpc": None if self._grpc_port is None else f"127.0.0.1:{self._grpc_port}",
+                "devices": None
+                if self._devices is None
+                else [d.index for d in self._devices],
+                "cpu_devices": self._cpu_devices,
             }
+
+    def devices(self, timeout: float | None = None) -> list[Device]:
+        """The node's devices as its daemon sees them (``tpubox.Device``: index, kind,
+        description; a TPU host's chips, or the CPU plugin's ``cpu_devices``), learnt when the
+        daemon first answered; waits for the daemon as :meth:`address` does.
+
+        Raises:
+            RuntimeError: no tenant of the tokens file could open a session to learn them
+                (an operator's file with no ``[tenant.session]``, or read on Python < 3.11);
+            TimeoutError: as :meth:`address`.
+        """
+        self.address(timeout)
+        if self._devices is None:
+            self._learn_devices()
+        if self._devices is None:
+            raise RuntimeError(
+                f"tpubox node {self._node_id}: the daemon's devices are unknown (no tenant "
+                f"could open a session; log {self._log_path})"
+            )
+        return list(self._devices)
 
     def token(self, tenant: str = DEFAULT_TENANT) -> str:
         """TENANT's token (made by this actor).
@@ -576,8 +672,8 @@ TpuboxNode = ray.remote(num_cpus=0, max_concurrency=16, max_restarts=-1)(_Node)
 while ``address()`` waits for a restart, restarted by Ray if its process dies). Create it
 through :func:`node`, which names and pins it; its methods: ``address``, ``tcp_address``,
 ``inference_address``,
-``info``, ``token``, ``add_tenant``, ``remove_tenant``, ``reload``, ``pid``, ``log_tail``,
-``shutdown``."""
+``info``, ``devices``, ``token``, ``add_tenant``, ``remove_tenant``, ``reload``, ``pid``,
+``log_tail``, ``shutdown``."""
 
 
 def _current_node_id() -> str:
@@ -613,7 +709,8 @@ def node(
             ``token=``), ``plugin`` (default ``"cpu"``; ``"tpu"``, ``"cuda"`` or a path),
             ``port`` (also serve on TCP 127.0.0.1:PORT; 0 picks one), ``cache_dir`` (the compile
             cache), ``binary`` (default ``$TPUBOX_BIN`` or ``tpubox`` on PATH),
-            ``extra_args`` (more ``tpubox serve`` flags), ``drain_seconds`` (default 5).
+            ``extra_args`` (more ``tpubox serve`` flags), ``drain_seconds`` (default 5),
+            ``cpu_devices`` (the CPU plugin's device count, ``--cpu-devices``; default one).
 
     Returns:
         The actor handle (``ray.get(h.info.remote())`` and so on).
@@ -650,6 +747,9 @@ def session(
     token: str | None = None,
     node_options: Mapping[str, Any] | None = None,
     ready_timeout: float = 60.0,
+    devices: int | Sequence[int] | None = None,
+    exclusive_devices: bool | None = None,
+    device_wait_s: float = 60.0,
     **connect_kwargs: Any,
 ) -> _session.Session:
     """A new session on this node's daemon: ``tpubox.connect(address, token, ...)``, from any
@@ -657,20 +757,43 @@ def session(
     (:func:`node`, with NODE_OPTIONS). The session ends when it is closed or when this process
     goes away, killed included; what it held on the device is freed then.
 
+    ``devices=1`` gives the task a device of its own: one of the tenant's devices that no other
+    session uses, held alone until the session ends (``Session.devices`` says which). While
+    none is free, the call waits, trying again, up to DEVICE_WAIT_S seconds; give each node a
+    Ray custom resource per device (:data:`DEVICE_RESOURCE`, docs/RAY.md) so that Ray does not
+    start more such tasks than the node has devices.
+
     Args:
         tenant: the tenant whose token to use (one the node actor made: its ``tenants``, or
             ``add_tenant``).
         token: a tenant token to use instead (needed with an operator's ``tokens_file``).
         node_options: the node actor's arguments if this call creates it (see :func:`node`).
         ready_timeout: seconds to wait for the daemon to answer (after a restart too).
+        devices: a count of the tenant's devices (the daemon picks them) or a sequence of
+            device indices, as :func:`tpubox.connect` takes it; None: every device the tenant
+            may use, shared (as before placement).
+        exclusive_devices: hold the devices alone (no other session is placed on them while
+            this one lives). Default: True when ``devices`` is given, else False.
+        device_wait_s: how long to wait for free devices when the daemon refuses the session
+            for now (``tpubox.ResourceExhausted`` naming ``(limit devices)``: the devices
+            asked for are held, or have other sessions while ``exclusive_devices`` asks for
+            them alone); 0: refuse at once. A count above what the tenant may use at all is
+            raised at once.
         **connect_kwargs: :func:`tpubox.connect`'s: ``limits``, ``label`` (default
             ``ray task <task id>``), ``timeout``, ``local``.
 
     Raises:
         KeyError: an unknown tenant; TimeoutError: no daemon answer in READY_TIMEOUT seconds;
-        what :func:`tpubox.connect` raises (tpubox.ResourceExhausted over ``max_sessions``,
-        ...).
+        tpubox.ResourceExhausted: ``(limit devices)`` still after DEVICE_WAIT_S seconds (the
+        daemon's last refusal), ``max-sessions``, ...; what else :func:`tpubox.connect` raises
+        (tpubox.PermissionDenied for a device the tenant may not use or another tenant's
+        session holds alone, tpubox.NotFound for a device the node lacks,
+        tpubox.InvalidArgument for a count above the node's devices, ...).
     """
+    if device_wait_s < 0:
+        raise ValueError(f"device_wait_s={device_wait_s}: at least 0")
+    if exclusive_devices is None:
+        exclusive_devices = devices is not None
     h = node(ready_timeout=ready_timeout, **dict(node_options or {}))
     address = ray.get(h.address.remote(ready_timeout))
     if token is None:
@@ -679,7 +802,23 @@ def session(
         ctx = ray.get_runtime_context()
         who = ctx.get_actor_id() or ctx.get_task_id()
         connect_kwargs["label"] = f"ray {'actor' if ctx.get_actor_id() else 'task'} {who}"
-    return _session.connect(address, token, **connect_kwargs)
+    deadline = time.monotonic() + device_wait_s
+    delay = _DEVICE_WAIT_FIRST
+    while True:
+        try:
+            return _session.connect(
+                address,
+                token,
+                devices=devices,
+                exclusive_devices=exclusive_devices,
+                **connect_kwargs,
+            )
+        except ResourceExhausted as e:
+            left = deadline - time.monotonic()
+            if "(limit devices)" not in e.message or _NEVER_ENOUGH.search(e.message) or left <= 0:
+                raise
+            time.sleep(min(delay, left))
+            delay = min(delay * 2, _DEVICE_WAIT_MAX)
 
 
 def shutdown_node(node_id: str | None = None, timeout: float = 30.0) -> bool:

@@ -40,10 +40,11 @@ def _tpubox_bin() -> str:
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    """A local Ray cluster (4 CPUs, loopback only) for the module; at the end every tpubox
-    node actor is shut down (its daemon stopped) before Ray is. Yields a dict with
-    ``node_id`` and ``cache_dir`` (a private compile cache for the node actor)."""
+def cluster(request, tmp_path_factory):
+    """A local Ray cluster (4 CPUs, loopback only) for the module, with the custom resources
+    of the module's ``RAY_RESOURCES`` (a dict, if it has one); at the end every tpubox node
+    actor is shut down (its daemon stopped) before Ray is. Yields a dict with ``node_id`` and
+    ``cache_dir`` (a private compile cache for the node actor)."""
     import ray
     from ray import cloudpickle
 
@@ -52,6 +53,7 @@ def cluster(tmp_path_factory):
     os.environ["TPUBOX_BIN"] = _tpubox_bin()
     ray.init(
         num_cpus=4,
+        resources=dict(getattr(request.module, "RAY_RESOURCES", None) or {}),
         include_dashboard=False,
         _node_ip_address="127.0.0.1",
         log_to_driver=False,
