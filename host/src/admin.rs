@@ -137,19 +137,43 @@ fn print_sessions(body: &Value) -> Result<()> {
     let s = |r: &Value, k: &str| r.get(k).and_then(Value::as_str).unwrap_or("").to_string();
     let n = |r: &Value, k: &str| r.get(k).and_then(Value::as_f64).unwrap_or(0.0);
     println!(
-        "{:<20} {:<16} {:<24} {:>12} {:>10} {:>10} {:>9} {:>9}",
-        "ID", "TENANT", "LABEL", "DEVICE-MiB", "DEVICE-S", "EXECUTIONS", "AGE-S", "IDLE-S"
+        "{:<20} {:<16} {:<24} {:<10} {:>12} {:>10} {:>10} {:>9} {:>9}",
+        "ID",
+        "TENANT",
+        "LABEL",
+        "DEVICES",
+        "DEVICE-MiB",
+        "DEVICE-S",
+        "EXECUTIONS",
+        "AGE-S",
+        "IDLE-S"
     );
     for r in rows {
         let mut label = s(r, "label");
         if label.chars().count() > 24 {
             label = label.chars().take(23).collect::<String>() + "…";
         }
+        // The session's devices (its default first), `*` when it holds them alone.
+        let mut devices = r
+            .get("devices")
+            .and_then(Value::as_array)
+            .map(|d| {
+                d.iter()
+                    .filter_map(Value::as_u64)
+                    .map(|d| d.to_string())
+                    .collect::<Vec<_>>()
+                    .join(",")
+            })
+            .unwrap_or_default();
+        if r.get("exclusive_devices").and_then(Value::as_bool) == Some(true) {
+            devices.push('*');
+        }
         println!(
-            "{:<20} {:<16} {:<24} {:>12.1} {:>10.3} {:>10} {:>9.0} {:>9.0}",
+            "{:<20} {:<16} {:<24} {:<10} {:>12.1} {:>10.3} {:>10} {:>9.0} {:>9.0}",
             s(r, "id"),
             s(r, "tenant"),
             label,
+            devices,
             n(r, "device_bytes") / (1u64 << 20) as f64,
             n(r, "device_seconds"),
             n(r, "executions") as u64,

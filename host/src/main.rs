@@ -793,6 +793,8 @@ async fn run(args: RunArgs) -> Result<bool> {
     let mut config = args.device.config();
     let limits = TenantLimits {
         max_device_bytes: args.max_device_mib << 20,
+        // One guest per run: `--max-device-mib` bounds it on its devices together.
+        max_device_bytes_per_device: u64::MAX,
         max_live_tensors: args.max_tensors,
         max_live_executables: args.max_executables,
         max_program_bytes: config.max_program_bytes,

@@ -101,11 +101,6 @@ def test_session_lands_on_its_tenants_device(host, local):
         assert s.usage().device_bytes_by_device[0].device == 1
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="the daemon's TenantUsage does not sum device_bytes_by_device yet "
-    "(add_usage in crates/session-api/src/registry.rs)",
-)
 def test_tenant_usage_by_device(host):
     x = np.ones(100, np.float32)
     with tpubox.connect(host.unix, C, devices=[0]) as s0, tpubox.connect(host.unix, C) as s:

@@ -1150,6 +1150,8 @@ def _join(
         owned=False,
         channel=channel,
         timeout=timeout,
+        devices=r.session_devices,
+        exclusive_devices=r.exclusive_devices,
     )
     s._local = _transport.local_channel(address, r.local_socket, token, local)
     return _remember(_launch_blocking_from_env(s))

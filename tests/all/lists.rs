@@ -1920,17 +1920,18 @@ const LIMITS: &[LimitRow] = &[
         cli: None,
     },
     // Which devices a tenant's sessions may use and hold (issue 44, `tpubox_core::placement`):
-    // a rule of the tokens file; a session's request that its devices cannot meet is refused
-    // naming `devices`.
+    // a rule of the tokens file (and of a model's `[tpubox.limits]`), no `TenantLimits` field.
+    // A session's request its devices cannot meet is refused `(limit devices)`; the refusal
+    // scan above reads `max-` names only, so `refused` stays false here.
     LimitRow {
         key: "devices",
         session_only: true,
         unit: Unit::Other,
         name: Some("devices"),
-        refused: true,
+        refused: false,
         wire: None,
         policy: Some("devices"),
-        model: None,
+        model: Some("devices"),
         cli: Some("--devices"),
     },
     LimitRow {
@@ -2338,9 +2339,13 @@ fn tenant_limits() {
         let m = map_of(assigned.iter().map(|(f, t, _)| (f.clone(), t.clone())));
         // `max_sessions` is checked where a session opens, not turned into a limit; the
         // `tenant_` keys set the tenant's budget (checked below), not a session's limits.
-        let rows = LIMITS
-            .iter()
-            .filter(|l| l.key != "max_sessions" && !l.key.starts_with("tenant_"));
+        // `devices` and `exclusive_devices` are placement rules, resolved for all tenants
+        // together (`tpubox_core::placement::plan`), not limits of one session.
+        let rows = LIMITS.iter().filter(|l| {
+            l.key != "max_sessions"
+                && !l.key.starts_with("tenant_")
+                && !matches!(l.key, "devices" | "exclusive_devices")
+        });
         let want = map_of(rows.filter_map(|l| Some((column(l)?.to_string(), l.key.to_string()))));
         r.maps(
             "key → the limit it sets",
@@ -2370,6 +2375,9 @@ fn tenant_limits() {
         [
             ("tenant_max_device_mib", "max_device_bytes"),
             ("tenant_max_running_executions", "max_running_executions"),
+            ("tenant_max_per_device_mib", "max_device_bytes_per_device"),
+            // The budget's per-device bytes default to one session's.
+            ("max_per_device_mib", "max_device_bytes_per_device"),
         ]
         .map(|(k, v)| (k.to_string(), v.to_string())),
     );

@@ -110,9 +110,8 @@ pub fn plan(
     };
     order.sort_by_key(|r| rank(r));
     for r in order {
-        let free = |d: u32, owner: &BTreeMap<u32, String>| {
-            owner.get(&d).is_none_or(|o| *o == r.tenant)
-        };
+        let free =
+            |d: u32, owner: &BTreeMap<u32, String>| owner.get(&d).is_none_or(|o| *o == r.tenant);
         let devices: Vec<u32> = match &r.rule {
             DeviceRule::List(list) => {
                 if list.is_empty() {
@@ -197,7 +196,10 @@ pub fn plan(
     for (t, d) in &out {
         for dev in &d.devices {
             if let Some(o) = owner.get(dev).filter(|o| *o != t) {
-                return Err(bad(t, format!("device {dev} is held alone by tenant `{o}`")));
+                return Err(bad(
+                    t,
+                    format!("device {dev} is held alone by tenant `{o}`"),
+                ));
             }
         }
     }
@@ -555,11 +557,19 @@ mod tests {
         let e = leases.place("other", &all, &named).unwrap_err();
         assert_eq!(e.kind, ErrorKind::PermissionDenied);
         drop(held);
-        assert!(leases.snapshot().iter().all(|d| d.sessions == 0 && d.held_by.is_none()));
+        assert!(
+            leases
+                .snapshot()
+                .iter()
+                .all(|d| d.sessions == 0 && d.held_by.is_none())
+        );
         let p = leases.place("other", &all, &named).unwrap();
         assert_eq!(p.devices(), &[2]);
         assert_eq!(p.resolve(None).unwrap(), 2);
-        assert_eq!(p.resolve(Some(1)).unwrap_err().kind, ErrorKind::PermissionDenied);
+        assert_eq!(
+            p.resolve(Some(1)).unwrap_err().kind,
+            ErrorKind::PermissionDenied
+        );
         // Holding alone a device with a session on it.
         let e = leases
             .place(

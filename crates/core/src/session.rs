@@ -1297,14 +1297,12 @@ impl Session {
             }
         };
         let credit = taken.iter().map(|(_, h)| h.charged_bytes()).sum();
-        let charged =
-            self.tenant
-                .charge_execution(
-                    exe.exe.device(),
-                    &exe.exe.output_bytes(),
-                    credit,
-                    exe.exe.temp_bytes(),
-                );
+        let charged = self.tenant.charge_execution(
+            exe.exe.device(),
+            &exe.exe.output_bytes(),
+            credit,
+            exe.exe.temp_bytes(),
+        );
         let (charges, scratch) = match charged {
             Ok(c) => c,
             Err(e) => {

@@ -260,8 +260,7 @@ impl Access {
     }
 
     fn devices(&self) -> u32 {
-        self.device_count
-            .load(std::sync::atomic::Ordering::Relaxed)
+        self.device_count.load(std::sync::atomic::Ordering::Relaxed)
     }
 
     /// Every session tenant's devices on a host of `n` devices.

@@ -108,7 +108,8 @@ impl ServeError {
 /// The tenant limit a `resource-exhausted` message names, for metrics labels.
 fn limit_named_in(message: &str) -> &'static str {
     // A name that another one starts with comes after it (`max-compile-workers`).
-    const LIMITS: [&str; 14] = [
+    const LIMITS: [&str; 15] = [
+        "max-device-bytes-per-device",
         "max-device-bytes",
         "max-published-bytes",
         "max-published-versions",

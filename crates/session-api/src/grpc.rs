@@ -484,6 +484,8 @@ impl SessionRpc for Service {
             components: self.component_names(),
             local_socket: self.local_socket(),
             launch_blocking: s.session().launch_blocking(),
+            session_devices: s.session().placement().devices().to_vec(),
+            exclusive_devices: s.session().placement().exclusive(),
         }))
     }
 
@@ -640,7 +642,9 @@ impl SessionRpc for Service {
             ),
         };
         let settings = tpubox_core::CompileSettings {
-            device: r.device.unwrap_or(0),
+            device: r
+                .device
+                .unwrap_or_else(|| s.session().placement().default_device()),
             optimization_level,
             ..Default::default()
         };

@@ -257,10 +257,7 @@ impl SessionPolicy {
         if let Some(m) = self.tenant_max_device_mib {
             t.max_device_bytes = mib(m);
         }
-        if let Some(m) = self
-            .tenant_max_per_device_mib
-            .or(self.max_per_device_mib)
-        {
+        if let Some(m) = self.tenant_max_per_device_mib.or(self.max_per_device_mib) {
             t.max_device_bytes_per_device = mib(m);
         }
         if let Some(n) = self.tenant_max_running_executions {
@@ -307,9 +304,7 @@ impl SessionPolicy {
             }
             _ => {}
         }
-        if self.max_per_device_mib == Some(0)
-            || self.tenant_max_per_device_mib == Some(0)
-        {
+        if self.max_per_device_mib == Some(0) || self.tenant_max_per_device_mib == Some(0) {
             return Err("max_per_device_mib must be at least 1".into());
         }
         if self.tenant_max_running_executions == Some(0) {

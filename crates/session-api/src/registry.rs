@@ -987,6 +987,20 @@ pub fn add_usage(a: &mut TenantUsage, b: &TenantUsage) {
     a.pending_launches += b.pending_launches;
     a.host_to_device_bytes += b.host_to_device_bytes;
     a.device_to_host_bytes += b.device_to_host_bytes;
+    for d in &b.device_bytes_by_device {
+        match a
+            .device_bytes_by_device
+            .iter_mut()
+            .find(|x| x.device == d.device)
+        {
+            Some(x) => {
+                x.bytes += d.bytes;
+                x.peak_bytes += d.peak_bytes;
+            }
+            None => a.device_bytes_by_device.push(*d),
+        }
+    }
+    a.device_bytes_by_device.sort_by_key(|x| x.device);
 }
 
 /// Ends idle sessions once a second while `registry` is alive.

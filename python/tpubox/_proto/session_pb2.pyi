@@ -167,7 +167,7 @@ class InfoRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class InfoResponse(_message.Message):
-    __slots__ = ("session_id", "tenant", "limits", "platform", "usage", "weight_sets", "components", "local_socket", "launch_blocking")
+    __slots__ = ("session_id", "tenant", "limits", "platform", "usage", "weight_sets", "components", "local_socket", "launch_blocking", "session_devices", "exclusive_devices")
     SESSION_ID_FIELD_NUMBER: _ClassVar[int]
     TENANT_FIELD_NUMBER: _ClassVar[int]
     LIMITS_FIELD_NUMBER: _ClassVar[int]
@@ -177,6 +177,8 @@ class InfoResponse(_message.Message):
     COMPONENTS_FIELD_NUMBER: _ClassVar[int]
     LOCAL_SOCKET_FIELD_NUMBER: _ClassVar[int]
     LAUNCH_BLOCKING_FIELD_NUMBER: _ClassVar[int]
+    SESSION_DEVICES_FIELD_NUMBER: _ClassVar[int]
+    EXCLUSIVE_DEVICES_FIELD_NUMBER: _ClassVar[int]
     session_id: str
     tenant: str
     limits: Limits
@@ -186,7 +188,9 @@ class InfoResponse(_message.Message):
     components: _containers.RepeatedScalarFieldContainer[str]
     local_socket: str
     launch_blocking: bool
-    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., platform: _Optional[_Union[Platform, _Mapping]] = ..., usage: _Optional[_Union[UsageResponse, _Mapping]] = ..., weight_sets: _Optional[_Iterable[str]] = ..., components: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ..., launch_blocking: bool = ...) -> None: ...
+    session_devices: _containers.RepeatedScalarFieldContainer[int]
+    exclusive_devices: bool
+    def __init__(self, session_id: _Optional[str] = ..., tenant: _Optional[str] = ..., limits: _Optional[_Union[Limits, _Mapping]] = ..., platform: _Optional[_Union[Platform, _Mapping]] = ..., usage: _Optional[_Union[UsageResponse, _Mapping]] = ..., weight_sets: _Optional[_Iterable[str]] = ..., components: _Optional[_Iterable[str]] = ..., local_socket: _Optional[str] = ..., launch_blocking: bool = ..., session_devices: _Optional[_Iterable[int]] = ..., exclusive_devices: bool = ...) -> None: ...
 
 class PutTensorChunk(_message.Message):
     __slots__ = ("spec", "device", "data")
