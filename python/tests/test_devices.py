@@ -104,9 +104,8 @@ def test_session_lands_on_its_tenants_device(host, local):
 def test_tenant_usage_by_device(host):
     x = np.ones(100, np.float32)
     with tpubox.connect(host.unix, C, devices=[0]) as s0, tpubox.connect(host.unix, C) as s:
-        s0.tensor(x)
-        s.tensor(x, device=3)
-        s.tensor(x, device=3)
+        held = [s0.tensor(x), s.tensor(x, device=3), s.tensor(x, device=3)]
+        assert [t.device for t in held] == [0, 3, 3]
         u = tpubox.tenant_usage(host.unix, C).usage
         assert u.device_bytes == 3 * x.nbytes
         assert [(d.device, d.bytes) for d in u.device_bytes_by_device] == [
