@@ -50,7 +50,7 @@ mod types;
 
 pub use buffer::Buffer;
 pub use client::Client;
-pub use compile_options::{CompileOptions, OptimizationLevel};
+pub use compile_options::{CompileOptions, DeviceAssignment, OptimizationLevel};
 pub use device::Device;
 pub use error::{Error, ErrorCode, Result};
 pub use event::Event;
