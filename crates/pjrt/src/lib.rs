@@ -46,6 +46,7 @@ mod named_value;
 mod plugin;
 mod process_env;
 mod program;
+mod sharding;
 mod types;
 
 pub use buffer::Buffer;
@@ -62,6 +63,7 @@ pub use named_value::NamedValue;
 pub use plugin::Plugin;
 pub use process_env::set_unset_vars;
 pub use program::{Program, ProgramFormat};
+pub use sharding::{HloSharding, Shard, Subgroup, TileAssignment};
 pub use types::{PrimitiveType, TensorSpec};
 
 /// Oldest PJRT C API minor version accepted from a plugin (major must be 0).
