@@ -14,6 +14,7 @@ use crate::device::Device;
 use crate::error::{Error, ErrorCode, Result};
 use crate::event::Event;
 use crate::hlo;
+use crate::sharding::HloSharding;
 use crate::types::{PrimitiveType, TensorSpec};
 
 /// A compiled, loaded program. Destroyed when dropped; keeps its [`Client`] alive.
@@ -23,6 +24,7 @@ pub struct LoadedExecutable {
     /// From `PJRT_LoadedExecutable_GetExecutable`; owned, destroyed in `Drop`.
     exe: *mut sys::PJRT_Executable,
     params: OnceLock<Result<Vec<TensorSpec>>>,
+    shardings: OnceLock<Result<hlo::EntryShardings>>,
     num_outputs: OnceLock<Result<usize>>,
     devices: OnceLock<Result<Vec<Device>>>,
 }
@@ -86,6 +88,7 @@ impl LoadedExecutable {
             raw,
             exe: ptr::null_mut(),
             params: OnceLock::new(),
+            shardings: OnceLock::new(),
             num_outputs: OnceLock::new(),
             devices: OnceLock::new(),
         };
@@ -223,6 +226,51 @@ impl LoadedExecutable {
                 hlo::parameter_specs(&format, &code)
             })
             .clone()
+    }
+
+    /// How each parameter is laid out on the executable's devices: for a program partitioned
+    /// over several devices, what its module's shardings (`mhlo.sharding`, `sdy.sharding`)
+    /// became after XLA's propagation; [`HloSharding::Replicated`] for a one-device program
+    /// and wherever the program records none. The devices a sharding names are partitions
+    /// (positions in [`addressable_devices`](Self::addressable_devices) when there is one
+    /// replica). Each device's argument is its [`HloSharding::shards`] part of the global
+    /// array, of the per-device dims of [`parameter_specs`](Self::parameter_specs). Read from
+    /// the optimized program (see [`crate::HloSharding`] and the `hlo` module's notes); cached.
+    ///
+    /// Errors: as [`parameter_specs`](Self::parameter_specs); `Internal` for a sharding that
+    /// does not decode.
+    pub fn parameter_shardings(&self) -> Result<Vec<HloSharding>> {
+        Ok(self.entry_shardings()?.parameters.clone())
+    }
+
+    /// How each output is laid out on the executable's devices (as
+    /// [`parameter_shardings`](Self::parameter_shardings)); each device's output buffer is its
+    /// [`HloSharding::shards`] part of the global result, of the per-device dims of
+    /// [`output_specs`](Self::output_specs). Cached.
+    ///
+    /// Errors: as [`parameter_shardings`](Self::parameter_shardings).
+    pub fn output_shardings(&self) -> Result<Vec<HloSharding>> {
+        Ok(self.entry_shardings()?.outputs.clone())
+    }
+
+    /// Per-device element type and dims of each output, from the optimized program's entry
+    /// result shape (the same as [`output_specs`](Self::output_specs), which asks the plugin).
+    ///
+    /// Errors: as [`parameter_shardings`](Self::parameter_shardings); `Unimplemented` for an
+    /// output type outside [`PrimitiveType`].
+    pub fn local_output_specs(&self) -> Result<Vec<TensorSpec>> {
+        Ok(self.entry_shardings()?.output_specs.clone())
+    }
+
+    fn entry_shardings(&self) -> Result<&hlo::EntryShardings> {
+        let r = self.shardings.get_or_init(|| {
+            let (format, code) = self.optimized_program()?;
+            hlo::entry_shardings(&format, &code)
+        });
+        match r {
+            Ok(s) => Ok(s),
+            Err(e) => Err(e.clone()),
+        }
     }
 
     /// Fingerprint of the executable (`PJRT_Executable_Fingerprint`): equal for executables

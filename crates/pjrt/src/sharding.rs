@@ -251,6 +251,123 @@ impl Shard {
     }
 }
 
+impl Shard {
+    /// This shard of a dense row-major global array (`global`: `elem` bytes per element, of
+    /// dims `global_dims`), as a dense buffer of `buffer_dims` (the device's dims, each at
+    /// least the shard's: [`HloSharding::tile_dims`]), zero where the buffer pads the shard.
+    ///
+    /// Errors: `InvalidArgument` if the ranks differ, `global` is not `elem × product(dims)`
+    /// bytes, the shard lies outside the global dims, or the buffer is smaller than the shard.
+    pub fn extract(
+        &self,
+        global: &[u8],
+        global_dims: &[i64],
+        elem: usize,
+        buffer_dims: &[i64],
+    ) -> Result<Vec<u8>> {
+        self.check(global.len(), global_dims, elem, buffer_dims)?;
+        let mut out = vec![0u8; dense_len(buffer_dims, elem)?];
+        self.for_each_row(global_dims, buffer_dims, elem, |g, b, n| {
+            out[b..b + n].copy_from_slice(&global[g..g + n]);
+        });
+        Ok(out)
+    }
+
+    /// Writes a device buffer (dense row-major, of `buffer_dims`) holding this shard into its
+    /// place in a dense global array of `global_dims` (the inverse of [`Shard::extract`];
+    /// the buffer's padding is not read).
+    ///
+    /// Errors: as [`Shard::extract`], and `InvalidArgument` if `buffer` is not
+    /// `elem × product(buffer_dims)` bytes.
+    pub fn insert(
+        &self,
+        buffer: &[u8],
+        buffer_dims: &[i64],
+        global: &mut [u8],
+        global_dims: &[i64],
+        elem: usize,
+    ) -> Result<()> {
+        self.check(global.len(), global_dims, elem, buffer_dims)?;
+        if buffer.len() != dense_len(buffer_dims, elem)? {
+            return Err(Error::invalid_argument(format!(
+                "a buffer of dims {buffer_dims:?} needs {} bytes, got {}",
+                dense_len(buffer_dims, elem)?,
+                buffer.len()
+            )));
+        }
+        self.for_each_row(global_dims, buffer_dims, elem, |g, b, n| {
+            global[g..g + n].copy_from_slice(&buffer[b..b + n]);
+        });
+        Ok(())
+    }
+
+    fn check(&self, len: usize, global_dims: &[i64], elem: usize, buffer_dims: &[i64]) -> Result<()> {
+        let rank = global_dims.len();
+        if self.start.len() != rank || self.limit.len() != rank || buffer_dims.len() != rank {
+            return Err(Error::invalid_argument(format!(
+                "shard {:?}..{:?}, global dims {global_dims:?} and buffer dims \
+                 {buffer_dims:?} differ in rank",
+                self.start, self.limit
+            )));
+        }
+        if len != dense_len(global_dims, elem)? {
+            return Err(Error::invalid_argument(format!(
+                "a global array of dims {global_dims:?} needs {} bytes, got {len}",
+                dense_len(global_dims, elem)?
+            )));
+        }
+        for k in 0..rank {
+            let (s, l) = (self.start[k], self.limit[k]);
+            if !(0 <= s && s <= l && l <= global_dims[k]) || l - s > buffer_dims[k] {
+                return Err(Error::invalid_argument(format!(
+                    "shard {:?}..{:?} does not fit global dims {global_dims:?} and buffer \
+                     dims {buffer_dims:?}",
+                    self.start, self.limit
+                )));
+            }
+        }
+        Ok(())
+    }
+
+    /// Calls `f(global_offset, buffer_offset, bytes)` for each contiguous run of the shard
+    /// (one per index of all dimensions but the last). Dims were checked.
+    fn for_each_row(
+        &self,
+        global_dims: &[i64],
+        buffer_dims: &[i64],
+        elem: usize,
+        mut f: impl FnMut(usize, usize, usize),
+    ) {
+        let dims = self.dims();
+        if dims.contains(&0) {
+            return;
+        }
+        let rank = dims.len();
+        let gs = row_major_strides(global_dims);
+        let bs = row_major_strides(buffer_dims);
+        let run = dims.last().map_or(1, |&n| n as usize) * elem;
+        let outer: i64 = dims[..rank.saturating_sub(1)].iter().product();
+        for flat in 0..outer {
+            let index = unflatten(flat, &dims[..rank.saturating_sub(1)]);
+            let mut g = 0;
+            let mut b = 0;
+            for k in 0..rank {
+                let i = index.get(k).copied().unwrap_or(0);
+                g += (self.start[k] + i) * gs[k];
+                b += i * bs[k];
+            }
+            f(g as usize * elem, b as usize * elem, run);
+        }
+    }
+}
+
+/// Bytes of a dense array of `dims` with `elem`-byte elements.
+fn dense_len(dims: &[i64], elem: usize) -> Result<usize> {
+    dims.iter()
+        .try_fold(elem, |a, &d| usize::try_from(d).ok().and_then(|d| a.checked_mul(d)))
+        .ok_or_else(|| Error::invalid_argument(format!("dims {dims:?} are negative or too large")))
+}
+
 impl HloSharding {
     /// Decodes an `xla.OpSharding`.
     ///
@@ -854,6 +971,45 @@ mod tests {
         // Scalars under a tiled sharding of rank 0 plus a replicated subgroup.
         let r = ranges(&parse("{devices=[2]0,1 last_tile_dim_replicate}"), &[], 2);
         assert_eq!(r, [(vec![], vec![], true), (vec![], vec![], false)]);
+    }
+
+    #[test]
+    fn extract_and_insert_round_trip() {
+        // A 5x3 array of u16 over a 2x2 tiling: tiles of 3x2, padded on the bottom and right.
+        let global: Vec<u8> = (0..15u16).flat_map(|x| x.to_le_bytes()).collect();
+        let s = parse("{devices=[2,2]<=[4]}");
+        let tile = s.tile_dims(&[5, 3]).unwrap();
+        assert_eq!(tile, [3, 2]);
+        let shards = s.shards(&[5, 3], 4).unwrap();
+        let bufs: Vec<Vec<u8>> = shards
+            .iter()
+            .map(|sh| sh.extract(&global, &[5, 3], 2, &tile).unwrap())
+            .collect();
+        let u16s = |b: &[u8]| -> Vec<u16> {
+            b.chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+        };
+        assert_eq!(u16s(&bufs[0]), [0, 1, 3, 4, 6, 7]);
+        assert_eq!(u16s(&bufs[1]), [2, 0, 5, 0, 8, 0]);
+        assert_eq!(u16s(&bufs[2]), [9, 10, 12, 13, 0, 0]);
+        assert_eq!(u16s(&bufs[3]), [11, 0, 14, 0, 0, 0]);
+        let mut back = vec![0xffu8; global.len()];
+        for (sh, b) in shards.iter().zip(&bufs) {
+            sh.insert(b, &tile, &mut back, &[5, 3], 2).unwrap();
+        }
+        assert_eq!(back, global);
+        // A scalar, and an empty shard.
+        let one = HloSharding::Replicated.shards(&[], 1).unwrap().remove(0);
+        assert_eq!(one.extract(&[7, 8], &[], 2, &[]).unwrap(), [7, 8]);
+        let r = parse("{devices=[4]<=[4]}").shards(&[3], 4).unwrap();
+        assert_eq!(r[3].dims(), [0]);
+        assert_eq!(r[3].extract(&[1, 2, 3], &[3], 1, &[1]).unwrap(), [0]);
+        // Mismatches.
+        let sh = &shards[0];
+        assert!(sh.extract(&global[1..], &[5, 3], 2, &tile).is_err());
+        assert!(sh.extract(&global, &[5, 3], 2, &[2, 2]).is_err());
+        assert!(sh.extract(&global, &[15], 2, &[15]).is_err());
+        let mut g = global.clone();
+        assert!(sh.insert(&bufs[0][2..], &tile, &mut g, &[5, 3], 2).is_err());
     }
 
     #[test]
