@@ -651,7 +651,10 @@ mod tests {
 
     #[test]
     fn spmd_options_encode_the_assignment_and_both_flags() {
-        let b = CompileOptions::spmd(&[0, 1, 2, 3]).unwrap().to_bytes().unwrap();
+        let b = CompileOptions::spmd(&[0, 1, 2, 3])
+            .unwrap()
+            .to_bytes()
+            .unwrap();
         // device_assignment { replica_count: 1 computation_count: 4
         //   computation_devices { replica_device_ids: [p] } for p in 0..4 }
         let mut da = vec![0x4a, 24, 0x08, 0x01, 0x10, 0x04];

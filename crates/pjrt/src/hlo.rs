@@ -529,7 +529,9 @@ pub(crate) fn entry_shardings(format: &str, code: &[u8]) -> Result<EntrySharding
             })
         })
         .collect::<Result<Vec<_>>>()?;
-    let bad = |what: &str, e: Error| Error::internal(format!("optimized program's {what}: {}", e.message));
+    let bad = |what: &str, e: Error| {
+        Error::internal(format!("optimized program's {what}: {}", e.message))
+    };
     let entry = m
         .computations
         .iter()

@@ -144,7 +144,11 @@ impl TileAssignment {
     ///
     /// Errors: `InvalidArgument` if a dimension is below 1, the products of `dims` and
     /// `reshape_dims` differ, or `transpose_perm` is not a permutation of the reshape dims.
-    pub fn iota(dims: Vec<i64>, reshape_dims: Vec<i64>, transpose_perm: Vec<usize>) -> Result<Self> {
+    pub fn iota(
+        dims: Vec<i64>,
+        reshape_dims: Vec<i64>,
+        transpose_perm: Vec<usize>,
+    ) -> Result<Self> {
         let n = device_count(&dims)?;
         if device_count(&reshape_dims)? != n {
             return Err(Error::invalid_argument(format!(
@@ -301,7 +305,13 @@ impl Shard {
         Ok(())
     }
 
-    fn check(&self, len: usize, global_dims: &[i64], elem: usize, buffer_dims: &[i64]) -> Result<()> {
+    fn check(
+        &self,
+        len: usize,
+        global_dims: &[i64],
+        elem: usize,
+        buffer_dims: &[i64],
+    ) -> Result<()> {
         let rank = global_dims.len();
         if self.start.len() != rank || self.limit.len() != rank || buffer_dims.len() != rank {
             return Err(Error::invalid_argument(format!(
@@ -364,7 +374,9 @@ impl Shard {
 /// Bytes of a dense array of `dims` with `elem`-byte elements.
 fn dense_len(dims: &[i64], elem: usize) -> Result<usize> {
     dims.iter()
-        .try_fold(elem, |a, &d| usize::try_from(d).ok().and_then(|d| a.checked_mul(d)))
+        .try_fold(elem, |a, &d| {
+            usize::try_from(d).ok().and_then(|d| a.checked_mul(d))
+        })
         .ok_or_else(|| Error::invalid_argument(format!("dims {dims:?} are negative or too large")))
 }
 
@@ -506,7 +518,9 @@ impl HloSharding {
     pub fn shards(&self, global: &[i64], num_devices: usize) -> Result<Vec<Shard>> {
         check_dims(global)?;
         if num_devices == 0 {
-            return Err(Error::invalid_argument("a sharding needs at least one device"));
+            return Err(Error::invalid_argument(
+                "a sharding needs at least one device",
+            ));
         }
         let full = |primary| Shard {
             start: vec![0; global.len()],
@@ -631,7 +645,10 @@ fn unflatten(mut flat: i64, dims: &[i64]) -> Vec<i64> {
 }
 
 fn join<T: fmt::Display>(v: &[T]) -> String {
-    v.iter().map(|x| x.to_string()).collect::<Vec<_>>().join(",")
+    v.iter()
+        .map(|x| x.to_string())
+        .collect::<Vec<_>>()
+        .join(",")
 }
 
 /// XLA's text form (`xla::HloSharding::ToString`): `{replicated}`, `{maximal device=1}`,
@@ -986,7 +1003,9 @@ mod tests {
             .map(|sh| sh.extract(&global, &[5, 3], 2, &tile).unwrap())
             .collect();
         let u16s = |b: &[u8]| -> Vec<u16> {
-            b.chunks(2).map(|c| u16::from_le_bytes([c[0], c[1]])).collect()
+            b.chunks(2)
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect()
         };
         assert_eq!(u16s(&bufs[0]), [0, 1, 3, 4, 6, 7]);
         assert_eq!(u16s(&bufs[1]), [2, 0, 5, 0, 8, 0]);
@@ -1024,7 +1043,11 @@ mod tests {
         let max = HloSharding::Maximal { device: 4 };
         assert_eq!(code(max.shards(&[1], 4)), ErrorCode::InvalidArgument);
         for s in ["{manual}", "{unreduced}", "{unknown}", "{{replicated}}"] {
-            assert_eq!(code(parse(s).shards(&[1], 4)), ErrorCode::Unimplemented, "{s}");
+            assert_eq!(
+                code(parse(s).shards(&[1], 4)),
+                ErrorCode::Unimplemented,
+                "{s}"
+            );
         }
     }
 
@@ -1039,7 +1062,10 @@ mod tests {
             ..Default::default()
         };
         let s = HloSharding::from_proto(&p).unwrap();
-        assert_eq!(s.to_string(), "{devices=[2,1,2]<=[2,2]T(1,0) last_tile_dim_replicate}");
+        assert_eq!(
+            s.to_string(),
+            "{devices=[2,1,2]<=[2,2]T(1,0) last_tile_dim_replicate}"
+        );
         let t = OpShardingProto {
             r#type: TUPLE,
             tuple_shardings: vec![
