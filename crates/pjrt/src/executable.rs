@@ -231,9 +231,10 @@ impl LoadedExecutable {
     /// How each parameter is laid out on the executable's devices: for a program partitioned
     /// over several devices, what its module's shardings (`mhlo.sharding`, `sdy.sharding`)
     /// became after XLA's propagation; [`HloSharding::Replicated`] for a one-device program
-    /// and wherever the program records none. The devices a sharding names are partitions
-    /// (positions in [`addressable_devices`](Self::addressable_devices) when there is one
-    /// replica). Each device's argument is its [`HloSharding::shards`] part of the global
+    /// and wherever the program records none. The devices a sharding names are partitions:
+    /// device `k` of [`addressable_devices`](Self::addressable_devices) runs replica
+    /// `k / num_partitions`, partition `k % num_partitions` (replica-major; with one replica,
+    /// partition `k`). Each device's argument is its [`HloSharding::shards`] part of the global
     /// array, of the per-device dims of [`parameter_specs`](Self::parameter_specs). Read from
     /// the optimized program (see [`crate::HloSharding`] and the `hlo` module's notes); cached.
     ///

@@ -776,6 +776,142 @@ mod tests {
     }
 
     #[test]
+    fn entry_shardings_from_each_place_xla_records_them() {
+        let f32s = |dims: &[i64]| ShapeProto {
+            element_type: 11,
+            dimensions: dims.to_vec(),
+            tuple_shapes: vec![],
+        };
+        let tuple = |v: Vec<ShapeProto>| ShapeProto {
+            element_type: TUPLE,
+            dimensions: vec![],
+            tuple_shapes: v,
+        };
+        let rows = OpShardingProto {
+            r#type: 3,
+            tile_assignment_dimensions: vec![4, 1],
+            iota_reshape_dims: vec![4],
+            ..Default::default()
+        };
+        let maximal = OpShardingProto {
+            r#type: 1,
+            tile_assignment_devices: vec![2],
+            ..Default::default()
+        };
+        let shape = ProgramShapeProto {
+            parameters: vec![f32s(&[2, 3]), f32s(&[8, 3])],
+            result: Some(tuple(vec![f32s(&[2, 3]), f32s(&[])])),
+        };
+        let text = |v: &[HloSharding]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        // The module's spmd_* fields.
+        let m = HloModuleShardings {
+            host_program_shape: Some(shape.clone()),
+            spmd_parameters_shardings: vec![rows.clone(), OpShardingProto::default()],
+            spmd_output_sharding: Some(OpShardingProto {
+                r#type: 2,
+                tuple_shardings: vec![rows.clone(), maximal.clone()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let e = entry_shardings("hlo", &m.encode_to_vec()).unwrap();
+        assert_eq!(
+            text(&e.parameters),
+            ["{devices=[4,1]<=[4]}", "{replicated}"]
+        );
+        assert_eq!(
+            text(&e.outputs),
+            ["{devices=[4,1]<=[4]}", "{maximal device=2}"]
+        );
+        assert_eq!(
+            e.output_specs,
+            [
+                TensorSpec {
+                    ty: PrimitiveType::F32,
+                    dims: vec![2, 3]
+                },
+                TensorSpec {
+                    ty: PrimitiveType::F32,
+                    dims: vec![]
+                }
+            ]
+        );
+        // The entry computation's parameter and root instructions; one sharding for the
+        // whole tuple applies to each element.
+        let ins =
+            |id: i64, opcode: &str, n: i64, s: Option<&OpShardingProto>| HloInstructionSharding {
+                opcode: opcode.into(),
+                parameter_number: n,
+                id,
+                sharding: s.cloned(),
+            };
+        let m = HloModuleShardings {
+            host_program_shape: Some(shape.clone()),
+            entry_computation_id: 7,
+            computations: vec![
+                HloComputationShardings {
+                    id: 7,
+                    root_id: 3,
+                    instructions: vec![
+                        ins(1, "parameter", 1, Some(&rows)),
+                        ins(2, "parameter", 0, None),
+                        ins(3, "tuple", 0, Some(&maximal)),
+                    ],
+                },
+                HloComputationShardings {
+                    id: 8,
+                    root_id: 4,
+                    instructions: vec![ins(4, "parameter", 0, Some(&maximal))],
+                },
+            ],
+            ..Default::default()
+        };
+        let e = entry_shardings("hlo", &m.encode_to_vec()).unwrap();
+        assert_eq!(
+            text(&e.parameters),
+            ["{replicated}", "{devices=[4,1]<=[4]}"]
+        );
+        assert_eq!(
+            text(&e.outputs),
+            ["{maximal device=2}", "{maximal device=2}"]
+        );
+        // Nothing recorded: replicated; a single result.
+        let one = HloModuleShardings {
+            host_program_shape: Some(ProgramShapeProto {
+                parameters: vec![f32s(&[3])],
+                result: Some(f32s(&[3])),
+            }),
+            ..Default::default()
+        };
+        let e = entry_shardings("hlo", &one.encode_to_vec()).unwrap();
+        assert_eq!(e.parameters, [HloSharding::Replicated]);
+        assert_eq!(e.outputs, [HloSharding::Replicated]);
+        // Counts that disagree, and an invalid sharding.
+        let mut bad = m.clone();
+        bad.spmd_parameters_shardings = vec![rows.clone()];
+        let mut bad_tuple = m.clone();
+        bad_tuple.spmd_output_sharding = Some(OpShardingProto {
+            r#type: 2,
+            tuple_shardings: vec![rows.clone()],
+            ..Default::default()
+        });
+        let mut invalid = m.clone();
+        invalid.spmd_parameters_shardings = vec![
+            maximal.clone(),
+            OpShardingProto {
+                r#type: 3,
+                tile_assignment_dimensions: vec![2],
+                tile_assignment_devices: vec![0, 1, 2],
+                ..Default::default()
+            },
+        ];
+        for b in [bad, bad_tuple, invalid] {
+            let e = entry_shardings("hlo", &b.encode_to_vec()).unwrap_err();
+            assert_eq!(e.code, ErrorCode::Internal, "{e}");
+        }
+    }
+
+    #[test]
     fn decodes_hand_built_module() {
         let m = HloModuleProto {
             host_program_shape: Some(ProgramShapeProto {

@@ -354,6 +354,68 @@ fn replicas_all_reduce() {
     }
 }
 
+// Two replicas of a program of two partitions; the all-reduce sums over the replicas.
+const REPLICAS_OF_PARTITIONS: &str = r#"
+module @rp attributes {mhlo.num_partitions = 2 : i32, mhlo.num_replicas = 2 : i32} {
+  func.func public @main(%a: tensor<4xf32> {mhlo.sharding = "{devices=[2]<=[2]}"}) -> (tensor<4xf32> {mhlo.sharding = "{devices=[2]<=[2]}"}) {
+    %0 = "stablehlo.all_reduce"(%a) ({
+    ^bb0(%x: tensor<f32>, %y: tensor<f32>):
+      %s = stablehlo.add %x, %y : tensor<f32>
+      stablehlo.return %s : tensor<f32>
+    }) {replica_groups = dense<[[0, 1]]> : tensor<1x2xi64>} : (tensor<4xf32>) -> tensor<4xf32>
+    return %0 : tensor<4xf32>
+  }
+}
+"#;
+
+#[test]
+fn replicas_of_partitions_run_replica_major() {
+    let c = client4();
+    let ids = ids(&c);
+    // Replica 0 on devices 3, 1 and replica 1 on devices 0, 2 (partition order within each).
+    let assigned = vec![ids[3], ids[1], ids[0], ids[2]];
+    let opts = CompileOptions::new()
+        .device_assignment(Some(DeviceAssignment::new(2, 2, assigned.clone()).unwrap()))
+        .use_spmd_partitioning(true)
+        .use_shardy_partitioner(true);
+    let exe = c
+        .compile(&Program::mlir(REPLICAS_OF_PARTITIONS), &opts)
+        .unwrap();
+    assert_eq!(
+        (exe.num_replicas().unwrap(), exe.num_partitions().unwrap()),
+        (2, 2)
+    );
+    let devices = exe.addressable_devices().unwrap();
+    let order: Vec<i64> = devices.iter().map(|d| i64::from(d.id())).collect();
+    assert_eq!(order, assigned);
+    let s = &exe.parameter_shardings().unwrap()[0];
+    assert_eq!(s.to_string(), "{devices=[2]<=[2]}");
+    // Replica r's global input is [r+1; 4] + iota; device k runs partition k % 2.
+    let shards = s.shards(&[4], 2).unwrap();
+    let bufs: Vec<Buffer> = devices
+        .iter()
+        .enumerate()
+        .map(|(k, d)| {
+            let r = (k / 2) as f32;
+            let global: Vec<f32> = (0..4).map(|i| i as f32 + 10.0 * (r + 1.0)).collect();
+            let part = shards[k % 2]
+                .extract(&f32_bytes(&global), &[4], 4, &[2])
+                .unwrap();
+            c.buffer_from_host(&part, PrimitiveType::F32, &[2], d)
+                .unwrap()
+        })
+        .collect();
+    let args: Vec<Vec<&Buffer>> = bufs.iter().map(|b| vec![b]).collect();
+    let runs = exe.execute_sharded(&args, &[]).unwrap();
+    for (k, run) in runs.into_iter().enumerate() {
+        run.done.wait_blocking().unwrap();
+        let got = bytes_f32(&run.outputs[0].to_host_blocking().unwrap());
+        // Sum over the replicas of the partition's two elements: 10 + 20 + 2·i.
+        let p = (k % 2) as f32;
+        assert_eq!(got, [30.0 + 4.0 * p, 32.0 + 4.0 * p], "device {k}");
+    }
+}
+
 #[test]
 fn devices_in_another_order() {
     // Partition p runs on the p-th id of the assignment: reversed, device 3 holds rows 0..2.
@@ -400,6 +462,10 @@ fn donation_on_every_device() {
     for l in &bufs {
         assert!(l[0].is_deleted().unwrap());
     }
+    // Donated shards cannot run again: an error, on no device.
+    let e = exe.execute_sharded(&args, &[]).unwrap_err();
+    eprintln!("donated shards again: {e}");
+    assert_eq!(e.code, ErrorCode::InvalidArgument, "{e}");
 }
 
 #[test]
