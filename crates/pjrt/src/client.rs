@@ -250,13 +250,16 @@ impl Client {
         Ok((args.buffer, done))
     }
 
-    /// Compiles `program` (`PJRT_Client_Compile`) and loads it: on the device at index
+    /// Compiles `program` (`PJRT_Client_Compile`) and loads it: on the devices of
+    /// `options.device_assignment` if set, else on the device at index
     /// `options.device_ordinal` of [`Client::devices`] if set, else on the plugin's default
     /// (first) device.
     ///
-    /// Errors: `InvalidArgument` (before calling PJRT) for invalid `options` or a device
-    /// ordinal outside `0..devices().len()`; the plugin's error for a program that does not
-    /// parse, verify or compile.
+    /// Errors: `InvalidArgument` (before calling PJRT) for invalid `options`, a device
+    /// ordinal outside `0..devices().len()` or an assigned device id that is not one of
+    /// [`Client::devices`]; the plugin's error for a program that does not parse, verify or
+    /// compile (a module whose `mhlo.num_partitions` or `mhlo.num_replicas` differ from the
+    /// options' is refused by the plugin).
     pub fn compile(&self, program: &Program, options: &CompileOptions) -> Result<LoadedExecutable> {
         let mut device_id = None;
         if let Some(d) = options.device_ordinal {
@@ -267,6 +270,18 @@ impl Client {
                 None => {
                     return Err(Error::invalid_argument(format!(
                         "device_ordinal {d} out of range: client has {n} devices"
+                    )));
+                }
+            }
+        }
+        if let Some(a) = &options.device_assignment {
+            let devices = self.devices()?;
+            for &id in a.device_ids() {
+                if !devices.iter().any(|d| i64::from(d.id()) == id) {
+                    let ids: Vec<i32> = devices.iter().map(Device::id).collect();
+                    return Err(Error::invalid_argument(format!(
+                        "device id {id} in the device assignment is not a device of this \
+                         client (ids {ids:?})"
                     )));
                 }
             }

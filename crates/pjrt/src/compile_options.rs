@@ -8,7 +8,14 @@
 //! moved there from `xla/xla.proto`), and `xla/xla_data.proto`
 //! `DeviceAssignmentProto { int32 replica_count = 1; int32 computation_count = 2;
 //! repeated ComputationDevice computation_devices = 3; }`,
-//! `ComputationDevice { repeated int64 replica_device_ids = 1; }`.
+//! `ComputationDevice { repeated int64 replica_device_ids = 1; }` (one `ComputationDevice` per
+//! partition, listing its device for each replica, as `xla::DeviceAssignment::Serialize`
+//! writes it).
+//!
+//! Programs over several devices use two more `ExecutableBuildOptionsProto` fields:
+//! `bool use_spmd_partitioning = 6;` and `bool use_shardy_partitioner = 19;` (false, their
+//! default, is omitted, so options without them are byte-identical to those of builds that
+//! did not know them).
 //!
 //! The optimisation level ([`OptimizationLevel`]) uses two more fields of
 //! `compile_options.proto`: `ExecutableBuildOptionsProto { ExecutionOptions.EffortLevel
@@ -89,11 +96,17 @@ struct ExecutableBuildOptionsProto {
     num_replicas: i64,
     #[prost(int64, tag = "5")]
     num_partitions: i64,
+    /// SPMD partitioning of a module with several partitions (false is omitted).
+    #[prost(bool, tag = "6")]
+    use_spmd_partitioning: bool,
     #[prost(message, optional, tag = "9")]
     device_assignment: Option<DeviceAssignmentProto>,
     /// `ExecutionOptions.EffortLevel`; 0 (`EFFORT_UNKNOWN`, the backend's default) is omitted.
     #[prost(int32, tag = "24")]
     optimization_level: i32,
+    /// Shardy instead of GSPMD's propagation and partitioner (false is omitted).
+    #[prost(bool, tag = "19")]
+    use_shardy_partitioner: bool,
 }
 
 /// How hard XLA optimises a program, TorchTPU's `xla_optimization_level` ("O0"–"O3"): O0 for
@@ -242,6 +255,20 @@ pub struct CompileOptions {
     /// `HloModuleProto`s (`*.before_optimizations.hlo.pb`, `*.after_optimizations.hlo.pb`;
     /// see [`CompileOptions::dump_hlo_to`]); `None` (the default) dumps nothing.
     pub dump_hlo_to: Option<String>,
+    /// The devices each replica and partition runs on (`None`: the plugin's default
+    /// assignment, or the one-device assignment of `device_ordinal`). When set, its replica and
+    /// partition counts must equal `num_replicas` and `num_partitions`, and `device_ordinal`
+    /// must be unset.
+    pub device_assignment: Option<DeviceAssignment>,
+    /// `ExecutableBuildOptionsProto.use_spmd_partitioning`: partition a module of several
+    /// partitions by its shardings (SPMD) into one program that every partition runs.
+    pub use_spmd_partitioning: bool,
+    /// `ExecutableBuildOptionsProto.use_shardy_partitioner`: propagate and partition with
+    /// Shardy instead of GSPMD. Needed for modules with Shardy annotations (`sdy.sharding`,
+    /// `sdy.manual_computation`: what `jax.export` writes): GSPMD's partitioner cannot lower
+    /// them ("No registered implementation for untyped custom call to
+    /// xla.sdy.GlobalToLocalShape"). Shardy also imports GSPMD's `mhlo.sharding` attributes.
+    pub use_shardy_partitioner: bool,
 }
 
 impl Default for CompileOptions {
@@ -252,6 +279,123 @@ impl Default for CompileOptions {
             num_partitions: 1,
             optimization_level: None,
             dump_hlo_to: None,
+            device_assignment: None,
+            use_spmd_partitioning: false,
+            use_shardy_partitioner: false,
+        }
+    }
+}
+
+/// Which device runs each (replica, partition) of a program (`xla.DeviceAssignmentProto`).
+///
+/// Device ids are global PJRT device ids ([`crate::Device::id`]), not ordinals. The
+/// executable's addressable devices, and so the argument lists of
+/// [`crate::LoadedExecutable::execute_sharded`], come in replica-major order: replica 0's
+/// partitions 0, 1, …, then replica 1's (what `xla::PjRtLoadedExecutable` builds from the
+/// assignment, and what the CPU plugins report).
+#[derive(Debug, Clone, PartialEq, Eq, Hash)]
+pub struct DeviceAssignment {
+    replicas: u32,
+    partitions: u32,
+    /// `ids[replica * partitions + partition]`.
+    ids: Vec<i64>,
+}
+
+impl DeviceAssignment {
+    /// An assignment of `replicas × partitions` devices, `ids[replica * partitions +
+    /// partition]`.
+    ///
+    /// Errors: `InvalidArgument` if a count is 0, `ids` does not hold `replicas × partitions`
+    /// ids, an id is negative, or an id appears twice.
+    pub fn new(replicas: u32, partitions: u32, ids: Vec<i64>) -> Result<Self> {
+        if replicas == 0 || partitions == 0 {
+            return Err(Error::invalid_argument(format!(
+                "a device assignment needs at least one replica and one partition, got \
+                 {replicas} × {partitions}"
+            )));
+        }
+        let want = u64::from(replicas) * u64::from(partitions);
+        if ids.len() as u64 != want {
+            return Err(Error::invalid_argument(format!(
+                "a device assignment of {replicas} replicas × {partitions} partitions needs \
+                 {want} device ids, got {}",
+                ids.len()
+            )));
+        }
+        if let Some(d) = ids.iter().find(|&&d| d < 0) {
+            return Err(Error::invalid_argument(format!(
+                "device id {d} in a device assignment is negative"
+            )));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        if let Some(d) = ids.iter().find(|&&d| !seen.insert(d)) {
+            return Err(Error::invalid_argument(format!(
+                "device id {d} appears twice in a device assignment"
+            )));
+        }
+        Ok(Self {
+            replicas,
+            partitions,
+            ids,
+        })
+    }
+
+    /// One replica whose partition `p` runs on `ids[p]` (an SPMD program over these devices).
+    ///
+    /// Errors: as [`DeviceAssignment::new`].
+    pub fn partitions(ids: Vec<i64>) -> Result<Self> {
+        let n = u32::try_from(ids.len())
+            .map_err(|_| Error::invalid_argument("too many devices in a device assignment"))?;
+        Self::new(1, n, ids)
+    }
+
+    /// Replicas of a one-partition program, replica `r` on `ids[r]`.
+    ///
+    /// Errors: as [`DeviceAssignment::new`].
+    pub fn replicas(ids: Vec<i64>) -> Result<Self> {
+        let n = u32::try_from(ids.len())
+            .map_err(|_| Error::invalid_argument("too many devices in a device assignment"))?;
+        Self::new(n, 1, ids)
+    }
+
+    /// Number of replicas.
+    pub fn replica_count(&self) -> u32 {
+        self.replicas
+    }
+
+    /// Number of partitions.
+    pub fn partition_count(&self) -> u32 {
+        self.partitions
+    }
+
+    /// Every device id, replica-major (`[replica * partitions + partition]`).
+    pub fn device_ids(&self) -> &[i64] {
+        &self.ids
+    }
+
+    /// The device id of `(replica, partition)`, if both are in range.
+    pub fn device_id(&self, replica: u32, partition: u32) -> Option<i64> {
+        if replica >= self.replicas || partition >= self.partitions {
+            return None;
+        }
+        self.ids
+            .get(replica as usize * self.partitions as usize + partition as usize)
+            .copied()
+    }
+
+    /// `DeviceAssignmentProto { replica_count, computation_count, computation_devices[p]
+    /// .replica_device_ids[r] }`: one `ComputationDevice` per partition.
+    fn to_proto(&self) -> DeviceAssignmentProto {
+        DeviceAssignmentProto {
+            replica_count: self.replicas as i32,
+            computation_count: self.partitions as i32,
+            computation_devices: (0..self.partitions)
+                .map(|p| ComputationDevice {
+                    replica_device_ids: (0..self.replicas)
+                        .filter_map(|r| self.device_id(r, p))
+                        .collect(),
+                })
+                .collect(),
         }
     }
 }
@@ -282,6 +426,41 @@ impl CompileOptions {
         self
     }
 
+    /// Sets the device assignment (`None`: none; see [`CompileOptions::device_assignment`]
+    /// the field) and, when `Some`, `num_replicas` and `num_partitions` to its counts.
+    pub fn device_assignment(mut self, assignment: Option<DeviceAssignment>) -> Self {
+        if let Some(a) = &assignment {
+            self.num_replicas = a.replica_count();
+            self.num_partitions = a.partition_count();
+        }
+        self.device_assignment = assignment;
+        self
+    }
+
+    /// Sets `use_spmd_partitioning` (see the field).
+    pub fn use_spmd_partitioning(mut self, on: bool) -> Self {
+        self.use_spmd_partitioning = on;
+        self
+    }
+
+    /// Sets `use_shardy_partitioner` (see the field).
+    pub fn use_shardy_partitioner(mut self, on: bool) -> Self {
+        self.use_shardy_partitioner = on;
+        self
+    }
+
+    /// Options for an SPMD program partitioned over `device_ids` (one replica, partition `p` on
+    /// `device_ids[p]`), as JAX compiles a `jit` over a mesh: the device assignment,
+    /// `num_partitions`, `use_spmd_partitioning` and `use_shardy_partitioner`.
+    ///
+    /// Errors: as [`DeviceAssignment::new`].
+    pub fn spmd(device_ids: &[i64]) -> Result<Self> {
+        Ok(Self::new()
+            .device_assignment(Some(DeviceAssignment::partitions(device_ids.to_vec())?))
+            .use_spmd_partitioning(true)
+            .use_shardy_partitioner(true))
+    }
+
     /// Sets the optimisation level (`None`: the plugin's default).
     pub fn optimization_level(mut self, level: Option<OptimizationLevel>) -> Self {
         self.optimization_level = level;
@@ -303,8 +482,9 @@ impl CompileOptions {
 
     /// Validates and serializes to `xla.CompileOptionsProto` bytes.
     ///
-    /// Errors: `InvalidArgument` if `num_replicas` or `num_partitions` is 0 or the device
-    /// ordinal is negative.
+    /// Errors: `InvalidArgument` if `num_replicas` or `num_partitions` is 0, the device
+    /// ordinal is negative, or a device assignment disagrees with the replica and partition
+    /// counts or comes with a device ordinal.
     pub fn to_bytes(&self) -> Result<Vec<u8>> {
         self.encode(self.device_ordinal)
     }
@@ -326,15 +506,35 @@ impl CompileOptions {
             )));
         }
         let single = self.num_replicas == 1 && self.num_partitions == 1;
-        let device_assignment = match (self.device_ordinal, device_id) {
-            (Some(_), Some(id)) if single => Some(DeviceAssignmentProto {
-                replica_count: 1,
-                computation_count: 1,
-                computation_devices: vec![ComputationDevice {
-                    replica_device_ids: vec![id],
-                }],
-            }),
-            _ => None,
+        let device_assignment = if let Some(a) = &self.device_assignment {
+            if a.replica_count() != self.num_replicas || a.partition_count() != self.num_partitions
+            {
+                return Err(Error::invalid_argument(format!(
+                    "the device assignment has {} replicas × {} partitions but the options ask \
+                     for {} × {}",
+                    a.replica_count(),
+                    a.partition_count(),
+                    self.num_replicas,
+                    self.num_partitions
+                )));
+            }
+            if let Some(d) = self.device_ordinal {
+                return Err(Error::invalid_argument(format!(
+                    "device_ordinal {d} and a device assignment are both set; set one"
+                )));
+            }
+            Some(a.to_proto())
+        } else {
+            match (self.device_ordinal, device_id) {
+                (Some(_), Some(id)) if single => Some(DeviceAssignmentProto {
+                    replica_count: 1,
+                    computation_count: 1,
+                    computation_devices: vec![ComputationDevice {
+                        replica_device_ids: vec![id],
+                    }],
+                }),
+                _ => None,
+            }
         };
         let proto = CompileOptionsProto {
             executable_build_options: Some(ExecutableBuildOptionsProto {
@@ -343,6 +543,8 @@ impl CompileOptions {
                 num_partitions: i64::from(self.num_partitions),
                 device_assignment,
                 optimization_level: self.optimization_level.map_or(0, |l| l.effort_level()),
+                use_spmd_partitioning: self.use_spmd_partitioning,
+                use_shardy_partitioner: self.use_shardy_partitioner,
             }),
             env_option_overrides: self.overrides(),
         };
@@ -445,6 +647,72 @@ mod tests {
             let e = bad.parse::<OptimizationLevel>().unwrap_err();
             assert_eq!(e.code, crate::ErrorCode::InvalidArgument, "{bad}");
         }
+    }
+
+    #[test]
+    fn spmd_options_encode_the_assignment_and_both_flags() {
+        let b = CompileOptions::spmd(&[0, 1, 2, 3])
+            .unwrap()
+            .to_bytes()
+            .unwrap();
+        // device_assignment { replica_count: 1 computation_count: 4
+        //   computation_devices { replica_device_ids: [p] } for p in 0..4 }
+        let mut da = vec![0x4a, 24, 0x08, 0x01, 0x10, 0x04];
+        for p in 0..4 {
+            da.extend([0x1a, 0x03, 0x0a, 0x01, p]);
+        }
+        let mut want = vec![0x1a, 46, 0x08];
+        want.extend([0xff; 9]); // device_ordinal -1
+        want.push(0x01);
+        want.extend([0x20, 0x01, 0x28, 0x04, 0x30, 0x01]); // replicas 1, partitions 4, spmd
+        want.extend(da);
+        want.extend([0x98, 0x01, 0x01]); // use_shardy_partitioner (field 19)
+        assert_eq!(b, want);
+        // Two replicas × two partitions: one ComputationDevice per partition, listing the
+        // device of each replica.
+        let a = DeviceAssignment::new(2, 2, vec![10, 11, 12, 13]).unwrap();
+        assert_eq!(a.device_id(1, 0), Some(12));
+        assert_eq!(a.device_id(2, 0), None);
+        let p = a.to_proto();
+        assert_eq!((p.replica_count, p.computation_count), (2, 2));
+        assert_eq!(p.computation_devices[0].replica_device_ids, [10, 12]);
+        assert_eq!(p.computation_devices[1].replica_device_ids, [11, 13]);
+        let o = CompileOptions::new().device_assignment(Some(a));
+        assert_eq!((o.num_replicas, o.num_partitions), (2, 2));
+        // Flags off and no assignment: the bytes of builds that did not know them.
+        let plain = CompileOptions::new().num_partitions(4);
+        assert_eq!(
+            plain
+                .clone()
+                .use_spmd_partitioning(false)
+                .use_shardy_partitioner(false)
+                .device_assignment(None)
+                .to_bytes()
+                .unwrap(),
+            plain.to_bytes().unwrap()
+        );
+    }
+
+    #[test]
+    fn rejects_bad_assignments() {
+        let bad = [
+            DeviceAssignment::new(0, 1, vec![]),
+            DeviceAssignment::new(1, 2, vec![0]),
+            DeviceAssignment::new(1, 2, vec![0, -1]),
+            DeviceAssignment::new(1, 2, vec![3, 3]),
+            DeviceAssignment::partitions(vec![]),
+        ];
+        for b in bad {
+            assert_eq!(b.unwrap_err().code, crate::ErrorCode::InvalidArgument);
+        }
+        let a = DeviceAssignment::partitions(vec![0, 1]).unwrap();
+        let mut o = CompileOptions::new().device_assignment(Some(a.clone()));
+        o.num_partitions = 4;
+        assert!(o.to_bytes().is_err(), "counts disagree");
+        let o = CompileOptions::new()
+            .device_assignment(Some(a))
+            .device_ordinal(0);
+        assert!(o.to_bytes().is_err(), "ordinal and assignment");
     }
 
     #[test]

@@ -14,6 +14,7 @@ use crate::device::Device;
 use crate::error::{Error, ErrorCode, Result};
 use crate::event::Event;
 use crate::hlo;
+use crate::sharding::HloSharding;
 use crate::types::{PrimitiveType, TensorSpec};
 
 /// A compiled, loaded program. Destroyed when dropped; keeps its [`Client`] alive.
@@ -23,8 +24,9 @@ pub struct LoadedExecutable {
     /// From `PJRT_LoadedExecutable_GetExecutable`; owned, destroyed in `Drop`.
     exe: *mut sys::PJRT_Executable,
     params: OnceLock<Result<Vec<TensorSpec>>>,
+    shardings: OnceLock<Result<hlo::EntryShardings>>,
     num_outputs: OnceLock<Result<usize>>,
-    num_devices: OnceLock<Result<usize>>,
+    devices: OnceLock<Result<Vec<Device>>>,
 }
 
 // SAFETY: a PJRT_LoadedExecutable (xla::PjRtLoadedExecutable) supports concurrent Execute and
@@ -63,10 +65,12 @@ pub struct CompiledMemoryStats {
     pub peak_bytes: u64,
 }
 
-/// Result of [`LoadedExecutable::execute`].
+/// Result of [`LoadedExecutable::execute`], and one device's part of the result of
+/// [`LoadedExecutable::execute_sharded`].
 #[derive(Debug)]
 pub struct Execution {
-    /// One buffer per program result, in order. They become ready asynchronously.
+    /// One buffer per program result, in order (on a device of a multi-device execution:
+    /// that device's shard of each result). They become ready asynchronously.
     pub outputs: Vec<Buffer>,
     /// Ready when the device finished this execution (with its error status, if it failed).
     pub done: Event,
@@ -84,8 +88,9 @@ impl LoadedExecutable {
             raw,
             exe: ptr::null_mut(),
             params: OnceLock::new(),
+            shardings: OnceLock::new(),
             num_outputs: OnceLock::new(),
-            num_devices: OnceLock::new(),
+            devices: OnceLock::new(),
         };
         // On error `this` is dropped, which destroys `raw`.
         let api = this.client.plugin().api();
@@ -223,6 +228,52 @@ impl LoadedExecutable {
             .clone()
     }
 
+    /// How each parameter is laid out on the executable's devices: for a program partitioned
+    /// over several devices, what its module's shardings (`mhlo.sharding`, `sdy.sharding`)
+    /// became after XLA's propagation; [`HloSharding::Replicated`] for a one-device program
+    /// and wherever the program records none. The devices a sharding names are partitions:
+    /// device `k` of [`addressable_devices`](Self::addressable_devices) runs replica
+    /// `k / num_partitions`, partition `k % num_partitions` (replica-major; with one replica,
+    /// partition `k`). Each device's argument is its [`HloSharding::shards`] part of the global
+    /// array, of the per-device dims of [`parameter_specs`](Self::parameter_specs). Read from
+    /// the optimized program (see [`crate::HloSharding`] and the `hlo` module's notes); cached.
+    ///
+    /// Errors: as [`parameter_specs`](Self::parameter_specs); `Internal` for a sharding that
+    /// does not decode.
+    pub fn parameter_shardings(&self) -> Result<Vec<HloSharding>> {
+        Ok(self.entry_shardings()?.parameters.clone())
+    }
+
+    /// How each output is laid out on the executable's devices (as
+    /// [`parameter_shardings`](Self::parameter_shardings)); each device's output buffer is its
+    /// [`HloSharding::shards`] part of the global result, of the per-device dims of
+    /// [`output_specs`](Self::output_specs). Cached.
+    ///
+    /// Errors: as [`parameter_shardings`](Self::parameter_shardings).
+    pub fn output_shardings(&self) -> Result<Vec<HloSharding>> {
+        Ok(self.entry_shardings()?.outputs.clone())
+    }
+
+    /// Per-device element type and dims of each output, from the optimized program's entry
+    /// result shape (the same as [`output_specs`](Self::output_specs), which asks the plugin).
+    ///
+    /// Errors: as [`parameter_shardings`](Self::parameter_shardings); `Unimplemented` for an
+    /// output type outside [`PrimitiveType`].
+    pub fn local_output_specs(&self) -> Result<Vec<TensorSpec>> {
+        Ok(self.entry_shardings()?.output_specs.clone())
+    }
+
+    fn entry_shardings(&self) -> Result<&hlo::EntryShardings> {
+        let r = self.shardings.get_or_init(|| {
+            let (format, code) = self.optimized_program()?;
+            hlo::entry_shardings(&format, &code)
+        });
+        match r {
+            Ok(s) => Ok(s),
+            Err(e) => Err(e.clone()),
+        }
+    }
+
     /// Fingerprint of the executable (`PJRT_Executable_Fingerprint`): equal for executables
     /// compiled from identical inputs.
     ///
@@ -354,10 +405,16 @@ impl LoadedExecutable {
             .collect()
     }
 
+    /// [`addressable_devices`](Self::addressable_devices), cached.
+    fn devices(&self) -> Result<&[Device]> {
+        match self.devices.get_or_init(|| self.addressable_devices()) {
+            Ok(d) => Ok(d),
+            Err(e) => Err(e.clone()),
+        }
+    }
+
     fn num_devices(&self) -> Result<usize> {
-        self.num_devices
-            .get_or_init(|| Ok(self.addressable_devices()?.len()))
-            .clone()
+        Ok(self.devices()?.len())
     }
 
     /// Runs the executable on its single addressable device with borrowed arguments
@@ -376,57 +433,156 @@ impl LoadedExecutable {
         let ndev = self.num_devices()?;
         if ndev != 1 {
             return Err(Error::unimplemented(format!(
-                "execute supports single-device executables; this one has {ndev} devices"
+                "execute supports single-device executables; this one has {ndev} devices \
+                 (use execute_sharded)"
             )));
         }
         let params = self.parameter_specs()?;
+        self.check_arguments(None, args, &params)?;
+        let donated = donated_flags(donate, args.len())?;
+        check_aliasing(&[args], &donated)?;
+        let (mut outputs, mut events) = self.launch(&[args], &donated)?;
+        match (outputs.pop(), events.pop()) {
+            (Some(outputs), Some(done)) => Ok(Execution { outputs, done }),
+            _ => Err(Error::internal(
+                "PJRT_LoadedExecutable_Execute returned no outputs",
+            )),
+        }
+    }
+
+    /// Runs the executable on every one of its addressable devices at once
+    /// (`PJRT_LoadedExecutable_Execute` with `num_devices` = their number): a program compiled
+    /// for several replicas or partitions ([`crate::CompileOptions::spmd`]), whose collectives
+    /// (all-reduce, all-gather, collective-permute, all-to-all) pass data between the devices.
+    ///
+    /// `args[k]` are the arguments of the `k`-th device of
+    /// [`addressable_devices`](Self::addressable_devices), each a buffer on that device whose
+    /// element type and dims are the per-device parameter spec
+    /// ([`parameter_specs`](Self::parameter_specs); a sharded parameter's shard, see
+    /// [`parameter_shardings`](Self::parameter_shardings)). `donate` lists argument indices
+    /// donated on every device (as in [`execute`](Self::execute)).
+    ///
+    /// Validated before calling PJRT (`InvalidArgument`): one argument list per device; each
+    /// list as [`execute`](Self::execute) checks it, and each buffer on its list's device; no
+    /// buffer appears twice anywhere when either position is donated. Works for a one-device
+    /// executable too (one list). Returns immediately with one [`Execution`] per device, in
+    /// the same order: its outputs (the device's shard of each result) and its completion
+    /// event. A failure on one device fails the others' events too, when the plugin reports
+    /// it there (collectives wait for every participant).
+    pub fn execute_sharded(
+        &self,
+        args: &[Vec<&Buffer>],
+        donate: &[usize],
+    ) -> Result<Vec<Execution>> {
+        let devices = self.devices()?;
+        if args.len() != devices.len() {
+            return Err(Error::invalid_argument(format!(
+                "expected one argument list per device of the executable ({}), got {}",
+                devices.len(),
+                args.len()
+            )));
+        }
+        let params = self.parameter_specs()?;
+        let nargs = params.len();
+        for (k, (list, device)) in args.iter().zip(devices).enumerate() {
+            self.check_arguments(Some(k), list, &params)?;
+            for (i, a) in list.iter().enumerate() {
+                let on = a.device()?;
+                if on != *device {
+                    return Err(Error::invalid_argument(format!(
+                        "argument {i} of device {k} is on device {} but that list runs on \
+                         device {}",
+                        on.id(),
+                        device.id()
+                    )));
+                }
+            }
+        }
+        let donated = donated_flags(donate, nargs)?;
+        let lists: Vec<&[&Buffer]> = args.iter().map(|l| l.as_slice()).collect();
+        check_aliasing(&lists, &donated)?;
+        let (outputs, events) = self.launch(&lists, &donated)?;
+        Ok(outputs
+            .into_iter()
+            .zip(events)
+            .map(|(outputs, done)| Execution { outputs, done })
+            .collect())
+    }
+
+    /// Number of replicas the executable was compiled for (`PJRT_Executable_NumReplicas`).
+    ///
+    /// Errors: `Unimplemented` if the plugin lacks the call; the plugin's error.
+    pub fn num_replicas(&self) -> Result<usize> {
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_Executable_NumReplicas)?;
+        let mut args = sys::PJRT_Executable_NumReplicas_Args::new();
+        args.executable = self.exe;
+        // SAFETY: live executable; header-sized args whose output is a plain integer.
+        api.check(unsafe { f(&mut args) })?;
+        Ok(args.num_replicas)
+    }
+
+    /// Number of partitions the executable was compiled for (`PJRT_Executable_NumPartitions`).
+    ///
+    /// Errors: `Unimplemented` if the plugin lacks the call; the plugin's error.
+    pub fn num_partitions(&self) -> Result<usize> {
+        let api = self.client.plugin().api();
+        let f = api_fn!(api, PJRT_Executable_NumPartitions)?;
+        let mut args = sys::PJRT_Executable_NumPartitions_Args::new();
+        args.executable = self.exe;
+        // SAFETY: live executable; header-sized args whose output is a plain integer.
+        api.check(unsafe { f(&mut args) })?;
+        Ok(args.num_partitions)
+    }
+
+    /// Checks one device's argument list against the parameter specs; `device` names the list
+    /// in messages (`None`: the single-device form of [`execute`](Self::execute)).
+    fn check_arguments(
+        &self,
+        device: Option<usize>,
+        args: &[&Buffer],
+        params: &[TensorSpec],
+    ) -> Result<()> {
+        let of = device.map_or(String::new(), |k| format!(" of device {k}"));
         if args.len() != params.len() {
             return Err(Error::invalid_argument(format!(
-                "expected {} arguments, got {}",
+                "expected {} arguments{of}, got {}",
                 params.len(),
                 args.len()
             )));
         }
-        for (i, (a, p)) in args.iter().zip(&params).enumerate() {
+        for (i, (a, p)) in args.iter().zip(params).enumerate() {
             if !a.client().same_as(&self.client) {
                 return Err(Error::invalid_argument(format!(
-                    "argument {i} belongs to a different client"
+                    "argument {i}{of} belongs to a different client"
                 )));
             }
             let ty = a.element_type()?;
             let dims = a.dims()?;
             if ty != p.ty || dims != p.dims {
                 return Err(Error::invalid_argument(format!(
-                    "argument {i} is {}, parameter expects {p}",
+                    "argument {i}{of} is {}, parameter expects {p}",
                     TensorSpec { ty, dims }
                 )));
             }
         }
-        let mut donated = vec![false; args.len()];
-        for &d in donate {
-            if d >= args.len() {
-                return Err(Error::invalid_argument(format!(
-                    "donate index {d} out of range for {} arguments",
-                    args.len()
-                )));
-            }
-            if donated[d] {
-                return Err(Error::invalid_argument(format!(
-                    "donate index {d} listed twice"
-                )));
-            }
-            donated[d] = true;
+        Ok(())
+    }
+
+    /// `PJRT_LoadedExecutable_Execute` on `lists.len()` devices (the executable's addressable
+    /// devices, in order) with validated argument lists of equal length; returns each device's
+    /// outputs and completion event.
+    fn launch(
+        &self,
+        lists: &[&[&Buffer]],
+        donated: &[bool],
+    ) -> Result<(Vec<Vec<Buffer>>, Vec<Event>)> {
+        let ndev = lists.len();
+        let nargs = donated.len();
+        if lists.iter().any(|l| l.len() != nargs) {
+            return Err(Error::internal("argument lists of unequal length"));
         }
-        for i in 0..args.len() {
-            for j in i + 1..args.len() {
-                if args[i].raw() == args[j].raw() && (donated[i] || donated[j]) {
-                    return Err(Error::invalid_argument(format!(
-                        "arguments {i} and {j} are the same buffer and one of them is donated"
-                    )));
-                }
-            }
-        }
-        let non_donatable: Vec<i64> = (0..args.len())
+        let non_donatable: Vec<i64> = (0..nargs)
             .filter(|&i| !donated[i])
             .map(|i| i as i64)
             .collect();
@@ -439,42 +595,105 @@ impl LoadedExecutable {
         options.num_non_donatable_input_indices = non_donatable.len();
         // A launch id of its own for every execution (wrapping after 2^31): plugins that take
         // the execution's `xla::RunId` from it then give each execution a distinct run id,
-        // which per-execution custom-call state (tpubox's loop budget) is keyed by.
+        // which per-execution custom-call state (tpubox's loop budget) is keyed by. One id for
+        // all devices of an execution: their collectives rendezvous by it.
         options.launch_id = next_launch_id();
-        let arg_ptrs: Vec<*mut sys::PJRT_Buffer> = args.iter().map(|b| b.raw()).collect();
-        let arg_lists: [*const *mut sys::PJRT_Buffer; 1] = [arg_ptrs.as_ptr()];
-        let mut outputs: Vec<*mut sys::PJRT_Buffer> = vec![ptr::null_mut(); num_outputs];
-        let output_lists: [*mut *mut sys::PJRT_Buffer; 1] = [outputs.as_mut_ptr()];
-        let mut events: [*mut sys::PJRT_Event; 1] = [ptr::null_mut()];
+        let arg_ptrs: Vec<Vec<*mut sys::PJRT_Buffer>> = lists
+            .iter()
+            .map(|l| l.iter().map(|b| b.raw()).collect())
+            .collect();
+        let arg_lists: Vec<*const *mut sys::PJRT_Buffer> =
+            arg_ptrs.iter().map(|l| l.as_ptr()).collect();
+        let mut outputs: Vec<Vec<*mut sys::PJRT_Buffer>> =
+            vec![vec![ptr::null_mut(); num_outputs]; ndev];
+        let output_lists: Vec<*mut *mut sys::PJRT_Buffer> =
+            outputs.iter_mut().map(|l| l.as_mut_ptr()).collect();
+        let mut events: Vec<*mut sys::PJRT_Event> = vec![ptr::null_mut(); ndev];
         let mut ex = sys::PJRT_LoadedExecutable_Execute_Args::new();
         ex.executable = self.raw;
         ex.options = &mut options;
         ex.argument_lists = arg_lists.as_ptr();
-        ex.num_devices = 1;
-        ex.num_args = arg_ptrs.len();
+        ex.num_devices = ndev;
+        ex.num_args = nargs;
         ex.output_lists = output_lists.as_ptr();
         ex.device_complete_events = events.as_mut_ptr();
         // SAFETY: every pointer array outlives the call and has the sizes announced
-        // ([1 device][num_args] inputs, [1][num_outputs] outputs, 1 event); all argument
-        // buffers are live buffers of this client (checked above) borrowed for the call;
-        // `execute_device` null = the device chosen at compile time.
+        // ([ndev][num_args] inputs, [ndev][num_outputs] outputs, ndev events; the inner output
+        // arrays are not moved while `output_lists` points into them); all argument buffers
+        // are live buffers of this client (checked by the callers) borrowed for the call;
+        // `execute_device` null = the devices chosen at compile time, in the order of the
+        // executable's addressable devices, one list each.
         api.check(unsafe { f(&mut ex) })?;
-        let outputs: Vec<Buffer> = outputs
+        // Take ownership of every returned buffer and event before checking any of them, so
+        // that none leaks when the plugin returned fewer than announced.
+        let outputs: Vec<Vec<Buffer>> = outputs
+            .into_iter()
+            .map(|l| {
+                l.into_iter()
+                    .filter(|p| !p.is_null())
+                    .map(|p| Buffer::from_raw(self.client.clone(), p, None))
+                    .collect()
+            })
+            .collect();
+        let events: Vec<Event> = events
             .into_iter()
             .filter(|p| !p.is_null())
-            .map(|p| Buffer::from_raw(self.client.clone(), p, None))
+            .map(|p| Event::from_raw(self.client.clone(), p))
             .collect();
-        if outputs.len() != num_outputs || events[0].is_null() {
+        if events.len() != ndev || outputs.iter().any(|l| l.len() != num_outputs) {
             return Err(Error::new(
                 ErrorCode::Internal,
-                "PJRT_LoadedExecutable_Execute returned missing outputs or event",
+                "PJRT_LoadedExecutable_Execute returned missing outputs or events",
             ));
         }
-        Ok(Execution {
-            outputs,
-            done: Event::from_raw(self.client.clone(), events[0]),
-        })
+        Ok((outputs, events))
     }
+}
+
+/// Flags the donated argument indices.
+///
+/// Errors: `InvalidArgument` for an index out of range or listed twice.
+fn donated_flags(donate: &[usize], nargs: usize) -> Result<Vec<bool>> {
+    let mut donated = vec![false; nargs];
+    for &d in donate {
+        if d >= nargs {
+            return Err(Error::invalid_argument(format!(
+                "donate index {d} out of range for {nargs} arguments"
+            )));
+        }
+        if donated[d] {
+            return Err(Error::invalid_argument(format!(
+                "donate index {d} listed twice"
+            )));
+        }
+        donated[d] = true;
+    }
+    Ok(donated)
+}
+
+/// Refuses a buffer passed twice, on any device, when either position is donated.
+fn check_aliasing(lists: &[&[&Buffer]], donated: &[bool]) -> Result<()> {
+    let all: Vec<(usize, usize, *mut sys::PJRT_Buffer)> = lists
+        .iter()
+        .enumerate()
+        .flat_map(|(k, l)| l.iter().enumerate().map(move |(i, b)| (k, i, b.raw())))
+        .collect();
+    let many = lists.len() > 1;
+    for (x, &(k, i, a)) in all.iter().enumerate() {
+        for &(l, j, b) in &all[x + 1..] {
+            if a == b && (donated[i] || donated[j]) {
+                return Err(Error::invalid_argument(if many {
+                    format!(
+                        "argument {i} of device {k} and argument {j} of device {l} are the \
+                         same buffer and one of them is donated"
+                    )
+                } else {
+                    format!("arguments {i} and {j} are the same buffer and one of them is donated")
+                }));
+            }
+        }
+    }
+    Ok(())
 }
 
 impl Drop for LoadedExecutable {

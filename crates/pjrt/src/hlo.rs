@@ -2,6 +2,11 @@
 //! `"hlo"`): the parameter shapes, and the facts a host checks before it runs an untrusted
 //! program ([`ProgramFacts`]).
 //!
+//! The entry computation's shardings ([`entry_shardings`]) come from `HloModuleProto {
+//! spmd_output_sharding = 12; spmd_parameters_shardings = 14; entry_computation_id = 6; }` and
+//! `HloComputationProto.root_id = 6`, `HloInstructionProto { parameter_number = 9; sharding =
+//! 40; }` (`xla/service/hlo.proto`; `xla.OpSharding` in [`crate::HloSharding`]).
+//!
 //! More field numbers, from `xla/service/hlo.proto`: `HloModuleProto.computations = 3`,
 //! `HloComputationProto.instructions = 2`, `HloInstructionProto { name = 1; opcode = 2;
 //! custom_call_target = 28; backend_config = 43; }`.
@@ -14,6 +19,7 @@
 use prost::Message;
 
 use crate::error::{Error, ErrorCode, Result};
+use crate::sharding::{HloSharding, OpShardingProto};
 use crate::types::{PrimitiveType, TensorSpec};
 
 /// `xla.HloModuleProtoWithConfig` (`xla/service/hlo.proto`): `hlo_module = 1`, `config = 2`
@@ -430,6 +436,176 @@ pub(crate) fn parameter_specs(format: &str, code: &[u8]) -> Result<Vec<TensorSpe
         .collect()
 }
 
+/// `HloModuleProto` with what records the entry computation's shardings: `computations = 3`,
+/// `host_program_shape = 4`, `entry_computation_id = 6`, `spmd_output_sharding = 12`,
+/// `spmd_parameters_shardings = 14` (`xla/service/hlo.proto`).
+#[derive(Clone, PartialEq, prost::Message)]
+struct HloModuleShardings {
+    #[prost(message, repeated, tag = "3")]
+    computations: Vec<HloComputationShardings>,
+    #[prost(message, optional, tag = "4")]
+    host_program_shape: Option<ProgramShapeProto>,
+    #[prost(int64, tag = "6")]
+    entry_computation_id: i64,
+    #[prost(message, optional, tag = "12")]
+    spmd_output_sharding: Option<OpShardingProto>,
+    #[prost(message, repeated, tag = "14")]
+    spmd_parameters_shardings: Vec<OpShardingProto>,
+}
+
+/// `HloComputationProto { instructions = 2; id = 5; root_id = 6; }`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct HloComputationShardings {
+    #[prost(message, repeated, tag = "2")]
+    instructions: Vec<HloInstructionSharding>,
+    #[prost(int64, tag = "5")]
+    id: i64,
+    #[prost(int64, tag = "6")]
+    root_id: i64,
+}
+
+/// `HloInstructionProto { opcode = 2; parameter_number = 9; id = 35; sharding = 40; }`.
+#[derive(Clone, PartialEq, prost::Message)]
+struct HloInstructionSharding {
+    #[prost(string, tag = "2")]
+    opcode: String,
+    #[prost(int64, tag = "9")]
+    parameter_number: i64,
+    #[prost(int64, tag = "35")]
+    id: i64,
+    #[prost(message, optional, tag = "40")]
+    sharding: Option<OpShardingProto>,
+}
+
+/// The entry computation's shardings and per-device shapes, from an optimized program.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) struct EntryShardings {
+    pub(crate) parameters: Vec<HloSharding>,
+    pub(crate) outputs: Vec<HloSharding>,
+    pub(crate) output_specs: Vec<TensorSpec>,
+}
+
+/// Shardings of the entry computation's parameters and outputs (one per output: the elements
+/// of a tuple result), and the per-device output shapes (`host_program_shape.result`, untupled).
+///
+/// Where XLA recorded them: `spmd_parameters_shardings` and `spmd_output_sharding`, which XLA's
+/// SPMD partitioner sets to the entry's shardings before it partitions; else the `sharding` of
+/// the entry computation's parameter and root instructions; else (a program over one device,
+/// or an array XLA left without a sharding) replicated. A single sharding recorded for a tuple
+/// result applies to each of its elements.
+///
+/// Errors: as [`parameter_specs`]; `Internal` if the module does not decode or a recorded
+/// sharding is invalid or does not match the number of parameters or outputs.
+pub(crate) fn entry_shardings(format: &str, code: &[u8]) -> Result<EntryShardings> {
+    let m = HloModuleShardings::decode(&*module_bytes(format, code)?).map_err(decode_err)?;
+    let shape = m
+        .host_program_shape
+        .as_ref()
+        .ok_or_else(|| Error::internal("optimized HloModuleProto has no host_program_shape"))?;
+    let nparams = shape.parameters.len();
+    let result = shape
+        .result
+        .as_ref()
+        .ok_or_else(|| Error::internal("optimized HloModuleProto has no result shape"))?;
+    let tuple_result = result.element_type == TUPLE || !result.tuple_shapes.is_empty();
+    let results: Vec<&ShapeProto> = if tuple_result {
+        result.tuple_shapes.iter().collect()
+    } else {
+        vec![result]
+    };
+    let output_specs = results
+        .iter()
+        .enumerate()
+        .map(|(i, r)| {
+            let ty = PrimitiveType::from_xla_proto(r.element_type).ok_or_else(|| {
+                Error::unimplemented(format!(
+                    "output {i} has unsupported XLA element type {}",
+                    r.element_type
+                ))
+            })?;
+            Ok(TensorSpec {
+                ty,
+                dims: r.dimensions.clone(),
+            })
+        })
+        .collect::<Result<Vec<_>>>()?;
+    let bad = |what: &str, e: Error| {
+        Error::internal(format!("optimized program's {what}: {}", e.message))
+    };
+    let entry = m
+        .computations
+        .iter()
+        .find(|c| c.id == m.entry_computation_id)
+        .or(m.computations.last());
+
+    let parameters = if !m.spmd_parameters_shardings.is_empty() {
+        if m.spmd_parameters_shardings.len() != nparams {
+            return Err(Error::internal(format!(
+                "optimized program records {} parameter shardings for {nparams} parameters",
+                m.spmd_parameters_shardings.len()
+            )));
+        }
+        m.spmd_parameters_shardings
+            .iter()
+            .map(|p| HloSharding::from_proto(p).map_err(|e| bad("parameter sharding", e)))
+            .collect::<Result<Vec<_>>>()?
+    } else {
+        let mut v = vec![HloSharding::Replicated; nparams];
+        for i in entry.iter().flat_map(|c| &c.instructions) {
+            if i.opcode != "parameter" {
+                continue;
+            }
+            let slot = usize::try_from(i.parameter_number)
+                .ok()
+                .and_then(|n| v.get_mut(n));
+            if let (Some(slot), Some(s)) = (slot, &i.sharding) {
+                *slot = HloSharding::from_proto(s).map_err(|e| bad("parameter sharding", e))?;
+            }
+        }
+        v
+    };
+
+    let recorded = match &m.spmd_output_sharding {
+        Some(s) => Some(s),
+        None => entry.and_then(|c| {
+            c.instructions
+                .iter()
+                .find(|i| i.id == c.root_id)
+                .and_then(|i| i.sharding.as_ref())
+        }),
+    };
+    let outputs = match recorded {
+        None => vec![HloSharding::Replicated; results.len()],
+        Some(s) => match HloSharding::from_proto(s).map_err(|e| bad("output sharding", e))? {
+            HloSharding::Tuple(v) if tuple_result => {
+                if v.len() != results.len() {
+                    return Err(Error::internal(format!(
+                        "optimized program records {} output shardings for {} outputs",
+                        v.len(),
+                        results.len()
+                    )));
+                }
+                v
+            }
+            HloSharding::Tuple(v) => match <[HloSharding; 1]>::try_from(v) {
+                Ok([one]) => vec![one],
+                Err(v) => {
+                    return Err(Error::internal(format!(
+                        "optimized program records {} output shardings for one output",
+                        v.len()
+                    )));
+                }
+            },
+            one => vec![one; results.len()],
+        },
+    };
+    Ok(EntryShardings {
+        parameters,
+        outputs,
+        output_specs,
+    })
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -597,6 +773,142 @@ mod tests {
         // 10 trips); its condition counts once.
         assert_eq!(work["while.6"], 10 * one + 32 * 5 + 5);
         assert_eq!(work["bounded"], one);
+    }
+
+    #[test]
+    fn entry_shardings_from_each_place_xla_records_them() {
+        let f32s = |dims: &[i64]| ShapeProto {
+            element_type: 11,
+            dimensions: dims.to_vec(),
+            tuple_shapes: vec![],
+        };
+        let tuple = |v: Vec<ShapeProto>| ShapeProto {
+            element_type: TUPLE,
+            dimensions: vec![],
+            tuple_shapes: v,
+        };
+        let rows = OpShardingProto {
+            r#type: 3,
+            tile_assignment_dimensions: vec![4, 1],
+            iota_reshape_dims: vec![4],
+            ..Default::default()
+        };
+        let maximal = OpShardingProto {
+            r#type: 1,
+            tile_assignment_devices: vec![2],
+            ..Default::default()
+        };
+        let shape = ProgramShapeProto {
+            parameters: vec![f32s(&[2, 3]), f32s(&[8, 3])],
+            result: Some(tuple(vec![f32s(&[2, 3]), f32s(&[])])),
+        };
+        let text = |v: &[HloSharding]| v.iter().map(|s| s.to_string()).collect::<Vec<_>>();
+        // The module's spmd_* fields.
+        let m = HloModuleShardings {
+            host_program_shape: Some(shape.clone()),
+            spmd_parameters_shardings: vec![rows.clone(), OpShardingProto::default()],
+            spmd_output_sharding: Some(OpShardingProto {
+                r#type: 2,
+                tuple_shardings: vec![rows.clone(), maximal.clone()],
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        let e = entry_shardings("hlo", &m.encode_to_vec()).unwrap();
+        assert_eq!(
+            text(&e.parameters),
+            ["{devices=[4,1]<=[4]}", "{replicated}"]
+        );
+        assert_eq!(
+            text(&e.outputs),
+            ["{devices=[4,1]<=[4]}", "{maximal device=2}"]
+        );
+        assert_eq!(
+            e.output_specs,
+            [
+                TensorSpec {
+                    ty: PrimitiveType::F32,
+                    dims: vec![2, 3]
+                },
+                TensorSpec {
+                    ty: PrimitiveType::F32,
+                    dims: vec![]
+                }
+            ]
+        );
+        // The entry computation's parameter and root instructions; one sharding for the
+        // whole tuple applies to each element.
+        let ins =
+            |id: i64, opcode: &str, n: i64, s: Option<&OpShardingProto>| HloInstructionSharding {
+                opcode: opcode.into(),
+                parameter_number: n,
+                id,
+                sharding: s.cloned(),
+            };
+        let m = HloModuleShardings {
+            host_program_shape: Some(shape.clone()),
+            entry_computation_id: 7,
+            computations: vec![
+                HloComputationShardings {
+                    id: 7,
+                    root_id: 3,
+                    instructions: vec![
+                        ins(1, "parameter", 1, Some(&rows)),
+                        ins(2, "parameter", 0, None),
+                        ins(3, "tuple", 0, Some(&maximal)),
+                    ],
+                },
+                HloComputationShardings {
+                    id: 8,
+                    root_id: 4,
+                    instructions: vec![ins(4, "parameter", 0, Some(&maximal))],
+                },
+            ],
+            ..Default::default()
+        };
+        let e = entry_shardings("hlo", &m.encode_to_vec()).unwrap();
+        assert_eq!(
+            text(&e.parameters),
+            ["{replicated}", "{devices=[4,1]<=[4]}"]
+        );
+        assert_eq!(
+            text(&e.outputs),
+            ["{maximal device=2}", "{maximal device=2}"]
+        );
+        // Nothing recorded: replicated; a single result.
+        let one = HloModuleShardings {
+            host_program_shape: Some(ProgramShapeProto {
+                parameters: vec![f32s(&[3])],
+                result: Some(f32s(&[3])),
+            }),
+            ..Default::default()
+        };
+        let e = entry_shardings("hlo", &one.encode_to_vec()).unwrap();
+        assert_eq!(e.parameters, [HloSharding::Replicated]);
+        assert_eq!(e.outputs, [HloSharding::Replicated]);
+        // Counts that disagree, and an invalid sharding.
+        let mut bad = m.clone();
+        bad.spmd_parameters_shardings = vec![rows.clone()];
+        let mut bad_tuple = m.clone();
+        bad_tuple.spmd_output_sharding = Some(OpShardingProto {
+            r#type: 2,
+            tuple_shardings: vec![rows.clone()],
+            ..Default::default()
+        });
+        let mut invalid = m.clone();
+        invalid.spmd_parameters_shardings = vec![
+            maximal.clone(),
+            OpShardingProto {
+                r#type: 3,
+                tile_assignment_dimensions: vec![2],
+                tile_assignment_devices: vec![0, 1, 2],
+                ..Default::default()
+            },
+        ];
+        for b in [bad, bad_tuple, invalid] {
+            let e = entry_shardings("hlo", &b.encode_to_vec()).unwrap_err();
+            assert_eq!(e.code, ErrorCode::Internal, "{e}");
+        }
     }
 
     #[test]

@@ -7,6 +7,18 @@
 //! [`Event`]). [`set_unset_vars`] sets the environment variables a plugin reads when it loads,
 //! while that is sound (the process has one thread).
 //!
+//! # Programs over several devices
+//!
+//! A module of several partitions (SPMD: `mhlo.num_partitions`, with GSPMD `mhlo.sharding` or
+//! Shardy `sdy.sharding` annotations, as `jax.export` writes them) compiles for a
+//! [`DeviceAssignment`] with [`CompileOptions::spmd`], and runs on all its devices at once
+//! with [`LoadedExecutable::execute_sharded`] (one argument list per device, one
+//! [`Execution`] per device; collectives pass data between them). The C API has no sharding
+//! query, so [`LoadedExecutable::parameter_shardings`] and
+//! [`LoadedExecutable::output_shardings`] read them from the optimized program; an
+//! [`HloSharding`] gives each device's [`Shard`] of a global array, which
+//! [`Shard::extract`] and [`Shard::insert`] copy out of and back into it.
+//!
 //! All `unsafe` code of the tpubox project lives in this crate; every `unsafe` block carries a
 //! `// SAFETY:` comment. Plugin failures come back as [`Error`] values (never panics), and
 //! arguments are validated before they reach the plugin, because XLA `CHECK` failures abort the
@@ -46,11 +58,12 @@ mod named_value;
 mod plugin;
 mod process_env;
 mod program;
+mod sharding;
 mod types;
 
 pub use buffer::Buffer;
 pub use client::Client;
-pub use compile_options::{CompileOptions, OptimizationLevel};
+pub use compile_options::{CompileOptions, DeviceAssignment, OptimizationLevel};
 pub use device::Device;
 pub use error::{Error, ErrorCode, Result};
 pub use event::Event;
@@ -62,6 +75,7 @@ pub use named_value::NamedValue;
 pub use plugin::Plugin;
 pub use process_env::set_unset_vars;
 pub use program::{Program, ProgramFormat};
+pub use sharding::{HloSharding, Shard, Subgroup, TileAssignment};
 pub use types::{PrimitiveType, TensorSpec};
 
 /// Oldest PJRT C API minor version accepted from a plugin (major must be 0).
