@@ -35,18 +35,21 @@ REPO = Path(__file__).resolve().parents[2]
 
 
 @contextlib.contextmanager
-def serve_repository(root: Path, repo: Path, ready_within: float = 180.0) -> Iterator[Any]:
+def serve_repository(
+    root: Path, repo: Path, ready_within: float = 180.0, extra_args: tuple[str, ...] = ()
+) -> Iterator[Any]:
     """A `tpubox serve --model-repository REPO` on loopback ports of its own, without a tokens
-    file, logging to ROOT/serve.log (conftest's `Server`): started, waited for until
-    `/v2/health/ready` answers 200 (READY_WITHIN seconds), yielded; on exit sent SIGTERM, and
-    its exit asserted clean (status 0 within 40 s)."""
+    file, logging to ROOT/serve.log (conftest's `Server`): started (with EXTRA_ARGS, e.g.
+    `("--cpu-devices", "4")`), waited for until `/v2/health/ready` answers 200 (READY_WITHIN
+    seconds), yielded; on exit sent SIGTERM, and its exit asserted clean (status 0 within
+    40 s)."""
     from conftest import Server, _binary, _free_ports
 
     s = Server(root, repo, None, root / "serve.log", _free_ports(3))
     cmd = [
         str(_binary()), "serve", "--model-repository", str(repo), "--host", s.host,
         "--http-port", str(s.http_port), "--grpc-port", str(s.grpc_port),
-        "--metrics-port", str(s.metrics_port),
+        "--metrics-port", str(s.metrics_port), *extra_args,
     ]  # fmt: skip
     env = dict(os.environ)
     env.setdefault("TPUBOX_LOG", "info")

@@ -48,6 +48,10 @@ pub struct SessionRow {
     pub calls_in_flight: u32,
     /// Clients attached (Attach streams; a kernel's provisioner holds one).
     pub attached: u32,
+    /// The devices it is placed on, its default first ([`tpubox_core::placement`]).
+    pub devices: Vec<u32>,
+    /// Whether it holds those devices alone.
+    pub exclusive_devices: bool,
 }
 
 /// What one reload changed.
@@ -181,6 +185,8 @@ fn session_row(s: &LiveSession, now: Instant) -> SessionRow {
             .map_or(0.0, |d| d.as_secs_f64()),
         calls_in_flight,
         attached,
+        devices: s.session().placement().devices().to_vec(),
+        exclusive_devices: s.session().placement().exclusive(),
     }
 }
 

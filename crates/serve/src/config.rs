@@ -12,6 +12,7 @@ use serde_json::{Value, json};
 
 use super::protocol::Datatype;
 use tpubox_core::tenant::TenantLimits;
+pub use tpubox_session_api::policy::DevicesField;
 
 /// One declared input or output (`[[input]]`, `[[output]]`).
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -33,17 +34,22 @@ type Ignored = Option<Value>;
 #[derive(Debug, Clone, Deserialize, PartialEq)]
 #[serde(deny_unknown_fields)]
 pub struct InstanceGroup {
-    /// Instances of the component (default 1).
+    /// Instances of the model (default 1); with `gpus`, instances on each device listed (as
+    /// Triton counts them: `count = 2, gpus = [0, 1]` makes four).
     #[serde(default = "one")]
     pub count: u32,
-    /// Triton's `kind` (`KIND_CPU`, `KIND_GPU`, …): accepted and ignored, the host's device is
-    /// the only one.
+    /// Triton's `kind` (`KIND_CPU`, `KIND_GPU`, …): accepted and ignored; `gpus` places the
+    /// group's instances whatever the kind.
     #[serde(default)]
     pub kind: Option<String>,
+    /// The group's name (shown in the configuration's Triton form).
     #[serde(default)]
-    name: Ignored,
+    pub name: Option<String>,
+    /// Triton's `gpus`: the device indices (as `tpubox devices` lists them) the group's
+    /// instances run on, `count` on each. Absent or empty: the group's instances are spread
+    /// over the devices the model may use ([`ModelConfig::instance_devices`]).
     #[serde(default)]
-    gpus: Ignored,
+    pub gpus: Vec<u32>,
     #[serde(default)]
     profile: Ignored,
     #[serde(default)]
@@ -202,6 +208,11 @@ pub struct ModelLimits {
     /// Most work of those trips in one execution, in estimated operations plus bytes written
     /// (default 10^11). `max-loop-work`.
     pub max_loop_work: Option<u64>,
+    /// The devices the model's instances may be spread over when an instance group names no
+    /// `gpus`: a list of device indices (`devices = [1, 2]`) or a count (`devices = 2`: the
+    /// first two devices no session tenant holds alone). Default: every device no session
+    /// tenant holds alone (`exclusive_devices` in the tokens file).
+    pub devices: Option<DevicesField>,
 }
 
 /// Where one parameter of a StableHLO model's program comes from
@@ -459,6 +470,27 @@ impl ModelConfig {
                 "{what}: backend/platform \"stablehlo\" needs a [tpubox.stablehlo] table (the programs, the weights, the parameter and result mapping; tpubox.jax.export_model writes it)"
             );
         }
+        for (i, g) in config.instance_group.iter().enumerate() {
+            let mut seen = std::collections::BTreeSet::new();
+            if let Some(d) = g.gpus.iter().find(|&&d| !seen.insert(d)) {
+                bail!("{what}: instance_group {i}: gpus names device {d} twice");
+            }
+        }
+        match &config.tpubox.limits.devices {
+            Some(DevicesField::Count(0)) => {
+                bail!("{what}: tpubox.limits.devices = 0 leaves the model no device")
+            }
+            Some(DevicesField::List(l)) if l.is_empty() => {
+                bail!("{what}: tpubox.limits.devices = [] leaves the model no device")
+            }
+            Some(DevicesField::List(l)) => {
+                let mut seen = std::collections::BTreeSet::new();
+                if let Some(d) = l.iter().find(|&&d| !seen.insert(d)) {
+                    bail!("{what}: tpubox.limits.devices names device {d} twice");
+                }
+            }
+            _ => {}
+        }
         for t in config.input.iter().chain(&config.output) {
             if Datatype::from_name(&t.data_type).is_none() {
                 bail!(
@@ -474,10 +506,102 @@ impl ModelConfig {
         Ok(config)
     }
 
-    /// Instances to run (the sum over instance groups; 1 without any).
+    /// Instances to run (the sum over instance groups of `count`, times the number of `gpus`
+    /// where a group lists them; 1 without any).
     pub fn instances(&self) -> u32 {
-        let n: u32 = self.instance_group.iter().map(|g| g.count).sum();
+        let n: u32 = self
+            .instance_group
+            .iter()
+            .map(|g| g.count.saturating_mul(g.gpus.len().max(1) as u32))
+            .fold(0, u32::saturating_add);
         n.max(1)
+    }
+
+    /// The devices the model's instances may be spread over on a host of `device_count`
+    /// devices, of which session tenants hold `exclusive` alone: `[tpubox.limits] devices`
+    /// (a list as given, a count the first that many), or every device not in `exclusive`.
+    ///
+    /// Errors: a listed device the host lacks or that a session tenant holds alone; a count
+    /// larger than the devices left; no device left at all.
+    pub fn model_devices(&self, device_count: u32, exclusive: &[u32]) -> Result<Vec<u32>> {
+        let free: Vec<u32> = (0..device_count.max(1))
+            .filter(|d| !exclusive.contains(d))
+            .collect();
+        match &self.tpubox.limits.devices {
+            Some(DevicesField::List(l)) => {
+                for &d in l {
+                    check_device(d, device_count, "tpubox.limits.devices")?;
+                    if exclusive.contains(&d) {
+                        bail!(
+                            "tpubox.limits.devices names device {d}, which a session tenant holds alone (exclusive_devices in the tokens file)"
+                        );
+                    }
+                }
+                Ok(l.clone())
+            }
+            Some(DevicesField::Count(n)) => {
+                if *n as usize > free.len() {
+                    bail!(
+                        "tpubox.limits.devices = {n}, and the host has {} device(s) no session tenant holds alone: {free:?}",
+                        free.len()
+                    );
+                }
+                Ok(free[..*n as usize].to_vec())
+            }
+            None if free.is_empty() => bail!(
+                "every device of the host ({device_count}) is held alone by a session tenant (exclusive_devices in the tokens file): name the model's devices with instance_group gpus"
+            ),
+            None => Ok(free),
+        }
+    }
+
+    /// The device of each instance, in the order the instances are made, on a host of
+    /// `device_count` devices of which session tenants hold `exclusive` alone. A group with
+    /// `gpus` puts `count` instances on each device it lists (Triton's meaning); the other
+    /// groups' instances take the model's devices ([`ModelConfig::model_devices`]) in turn,
+    /// round-robin across those groups. No group: one instance, on the model's first device.
+    ///
+    /// Errors: a `gpus` device the host lacks, that a session tenant holds alone, or outside
+    /// `[tpubox.limits] devices`; [`ModelConfig::model_devices`]'s errors when a group needs
+    /// them.
+    pub fn instance_devices(&self, device_count: u32, exclusive: &[u32]) -> Result<Vec<u32>> {
+        let spread = || self.model_devices(device_count, exclusive);
+        let mut out = Vec::new();
+        let mut allowed: Option<Vec<u32>> = None;
+        let mut next = 0usize;
+        for (i, g) in self.instance_group.iter().enumerate() {
+            if g.gpus.is_empty() {
+                let devices = match &allowed {
+                    Some(d) => d,
+                    None => allowed.insert(spread()?),
+                };
+                for _ in 0..g.count {
+                    out.push(devices[next % devices.len()]);
+                    next += 1;
+                }
+                continue;
+            }
+            for &d in &g.gpus {
+                check_device(d, device_count, &format!("instance_group {i}: gpus"))?;
+                if exclusive.contains(&d) {
+                    bail!(
+                        "instance_group {i}: gpus names device {d}, which a session tenant holds alone (exclusive_devices in the tokens file)"
+                    );
+                }
+                if let Some(DevicesField::List(l)) = &self.tpubox.limits.devices
+                    && !l.contains(&d)
+                {
+                    bail!(
+                        "instance_group {i}: gpus names device {d}, outside the model's tpubox.limits.devices {l:?}"
+                    );
+                }
+                out.extend(std::iter::repeat_n(d, g.count as usize));
+            }
+        }
+        if out.is_empty() {
+            out.push(spread()?[0]);
+        }
+        Ok(out)
     }
 
     /// The component's path inside `dir`.
@@ -558,6 +682,66 @@ impl ModelConfig {
     }
 }
 
+/// `device`, if a host of `device_count` devices has it; `what` names the field.
+fn check_device(device: u32, device_count: u32, what: &str) -> Result<()> {
+    if device >= device_count.max(1) {
+        bail!(
+            "{what} names device {device}, which this host does not have: it has {device_count} device(s), 0 to {}",
+            device_count.max(1) - 1
+        );
+    }
+    Ok(())
+}
+
+/// One instance group as the configuration's Triton form shows it ([`ModelConfig::groups`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct GroupView {
+    /// The group's name: its own, or the model's (one group) or `MODEL_INDEX`.
+    pub name: String,
+    /// `KIND_GPU` for a group placed with `gpus`, `KIND_MODEL` otherwise.
+    pub kind: &'static str,
+    /// Instances (on each of `gpus`, where given).
+    pub count: u32,
+    /// The devices it was placed on by `gpus`; empty when spread.
+    pub gpus: Vec<u32>,
+}
+
+impl ModelConfig {
+    /// The instance groups as Triton's configuration shows them: as configured (one group of
+    /// one instance when none is).
+    pub fn groups(&self, model: &str) -> Vec<GroupView> {
+        if self.instance_group.is_empty() {
+            return vec![GroupView {
+                name: model.to_string(),
+                kind: "KIND_MODEL",
+                count: 1,
+                gpus: Vec::new(),
+            }];
+        }
+        let several = self.instance_group.len() > 1;
+        self.instance_group
+            .iter()
+            .enumerate()
+            .map(|(i, g)| GroupView {
+                name: g.name.clone().unwrap_or_else(|| {
+                    if several {
+                        format!("{model}_{i}")
+                    } else {
+                        model.to_string()
+                    }
+                }),
+                kind: if g.gpus.is_empty() {
+                    "KIND_MODEL"
+                } else {
+                    "KIND_GPU"
+                },
+                count: g.count,
+                gpus: g.gpus.clone(),
+            })
+            .collect()
+    }
+}
+
 /// The Triton JSON form of a model's configuration (what `GET /v2/models/{m}/config` returns
 /// and perf_analyzer reads), completed with what the guest declared: `inputs`/`outputs` as
 /// `(name, datatype, dims without the batch dimension)`.
@@ -573,6 +757,17 @@ pub fn triton_json(
             .map(|(n, d, dims)| json!({"name": n, "data_type": d.config_name(), "dims": dims}))
             .collect()
     };
+    let groups: Vec<Value> = config
+        .groups(name)
+        .into_iter()
+        .map(|g| {
+            let mut v = json!({"name": g.name, "kind": g.kind, "count": g.count});
+            if !g.gpus.is_empty() {
+                v["gpus"] = json!(g.gpus);
+            }
+            v
+        })
+        .collect();
     let mut v = json!({
         "name": name,
         "platform": "tpubox",
@@ -580,7 +775,7 @@ pub fn triton_json(
         "max_batch_size": max_batch_size,
         "input": tensors(inputs),
         "output": tensors(outputs),
-        "instance_group": [{"name": name, "kind": "KIND_MODEL", "count": config.instances()}],
+        "instance_group": groups,
     });
     if config.model_transaction_policy.decoupled {
         v["model_transaction_policy"] = json!({"decoupled": true});
@@ -680,5 +875,105 @@ max_device_mib = 16
         )
         .unwrap();
         ModelConfig::load(&m).unwrap();
+    }
+
+    fn parsed(toml: &str) -> Result<ModelConfig> {
+        ModelConfig::parse("m", toml, false, "config.toml")
+    }
+
+    #[test]
+    fn gpus_place_count_instances_on_each_device_listed() {
+        let c = parsed(
+            "[[instance_group]]\ncount = 2\ngpus = [0, 1]\n[[instance_group]]\ngpus = [3]\n",
+        )
+        .unwrap();
+        assert_eq!(c.instances(), 5);
+        assert_eq!(c.instance_devices(4, &[]).unwrap(), vec![0, 0, 1, 1, 3]);
+        let j = triton_json("m", &c, 0, &[], &[]);
+        assert_eq!(
+            j["instance_group"],
+            json!([
+                {"name": "m_0", "kind": "KIND_GPU", "count": 2, "gpus": [0, 1]},
+                {"name": "m_1", "kind": "KIND_GPU", "count": 1, "gpus": [3]},
+            ])
+        );
+        // JSON configurations (and load overrides) name them the same way.
+        let c = ModelConfig::parse(
+            "m",
+            r#"{"instance_group": [{"count": 1, "gpus": [1], "kind": "KIND_GPU"}]}"#,
+            true,
+            "config.json",
+        )
+        .unwrap();
+        assert_eq!(c.instance_devices(2, &[]).unwrap(), vec![1]);
+        // A device the host lacks fails the load, naming it.
+        let e = parsed("[[instance_group]]\ngpus = [0, 4]\n")
+            .unwrap()
+            .instance_devices(4, &[])
+            .unwrap_err()
+            .to_string();
+        assert!(
+            e.contains("gpus names device 4, which this host does not have: it has 4 device(s)"),
+            "{e}"
+        );
+        let e = parsed("[[instance_group]]\ngpus = [1, 1]\n").unwrap_err();
+        assert!(format!("{e:#}").contains("names device 1 twice"), "{e:#}");
+        // A device a session tenant holds alone, or outside the model's devices.
+        let c = parsed("[[instance_group]]\ngpus = [2]\n").unwrap();
+        let e = c.instance_devices(4, &[2]).unwrap_err().to_string();
+        assert!(e.contains("holds alone"), "{e}");
+        let c =
+            parsed("[[instance_group]]\ngpus = [2]\n[tpubox.limits]\ndevices = [0, 1]\n").unwrap();
+        let e = c.instance_devices(4, &[]).unwrap_err().to_string();
+        assert!(
+            e.contains("outside the model's tpubox.limits.devices [0, 1]"),
+            "{e}"
+        );
+    }
+
+    #[test]
+    fn instances_without_gpus_spread_over_the_models_devices() {
+        // Every device but those held alone, round-robin across the groups without gpus.
+        let c = parsed(
+            "[[instance_group]]\ncount = 3\n[[instance_group]]\ngpus = [0]\n[[instance_group]]\ncount = 2\n",
+        )
+        .unwrap();
+        assert_eq!(c.instances(), 6);
+        assert_eq!(c.instance_devices(4, &[1]).unwrap(), vec![0, 2, 3, 0, 0, 2]);
+        assert_eq!(c.instance_devices(1, &[]).unwrap(), vec![0, 0, 0, 0, 0, 0]);
+        // No group: one instance, on the first device left.
+        let c = parsed("").unwrap();
+        assert_eq!(c.instance_devices(4, &[0]).unwrap(), vec![1]);
+        let e = c.instance_devices(2, &[0, 1]).unwrap_err().to_string();
+        assert!(e.contains("held alone by a session tenant"), "{e}");
+        // [tpubox.limits] devices: a list or a count.
+        let c =
+            parsed("[[instance_group]]\ncount = 3\n[tpubox.limits]\ndevices = [3, 1]\n").unwrap();
+        assert_eq!(c.instance_devices(4, &[]).unwrap(), vec![3, 1, 3]);
+        let e = c.instance_devices(2, &[]).unwrap_err().to_string();
+        assert!(
+            e.contains("names device 3, which this host does not have"),
+            "{e}"
+        );
+        let c = parsed("[[instance_group]]\ncount = 3\n[tpubox.limits]\ndevices = 2\n").unwrap();
+        assert_eq!(c.instance_devices(4, &[0]).unwrap(), vec![1, 2, 1]);
+        let e = c.instance_devices(2, &[0]).unwrap_err().to_string();
+        assert!(
+            e.contains("devices = 2, and the host has 1 device(s)"),
+            "{e}"
+        );
+        for bad in ["devices = 0", "devices = []", "devices = [1, 1]"] {
+            let e = parsed(&format!("[tpubox.limits]\n{bad}\n")).unwrap_err();
+            assert!(
+                format!("{e:#}").contains("tpubox.limits.devices"),
+                "{bad}: {e:#}"
+            );
+        }
+        // The Triton form of a single spread group is the model's one group, as before.
+        let c = parsed("[[instance_group]]\ncount = 2\n").unwrap();
+        assert_eq!(
+            triton_json("m", &c, 0, &[], &[])["instance_group"],
+            json!([{"name": "m", "kind": "KIND_MODEL", "count": 2}])
+        );
     }
 }

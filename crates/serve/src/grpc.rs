@@ -300,12 +300,22 @@ fn config_message(m: &Model) -> ModelConfig {
         max_batch_size: m.metadata.max_batch_size as i32,
         input,
         output,
-        instance_group: vec![ModelInstanceGroup {
-            name: m.name.clone(),
-            count: m.config.instances() as i32,
-            kind: model_instance_group::Kind::Model as i32,
-            ..ModelInstanceGroup::default()
-        }],
+        instance_group: m
+            .config
+            .groups(&m.name)
+            .into_iter()
+            .map(|g| ModelInstanceGroup {
+                name: g.name,
+                count: g.count as i32,
+                kind: if g.gpus.is_empty() {
+                    model_instance_group::Kind::Model
+                } else {
+                    model_instance_group::Kind::Gpu
+                } as i32,
+                gpus: g.gpus.iter().map(|&d| d as i32).collect(),
+                ..ModelInstanceGroup::default()
+            })
+            .collect(),
         scheduling_choice,
         model_transaction_policy: m
             .config

@@ -705,6 +705,10 @@ pub async fn run(
         weights: Arc::clone(&weights),
         loaded_weights: Arc::new(std::sync::Mutex::new(BTreeMap::new())),
         metrics: Arc::clone(&metrics),
+        exclusive_devices: {
+            let access = Arc::clone(&access);
+            Arc::new(move || access.exclusive_devices())
+        },
     };
     let sandbox = Arc::clone(&ctx.sandbox);
     let repository = Repository::new(config.repository.clone().unwrap_or_default(), ctx);

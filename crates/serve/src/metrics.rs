@@ -17,6 +17,7 @@ pub struct Metrics {
     failure: IntCounterVec,
     count: IntCounterVec,
     exec_count: IntCounterVec,
+    device_executions: IntCounterVec,
     request_us: IntCounterVec,
     queue_us: IntCounterVec,
     compute_us: IntCounterVec,
@@ -24,6 +25,7 @@ pub struct Metrics {
     cache_hits: IntCounterVec,
     compiles: IntCounterVec,
     device_bytes: IntGaugeVec,
+    device_bytes_by_device: IntGaugeVec,
     refused: IntCounterVec,
     tenant_executions: IntCounterVec,
     tenant_device_seconds: CounterVec,
@@ -128,6 +130,12 @@ impl Metrics {
                 "Model executions (batches)",
                 mv,
             ),
+            device_executions: counter(
+                &r,
+                "tpubox_device_executions_total",
+                "Model executions (batches; a decoupled model's responses) by the device of the instance that ran them",
+                &["device", "model"],
+            ),
             request_us: counter(
                 &r,
                 "nv_inference_request_duration_us",
@@ -175,6 +183,12 @@ impl Metrics {
                 "tpubox_tenant_device_bytes",
                 "Device bytes held by a tenant (a model's instances, or a tenant's sessions)",
                 &["tenant"],
+            ),
+            device_bytes_by_device: gauge(
+                &r,
+                "tpubox_tenant_device_bytes_by_device",
+                "Device bytes held by a tenant on one device (a model's instances there, or all of a tenant's sessions there)",
+                &["tenant", "device"],
             ),
             sessions: gauge(
                 &r,
@@ -279,9 +293,12 @@ impl Metrics {
         self.compute_us.with_label_values(&l).inc_by(r.compute_us);
     }
 
-    /// Counts one execution (batch) of `model`.
-    pub fn executed(&self, model: &str) {
+    /// Counts one execution (batch) of `model`, by an instance on device `device`.
+    pub fn executed(&self, model: &str, device: u32) {
         self.exec_count.with_label_values(&[model, VERSION]).inc();
+        self.device_executions
+            .with_label_values(&[&device.to_string(), model])
+            .inc();
     }
 
     /// The gauge of `model`'s live instances (`tpubox_model_instances{model}`), for
@@ -423,12 +440,41 @@ impl Metrics {
             ] {
                 c.with_label_values(&l);
             }
+            let mut placed = m.devices.clone();
+            placed.sort_unstable();
+            placed.dedup();
+            for d in placed {
+                self.device_executions
+                    .with_label_values(&[&d.to_string(), m.name.as_str()]);
+            }
             self.pending.with_label_values(&l).set(m.pending() as i64);
 
             *bytes.entry(m.tenant.name()).or_default() += m.tenant.usage().device_bytes;
         }
         for (tenant, b) in bytes {
             self.device_bytes.with_label_values(&[tenant]).set(b as i64);
+        }
+        // Per device: the session tenants' live sessions and the models' tenants, as above.
+        // Rebuilt at each scrape: a tenant with no live session or model drops out.
+        let mut by_device: std::collections::BTreeMap<(&str, u32), u64> = Default::default();
+        let per_device = sessions
+            .iter()
+            .map(|(n, _, u)| (n.as_str(), u.device_bytes_by_device.clone()))
+            .chain(
+                models
+                    .iter()
+                    .map(|m| (m.tenant.name(), m.tenant.usage().device_bytes_by_device)),
+            );
+        for (tenant, devices) in per_device {
+            for d in devices {
+                *by_device.entry((tenant, d.device)).or_default() += d.bytes;
+            }
+        }
+        self.device_bytes_by_device.reset();
+        for ((tenant, device), b) in by_device {
+            self.device_bytes_by_device
+                .with_label_values(&[tenant, &device.to_string()])
+                .set(b as i64);
         }
         if let Some(c) = cache {
             // Counters the cache keeps; copied here at each scrape.

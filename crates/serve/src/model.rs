@@ -19,6 +19,7 @@ use super::protocol::{Datatype, InferRequest, Tensor};
 use super::sequence::Sequencer;
 use super::stablehlo::{NativeInstance, Plan};
 use tpubox_core::device::DeviceService;
+use tpubox_core::placement::Placement;
 use tpubox_core::session::WeightTag;
 use tpubox_core::tenant::Tenant;
 use tpubox_core::weights::WeightRegistry;
@@ -86,6 +87,10 @@ pub struct LoadContext {
     /// The server's metrics (executions are counted there as they happen, so the counters stay
     /// cumulative across reloads).
     pub metrics: Arc<super::metrics::Metrics>,
+    /// The devices some session tenant holds alone now
+    /// ([`crate::access::Access::exclusive_devices`]): a model's instances are not spread onto
+    /// them. Asked at each load.
+    pub exclusive_devices: Arc<dyn Fn() -> Vec<u32> + Send + Sync>,
 }
 
 /// A loaded model.
@@ -98,6 +103,8 @@ pub struct Model {
     pub metadata: GuestMetadata,
     /// Its counters.
     pub stats: Arc<ModelStats>,
+    /// The device of each instance, by instance index ([`ModelConfig::instance_devices`]).
+    pub devices: Vec<u32>,
     /// The tenant its instances charge.
     pub tenant: Arc<Tenant>,
     /// The request queue every instance takes from; for a stateful model one per instance
@@ -158,9 +165,12 @@ impl FileStamp {
 /// instances, and every instance opened after it, get the new tensors; instances that opened
 /// the old set keep theirs until they end.
 ///
+/// A set read here is loaded onto `device` (the model's first instance's); instances on other
+/// devices get copies made once per device ([`tpubox_core::weights::WeightSet::get_on`]).
+///
 /// Errors: the file is missing or does not load; another model loaded a set of that name from
 /// another file.
-fn ensure_weight_set(ctx: &LoadContext, set: &str, path: &Path) -> Result<()> {
+fn ensure_weight_set(ctx: &LoadContext, set: &str, path: &Path, device: u32) -> Result<()> {
     let canonical = path
         .canonicalize()
         .with_context(|| format!("weight set `{set}`: {}", path.display()))?;
@@ -175,7 +185,7 @@ fn ensure_weight_set(ctx: &LoadContext, set: &str, path: &Path) -> Result<()> {
         Some(w) if w.path == canonical && w.stamp == stamp => Ok(()),
         Some(w) if w.path == canonical => {
             ctx.weights
-                .reload_safetensors(&ctx.device, set, &canonical, 0)
+                .reload_safetensors(&ctx.device, set, &canonical, device)
                 .map_err(|e| anyhow::anyhow!("weight set `{set}`: {e}"))?;
             tracing::info!(
                 weight_set = set,
@@ -192,7 +202,7 @@ fn ensure_weight_set(ctx: &LoadContext, set: &str, path: &Path) -> Result<()> {
         ),
         None => {
             ctx.weights
-                .load_safetensors(&ctx.device, set, &canonical, 0)
+                .load_safetensors(&ctx.device, set, &canonical, device)
                 .map_err(|e| anyhow::anyhow!("weight set `{set}`: {e}"))?;
             loaded.insert(set.to_string(), file);
             Ok(())
@@ -226,30 +236,40 @@ impl Kind {
         }
     }
 
+    /// A new instance on `device`: its session is placed there alone, so what it compiles,
+    /// uploads and opens (weights) lands on that device.
     async fn instance(
         &self,
         ctx: &LoadContext,
         name: &str,
         tenant: &Arc<Tenant>,
+        device: u32,
     ) -> Result<Runner> {
         Ok(match self {
-            Kind::Guest { component, opts } => Runner::Guest(
-                Instance::new(
-                    &ctx.sandbox,
-                    &ctx.device,
-                    &ctx.weights,
-                    component,
-                    name,
-                    opts,
+            Kind::Guest { component, opts } => {
+                let opts = RunOptions {
+                    devices: Some(vec![device]),
+                    ..opts.clone()
+                };
+                Runner::Guest(
+                    Instance::new(
+                        &ctx.sandbox,
+                        &ctx.device,
+                        &ctx.weights,
+                        component,
+                        name,
+                        &opts,
+                    )
+                    .await?,
                 )
-                .await?,
-            ),
+            }
             Kind::Native(plan) => Runner::Native(
                 NativeInstance::new(
                     Arc::clone(plan),
                     &ctx.device,
                     &ctx.weights,
                     Arc::clone(tenant),
+                    device,
                 )
                 .await?,
             ),
@@ -304,8 +324,13 @@ impl Model {
             Some(json) => ModelConfig::from_override(dir, json)?,
             None => ModelConfig::load(dir)?,
         };
+        // Where each instance runs, decided before anything loads: a device the host lacks
+        // fails the load here.
+        let devices = config
+            .instance_devices(ctx.device.device_count(), &(ctx.exclusive_devices)())
+            .context("placing the instances")?;
         for (set, file) in &config.tpubox.weights {
-            ensure_weight_set(ctx, set, &dir.join(file))?;
+            ensure_weight_set(ctx, set, &dir.join(file), devices[0])?;
         }
         let tenant = Tenant::new(format!("model:{name}"), config.tenant_limits());
         let live = ctx.metrics.instances_of(name);
@@ -316,9 +341,10 @@ impl Model {
                 Arc::clone(&ctx.device),
                 Arc::clone(&ctx.weights),
                 Arc::clone(&tenant),
-            );
+            )
+            .with_placement(Placement::fixed(vec![devices[0]]));
             let exes = plan.compile(&session).await?;
-            ensure_weight_set(ctx, &plan.weight_set, &plan.weights_file)?;
+            ensure_weight_set(ctx, &plan.weight_set, &plan.weights_file, devices[0])?;
             let first = Runner::Native(NativeInstance::from_compiled(
                 Arc::clone(&plan),
                 session,
@@ -340,7 +366,7 @@ impl Model {
                 ..RunOptions::default()
             };
             let kind = Kind::Guest { component, opts };
-            let mut first = kind.instance(ctx, name, &tenant).await?;
+            let mut first = kind.instance(ctx, name, &tenant, devices[0]).await?;
             let Runner::Guest(guest) = &mut first else {
                 unreachable!("a guest kind makes guest instances")
             };
@@ -376,7 +402,7 @@ impl Model {
                 sb,
                 &metadata.inputs,
                 metadata.max_batch_size > 0,
-                config.instances() as usize,
+                devices.len(),
             )?)),
             None => None,
         };
@@ -408,7 +434,7 @@ impl Model {
         };
         let batching = policy.batching;
         let queues: Vec<Arc<Queue>> = if sequencer.is_some() {
-            (0..config.instances())
+            (0..devices.len())
                 .map(|_| Arc::new(Queue::new(policy.clone())))
                 .collect()
         } else {
@@ -416,9 +442,9 @@ impl Model {
         };
         let stats = Arc::new(ModelStats::default());
         let mut instances = vec![first];
-        for _ in 1..config.instances() {
+        for &device in &devices[1..] {
             instances.push(
-                kind.instance(ctx, name, &tenant)
+                kind.instance(ctx, name, &tenant, device)
                     .await?
                     .counted_in(live.clone()),
             );
@@ -430,6 +456,7 @@ impl Model {
                 let worker = Worker {
                     name: name.to_string(),
                     index,
+                    device: devices[index],
                     queue: Arc::clone(&queues[index % queues.len()]),
                     sequencer: sequencer.clone(),
                     stats: Arc::clone(&stats),
@@ -449,7 +476,8 @@ impl Model {
         tracing::info!(
             model = name,
             kind = kind.name(),
-            instances = config.instances(),
+            instances = devices.len(),
+            devices = ?devices,
             max_batch_size = metadata.max_batch_size,
             batching,
             "model loaded"
@@ -458,6 +486,7 @@ impl Model {
             name: name.to_string(),
             metadata,
             stats,
+            devices,
             tenant,
             queues,
             sequencer,
@@ -876,6 +905,8 @@ struct Worker {
     name: String,
     /// Its place among the model's instances.
     index: usize,
+    /// The device its instance runs on (and a replacement too).
+    device: u32,
     queue: Arc<Queue>,
     /// A stateful model's sequences: told when this instance is replaced.
     sequencer: Option<Arc<Sequencer>>,
@@ -922,7 +953,7 @@ impl Worker {
                 Some(i) => i,
                 None => match self
                     .kind
-                    .instance(&self.ctx, &self.name, &self.tenant)
+                    .instance(&self.ctx, &self.name, &self.tenant, self.device)
                     .await
                 {
                     Ok(i) => {
@@ -1069,7 +1100,7 @@ impl Worker {
                     };
                     let started = Instant::now();
                     let result = inst.next(a.generation).await;
-                    self.ctx.metrics.executed(&self.name);
+                    self.ctx.metrics.executed(&self.name, self.device);
                     self.stats
                         .compute_ns
                         .fetch_add(started.elapsed().as_nanos() as u64, Ordering::Relaxed);
@@ -1134,7 +1165,7 @@ impl Worker {
             if instance.is_none() {
                 match self
                     .kind
-                    .instance(&self.ctx, &self.name, &self.tenant)
+                    .instance(&self.ctx, &self.name, &self.tenant, self.device)
                     .await
                 {
                     Ok(Runner::Guest(i)) => {
@@ -1246,7 +1277,7 @@ impl Worker {
         let started = Instant::now();
         let inputs = merge(batch);
         self.stats.execution_count.fetch_add(1, Ordering::Relaxed);
-        self.ctx.metrics.executed(&self.name);
+        self.ctx.metrics.executed(&self.name, self.device);
         let result = inst.infer(inputs).await;
         let weights = inst.take_weights_read();
         let compute = started.elapsed();

@@ -29,6 +29,7 @@ use super::instance::{GuestMetadata, InferFailure, TensorDecl};
 use super::protocol::{Datatype, Tensor};
 use tpubox_core::device::DeviceService;
 use tpubox_core::error::DeviceError;
+use tpubox_core::placement::Placement;
 use tpubox_core::session::{ExecutableHandle, ProgramFormat, Session, TensorHandle};
 use tpubox_core::tenant::Tenant;
 use tpubox_core::types::TensorSpec;
@@ -426,19 +427,28 @@ impl Plan {
         Ok(())
     }
 
-    /// Compiles every bucket's program in `session` and checks it ([`Plan::check_program`]),
-    /// then the weights ([`Plan::check_unused_weights`]). Returns the executables, in bucket
-    /// order.
+    /// Compiles every bucket's program in `session`, for the session's default device (an
+    /// instance's session is placed on the instance's device alone), and checks it
+    /// ([`Plan::check_program`]), then the weights ([`Plan::check_unused_weights`]). Returns
+    /// the executables, in bucket order.
     ///
     /// Errors: a compile error (an unreadable program, symbolic shapes, the program policy,
     /// the tenant's limits) naming the file; the checks' errors.
     pub async fn compile(&self, session: &Session) -> Result<Vec<ExecutableHandle>> {
+        let device = session.placement().default_device();
         let mut exes = Vec::with_capacity(self.buckets.len());
         for b in &self.buckets {
             let exe = session
-                .compile(b.code.as_ref().clone(), b.format, None)
+                .compile(b.code.as_ref().clone(), b.format, Some(device))
                 .await
                 .map_err(|e| anyhow::anyhow!("{}: {e}", b.file.display()))?;
+            if exe.executable().device() != device {
+                bail!(
+                    "{}: compiled for device {}, the instance runs on device {device}",
+                    b.file.display(),
+                    exe.executable().device()
+                );
+            }
             self.check_program(b, exe.executable().inputs(), exe.executable().outputs())?;
             exes.push(exe);
         }
@@ -492,9 +502,10 @@ impl NativeInstance {
         self.session.take_weights_read()
     }
 
-    /// A new instance: a session of `tenant`, the plan's programs compiled and checked in it
-    /// (tier 1 of the compile cache serves every instance after the first), the weights of
-    /// the set [`Plan::weight_set`] (already loaded) opened read-only.
+    /// A new instance on device `on`: a session of `tenant` placed on that device alone, the
+    /// plan's programs compiled for it and checked (tier 1 of the compile cache serves every
+    /// instance on a device after the first), the weights of the set [`Plan::weight_set`]
+    /// (already loaded) opened read-only there (copied to the device once, on first use).
     ///
     /// Errors: as [`Plan::compile`]; the weight set or a weight is missing;
     /// `max-live-tensors`.
@@ -503,8 +514,10 @@ impl NativeInstance {
         device: &Arc<DeviceService>,
         registry: &Arc<WeightRegistry>,
         tenant: Arc<Tenant>,
+        on: u32,
     ) -> Result<Self> {
-        let session = Session::new(Arc::clone(device), Arc::clone(registry), tenant);
+        let session = Session::new(Arc::clone(device), Arc::clone(registry), tenant)
+            .with_placement(Placement::fixed(vec![on]));
         let exes = plan.compile(&session).await?;
         Self::from_compiled(plan, session, exes)
     }
@@ -529,8 +542,16 @@ impl NativeInstance {
                 Param::Input(_) => Ok(None),
             })
             .collect::<Result<Vec<_>, DeviceError>>()?;
+        let device = session.placement().default_device();
         for (p, h) in plan.params.iter().zip(&weights) {
             if let (Param::Weight(w), Some(h)) = (p, h) {
+                if h.device() != device {
+                    bail!(
+                        "weight `{w}` of set `{}` is on device {}, the instance runs on device {device}",
+                        plan.weight_set,
+                        h.device()
+                    );
+                }
                 let info = &plan.weights[w];
                 if h.spec().ty != info.ty || h.spec().dims != info.dims {
                     bail!(
