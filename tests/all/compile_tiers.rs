@@ -259,7 +259,7 @@ async fn every_compile_reports_its_tier() {
         ..Default::default()
     };
     let o = first
-        .compile_with(scale(3), true, settings, "t")
+        .compile_with(scale(3), true, settings.clone(), "t")
         .await
         .unwrap();
     assert_eq!(o.tier, CacheTier::Compiled);

@@ -24,6 +24,7 @@ mod plugins;
 mod polyglot;
 mod publish;
 mod sessions;
+mod spmd;
 mod support;
 mod templates;
 #[path = "../guests/test_data.rs"]

@@ -457,6 +457,10 @@ struct Setup {
 struct Request {
     device_ordinal: i64,
     program_bytes: usize,
+    /// The device ids of a program compiled for several devices at once (one partition
+    /// each, [`CompileOptions::spmd`]); absent for one device.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    spmd_device_ids: Option<Vec<i64>>,
     /// The optimisation level (`"O0"` … `"O3"`); absent for the plugin's default.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     optimization_level: Option<String>,
@@ -794,11 +798,12 @@ impl Compiles {
         &self,
         code: Vec<u8>,
         ordinal: i64,
+        spmd: Option<Vec<i64>>,
         level: Option<OptimizationLevel>,
         budget: Option<LoopBudgetLimits>,
     ) -> DeviceResult<Entry> {
         match &self.pool {
-            Some(pool) => pool.compile(code, ordinal, level, budget).await,
+            Some(pool) => pool.compile(code, ordinal, spmd, level, budget).await,
             None => Err(DeviceError::new(
                 ErrorKind::Internal,
                 "no compile workers are in use",
@@ -811,6 +816,7 @@ impl Compiles {
 struct Job {
     code: Vec<u8>,
     ordinal: i64,
+    spmd: Option<Vec<i64>>,
     level: Option<OptimizationLevel>,
     budget: Option<LoopBudgetLimits>,
     reply: oneshot::Sender<DeviceResult<Entry>>,
@@ -910,6 +916,7 @@ impl WorkerPool {
         &self,
         code: Vec<u8>,
         ordinal: i64,
+        spmd: Option<Vec<i64>>,
         level: Option<OptimizationLevel>,
         budget: Option<LoopBudgetLimits>,
     ) -> DeviceResult<Entry> {
@@ -919,6 +926,7 @@ impl WorkerPool {
             .send(Job {
                 code,
                 ordinal,
+                spmd,
                 level,
                 budget,
                 reply,
@@ -1055,6 +1063,7 @@ async fn run_job(shared: Arc<PoolShared>, mut job: Job) {
                 w,
                 job.code,
                 job.ordinal,
+                job.spmd,
                 job.level,
                 job.budget,
                 &mut job.reply,
@@ -1090,6 +1099,7 @@ async fn run_in_worker(
     w: Idle,
     code: Vec<u8>,
     ordinal: i64,
+    spmd: Option<Vec<i64>>,
     level: Option<OptimizationLevel>,
     budget: Option<LoopBudgetLimits>,
     reply: &mut oneshot::Sender<DeviceResult<Entry>>,
@@ -1114,6 +1124,7 @@ async fn run_in_worker(
     let mut header = serde_json::to_vec(&Request {
         device_ordinal: ordinal,
         program_bytes,
+        spmd_device_ids: spmd,
         optimization_level: level.map(|l| l.as_str().to_string()),
         loop_budget: budget,
     })
@@ -1405,6 +1416,7 @@ fn prepare_and_compile(setup: Setup) -> Result<(), String> {
             0,
             None,
             None,
+            None,
         );
     }
     let mut out = std::io::stdout().lock();
@@ -1427,6 +1439,7 @@ fn prepare_and_compile(setup: Setup) -> Result<(), String> {
         &plugin_path,
         code,
         req.device_ordinal,
+        req.spmd_device_ids.as_deref(),
         level,
         req.loop_budget,
     );
@@ -1505,12 +1518,16 @@ fn compile_for_worker(
     plugin_path: &str,
     code: Vec<u8>,
     device_ordinal: i64,
+    spmd: Option<&[i64]>,
     level: Option<OptimizationLevel>,
     budget: Option<LoopBudgetLimits>,
 ) -> DeviceResult<Entry> {
-    let compile_options = CompileOptions::new()
-        .device_ordinal(device_ordinal)
-        .optimization_level(level);
+    let compile_options = match spmd {
+        Some(ids) => CompileOptions::spmd(ids)
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?,
+        None => CompileOptions::new().device_ordinal(device_ordinal),
+    }
+    .optimization_level(level);
     let c = compile_program(client, plugin_path, code, &compile_options, budget)?;
     let executable = c
         .exe

@@ -36,10 +36,15 @@ pub const DEFAULT_EXECUTION_SLOTS: usize = 2;
 /// What a compile is for, beside the program: the target device, the optimisation level and
 /// the loop budget. All are part of the compile-cache key; the default (device 0, no level, no
 /// budget) gives the same key as builds that had neither.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+#[derive(Debug, Clone, PartialEq, Eq, Default)]
 pub struct CompileSettings {
     /// Index of the device to compile for (default 0).
     pub device: u32,
+    /// Compile one program for several devices at once (SPMD: one partition per device, in
+    /// this order, XLA's partitioner with Shardy; what `jax.jit` over a mesh does). Empty or
+    /// one device (the default): a program of `device` alone. Part of the cache key (the
+    /// device assignment is in the compile options).
+    pub devices: Vec<u32>,
     /// How hard XLA optimises ([`OptimizationLevel`], "O0"–"O3"); `None` (default) leaves the
     /// plugin's defaults. Honoured in process and by compile workers alike.
     pub optimization_level: Option<OptimizationLevel>,
@@ -401,8 +406,7 @@ impl DeviceService {
     ) -> DeviceResult<CompileOutcome> {
         let settings = CompileSettings {
             device,
-            optimization_level: None,
-            loop_budget: None,
+            ..CompileSettings::default()
         };
         self.compile_inner(code, text, settings, tenant, None).await
     }
@@ -476,11 +480,19 @@ impl DeviceService {
             ));
         }
         let device_id = self.device(device)?.id();
+        let spmd = self.spmd_ids(&settings.devices)?;
         // The ordinal is an index into the client's devices; the wrapper turns it into a
-        // one-device assignment with that device's id.
-        let options = CompileOptions::new()
-            .device_ordinal(i64::from(device))
-            .optimization_level(settings.optimization_level);
+        // one-device assignment with that device's id. Several devices: one partition each.
+        let options = match &spmd {
+            None => CompileOptions::new().device_ordinal(i64::from(device)),
+            Some(ids) => CompileOptions::spmd(ids)
+                .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?,
+        }
+        .optimization_level(settings.optimization_level);
+        let devices = match &spmd {
+            None => vec![device],
+            Some(_) => settings.devices.clone(),
+        };
         let mut options_bytes = options
             .to_bytes()
             .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
@@ -495,7 +507,7 @@ impl DeviceService {
         let Some(cache) = self.cache.clone() else {
             admit()?;
             return self
-                .compile_somewhere(code, options, budget, device, tenant)
+                .compile_somewhere(code, options, budget, devices, tenant)
                 .await
                 .map(|c| CompileOutcome {
                     exe: c.exe,
@@ -510,15 +522,75 @@ impl DeviceService {
             })??;
         let key = cache_key(&identity, "mlir", &code, &options_bytes, device_id);
         let this = Arc::clone(self);
+        let load_devices = devices.clone();
         let (exe, tier) = cache
             .get_or_compile(
                 key,
                 admit,
-                move |entry| this.load_entry(entry, device),
-                || self.compile_somewhere(code, options, budget, device, tenant),
+                move |entry| this.load_entry(entry, &load_devices),
+                || self.compile_somewhere(code, options, budget, devices, tenant),
             )
             .await?;
         Ok(CompileOutcome { exe, tier })
+    }
+
+    /// The device ids of an SPMD compile over `devices` (device indices); `None` for a
+    /// program of one device (none or one given).
+    ///
+    /// Errors: `not-found` for an unknown device; `invalid-argument` for a device given twice.
+    fn spmd_ids(&self, devices: &[u32]) -> DeviceResult<Option<Vec<i64>>> {
+        if devices.len() <= 1 {
+            return Ok(None);
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        let mut ids = Vec::with_capacity(devices.len());
+        for &d in devices {
+            if !seen.insert(d) {
+                return Err(DeviceError::invalid(format!(
+                    "device {d} is given twice for one program"
+                )));
+            }
+            ids.push(i64::from(self.device(d)?.id()));
+        }
+        Ok(Some(ids))
+    }
+
+    /// The executable's devices as indices, in its addressable devices' order (the order of
+    /// its argument lists), checked against the `devices` it was compiled for.
+    fn placed(&self, exe: DeviceExecutable, devices: &[u32]) -> DeviceResult<DeviceExecutable> {
+        if devices.len() <= 1 {
+            return Ok(exe);
+        }
+        let found = exe
+            .loaded()
+            .addressable_devices()
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Internal))?;
+        let mut order = Vec::with_capacity(found.len());
+        for d in &found {
+            let id = d.id();
+            let index = self
+                .devices
+                .iter()
+                .position(|x| x.id() == id)
+                .ok_or_else(|| {
+                    DeviceError::new(
+                        ErrorKind::Internal,
+                        format!("the executable runs on device id {id}, which the client lacks"),
+                    )
+                })?;
+            order.push(index as u32);
+        }
+        let mut a = order.clone();
+        let mut b = devices.to_vec();
+        a.sort_unstable();
+        b.sort_unstable();
+        if a != b {
+            return Err(DeviceError::new(
+                ErrorKind::Internal,
+                format!("compiled for devices {devices:?}, the executable runs on {order:?}"),
+            ));
+        }
+        Ok(exe.with_devices(order))
     }
 
     async fn compile_on_compile_thread(
@@ -526,7 +598,7 @@ impl DeviceService {
         code: Vec<u8>,
         options: CompileOptions,
         budget: Option<LoopBudgetLimits>,
-        device: u32,
+        devices: Vec<u32>,
     ) -> DeviceResult<Compiled> {
         // A thread of its own with the isolation settings' stack (1 GiB by default, reserved,
         // touched only as deep as the compiler recurses): the compiler's recursion over long
@@ -538,7 +610,7 @@ impl DeviceService {
             .name("tpubox-compile".into())
             .stack_size(self.isolation.stack_bytes)
             .spawn(move || {
-                let _ = tx.send(this.compile_blocking(code, options, budget, device));
+                let _ = tx.send(this.compile_blocking(code, options, budget, &devices));
             })
             .map_err(|e| {
                 DeviceError::new(
@@ -555,7 +627,7 @@ impl DeviceService {
         code: Vec<u8>,
         options: CompileOptions,
         budget: Option<LoopBudgetLimits>,
-        device: u32,
+        devices: &[u32],
     ) -> DeviceResult<Compiled> {
         let c = compile_program(
             &self.client,
@@ -570,14 +642,9 @@ impl DeviceService {
             Some(_) => c.exe.serialize().ok(),
             None => None,
         };
+        let exe = DeviceExecutable::new(c.exe, c.inputs, c.outputs, devices[0], c.fingerprint);
         Ok(Compiled {
-            exe: Arc::new(DeviceExecutable::new(
-                c.exe,
-                c.inputs,
-                c.outputs,
-                device,
-                c.fingerprint,
-            )),
+            exe: Arc::new(self.placed(exe, devices)?),
             serialized,
             compile_ms: c.compile_ms,
         })
@@ -587,12 +654,12 @@ impl DeviceService {
     async fn load_from_worker(
         self: &Arc<Self>,
         entry: Entry,
-        device: u32,
+        devices: Vec<u32>,
     ) -> DeviceResult<Compiled> {
         let compile_ms = entry.meta.compile_ms;
         let serialized = entry.executable.clone();
         let this = Arc::clone(self);
-        let exe = tokio::task::spawn_blocking(move || this.load_entry(entry, device))
+        let exe = tokio::task::spawn_blocking(move || this.load_entry(entry, &devices))
             .await
             .map_err(|e| {
                 DeviceError::new(ErrorKind::Internal, format!("loading task failed: {e}"))
@@ -612,7 +679,7 @@ impl DeviceService {
         code: Vec<u8>,
         options: CompileOptions,
         budget: Option<LoopBudgetLimits>,
-        device: u32,
+        devices: Vec<u32>,
         tenant: &str,
     ) -> DeviceResult<Compiled> {
         let _slot = self
@@ -621,18 +688,25 @@ impl DeviceService {
             .await?;
         if !self.compiles.uses_workers() {
             return self
-                .compile_on_compile_thread(code, options, budget, device)
+                .compile_on_compile_thread(code, options, budget, devices)
                 .await;
         }
+        let spmd = self.spmd_ids(&devices)?;
         let entry = self
             .compiles
-            .in_worker(code, i64::from(device), options.optimization_level, budget)
+            .in_worker(
+                code,
+                i64::from(devices[0]),
+                spmd,
+                options.optimization_level,
+                budget,
+            )
             .await?;
-        self.load_from_worker(entry, device).await
+        self.load_from_worker(entry, devices).await
     }
 
-    /// Loads a tier-2 cache entry as an executable for device `device`.
-    fn load_entry(&self, entry: Entry, device: u32) -> DeviceResult<Arc<DeviceExecutable>> {
+    /// Loads a tier-2 cache entry as an executable for `devices` (one, or an SPMD program's).
+    fn load_entry(&self, entry: Entry, devices: &[u32]) -> DeviceResult<Arc<DeviceExecutable>> {
         let start = Instant::now();
         let exe = self
             .client
@@ -644,13 +718,14 @@ impl DeviceService {
             ms = start.elapsed().as_secs_f64() * 1e3,
             "deserialized a cached executable"
         );
-        Ok(Arc::new(DeviceExecutable::new(
+        let exe = DeviceExecutable::new(
             exe,
             parse_spec_list(&entry.meta.inputs)?,
             parse_spec_list(&entry.meta.outputs)?,
-            device,
+            devices[0],
             entry.meta.fingerprint,
-        )))
+        );
+        Ok(Arc::new(self.placed(exe, devices)?))
     }
 
     /// Submits a validated [`Call`] holding the execution slot `slot` (from
@@ -725,6 +800,120 @@ impl DeviceService {
             }
         });
         Ok(outputs)
+    }
+
+    /// Runs a program compiled for several devices (SPMD, [`CompileSettings::devices`]) on
+    /// all of them at once: `args[k]` is the argument list of the k-th of
+    /// [`DeviceExecutable::devices`] (each argument that device's shard, with the per-device
+    /// specs of [`DeviceExecutable::inputs`]), `donate` the argument positions donated on every
+    /// device. The caller holds one execution slot of each device (`slots`, any order) and
+    /// whatever must outlive the execution (`held`: charges, donated tensors). The execution
+    /// runs in a task of its own that keeps the arguments, slots and `held` until every device
+    /// finished, so a caller that goes away meanwhile (a session ending) frees nothing the
+    /// devices still use. Returns each device's results, `[device][result]`.
+    ///
+    /// Errors: `invalid-argument` for a program of one device, a wrong number of argument
+    /// lists or arguments, a shard whose dtype or dims differ from the per-device spec, or a
+    /// donation PJRT refuses; `failed-precondition` for a shard on another device than its
+    /// list's; `execution-failed` from any device (the first failure); `internal` if the
+    /// execution's task failed.
+    pub async fn execute_spmd(
+        self: &Arc<Self>,
+        exe: Arc<DeviceExecutable>,
+        args: Vec<Vec<Arc<DeviceTensor>>>,
+        donate: Vec<usize>,
+        slots: Vec<Slot>,
+        held: Vec<Box<dyn std::any::Any + Send>>,
+    ) -> DeviceResult<Vec<Vec<DeviceTensor>>> {
+        if !exe.is_spmd() {
+            return Err(DeviceError::invalid(
+                "the program runs on one device; execute it, not as a program of several",
+            ));
+        }
+        let devices = exe.devices().to_vec();
+        if args.len() != devices.len() {
+            return Err(DeviceError::invalid(format!(
+                "the program runs on {} devices, got {} argument lists",
+                devices.len(),
+                args.len()
+            )));
+        }
+        for (k, (list, &device)) in args.iter().zip(&devices).enumerate() {
+            if list.len() != exe.inputs().len() {
+                return Err(DeviceError::invalid(format!(
+                    "device {device}'s list has {} argument(s); the program takes {}",
+                    list.len(),
+                    exe.inputs().len()
+                )));
+            }
+            for (i, (t, want)) in list.iter().zip(exe.inputs()).enumerate() {
+                if t.spec() != want {
+                    return Err(DeviceError::invalid(format!(
+                        "argument {i} on device {device} (partition {k}) is {}, the program's shard is {}",
+                        format_spec(t.spec()),
+                        format_spec(want)
+                    )));
+                }
+                if t.device() != device {
+                    return Err(DeviceError::new(
+                        ErrorKind::FailedPrecondition,
+                        format!(
+                            "argument {i} of partition {k} is on device {}, and partition {k} runs on device {device}",
+                            t.device()
+                        ),
+                    ));
+                }
+            }
+        }
+        let task = tokio::spawn(async move {
+            let run_exe = Arc::clone(&exe);
+            let run_args = args.clone();
+            let runs = tokio::task::spawn_blocking(move || {
+                let lists: Vec<Vec<&Buffer>> = run_args
+                    .iter()
+                    .map(|l| l.iter().map(|t| t.buffer()).collect())
+                    .collect();
+                run_exe.loaded().execute_sharded(&lists, &donate)
+            })
+            .await
+            .map_err(|e| DeviceError::new(ErrorKind::Internal, format!("submitting failed: {e}")))?
+            .map_err(|e| {
+                let kind = match e.code {
+                    pjrt::ErrorCode::InvalidArgument => ErrorKind::InvalidArgument,
+                    _ => ErrorKind::ExecutionFailed,
+                };
+                DeviceError::from_pjrt(e, kind)
+            })?;
+            let mut outputs = Vec::with_capacity(runs.len());
+            let mut first_error = None;
+            for (run, &device) in runs.into_iter().zip(&devices) {
+                if let Err(e) = run.done.wait().await
+                    && first_error.is_none()
+                {
+                    first_error = Some(DeviceError::from_pjrt(e, ErrorKind::ExecutionFailed));
+                }
+                outputs.push(
+                    run.outputs
+                        .into_iter()
+                        .zip(exe.outputs())
+                        .map(|(b, spec)| DeviceTensor::new(b, spec.clone(), device))
+                        .collect::<Vec<_>>(),
+                );
+            }
+            // Every device finished: the slots (device time), the arguments and what the
+            // caller held go now.
+            drop((slots, held, args));
+            match first_error {
+                Some(e) => Err(e),
+                None => Ok(outputs),
+            }
+        });
+        task.await.map_err(|e| {
+            DeviceError::new(
+                ErrorKind::Internal,
+                format!("the execution's task failed: {e}"),
+            )
+        })?
     }
 
     /// Executes `exe` with borrowed arguments, donating those marked, and awaits completion.

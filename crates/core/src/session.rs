@@ -1035,6 +1035,9 @@ impl Session {
         settings: CompileSettings,
     ) -> DeviceResult<ExecutableHandle> {
         self.place(Some(settings.device))?;
+        for &d in &settings.devices {
+            self.place(Some(d))?;
+        }
         self.tenant.admit_program_size(code.len())?;
         let charge = self.tenant.charge_executable()?;
         let text = format == ProgramFormat::MlirText;
@@ -1083,6 +1086,290 @@ impl Session {
         let (launch, state) = self.launch_now(exe, args, donate)?;
         self.finish(&state, &launch.outputs).await?;
         Ok(launch.outputs)
+    }
+
+    /// Puts a global array (dense row-major bytes of `dims`) on the devices of an SPMD
+    /// program as its parameter `param` is sharded: one handle per device, in the program's
+    /// device order, each holding that device's shard (zero-padded to the per-device spec
+    /// where the sharding splits a dimension unevenly), each charged on its device. What
+    /// `jax.device_put(x, NamedSharding(...))` does.
+    ///
+    /// Errors: `invalid-argument` for a parameter the program lacks, dims or dtype other than
+    /// its global spec, or a byte length that does not match; `unsupported` for a sharding
+    /// with no global-array view; as [`tensor_from_bytes`](Self::tensor_from_bytes) for each
+    /// shard (a failure frees the shards made so far).
+    pub fn put_sharded(
+        &self,
+        exe: &ExecutableHandle,
+        param: usize,
+        ty: PrimitiveType,
+        dims: &[u64],
+        data: &[u8],
+    ) -> DeviceResult<Vec<TensorHandle>> {
+        self.owns(exe.session)?;
+        let program = &exe.exe;
+        let sh = program.shardings()?;
+        let (Some(sharding), Some(global), Some(local)) = (
+            sh.params.get(param),
+            sh.global_inputs.get(param),
+            program.inputs().get(param),
+        ) else {
+            return Err(DeviceError::invalid(format!(
+                "the program has {} parameter(s), not {}",
+                program.inputs().len(),
+                param + 1
+            )));
+        };
+        let idims = dims_from_u64(dims)?;
+        if global.ty != ty || global.dims != idims {
+            return Err(DeviceError::invalid(format!(
+                "parameter {param} is {} globally, got {ty}{idims:?}",
+                crate::types::format_spec(global)
+            )));
+        }
+        check_tensor_bytes(ty, &idims, data.len())?;
+        let shard_parts = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Unsupported);
+        let shards = sharding
+            .shards(&idims, program.devices().len())
+            .map_err(shard_parts)?;
+        let mut out = Vec::with_capacity(shards.len());
+        for (shard, &device) in shards.iter().zip(program.devices()) {
+            let bytes = shard
+                .extract(data, &idims, ty.byte_size(), &local.dims)
+                .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
+            let dims: Vec<u64> = local.dims.iter().map(|&d| d as u64).collect();
+            out.push(self.tensor_from_bytes(ty, &dims, &bytes, Some(device))?);
+        }
+        Ok(out)
+    }
+
+    /// Reads result `result` of an SPMD program back as one global array (dense row-major
+    /// bytes of its global spec) from its per-device `shards` (as
+    /// [`execute_spmd`](Self::execute_spmd) returned them): each part of the array is read
+    /// from the first device that holds it.
+    ///
+    /// Errors: `invalid-argument` for a result the program lacks or a wrong number of shards;
+    /// `unsupported` for a sharding with no global-array view; as [`read`](Self::read).
+    pub async fn read_sharded(
+        &self,
+        exe: &ExecutableHandle,
+        result: usize,
+        shards: &[TensorHandle],
+    ) -> DeviceResult<Vec<u8>> {
+        self.owns(exe.session)?;
+        let program = &exe.exe;
+        let sh = program.shardings()?;
+        let (Some(sharding), Some(global), Some(local)) = (
+            sh.outputs.get(result),
+            sh.global_outputs.get(result),
+            program.outputs().get(result),
+        ) else {
+            return Err(DeviceError::invalid(format!(
+                "the program has {} result(s), not {}",
+                program.outputs().len(),
+                result + 1
+            )));
+        };
+        let n = program.devices().len();
+        if shards.len() != n {
+            return Err(DeviceError::invalid(format!(
+                "{} shard(s) given; the program runs on {n} devices",
+                shards.len()
+            )));
+        }
+        let parts = sharding
+            .shards(&global.dims, n)
+            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Unsupported))?;
+        let elem = global.ty.byte_size();
+        let mut out = vec![0u8; spec_byte_size(global) as usize];
+        for (part, h) in parts.iter().zip(shards) {
+            if !part.primary {
+                continue;
+            }
+            let bytes = self.read(h).await?;
+            part.insert(&bytes, &local.dims, &mut out, &global.dims, elem)
+                .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
+        }
+        Ok(out)
+    }
+
+    /// Runs a program compiled for several devices (SPMD: compiled with
+    /// [`CompileSettings::devices`]) on all of them at once and waits for it: `args[p][k]` is
+    /// parameter `p`'s shard on the program's `k`-th device
+    /// ([`DeviceExecutable::devices`](crate::types::DeviceExecutable::devices); per-device
+    /// specs [`DeviceExecutable::inputs`](crate::types::DeviceExecutable::inputs)), `donate`
+    /// the parameters donated (every shard of each). Returns `[result][device]` handles, each
+    /// charged on its own device. Outputs of earlier launches are waited for first.
+    ///
+    /// In order: the handles must be this session's and live; one execution slot of every
+    /// device is taken (in ascending device order, so two programs over the same devices
+    /// cannot each hold a slot the other waits for); the donated shards are taken out of
+    /// their handles; the launch, each device's results and temporaries are charged on that
+    /// device (crediting its donated shards). The execution then belongs to the device
+    /// service ([`DeviceService::execute_spmd`]): if this session ends meanwhile, nothing the
+    /// devices use is freed until they finish, and the charges come back then.
+    ///
+    /// Errors: `permission-denied` for another session's handle or a donated read-only shard;
+    /// `invalid-argument` for a program of one device, wrong counts, a bad donate list or a
+    /// shard whose dtype or dims differ from the per-device spec; `failed-precondition` for
+    /// a donated handle, or a shard on another device than its partition's;
+    /// `resource-exhausted` naming `max-pending-launches`, `max-live-tensors`,
+    /// `max-device-bytes` or `max-device-bytes-per-device`; a launch's error for an argument
+    /// that is a failed launch's output; the device's error (`execution-failed`).
+    pub async fn execute_spmd(
+        &self,
+        exe: &ExecutableHandle,
+        args: &[Vec<&TensorHandle>],
+        donate: &[u32],
+    ) -> DeviceResult<Vec<Vec<TensorHandle>>> {
+        self.owns(exe.session)?;
+        let program = Arc::clone(&exe.exe);
+        if !program.is_spmd() {
+            return Err(DeviceError::invalid(
+                "the program was compiled for one device: use execute",
+            ));
+        }
+        let devices = program.devices().to_vec();
+        let n = devices.len();
+        if args.len() != program.inputs().len() {
+            return Err(DeviceError::invalid(format!(
+                "the program takes {} argument(s), got {}",
+                program.inputs().len(),
+                args.len()
+            )));
+        }
+        let donated = donation_mask(args.len(), donate)?;
+        for (p, shards) in args.iter().enumerate() {
+            if shards.len() != n {
+                return Err(DeviceError::invalid(format!(
+                    "argument {p} has {} shard(s); the program runs on {n} devices",
+                    shards.len()
+                )));
+            }
+            for (k, h) in shards.iter().enumerate() {
+                self.owns(h.session)?;
+                if donated[p] && h.is_read_only() {
+                    return Err(DeviceError::new(
+                        ErrorKind::PermissionDenied,
+                        format!(
+                            "argument {p}'s shard {k} is a shared, read-only tensor and cannot be donated"
+                        ),
+                    ));
+                }
+                if h.device() != devices[k] {
+                    return Err(DeviceError::new(
+                        ErrorKind::FailedPrecondition,
+                        format!(
+                            "argument {p}'s shard {k} is on device {}, and the program runs partition {k} on device {}",
+                            h.device(),
+                            devices[k]
+                        ),
+                    ));
+                }
+                self.wait(h).await.map_err(|e| {
+                    DeviceError::new(e.kind, format!("argument {p}'s shard {k}: {}", e.message))
+                })?;
+            }
+        }
+        // Slots first (cancel-safe): nothing is taken or charged while waiting for them.
+        let mut order: Vec<usize> = (0..n).collect();
+        order.sort_by_key(|&k| devices[k]);
+        let mut slots = Vec::with_capacity(n);
+        for k in order {
+            slots.push(
+                self.device
+                    .scheduler_for(devices[k])
+                    .acquire(&self.tenant)
+                    .await,
+            );
+        }
+        let mut taken: Vec<(&TensorHandle, Held)> = Vec::new();
+        let restore = |taken: Vec<(&TensorHandle, Held)>| {
+            for (h, held) in taken {
+                h.restore(held);
+            }
+        };
+        let mut tensors: Vec<Vec<Arc<DeviceTensor>>> = vec![Vec::with_capacity(args.len()); n];
+        for (p, shards) in args.iter().enumerate() {
+            for (k, h) in shards.iter().enumerate() {
+                let t = if donated[p] {
+                    match h.take() {
+                        Some(held) => {
+                            let t = match &held.source {
+                                Source::Ready(t) => Ok(Arc::clone(t)),
+                                Source::Pending(pt) => {
+                                    pt.tensor.get().cloned().ok_or_else(donated_error)
+                                }
+                            };
+                            taken.push((h, held));
+                            t
+                        }
+                        None => Err(DeviceError::new(
+                            ErrorKind::FailedPrecondition,
+                            format!(
+                                "argument {p}'s shard {k} was donated by another execution meanwhile"
+                            ),
+                        )),
+                    }
+                } else {
+                    h.tensor()
+                };
+                match t {
+                    Ok(t) => tensors[k].push(t),
+                    Err(e) => {
+                        restore(taken);
+                        return Err(e);
+                    }
+                }
+            }
+        }
+        let mut held: Vec<Box<dyn std::any::Any + Send>> = Vec::new();
+        let mut charges: Vec<Vec<Charge>> = Vec::with_capacity(n);
+        let charged = (|| -> DeviceResult<()> {
+            held.push(Box::new(self.tenant.charge_launch()?));
+            for (k, &device) in devices.iter().enumerate() {
+                let credit = taken
+                    .iter()
+                    .filter(|(h, _)| h.device() == device)
+                    .map(|(_, held)| held.charged_bytes())
+                    .sum();
+                let (out, scratch) = self.tenant.charge_execution(
+                    device,
+                    &program.output_bytes(),
+                    credit,
+                    program.temp_bytes(),
+                )?;
+                let _ = k;
+                charges.push(out);
+                held.push(Box::new(scratch));
+            }
+            Ok(())
+        })();
+        if let Err(e) = charged {
+            restore(taken);
+            return Err(e);
+        }
+        let lineage = merge_lineage(args.iter().flatten().map(|h| &h.lineage));
+        for (_, h) in taken {
+            held.push(Box::new(h));
+        }
+        let donate_positions: Vec<usize> = (0..args.len()).filter(|&p| donated[p]).collect();
+        let outputs = self
+            .device
+            .execute_spmd(program, tensors, donate_positions, slots, held)
+            .await?;
+        // [device][result] → [result][device], each with its device's charge.
+        let results = outputs.first().map_or(0, Vec::len);
+        let mut by_result: Vec<Vec<TensorHandle>> =
+            (0..results).map(|_| Vec::with_capacity(n)).collect();
+        for (per_device, device_charges) in outputs.into_iter().zip(charges) {
+            for (r, (t, c)) in per_device.into_iter().zip(device_charges).enumerate() {
+                let mut h = self.owned_tensor(t, c);
+                h.lineage = Arc::clone(&lineage);
+                by_result[r].push(h);
+            }
+        }
+        Ok(by_result)
     }
 
     /// Launches `exe` on `args`, donating the arguments whose positions are in `donate`, and

@@ -105,9 +105,42 @@ pub struct DeviceExecutable {
     inputs: Vec<TensorSpec>,
     outputs: Vec<TensorSpec>,
     device: u32,
+    /// The devices of a program compiled for several (SPMD: its device assignment, as device
+    /// indices, partition order); `[device]` otherwise.
+    devices: Vec<u32>,
     fingerprint: String,
     memory: std::sync::OnceLock<Option<pjrt::CompiledMemoryStats>>,
     facts: std::sync::OnceLock<Result<pjrt::ProgramFacts, DeviceError>>,
+    shardings: std::sync::OnceLock<Result<Shardings, DeviceError>>,
+}
+
+/// How a program compiled for several devices lays its parameters and results over them, as
+/// the compiled program says (XLA's `spmd_parameters_shardings` and `spmd_output_sharding`,
+/// [`pjrt::LoadedExecutable::parameter_shardings`]), with the global shapes.
+#[derive(Debug, Clone)]
+pub struct Shardings {
+    /// Each parameter's sharding, in order.
+    pub params: Vec<pjrt::HloSharding>,
+    /// Each result's sharding, in order (tuple results flattened).
+    pub outputs: Vec<pjrt::HloSharding>,
+    /// Each parameter's global spec: its per-device spec times the tiles of its sharding.
+    pub global_inputs: Vec<TensorSpec>,
+    /// Each result's global spec.
+    pub global_outputs: Vec<TensorSpec>,
+}
+
+fn global_spec(local: &TensorSpec, sharding: &pjrt::HloSharding) -> DeviceResult<TensorSpec> {
+    let tiles = sharding
+        .tiles_per_dim(local.dims.len())
+        .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Unsupported))?;
+    let dims = local
+        .dims
+        .iter()
+        .zip(&tiles)
+        .map(|(&d, &t)| d.checked_mul(t.max(1)))
+        .collect::<Option<Vec<i64>>>()
+        .ok_or_else(|| DeviceError::invalid("a global dimension overflows"))?;
+    Ok(TensorSpec { ty: local.ty, dims })
 }
 
 impl DeviceExecutable {
@@ -124,10 +157,88 @@ impl DeviceExecutable {
             inputs,
             outputs,
             device,
+            devices: vec![device],
             fingerprint,
             memory: std::sync::OnceLock::new(),
             facts: std::sync::OnceLock::new(),
+            shardings: std::sync::OnceLock::new(),
         }
+    }
+
+    /// Marks it compiled for `devices` (several: an SPMD program; their order is the device
+    /// assignment's, partition 0 first). The first is [`device`](Self::device).
+    pub(crate) fn with_devices(mut self, devices: Vec<u32>) -> Self {
+        if let Some(&first) = devices.first() {
+            self.device = first;
+            self.devices = devices;
+        }
+        self
+    }
+
+    /// The devices it runs on at once, in the order of its device assignment; one for a
+    /// program of one device.
+    pub fn devices(&self) -> &[u32] {
+        &self.devices
+    }
+
+    /// Whether it runs on several devices at once (an SPMD program).
+    pub fn is_spmd(&self) -> bool {
+        self.devices.len() > 1
+    }
+
+    /// Its parameters' and results' shardings and global specs (for a program of one device:
+    /// every one replicated, global = per-device). Decoded once, then kept.
+    ///
+    /// Errors: `unsupported` when the plugin cannot return the optimized program, or a
+    /// sharding has no global-array view.
+    pub fn shardings(&self) -> DeviceResult<&Shardings> {
+        self.shardings
+            .get_or_init(|| {
+                let unsupported = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Unsupported);
+                let (params, outputs) = if self.is_spmd() {
+                    (
+                        self.exe.parameter_shardings().map_err(unsupported)?,
+                        self.exe.output_shardings().map_err(unsupported)?,
+                    )
+                } else {
+                    (
+                        vec![pjrt::HloSharding::Replicated; self.inputs.len()],
+                        vec![pjrt::HloSharding::Replicated; self.outputs.len()],
+                    )
+                };
+                if params.len() != self.inputs.len() || outputs.len() != self.outputs.len() {
+                    return Err(DeviceError::new(
+                        ErrorKind::Unsupported,
+                        format!(
+                            "the program records {} parameter and {} result sharding(s) for {} parameter(s) and {} result(s)",
+                            params.len(),
+                            outputs.len(),
+                            self.inputs.len(),
+                            self.outputs.len()
+                        ),
+                    ));
+                }
+                let global_inputs = self
+                    .inputs
+                    .iter()
+                    .zip(&params)
+                    .map(|(l, s)| global_spec(l, s))
+                    .collect::<DeviceResult<Vec<_>>>()?;
+                let global_outputs = self
+                    .outputs
+                    .iter()
+                    .zip(&outputs)
+                    .map(|(l, s)| global_spec(l, s))
+                    .collect::<DeviceResult<Vec<_>>>()?;
+                Ok(Shardings {
+                    params,
+                    outputs,
+                    global_inputs,
+                    global_outputs,
+                })
+            })
+            .as_ref()
+            .map_err(Clone::clone)
     }
 
     /// What the program needs in device memory while it runs, as the plugin reports it
