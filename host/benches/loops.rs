@@ -92,7 +92,7 @@ pub fn main() {
             for _ in 0..ROUNDS {
                 let start = Instant::now();
                 let exe = svc
-                    .compile_with(COUNT_TO_N.as_bytes().to_vec(), true, settings, "")
+                    .compile_with(COUNT_TO_N.as_bytes().to_vec(), true, settings.clone(), "")
                     .await
                     .expect("the program compiles")
                     .exe;

@@ -1094,6 +1094,7 @@ enum End {
 /// the worker died when it crashed (a stack overflow: the program is recursive or nested too
 /// deeply; an abort, possibly at the `max-compile-memory` limit); `internal` when the worker
 /// could not start or answers nonsense.
+#[allow(clippy::too_many_arguments)] // one compile's request, field by field
 async fn run_in_worker(
     shared: &PoolShared,
     w: Idle,

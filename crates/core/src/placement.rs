@@ -299,13 +299,13 @@ impl DeviceLeases {
         if req.count == Some(0) {
             return Err(DeviceError::invalid("a session needs at least one device"));
         }
-        if !req.devices.is_empty() {
-            if let Some(n) = req.count.filter(|&n| n as usize != req.devices.len()) {
-                return Err(DeviceError::invalid(format!(
-                    "asks for {n} device(s) and names {}",
-                    req.devices.len()
-                )));
-            }
+        if !req.devices.is_empty()
+            && let Some(n) = req.count.filter(|&n| n as usize != req.devices.len())
+        {
+            return Err(DeviceError::invalid(format!(
+                "asks for {n} device(s) and names {}",
+                req.devices.len()
+            )));
         }
         let may_use = allowed.devices.len() as u32;
         let chosen: Vec<u32> = if !req.devices.is_empty() {
