@@ -1092,12 +1092,12 @@ impl Session {
     /// program as its parameter `param` is sharded: one handle per device, in the program's
     /// device order, each holding that device's shard (zero-padded to the per-device spec
     /// where the sharding splits a dimension unevenly), each charged on its device. What
-    /// `jax.device_put(x, NamedSharding(...))` does.
+    /// `jax.device_put(x, NamedSharding(...))` does: [`put_global`](Self::put_global) with
+    /// the parameter's sharding and the program's devices.
     ///
     /// Errors: `invalid-argument` for a parameter the program lacks, dims or dtype other than
-    /// its global spec, or a byte length that does not match; `unsupported` for a sharding
-    /// with no global-array view; as [`tensor_from_bytes`](Self::tensor_from_bytes) for each
-    /// shard (a failure frees the shards made so far).
+    /// its global spec, or a byte length that does not match; as
+    /// [`put_global`](Self::put_global).
     pub fn put_sharded(
         &self,
         exe: &ExecutableHandle,
@@ -1109,11 +1109,8 @@ impl Session {
         self.owns(exe.session)?;
         let program = &exe.exe;
         let sh = program.shardings()?;
-        let (Some(sharding), Some(global), Some(local)) = (
-            sh.params.get(param),
-            sh.global_inputs.get(param),
-            program.inputs().get(param),
-        ) else {
+        let (Some(sharding), Some(global)) = (sh.params.get(param), sh.global_inputs.get(param))
+        else {
             return Err(DeviceError::invalid(format!(
                 "the program has {} parameter(s), not {}",
                 program.inputs().len(),
@@ -1127,29 +1124,82 @@ impl Session {
                 crate::types::format_spec(global)
             )));
         }
+        self.put_global(ty, dims, data, sharding, program.devices())
+    }
+
+    /// Puts a global array (dense row-major little-endian bytes of `dims`) on `devices` as
+    /// `sharding` lays it out: one handle per device, in the order of `devices` (entry `k` is
+    /// the sharding's logical device `k`: an SPMD program's partition `k`), each holding that
+    /// device's part of the array in a buffer of the sharding's tile dims
+    /// ([`pjrt::HloSharding::tile_dims`]: `ceil(n / tiles)` along each dimension, zero-padded
+    /// where the tiles do not divide it), each charged to the tenant on its device. The array
+    /// needs no executable: what `jax.device_put(x, NamedSharding(mesh, spec))` does.
+    ///
+    /// Errors: `invalid-argument` when `data` is not element size × product of `dims` bytes,
+    /// for no devices, a device given twice, or a sharding that does not cover exactly
+    /// `devices.len()` logical devices or tile this rank; `unsupported` for a sharding with no
+    /// global-array view (manual, unreduced, unknown, a tuple); `not-found` for a device the
+    /// host lacks; `permission-denied` for one outside the session's placement; as
+    /// [`tensor_from_bytes`](Self::tensor_from_bytes) for each shard (a failure drops, and so
+    /// uncharges, the shards made so far).
+    pub fn put_global(
+        &self,
+        ty: PrimitiveType,
+        dims: &[u64],
+        data: &[u8],
+        sharding: &pjrt::HloSharding,
+        devices: &[u32],
+    ) -> DeviceResult<Vec<TensorHandle>> {
+        let idims = dims_from_u64(dims)?;
         check_tensor_bytes(ty, &idims, data.len())?;
-        let shard_parts = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::Unsupported);
-        let shards = sharding
-            .shards(&idims, program.devices().len())
-            .map_err(shard_parts)?;
+        let (shards, local) = self.layout(&idims, sharding, devices)?;
+        let local_u: Vec<u64> = local.iter().map(|&d| d as u64).collect();
         let mut out = Vec::with_capacity(shards.len());
-        for (shard, &device) in shards.iter().zip(program.devices()) {
+        for (shard, &device) in shards.iter().zip(devices) {
             let bytes = shard
-                .extract(data, &idims, ty.byte_size(), &local.dims)
+                .extract(data, &idims, ty.byte_size(), &local)
                 .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
-            let dims: Vec<u64> = local.dims.iter().map(|&d| d as u64).collect();
-            out.push(self.tensor_from_bytes(ty, &dims, &bytes, Some(device))?);
+            out.push(self.tensor_from_bytes(ty, &local_u, &bytes, Some(device))?);
         }
         Ok(out)
     }
 
+    /// Each device's part of a global array of `dims` under `sharding` over `devices`, and
+    /// the dims of each device's buffer; checks the devices (placement, no repeats).
+    fn layout(
+        &self,
+        dims: &[i64],
+        sharding: &pjrt::HloSharding,
+        devices: &[u32],
+    ) -> DeviceResult<(Vec<pjrt::Shard>, Vec<i64>)> {
+        if devices.is_empty() {
+            return Err(DeviceError::invalid(
+                "a sharded array needs at least one device",
+            ));
+        }
+        let mut seen = std::collections::BTreeSet::new();
+        for &d in devices {
+            if !seen.insert(d) {
+                return Err(DeviceError::invalid(format!(
+                    "device {d} is given twice for one sharded array"
+                )));
+            }
+            self.place(Some(d))?;
+        }
+        let pjrt_error = |e: pjrt::Error| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument);
+        let shards = sharding.shards(dims, devices.len()).map_err(pjrt_error)?;
+        let local = sharding.tile_dims(dims).map_err(pjrt_error)?;
+        Ok((shards, local))
+    }
+
     /// Reads result `result` of an SPMD program back as one global array (dense row-major
     /// bytes of its global spec) from its per-device `shards` (as
-    /// [`execute_spmd`](Self::execute_spmd) returned them): each part of the array is read
-    /// from the first device that holds it.
+    /// [`execute_spmd`](Self::execute_spmd) returned them):
+    /// [`read_global`](Self::read_global) with the result's sharding and the program's
+    /// devices.
     ///
-    /// Errors: `invalid-argument` for a result the program lacks or a wrong number of shards;
-    /// `unsupported` for a sharding with no global-array view; as [`read`](Self::read).
+    /// Errors: `invalid-argument` for a result the program lacks; as
+    /// [`read_global`](Self::read_global).
     pub async fn read_sharded(
         &self,
         exe: &ExecutableHandle,
@@ -1159,35 +1209,87 @@ impl Session {
         self.owns(exe.session)?;
         let program = &exe.exe;
         let sh = program.shardings()?;
-        let (Some(sharding), Some(global), Some(local)) = (
-            sh.outputs.get(result),
-            sh.global_outputs.get(result),
-            program.outputs().get(result),
-        ) else {
+        let (Some(sharding), Some(global)) =
+            (sh.outputs.get(result), sh.global_outputs.get(result))
+        else {
             return Err(DeviceError::invalid(format!(
                 "the program has {} result(s), not {}",
                 program.outputs().len(),
                 result + 1
             )));
         };
-        let n = program.devices().len();
-        if shards.len() != n {
+        let dims: Vec<u64> = global.dims.iter().map(|&d| d.max(0) as u64).collect();
+        let refs: Vec<&TensorHandle> = shards.iter().collect();
+        self.read_global(global.ty, &dims, sharding, program.devices(), &refs)
+            .await
+    }
+
+    /// Reads a sharded array back as one global array (dense row-major little-endian bytes
+    /// of `dims`) from its per-device `shards` (entry `k` on `devices[k]`, the sharding's
+    /// logical device `k`, holding a buffer of the sharding's tile dims): each part of the
+    /// array is read from the first device that holds it ([`pjrt::Shard::primary`]), so a
+    /// replicated array is read once. Outputs of launches are waited for.
+    ///
+    /// Errors: `invalid-argument` for a number of shards other than of devices, a shard whose
+    /// dtype or dims are not `ty` and the tile dims, or one not on its device, and as
+    /// [`put_global`](Self::put_global) for the devices and the sharding; `resource-exhausted`
+    /// naming `max-guest-memory` for a global array larger than this session may read;
+    /// `permission-denied` for a device outside the session's placement or another session's
+    /// handle; as [`read`](Self::read) for each shard read.
+    pub async fn read_global(
+        &self,
+        ty: PrimitiveType,
+        dims: &[u64],
+        sharding: &pjrt::HloSharding,
+        devices: &[u32],
+        shards: &[&TensorHandle],
+    ) -> DeviceResult<Vec<u8>> {
+        let idims = dims_from_u64(dims)?;
+        if shards.len() != devices.len() {
             return Err(DeviceError::invalid(format!(
-                "{} shard(s) given; the program runs on {n} devices",
-                shards.len()
+                "{} shard(s) given for {} device(s)",
+                shards.len(),
+                devices.len()
             )));
         }
-        let parts = sharding
-            .shards(&global.dims, n)
-            .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::Unsupported))?;
-        let elem = global.ty.byte_size();
-        let mut out = vec![0u8; spec_byte_size(global) as usize];
+        let (parts, local) = self.layout(&idims, sharding, devices)?;
+        for (k, (h, &device)) in shards.iter().zip(devices).enumerate() {
+            self.owns(h.session)?;
+            if h.spec().ty != ty || h.spec().dims != local {
+                return Err(DeviceError::invalid(format!(
+                    "shard {k} is {}; a {ty}{idims:?} array sharded {sharding} holds {ty}{local:?} on each device",
+                    crate::types::format_spec(h.spec())
+                )));
+            }
+            if h.device() != device {
+                return Err(DeviceError::invalid(format!(
+                    "shard {k} is on device {}, not on device {device}",
+                    h.device()
+                )));
+            }
+        }
+        let total = crate::types::checked_byte_size(ty, &idims).ok_or_else(|| {
+            DeviceError::invalid(format!(
+                "a {ty} array of dims {idims:?} has more bytes than this host can address"
+            ))
+        })?;
+        if total as u64 > self.max_read_bytes {
+            return Err(DeviceError::new(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "the global array is {total} bytes and cannot be read into memory of at most {} bytes (limit max-guest-memory)",
+                    self.max_read_bytes
+                ),
+            ));
+        }
+        let elem = ty.byte_size();
+        let mut out = vec![0u8; total];
         for (part, h) in parts.iter().zip(shards) {
             if !part.primary {
                 continue;
             }
             let bytes = self.read(h).await?;
-            part.insert(&bytes, &local.dims, &mut out, &global.dims, elem)
+            part.insert(&bytes, &local, &mut out, &idims, elem)
                 .map_err(|e| DeviceError::from_pjrt(e, ErrorKind::InvalidArgument))?;
         }
         Ok(out)
