@@ -15,6 +15,7 @@ mod optlevel;
 mod serve;
 mod sessions;
 mod spine;
+mod spmd;
 mod tenants;
 
 /// Name, what it measures, entry point.
@@ -64,6 +65,11 @@ const BENCHES: &[(&str, &str, fn())] = &[
         "devices",
         "placement: a tenant's tiny calls beside another tenant's two heavy clients, on one device and on devices of their own",
         devices::main,
+    ),
+    (
+        "spmd",
+        "programs over several devices: a data-parallel MLP step on 1, 2, 4 devices and a 64 MiB all-reduce, beside JAX",
+        spmd::main,
     ),
     (
         "eager",
