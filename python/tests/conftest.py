@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import shutil
 import struct
 import sys
@@ -21,6 +22,11 @@ import pytest
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+
+# JAX in this process gets 4 CPU devices, whichever test module imports it first: the sharded
+# tests (test_sharded.py) compare with JAX over a mesh of 4, as JAX tests its own multi-device
+# code (`jax_num_cpu_devices`); programs of one device are unaffected.
+os.environ.setdefault("JAX_NUM_CPU_DEVICES", "4")
 
 import tpubox  # noqa: E402
 from tpubox_daemon import Daemon, binary, guest_wasm  # noqa: E402

@@ -18,8 +18,9 @@ from ._values import ArrayLike, TensorSpec
 if TYPE_CHECKING:
     from .session import Session
 
-#: What :meth:`Session.free` takes: Tensor and Executable objects, or tensor handle numbers.
-Handle = Union["Tensor", "Executable", int]
+#: What :meth:`Session.free` takes: Tensor, ShardedTensor and Executable objects, or tensor
+#: handle numbers.
+Handle = Union["Tensor", "ShardedTensor", "Executable", int]
 
 
 class _Handle:
@@ -251,6 +252,15 @@ class Executable(_Handle):
             loaded executables; not charged against ``max-compiles-per-minute``), ``"disk"``
             (tier 2), ``"remote"`` (tier 3), ``"compiled"`` (a cache miss) or
             ``"compiled-without-cache"``; ``""`` from a daemon too old to say.
+        devices: the device indices it runs on: one, or for a program compiled over several
+            (``Session.compile(..., devices=[...])``, SPMD) all of them in partition order
+            (the order of every :class:`ShardedTensor`'s ``shards`` it takes and returns).
+        parameter_shardings, result_shardings: each parameter's and result's sharding in
+            XLA's text form (``"{devices=[4,1]<=[4]}"``, ``"{replicated}"``; device numbers
+            are positions in ``devices``); all ``"{replicated}"`` for one device.
+        global_parameters, global_results: each parameter's and result's global
+            :class:`TensorSpec` (``parameters`` and ``results`` are the per-device specs; the
+            same for one device).
     """
 
     __slots__ = (
@@ -262,6 +272,11 @@ class Executable(_Handle):
         "temp_bytes",
         "fingerprint",
         "tier",
+        "devices",
+        "parameter_shardings",
+        "result_shardings",
+        "global_parameters",
+        "global_results",
         "_freed",
         "__weakref__",
     )
@@ -277,7 +292,35 @@ class Executable(_Handle):
         self.temp_bytes: int = resp.temp_bytes
         self.fingerprint: str = resp.fingerprint
         self.tier: str = resp.tier
+        self.devices: tuple[int, ...] = tuple(int(d) for d in resp.devices)
+        if resp.parameter_shardings or not resp.parameters:
+            self.parameter_shardings: tuple[str, ...] = tuple(
+                x.sharding for x in resp.parameter_shardings
+            )
+            self.global_parameters: tuple[TensorSpec, ...] = tuple(
+                TensorSpec._from_pb(x.global_spec) for x in resp.parameter_shardings
+            )
+        else:  # a daemon too old to say: one device
+            self.parameter_shardings = ("{replicated}",) * len(self.parameters)
+            self.global_parameters = self.parameters
+        if resp.result_shardings or not resp.results:
+            self.result_shardings: tuple[str, ...] = tuple(
+                x.sharding for x in resp.result_shardings
+            )
+            self.global_results: tuple[TensorSpec, ...] = tuple(
+                TensorSpec._from_pb(x.global_spec) for x in resp.result_shardings
+            )
+        else:
+            self.result_shardings = ("{replicated}",) * len(self.results)
+            self.global_results = self.results
         self._freed = False
+
+    @property
+    def is_spmd(self) -> bool:
+        """Whether it runs on several devices at once (compiled with ``devices=[...]``): it is
+        then called with global arrays or :class:`ShardedTensor` s and returns
+        ShardedTensors."""
+        return len(self.devices) > 1
 
     @property
     def session(self) -> Session:
@@ -308,6 +351,8 @@ class Executable(_Handle):
         """
         args = tuple(args)
         donate = tuple(int(i) for i in donate)
+        if self.is_spmd:
+            return self._run_sharded(args, donate, [], [], (), timeout)  # type: ignore[return-value]
         if all(isinstance(a, Tensor) for a in args):
             outs = self._session._execute(
                 self.handle, [a.handle for a in args], donate, timeout  # type: ignore[union-attr]
@@ -362,6 +407,10 @@ class Executable(_Handle):
             fetch_pos = []
         else:
             fetch_pos = [int(i) for i in fetch]  # type: ignore[union-attr]
+        if self.is_spmd:
+            return self._run_sharded(
+                tuple(args), donate, fetch_pos, [int(i) for i in keep], free, timeout
+            )
         return self._run(args, donate, fetch_pos, [int(i) for i in keep], free, timeout, False)
 
     def launch(
@@ -388,7 +437,109 @@ class Executable(_Handle):
             tpubox.ResourceExhausted naming ``max-pending-launches`` when the session has as
             many launches queued or running as its tenant may.
         """
+        if self.is_spmd:
+            raise ValueError(
+                "a program over several devices runs with exe(...) or exe.call(...), not launch"
+            )
         return self._run(tuple(args), donate, [], [], free, timeout, True)  # type: ignore[return-value]
+
+    def _run_sharded(
+        self,
+        args: tuple[Any, ...],
+        donate: Iterable[int],
+        fetch_pos: list[int],
+        keep_pos: list[int],
+        free: Iterable[Tensor | ShardedTensor | int],
+        timeout: float | None,
+    ) -> list[Any]:
+        """One ``CallSharded``: ARGS are ShardedTensors (their shards on this executable's
+        devices, in its order) or global arrays, sent inline and split by the daemon (over
+        gRPC, arrays beyond one request's worth are put first with the parameter's sharding and
+        freed by the call); returns one entry per result: a NumPy array (the gathered global
+        array) when fetched and not kept, else a ShardedTensor."""
+        s = self._session
+        donate = tuple(int(i) for i in donate)
+        n_results = len(self.results)
+        free_handles: list[int] = []
+        free_objs: list[Tensor] = []
+        for f in free:
+            for t in f.shards if isinstance(f, ShardedTensor) else (f,):
+                if isinstance(t, Tensor):
+                    if not t._freed:
+                        free_objs.append(t)
+                        free_handles.append(t.handle)
+                else:
+                    free_handles.append(int(t))
+        big: set[int] = set()
+        in_range = [i for i in fetch_pos if 0 <= i < n_results]
+        total = sum(
+            int(np.prod(self.global_results[i].shape, dtype=np.int64))
+            * self.global_results[i].dtype.itemsize
+            for i in in_range
+        )
+        if total > MAX_CALL_FETCH_BYTES:
+            big = set(in_range)
+        send_fetch = [i for i in fetch_pos if i not in big]
+        send_keep = [i for i in keep_pos if i not in big]
+        temps: list[ShardedTensor] = []
+        call_args: list[Any] = []
+        inline_bytes = 0
+        try:
+            for i, a in enumerate(args):
+                if isinstance(a, ShardedTensor):
+                    call_args.append(a)
+                    continue
+                if isinstance(a, Tensor):
+                    raise TypeError(
+                        f"argument {i}: a program over {len(self.devices)} devices takes "
+                        "global arrays or ShardedTensors, not a Tensor of one device "
+                        "(tensor.numpy() is its global array)"
+                    )
+                dtype = None
+                if not isinstance(a, np.ndarray) and not hasattr(a, "__array__"):
+                    if i < len(self.global_parameters):
+                        dtype = self.global_parameters[i].dtype
+                arr = _dtypes.as_device_array(a, dtype)
+                if inline_bytes + arr.nbytes > INLINE_GRPC_BYTES and i < len(
+                    self.parameter_shardings
+                ):
+                    t = s.put_sharded(
+                        arr, self.parameter_shardings[i], devices=self.devices, timeout=timeout
+                    )
+                    temps.append(t)
+                    call_args.append(t)
+                    continue
+                inline_bytes += arr.nbytes
+                call_args.append(arr)
+            outs = s._call_sharded(
+                self.handle,
+                call_args,
+                donate,
+                send_fetch,
+                send_keep,
+                free_handles + [t.handle for tt in temps for t in tt.shards],
+                timeout,
+            )
+        except BaseException:
+            if temps:
+                s.free(*temps)
+            raise
+        for tt in temps:
+            for t in tt.shards:
+                t._freed = True
+        for t in free_objs:
+            t._freed = True
+        for i in donate:
+            if 0 <= i < len(args) and isinstance(args[i], ShardedTensor):
+                for t in args[i].shards:
+                    t._donated = True
+        for i in big:
+            st = outs[i]
+            assert isinstance(st, ShardedTensor)
+            outs[i] = st.numpy(timeout=timeout) if i not in keep_pos else st
+            if i not in keep_pos:
+                st.free()
+        return outs
 
     def _run(
         self,
@@ -489,6 +640,126 @@ class Executable(_Handle):
         return (
             f"tpubox.Executable(handle={self.handle}, ({specs(self.parameters)}) -> "
             f"({specs(self.results)}){freed})"
+        )
+
+
+class ShardedTensor:
+    """One global array held as one :class:`Tensor` per device, laid out by a sharding: what
+    :meth:`Session.put_sharded` makes and a program over several devices takes and returns
+    (``jax.Array`` with a ``NamedSharding``, on the daemon's devices).
+
+    Its data stays on the devices until :meth:`numpy`, which gathers the global array on the
+    daemon (each part read from the first device that holds it). Each shard is charged on its
+    own device; free them all with :meth:`free`, a ``with`` block, or by dropping the last
+    reference to the ShardedTensor and its shards.
+
+    Attributes:
+        shape: the global array's dims.
+        dtype: its NumPy dtype.
+        sharding: the sharding in XLA's text form (``"{devices=[4,1]<=[4]}"``: split in 4
+            along dim 0; ``"{replicated}"``; ``"{devices=[2,1,2]<=[4]
+            last_tile_dim_replicate}"``: split in 2, each half on 2 devices); its device
+            numbers are positions in ``devices``.
+        devices: the device index of each shard, in the sharding's logical order.
+        shards: the per-device :class:`Tensor` s, in the same order; each has the sharding's
+            tile dims (``ceil(n / tiles)`` along each dim; zero-padded where the tiles do not
+            divide it).
+        nbytes: dense size of the global array in bytes.
+    """
+
+    __slots__ = ("_session", "shape", "dtype", "sharding", "devices", "shards", "nbytes",
+                 "__weakref__")
+
+    def __init__(
+        self,
+        session: Session,
+        shape: tuple[int, ...],
+        dtype: np.dtype,
+        sharding: str,
+        shards: Sequence[Tensor],
+        nbytes: int | None = None,
+    ):
+        self._session = session
+        self.shape: tuple[int, ...] = tuple(int(d) for d in shape)
+        self.dtype: np.dtype = np.dtype(dtype)
+        self.sharding: str = sharding
+        self.shards: tuple[Tensor, ...] = tuple(shards)
+        self.devices: tuple[int, ...] = tuple(t.device for t in self.shards)
+        self.nbytes: int = (
+            int(np.prod(self.shape, dtype=np.int64)) * self.dtype.itemsize
+            if nbytes is None
+            else int(nbytes)
+        )
+
+    @classmethod
+    def _from_pb(cls, session: Session, info: pb.ShardedTensorInfo) -> ShardedTensor:
+        return cls(
+            session,
+            tuple(int(d) for d in info.spec.dims),
+            _dtypes.from_wire(info.spec.dtype),
+            info.sharding,
+            [Tensor._from_pb(session, t) for t in info.shards],
+            info.byte_size,
+        )
+
+    @property
+    def session(self) -> Session:
+        """The session that holds it."""
+        return self._session
+
+    @property
+    def ndim(self) -> int:
+        """Number of dims of the global array."""
+        return len(self.shape)
+
+    @property
+    def spec(self) -> TensorSpec:
+        """The global array's :class:`TensorSpec`."""
+        return TensorSpec(self.shape, self.dtype)
+
+    @property
+    def freed(self) -> bool:
+        """Whether its shards were freed (or its session closed)."""
+        return all(t.freed for t in self.shards)
+
+    @property
+    def donated(self) -> bool:
+        """Whether it was donated to an execution (its shards' device memory is gone)."""
+        return any(t.donated for t in self.shards)
+
+    def numpy(self, *, timeout: float | None = None) -> np.ndarray:
+        """The global array, gathered on the daemon from the shards (each part read once, from
+        the first device that holds it), as a new, writable NumPy array of :attr:`shape` and
+        :attr:`dtype`.
+
+        Raises:
+            tpubox.NotFound: a shard was freed; tpubox.FailedPrecondition: it was donated;
+            tpubox.ResourceExhausted (``max-device-bytes``): the session's transfers in
+            flight leave no room for the gathered copy.
+        """
+        return self._session._get_sharded(self, timeout=timeout)
+
+    def __array__(self, dtype: Any = None, copy: bool | None = None) -> np.ndarray:
+        a = self.numpy()
+        return a if dtype is None else a.astype(dtype, copy=False)
+
+    def free(self) -> None:
+        """Frees every shard now (one Free call); freeing twice is a no-op."""
+        live = [t for t in self.shards if not t._freed]
+        if live:
+            self._session.free(*live)
+
+    def __enter__(self) -> ShardedTensor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.free()
+
+    def __repr__(self) -> str:
+        state = ", freed" if self.freed else (", donated" if self.donated else "")
+        return (
+            f"tpubox.ShardedTensor(shape={self.shape}, dtype={self.dtype}, "
+            f"sharding={self.sharding!r}, devices={list(self.devices)}{state})"
         )
 
 

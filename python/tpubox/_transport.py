@@ -234,6 +234,31 @@ def bulk_calls(
     return put, get
 
 
+def sharded_calls(
+    channel: grpc.Channel,
+) -> tuple[grpc.StreamUnaryMultiCallable, grpc.UnaryStreamMultiCallable]:
+    """CHANNEL's PutShardedTensor and GetShardedTensor calls, framed as :func:`bulk_calls`'."""
+    put = channel.stream_unary(
+        "/tpubox.v1.Session/PutShardedTensor",
+        request_serializer=_wire.identity,
+        response_deserializer=pb.ShardedTensorInfo.FromString,
+    )
+    get = channel.unary_stream(
+        "/tpubox.v1.Session/GetShardedTensor",
+        request_serializer=pb.GetShardedTensorRequest.SerializeToString,
+        response_deserializer=_wire.parse_tensor_chunk,
+    )
+    return put, get
+
+
+def put_sharded_messages(header: pb.PutShardedChunk, raw: memoryview) -> Iterator[bytes]:
+    """The PutShardedTensor stream of a global array: HEADER with the first CHUNK_BYTES of
+    RAW, then the rest, CHUNK_BYTES a message."""
+    yield _wire.put_sharded_chunk(header, raw[:CHUNK_BYTES])
+    for off in range(CHUNK_BYTES, len(raw), CHUNK_BYTES):
+        yield _wire.put_sharded_chunk(None, raw[off : off + CHUNK_BYTES])
+
+
 def put_messages(header: pb.PutTensorChunk, raw: memoryview) -> Iterator[bytes]:
     """The PutTensor stream of a tensor: HEADER with the first CHUNK_BYTES of RAW, then the
     rest of RAW, CHUNK_BYTES a message."""

@@ -40,6 +40,18 @@ def put_chunk(header: pb.PutTensorChunk | None, data: memoryview) -> bytes:
     return b"".join((head, _PUT_DATA_TAG, varint(len(data)), data))
 
 
+_PUT_SHARDED_DATA_TAG = b"\x22"  # PutShardedChunk.data = 4
+
+
+def put_sharded_chunk(header: pb.PutShardedChunk | None, data: memoryview) -> bytes:
+    """A serialised ``PutShardedChunk``: HEADER's fields (spec, sharding, devices; only in the
+    first message) followed by ``data`` = DATA, as :func:`put_chunk`."""
+    head = header.SerializeToString() if header is not None else b""
+    if len(data) == 0:
+        return head
+    return b"".join((head, _PUT_SHARDED_DATA_TAG, varint(len(data)), data))
+
+
 def identity(b: bytes) -> bytes:
     """A request serialiser for messages that are already bytes."""
     return b

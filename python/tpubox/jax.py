@@ -12,10 +12,22 @@ back as ``tpubox.Tensor`` s in the function's output pytree, still on the device
 the next call, or bring them over with :func:`device_get` (or ``Tensor.numpy()``).
 
 JAX itself only traces and lowers here (on the CPU, in the client process); it never touches
-an accelerator. What cannot run this way is refused with :class:`tpubox.Unsupported`: programs
-for more than one device, effects (host callbacks, ``jax.debug.print``, ordered effects), and
-symbolic shapes. Python scalars are weakly typed, as in JAX; dtypes follow JAX's (float64
-inputs become float32 unless ``jax_enable_x64`` is on).
+an accelerator. What cannot run this way is refused with :class:`tpubox.Unsupported`: effects
+(host callbacks, ``jax.debug.print``, ordered effects) and symbolic shapes. Python scalars are
+weakly typed, as in JAX; dtypes follow JAX's (float64 inputs become float32 unless
+``jax_enable_x64`` is on).
+
+**Several devices.** ``tpubox.jax.jit(f, in_shardings=..., out_shardings=...)`` takes JAX's
+own ``NamedSharding`` s over a ``Mesh`` of the client's JAX CPU devices (give the client as
+many as the mesh needs: ``jax.config.update("jax_num_cpu_devices", 4)`` before JAX starts),
+and ``shard_map`` programs too: the function is exported for the mesh (``jax.export`` writes
+its shardings and ``mhlo.num_partitions``) and compiled on the daemon over the session's first
+N devices, mesh device i (the i-th of ``mesh.devices.flat``) running on ``session.devices[i]``.
+Global arrays among the arguments are split by the program's input shardings on the daemon,
+:class:`tpubox.ShardedTensor` s are used where they are, and the outputs come back as
+ShardedTensors (``device_get`` gathers them). A mesh larger than the session's devices is
+refused by the daemon (:class:`tpubox.PermissionDenied`, naming the first device the session
+does not hold).
 
 Needs the ``jax`` extra (``pip install 'tpubox[jax]'``).
 """
@@ -35,7 +47,7 @@ from jax import export as jax_export
 from . import _export
 from . import session as _session
 from .errors import Internal, Unsupported
-from .session import Executable, Session, Tensor
+from .session import Executable, Session, ShardedTensor, Tensor
 
 __all__ = [
     "jit",
@@ -106,7 +118,7 @@ class _Entry:
 
 def _leaf_spec(x: Any) -> tuple[Any, tuple[tuple[int, ...], np.dtype, bool]]:
     """(the leaf to send, (shape, dtype, weak_type)) of one input leaf."""
-    if isinstance(x, Tensor):
+    if isinstance(x, (Tensor, ShardedTensor)):
         return x, (x.shape, x.dtype, False)
     if isinstance(x, (bool, int, float, complex)) and not isinstance(x, np.generic):
         # Python scalars are weakly typed in JAX: `x_f16 * 2.0` stays float16.
@@ -141,9 +153,13 @@ class JitFunction:
         static_argnums: Sequence[int],
         static_argnames: Sequence[str],
         donate_argnums: Sequence[int],
+        in_shardings: Any = None,
+        out_shardings: Any = None,
     ):
         self._fun = fun
         self._session = session
+        self._in_shardings = in_shardings
+        self._out_shardings = out_shardings
         self._static_argnums = tuple(sorted(set(int(i) for i in static_argnums)))
         self._static_argnames = frozenset(static_argnames)
         self._donate_argnums = frozenset(int(i) for i in donate_argnums)
@@ -226,11 +242,27 @@ class JitFunction:
         dyn_args_sds, dyn_kw_sds = jax.tree_util.tree_unflatten(treedef, sds)
         platform = jax_platform(session)
         name = getattr(fun, "__name__", "function")
+        sharded = self._in_shardings is not None or self._out_shardings is not None
         try:
             with _without_source_locations():
-                exp = jax_export.export(jax.jit(bound), platforms=[platform])(
-                    dyn_args_sds, dyn_kw_sds
-                )
+                if sharded:
+                    # jax.jit's own in_shardings/out_shardings (positional arguments only, as
+                    # in jax.jit); the flat leaves keep the order of (dyn_args, dyn_kw).
+                    def positional(*a: Any, **k: Any) -> Any:
+                        return bound(a, k)
+
+                    kw: dict[str, Any] = {}
+                    if self._in_shardings is not None:
+                        kw["in_shardings"] = self._in_shardings
+                    if self._out_shardings is not None:
+                        kw["out_shardings"] = self._out_shardings
+                    exp = jax_export.export(jax.jit(positional, **kw), platforms=[platform])(
+                        *dyn_args_sds, **dyn_kw_sds
+                    )
+                else:
+                    exp = jax_export.export(jax.jit(bound), platforms=[platform])(
+                        dyn_args_sds, dyn_kw_sds
+                    )
         except NotImplementedError as e:
             raise Unsupported(
                 "unsupported", f"tpubox.jax.jit({name}): jax.export cannot export it: {e}"
@@ -245,7 +277,15 @@ class JitFunction:
                     "tensor needs jax_enable_x64; or put it with the dtype JAX uses)"
                 )
             in_dtypes.append(np.dtype(aval.dtype))
-        exe = session.compile(exp.mlir_module_serialized, format="bytecode")
+        n_devices = int(exp.nr_devices)
+        if n_devices > 1:
+            exe = session.compile(
+                exp.mlir_module_serialized,
+                format="bytecode",
+                devices=_mesh_devices(session, n_devices),
+            )
+        else:
+            exe = session.compile(exp.mlir_module_serialized, format="bytecode")
         kept = tuple(int(i) for i in exp.module_kept_var_idx)
         if len(exe.parameters) != len(kept) or len(exe.results) != len(exp.out_avals):
             exe.free()
@@ -267,12 +307,6 @@ class JitFunction:
 
     @staticmethod
     def _check(exp: Any, name: str, n_leaves: int) -> None:
-        if exp.nr_devices != 1:
-            raise Unsupported(
-                "unsupported",
-                f"tpubox.jax.jit({name}): exported for {exp.nr_devices} devices; a session runs "
-                "single-device programs",
-            )
         effects = tuple(exp.ordered_effects) + tuple(exp.unordered_effects)
         if effects:
             raise Unsupported(
@@ -325,19 +359,40 @@ class JitFunction:
         """
         session = self._session_for(None)
         entry, sent = self._entry(session, args, kwargs)
+        exe = entry.executable
+        spmd = exe.is_spmd
         call_args: list[Any] = []
-        for i in entry.kept:
+        for j, i in enumerate(entry.kept):
             leaf = sent[i]
-            if isinstance(leaf, Tensor):
+            if isinstance(leaf, (Tensor, ShardedTensor)):
                 if leaf.session is not session and leaf.session.session_id != session.session_id:
                     raise ValueError(
                         f"tpubox.jax.jit: {leaf!r} belongs to session "
                         f"{leaf.session.session_id}, not {session.session_id}"
                     )
-                call_args.append(leaf)
+                if spmd and isinstance(leaf, ShardedTensor):
+                    if (
+                        leaf.sharding == exe.parameter_shardings[j]
+                        and leaf.devices == exe.devices
+                    ):
+                        call_args.append(leaf)
+                        continue
+                    # Laid out otherwise: resharded through the host, as the program takes it.
+                    call_args.append(leaf.numpy())
+                elif spmd or isinstance(leaf, ShardedTensor):
+                    call_args.append(leaf.numpy())  # the global array, split by the daemon
+                else:
+                    call_args.append(leaf)
             else:
                 call_args.append(np.asarray(leaf, dtype=entry.in_dtypes[i]))
-        outs = entry.executable(*call_args, donate=entry.donate)
+        outs = exe(*call_args, donate=entry.donate)
+        if spmd:
+            # The daemon's global shape is the per-device shape times the tiles; where the
+            # tiles do not divide a dimension, JAX's is smaller (the shards are the same).
+            for o, aval in zip(outs, entry.exported.out_avals):
+                if isinstance(o, ShardedTensor) and o.shape != tuple(aval.shape):
+                    o.shape = tuple(int(d) for d in aval.shape)
+                    o.nbytes = int(np.prod(o.shape, dtype=np.int64)) * o.dtype.itemsize
         return jax.tree_util.tree_unflatten(entry.exported.out_tree, outs)
 
     def clear_cache(self) -> None:
@@ -353,6 +408,33 @@ class JitFunction:
 
     def __repr__(self) -> str:
         return f"tpubox.jax.jit({getattr(self._fun, '__name__', self._fun)!r})"
+
+
+def _mesh_devices(session: Session, n: int) -> list[int]:
+    """The session devices a program over N devices is compiled for: the session's first N,
+    logical (mesh) device i on ``session.devices[i]``. A session with fewer gets the host's
+    other devices after its own, which the daemon refuses (PermissionDenied, naming the first
+    the session does not hold), or indices past the host's (InvalidArgument, NotFound)."""
+    devs = list(session.devices)
+    if len(devs) >= n:
+        return devs[:n]
+    others = [d.index for d in session.platform.devices if d.index not in devs]
+    devs += others[: n - len(devs)]
+    nxt = max([*devs, len(session.platform.devices) - 1]) + 1
+    while len(devs) < n:
+        devs.append(nxt)
+        nxt += 1
+    return devs
+
+
+def _hlo_sharding(sharding: Any, ndim: int) -> str:
+    """XLA's text form of a JAX sharding (``NamedSharding``, ``PositionalSharding``...) of an
+    array of NDIM dims; its device numbers are positions in the sharding's device
+    assignment (the mesh's ``devices.flat``)."""
+    to_xla = getattr(sharding, "_to_xla_hlo_sharding", None)
+    if to_xla is None:
+        raise TypeError(f"tpubox.jax: {sharding!r} is not a JAX sharding")
+    return str(to_xla(ndim))
 
 
 def _leaf_positions(treedef: Any, dyn_positions: tuple[int, ...]) -> list[int]:
@@ -373,6 +455,8 @@ def jit(
     static_argnums: int | Iterable[int] = (),
     static_argnames: str | Iterable[str] = (),
     donate_argnums: int | Iterable[int] = (),
+    in_shardings: Any = None,
+    out_shardings: Any = None,
 ) -> Any:
     """Compiles FUN for the tpubox daemon's device, like ``jax.jit``.
 
@@ -386,9 +470,20 @@ def jit(
             signature (hashable), as in ``jax.jit``.
         donate_argnums: positional arguments whose tensors are donated to the execution (their
             device memory may be reused; the Tensors cannot be used again).
+        in_shardings, out_shardings: as in ``jax.jit``: JAX shardings (``NamedSharding`` over
+            a ``Mesh`` of the client's JAX CPU devices), one per positional argument
+            (pytree prefixes; not with keyword arguments, as in JAX) and per output. The
+            program then runs on the session's first ``mesh.size`` devices, mesh device i on
+            ``session.devices[i]``; a ``shard_map`` inside FUN needs none of them (its mesh
+            says the devices). Global arrays are split by the daemon, and the outputs are
+            :class:`tpubox.ShardedTensor` s (global shape and dtype as JAX's).
 
     Returns:
-        A :class:`JitFunction`: calling it returns the outputs as :class:`tpubox.Tensor` s.
+        A :class:`JitFunction`: calling it returns the outputs as :class:`tpubox.Tensor` s
+        (:class:`tpubox.ShardedTensor` s for a program over several devices).
+
+    Raises (at the first call):
+        tpubox.PermissionDenied: a mesh larger than the session's devices.
     """
     as_tuple = lambda v: (v,) if isinstance(v, (int, str)) else tuple(v)  # noqa: E731
     if fun is None:
@@ -398,6 +493,8 @@ def jit(
             static_argnums=static_argnums,
             static_argnames=static_argnames,
             donate_argnums=donate_argnums,
+            in_shardings=in_shardings,
+            out_shardings=out_shardings,
         )
     return JitFunction(
         fun,
@@ -405,28 +502,61 @@ def jit(
         static_argnums=as_tuple(static_argnums),
         static_argnames=as_tuple(static_argnames),
         donate_argnums=as_tuple(donate_argnums),
+        in_shardings=in_shardings,
+        out_shardings=out_shardings,
     )
 
 
 def device_get(tree: Any) -> Any:
-    """TREE with every :class:`tpubox.Tensor` leaf replaced by its NumPy array (other leaves
-    as they are)."""
-    return jax.tree_util.tree_map(lambda x: x.numpy() if isinstance(x, Tensor) else x, tree)
+    """TREE with every :class:`tpubox.Tensor` and :class:`tpubox.ShardedTensor` leaf replaced
+    by its NumPy array (a sharded one gathered; other leaves as they are)."""
+    return jax.tree_util.tree_map(
+        lambda x: x.numpy() if isinstance(x, (Tensor, ShardedTensor)) else x, tree
+    )
 
 
-def device_put(tree: Any, session: Session | None = None) -> Any:
+def device_put(tree: Any, session: Session | None = None, sharding: Any = None) -> Any:
     """TREE with every array leaf put on the daemon's device as a :class:`tpubox.Tensor`
     (Tensors stay as they are), in SESSION (default :func:`tpubox.default_session`). Leaves
-    take the dtypes JAX would give them (float64 becomes float32 unless ``jax_enable_x64``)."""
+    take the dtypes JAX would give them (float64 becomes float32 unless ``jax_enable_x64``).
+
+    With SHARDING (a JAX sharding such as ``NamedSharding(mesh, P("x"))``, or a pytree prefix
+    of them), each leaf becomes a :class:`tpubox.ShardedTensor` laid out as
+    ``jax.device_put(x, sharding)`` lays it out on the client's devices, on the session's
+    devices instead (mesh device i on ``session.devices[i]``).
+
+    Raises:
+        tpubox.PermissionDenied: a mesh larger than the session's devices; as
+        :meth:`tpubox.Session.put_sharded`.
+    """
     s = session or _session.default_session()
 
     def put(x: Any) -> Any:
-        if isinstance(x, Tensor):
+        if isinstance(x, (Tensor, ShardedTensor)):
             return x
         a, _ = _leaf_spec(x)
         return s.tensor(a)
 
-    return jax.tree_util.tree_map(put, tree)
+    if sharding is None:
+        return jax.tree_util.tree_map(put, tree)
+
+    def put_sharded(sh: Any, sub: Any) -> Any:
+        def one(x: Any) -> Any:
+            if isinstance(x, ShardedTensor):
+                return x
+            if isinstance(x, Tensor):
+                x = x.numpy()
+            a, _ = _leaf_spec(x)
+            n = len(getattr(sh, "_device_assignment", ())) or None
+            devices = _mesh_devices(s, n) if n else None
+            return s.put_sharded(a, _hlo_sharding(sh, a.ndim), devices=devices)
+
+        return jax.tree_util.tree_map(one, sub)
+
+    is_sharding = lambda x: isinstance(x, jax.sharding.Sharding)  # noqa: E731
+    if is_sharding(sharding):
+        return put_sharded(sharding, tree)
+    return jax.tree_util.tree_map(put_sharded, sharding, tree, is_leaf=is_sharding)
 
 
 # ---------------------------------------------------------------------------------------------

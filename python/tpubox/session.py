@@ -23,6 +23,7 @@ import collections
 import contextlib
 import errno
 import os
+import re
 import sys
 import threading
 import time
@@ -34,7 +35,7 @@ import grpc
 import numpy as np
 
 from . import _dtypes, _local, _output, _transport
-from ._handles import Executable, Handle, Tensor, drain
+from ._handles import Executable, Handle, ShardedTensor, Tensor, drain
 from ._proto import session_pb2 as pb
 from ._proto import session_pb2_grpc as pb_grpc
 from ._transport import CHUNK_BYTES
@@ -65,6 +66,7 @@ __all__ = [
     "tenant_usage",
     "Session",
     "Tensor",
+    "ShardedTensor",
     "Executable",
     "TensorSpec",
     "Limits",
@@ -202,6 +204,7 @@ class Session:
         self._channel = channel
         self._stub = pb_grpc.SessionStub(channel)
         self._put, self._get = _transport.bulk_calls(channel)
+        self._put_sharded, self._get_sharded_call = _transport.sharded_calls(channel)
         self._closed = False
         self._close_lock = threading.Lock()
         self._pending_tensors: collections.deque[int] = collections.deque()
@@ -422,6 +425,66 @@ class Session:
             out.append(_result(Tensor._from_pb(self, r.info), raw))
         return out
 
+    def _call_sharded(
+        self,
+        executable: int,
+        args: Sequence[ShardedTensor | np.ndarray],
+        donate: Sequence[int],
+        fetch: Sequence[int],
+        keep: Sequence[int],
+        free: Sequence[int],
+        timeout: float | None,
+    ) -> list[ShardedTensor | np.ndarray]:
+        """One ``CallSharded`` (always over gRPC): ARGS are ShardedTensors of this session or
+        normalised global arrays, sent inline; returns one entry per result: the gathered
+        global array when it was fetched and not kept, else a ShardedTensor."""
+        req = pb.CallShardedRequest(
+            executable=executable,
+            donate=[int(i) for i in donate],
+            fetch=[int(i) for i in fetch],
+            keep=[int(i) for i in keep],
+            free=[int(h) for h in free],
+        )
+        for a in args:
+            if isinstance(a, ShardedTensor):
+                req.arguments.add(shards=pb.ShardHandles(handles=[t.handle for t in a.shards]))
+            else:
+                spec = pb.TensorSpec(dtype=_dtypes.to_wire(a.dtype), dims=a.shape)
+                req.arguments.add(array=pb.InlineTensor(spec=spec, data=_raw(a).tobytes()))
+        resp = self._unary("CallSharded", req, timeout)
+        out: list[ShardedTensor | np.ndarray] = []
+        for r in resp.results:
+            st = ShardedTensor._from_pb(self, r.info)
+            if not r.fetched:
+                out.append(st)
+                continue
+            a = np.frombuffer(r.data, np.uint8).view(st.dtype.newbyteorder("<")).reshape(st.shape)
+            if not a.flags.writeable:
+                a = a.copy()
+            if st.shards and st.shards[0].handle == 0:
+                for t in st.shards:
+                    t._freed = True  # never handles: nothing to free
+                out.append(a)
+            else:
+                out.append(st)
+        return out
+
+    def _get_sharded(self, st: ShardedTensor, *, timeout: float | None = None) -> np.ndarray:
+        """The global array of ST, gathered by the daemon (GetShardedTensor)."""
+        self._check_open()
+        self._flush_frees()
+        req = pb.GetShardedTensorRequest(
+            spec=pb.TensorSpec(dtype=_dtypes.to_wire(st.dtype), dims=st.shape),
+            sharding=st.sharding,
+            shards=[t.handle for t in st.shards],
+            chunk_bytes=CHUNK_BYTES,
+        )
+        call = self._get_sharded_call(req, metadata=self._md, timeout=timeout)
+        try:
+            return _transport.read_tensor(call)
+        except grpc.RpcError as e:
+            raise self._error(e, "GetShardedTensor") from None
+
     def _wait(self, tensors: list[int], all: bool, timeout: Any) -> None:
         if self._local is not None:
             self._local_request("wait", {"tensors": tensors, "all": all}, None, timeout)
@@ -602,13 +665,81 @@ class Session:
         except grpc.RpcError as e:
             raise self._error(e, "GetTensor") from None
 
+    def put_sharded(
+        self,
+        value: ArrayLike,
+        sharding: str,
+        devices: Sequence[int] | None = None,
+        *,
+        dtype: Any = None,
+        timeout: float | None = None,
+    ) -> ShardedTensor:
+        """Puts the global array VALUE on several devices as SHARDING lays it out, one
+        :class:`Tensor` per device (what ``jax.device_put(x, NamedSharding(mesh, spec))``
+        does; :func:`tpubox.jax.device_put` takes JAX's shardings). The daemon splits it: each
+        device gets its part in a buffer of the sharding's tile dims (``ceil(n / tiles)``
+        along each dim, zero-padded where the tiles do not divide it), charged on that
+        device.
+
+        Args:
+            value: the global array (as for :meth:`tensor`).
+            sharding: XLA's text form of the sharding, e.g. ``"{devices=[4,1]<=[4]}"`` (dim 0
+                in 4 parts, part k on logical device k), ``"{devices=[2,2]<=[4]}"`` (a 2x2
+                grid), ``"{devices=[2,1,2]<=[4] last_tile_dim_replicate}"`` (dim 0 in 2
+                parts, each on 2 devices), ``"{replicated}"`` (a whole copy on each device);
+                what an :class:`Executable`'s ``parameter_shardings`` hold.
+            devices: the session device of each logical device of the sharding, in order
+                (default: the first as many of :attr:`devices` as the sharding names; all of
+                them for ``{replicated}``).
+            dtype: convert to this dtype first.
+            timeout: deadline of the upload in seconds (default none).
+
+        Returns:
+            A :class:`ShardedTensor` (global ``shape`` and ``dtype``, ``sharding``,
+            ``devices``, ``shards``).
+
+        Raises:
+            TypeError: a dtype tpubox tensors cannot hold.
+            tpubox.InvalidArgument: a sharding that does not parse, does not tile VALUE's rank,
+                or does not name exactly ``len(devices)`` devices; a device given twice;
+            tpubox.PermissionDenied: a device that is not one of :attr:`devices`;
+            tpubox.NotFound: a device the host lacks; tpubox.Unsupported: a sharding with no
+                global view (``{manual}``);
+            tpubox.ResourceExhausted: over ``max-device-bytes`` (in all or on one device) or
+                ``max-live-tensors``; nothing is kept.
+        """
+        a = _dtypes.as_device_array(value, dtype)
+        if devices is None:
+            n = _sharding_devices(sharding)
+            devices = self.devices if n is None else self.devices[:n]
+        header = pb.PutShardedChunk(
+            spec=pb.TensorSpec(dtype=_dtypes.to_wire(a.dtype), dims=a.shape),
+            sharding=str(sharding),
+            devices=[int(d) for d in devices],
+        )
+        self._check_open()
+        self._flush_frees()
+        try:
+            info = self._put_sharded(
+                _transport.put_sharded_messages(header, _raw(a)),
+                metadata=self._md,
+                timeout=timeout,
+            )
+        except grpc.RpcError as e:
+            raise self._error(e, "PutShardedTensor") from None
+        return ShardedTensor._from_pb(self, info)
+
     def free(self, *handles: Handle) -> int:
-        """Frees tensors and executables (Tensor and Executable objects, or tensor handle
-        numbers) in one call. Returns how many the daemon freed; unknown handles (already freed,
-        another session's) are not an error."""
+        """Frees tensors, sharded tensors (every shard) and executables (Tensor, ShardedTensor
+        and Executable objects, or tensor handle numbers) in one call. Returns how many
+        handles the daemon freed; unknown handles (already freed, another session's) are not
+        an error."""
         tensors: list[int] = []
         executables: list[int] = []
+        flat: list[Any] = []
         for h in handles:
+            flat.extend(h.shards if isinstance(h, ShardedTensor) else (h,))
+        for h in flat:
             if isinstance(h, Tensor):
                 if h._freed:
                     continue
@@ -719,8 +850,16 @@ class Session:
         device: int | None = None,
         optimization_level: str | None = None,
         timeout: float | None = None,
+        devices: Sequence[int] | None = None,
     ) -> Executable:
         """Compiles a StableHLO program whose entry function is ``main``.
+
+        A program over several devices (a ``jax.export`` of ``jax.jit`` with shardings over a
+        mesh of N devices, or of a ``shard_map``: its module says ``mhlo.num_partitions = N``)
+        is compiled with ``devices=`` naming N of the session's devices: one partition each,
+        XLA's SPMD partitioner (Shardy) splitting it and inserting its collectives. Call it
+        with global arrays or :class:`ShardedTensor` s; it returns ShardedTensors
+        (``Executable.devices``, ``parameter_shardings``, ``result_shardings`` say how).
 
         The returned executable's ``tier`` says which compile-cache tier served it; a compile
         served from the daemon's memory (tier 1) is not charged against
@@ -738,6 +877,9 @@ class Session:
                 fused programs); default: the plugin's. Part of the compile-cache key.
             timeout: deadline in seconds (default none; the daemon bounds a compile with its
                 ``--max-compile-seconds``).
+            devices: compile one SPMD program over these device indices of the session (in
+                order: partition k runs on ``devices[k]``); ``device`` is then ignored. Their
+                number must be the program's partition count.
 
         Raises:
             tpubox.CompileFailed: it did not parse or compile; tpubox.PermissionDenied: the
@@ -745,7 +887,9 @@ class Session:
             ``max-program-bytes``, ``max-compiles-per-minute``, ``max-live-executables``, or
             results and temporaries that cannot fit ``max-device-bytes``;
             tpubox.PermissionDenied also for a device that is not one of the session's
-            (:attr:`devices`).
+            (:attr:`devices`), e.g. a program over more devices than the session holds;
+            tpubox.NotFound for a device the host lacks; tpubox.InvalidArgument for a device
+            named twice or more devices than the host has.
         """
         if isinstance(program, os.PathLike):
             data = Path(program).read_bytes()
@@ -763,6 +907,8 @@ class Session:
                 f"not {optimization_level!r}"
             )
         req = pb.CompileRequest(program=data, format=fmt)
+        if devices is not None:
+            req.devices.extend(int(d) for d in devices)
         if device is None and self.devices:
             # Named, not left to the daemon: its Compile takes an unset device as 0.
             device = self.devices[0]
@@ -878,6 +1024,22 @@ class WeightSet(dict):  # type: ignore[type-arg]
 
     def __repr__(self) -> str:
         return f"WeightSet({self.name!r}, version={self.version}, tensors={sorted(self)})"
+
+
+_TILE_DEVICES = re.compile(r"devices=\[([0-9,\s]+)\]")
+
+
+def _sharding_devices(sharding: str) -> int | None:
+    """How many logical devices a sharding in XLA's text form names: the product of its tile
+    assignment's dims (``{devices=[2,1,2]<=[4] ...}``: 4); None when it names no count
+    (``{replicated}``, ``{maximal device=k}``: as many as there are)."""
+    m = _TILE_DEVICES.search(str(sharding))
+    if m is None:
+        return None
+    try:
+        return int(np.prod([int(x) for x in m.group(1).split(",") if x.strip()]))
+    except ValueError:
+        return None
 
 
 def _raw(a: np.ndarray) -> memoryview:

@@ -15,7 +15,9 @@ use tonic::{Request, Response, Status, Streaming};
 
 use super::SessionAccess;
 use super::policy::RequestedLimits;
-use super::registry::{AccessError, CallArg, CallSpec, LiveSession, Registry};
+use super::registry::{
+    AccessError, CallArg, CallSpec, LiveSession, Registry, ShardedCallArg, ShardedCallSpec,
+};
 use tpubox_core::error::{DeviceError, ErrorKind};
 use tpubox_core::placement::PlacementRequest;
 use tpubox_core::session::{ProgramFormat, TensorHandle};
@@ -163,6 +165,105 @@ fn tensor_info(handle: u64, t: &TensorHandle) -> TensorInfo {
         read_only: t.is_read_only(),
         weights: wire_weights(t.weight_versions()),
     }
+}
+
+/// Longest sharding text a request may carry (XLA's text form of any sharding of a host's
+/// devices is far shorter).
+pub const MAX_SHARDING_TEXT: usize = 64 << 10;
+
+/// Parses a sharding a client sent (XLA's text form). Only the forms an array can have are
+/// taken: braces nest at most twice (`{devices=[2,2]0,1,2,3 last_tile_dims={manual}}`), so a
+/// hostile tuple nested thousands deep never reaches the recursive parser.
+///
+/// Errors: `invalid-argument` for text over [`MAX_SHARDING_TEXT`], nested deeper, or that
+/// does not parse.
+fn parse_sharding(text: &str) -> Result<pjrt::HloSharding, Status> {
+    if text.len() > MAX_SHARDING_TEXT {
+        return Err(invalid(format!(
+            "a sharding is at most {MAX_SHARDING_TEXT} bytes of text, this one {}",
+            text.len()
+        )));
+    }
+    let mut depth = 0usize;
+    for c in text.bytes() {
+        match c {
+            b'{' => {
+                depth += 1;
+                if depth > 2 {
+                    return Err(invalid(
+                        "a sharding's braces nest at most twice (a tuple sharding is not an array's)",
+                    ));
+                }
+            }
+            b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    text.parse::<pjrt::HloSharding>().map_err(|e| {
+        let shown: String = text.chars().take(200).collect();
+        invalid(format!(
+            "`{shown}` is not a sharding in XLA's text form: {}",
+            e.message
+        ))
+    })
+}
+
+fn sharding_info(sharding: &pjrt::HloSharding, global: &TensorSpec) -> ShardingInfo {
+    ShardingInfo {
+        sharding: sharding.to_string(),
+        global_spec: Some(wire_spec(global)),
+    }
+}
+
+fn sharded_info(
+    global: &v1::TensorSpec,
+    byte_size: u64,
+    sharding: &pjrt::HloSharding,
+    shards: &[(u64, Arc<TensorHandle>)],
+) -> ShardedTensorInfo {
+    ShardedTensorInfo {
+        spec: Some(global.clone()),
+        sharding: sharding.to_string(),
+        shards: shards.iter().map(|(h, t)| tensor_info(*h, t)).collect(),
+        byte_size,
+    }
+}
+
+/// A gathered global array as the owner of [`Bytes`] slices (`GetShardedTensor` chunks),
+/// holding its transfer charge until the last chunk is dropped.
+struct GatheredCopy {
+    bytes: Vec<u8>,
+    _charge: tpubox_core::tenant::Charge,
+}
+
+impl AsRef<[u8]> for GatheredCopy {
+    fn as_ref(&self) -> &[u8] {
+        &self.bytes
+    }
+}
+
+/// The chunks of a tensor's bytes as a `GetTensor`-style stream: `info` in the first.
+fn chunk_stream(
+    info: TensorInfo,
+    data: Bytes,
+    chunk: usize,
+    held: impl Send + 'static,
+) -> EventStream<TensorChunk> {
+    let len = data.len();
+    Box::pin(futures::stream::unfold(
+        (Some(info), 0usize, data, held),
+        move |(info, off, data, held)| async move {
+            if info.is_none() && off >= len {
+                return None;
+            }
+            let end = (off + chunk).min(len);
+            let msg = TensorChunk {
+                info,
+                data: data.slice(off..end),
+            };
+            Some((Ok(msg), (None, end, data, held)))
+        },
+    ))
 }
 
 fn wire_weights(tags: &[tpubox_core::session::WeightTag]) -> Vec<v1::WeightVersion> {
@@ -641,12 +742,31 @@ impl SessionRpc for Service {
                     .map_err(|e| invalid(e.message))?,
             ),
         };
-        let settings = tpubox_core::CompileSettings {
-            device: r
-                .device
-                .unwrap_or_else(|| s.session().placement().default_device()),
-            optimization_level,
-            ..Default::default()
+        let host_devices = s.session().device().device_count() as usize;
+        if r.devices.len() > host_devices {
+            return Err(invalid(format!(
+                "a program over {} devices; this host has {host_devices}",
+                r.devices.len()
+            )));
+        }
+        let settings = if r.devices.len() > 1 {
+            tpubox_core::CompileSettings {
+                device: r.devices[0],
+                devices: r.devices,
+                optimization_level,
+                ..Default::default()
+            }
+        } else {
+            tpubox_core::CompileSettings {
+                device: r
+                    .devices
+                    .first()
+                    .copied()
+                    .or(r.device)
+                    .unwrap_or_else(|| s.session().placement().default_device()),
+                optimization_level,
+                ..Default::default()
+            }
         };
         let exe = s
             .session()
@@ -654,7 +774,21 @@ impl SessionRpc for Service {
             .await
             .map_err(device_status)?;
         let e = exe.executable();
+        let sh = e.shardings().map_err(device_status)?;
         let reply = CompileResponse {
+            devices: e.devices().to_vec(),
+            parameter_shardings: sh
+                .params
+                .iter()
+                .zip(&sh.global_inputs)
+                .map(|(x, g)| sharding_info(x, g))
+                .collect(),
+            result_shardings: sh
+                .outputs
+                .iter()
+                .zip(&sh.global_outputs)
+                .map(|(x, g)| sharding_info(x, g))
+                .collect(),
             executable: 0,
             parameters: e.inputs().iter().map(wire_spec).collect(),
             results: e.outputs().iter().map(wire_spec).collect(),
@@ -741,6 +875,197 @@ impl SessionRpc for Service {
             freed: out.freed,
             unknown: out.unknown,
             launch_id: out.launch_id,
+        }))
+    }
+
+    async fn put_sharded_tensor(
+        &self,
+        req: Request<Streaming<PutShardedChunk>>,
+    ) -> Result<Response<ShardedTensorInfo>, Status> {
+        let (s, _active) = self.session(req.metadata())?;
+        let mut stream = req.into_inner();
+        let first = stream.message().await?.ok_or_else(|| {
+            invalid("PutShardedTensor got no message; the first carries the header")
+        })?;
+        let spec = first.spec.clone().ok_or_else(|| {
+            invalid("the first PutShardedTensor message must carry the global spec")
+        })?;
+        let ty = primitive(spec.dtype)?;
+        let host_devices = s.session().device().device_count() as usize;
+        if first.devices.is_empty() || first.devices.len() > host_devices {
+            return Err(invalid(format!(
+                "a sharded array is on 1 to {host_devices} devices of this host, not {}",
+                first.devices.len()
+            )));
+        }
+        let sharding = parse_sharding(&first.sharding)?;
+        // As PutTensor: refuse what can never fit and charge the declared global size before
+        // any data is read; the charge is held until this call ends.
+        let (expected, _upload) = s
+            .session()
+            .admit_upload(ty, &spec.dims, "this PutShardedTensor upload")
+            .map_err(device_status)?;
+        s.admit_handles(first.devices.len())
+            .map_err(access_status)?;
+        let too_much = || {
+            invalid(format!(
+                "PutShardedTensor sent more than the {expected} bytes a {ty} array of dims {:?} holds",
+                spec.dims
+            ))
+        };
+        if first.data.len() > expected {
+            return Err(too_much());
+        }
+        let mut data = first.data;
+        let mut buf: Option<Vec<u8>> = None;
+        while let Some(m) = stream.message().await? {
+            if m.spec.is_some() || !m.sharding.is_empty() || !m.devices.is_empty() {
+                return Err(invalid(
+                    "only the first PutShardedTensor message may carry the header",
+                ));
+            }
+            if m.data.is_empty() {
+                continue;
+            }
+            let have = buf.as_ref().map_or(data.len(), Vec::len);
+            if have + m.data.len() > expected {
+                return Err(too_much());
+            }
+            let v = buf.get_or_insert_with(|| {
+                let mut v = Vec::with_capacity(expected);
+                v.extend_from_slice(&data);
+                v
+            });
+            v.extend_from_slice(&m.data);
+        }
+        if buf.is_some() {
+            data = Bytes::new();
+        }
+        let bytes: &[u8] = buf.as_deref().unwrap_or(&data);
+        let shards = s
+            .put_global(ty, &spec.dims, bytes, &sharding, &first.devices)
+            .map_err(access_status)?;
+        Ok(Response::new(sharded_info(
+            &spec,
+            expected as u64,
+            &sharding,
+            &shards,
+        )))
+    }
+
+    type GetShardedTensorStream = EventStream<TensorChunk>;
+
+    async fn get_sharded_tensor(
+        &self,
+        req: Request<GetShardedTensorRequest>,
+    ) -> Result<Response<Self::GetShardedTensorStream>, Status> {
+        let (s, active) = self.session(req.metadata())?;
+        let r = req.into_inner();
+        let chunk = match r.chunk_bytes {
+            0 => DEFAULT_CHUNK_BYTES,
+            n => (n.min(MAX_CHUNK_BYTES as u64) as usize).max(MIN_CHUNK_BYTES),
+        };
+        let spec = r
+            .spec
+            .ok_or_else(|| invalid("GetShardedTensor needs the global spec"))?;
+        let ty = primitive(spec.dtype)?;
+        let sharding = parse_sharding(&r.sharding)?;
+        let bytes = s
+            .session()
+            .admit_tensor(ty, &spec.dims)
+            .map_err(device_status)?;
+        // The gathered copy and, while it is made, one shard's host copy: twice its bytes.
+        let charge = s
+            .tenant()
+            .charge_transfer(
+                (bytes as u64).saturating_mul(2),
+                "the gathered copy of a sharded array being read",
+            )
+            .map_err(device_status)?;
+        let device = match r.shards.first() {
+            Some(&h) => s.tensor(h).map_err(access_status)?.device(),
+            None => 0,
+        };
+        let data = s
+            .read_global(ty, &spec.dims, &sharding, &r.shards)
+            .await
+            .map_err(access_status)?;
+        drop(active);
+        let info = TensorInfo {
+            handle: 0,
+            spec: Some(spec),
+            device,
+            byte_size: data.len() as u64,
+            read_only: false,
+            weights: vec![],
+        };
+        let data = Bytes::from_owner(GatheredCopy {
+            bytes: data,
+            _charge: charge,
+        });
+        Ok(Response::new(chunk_stream(info, data, chunk, ())))
+    }
+
+    async fn call_sharded(
+        &self,
+        req: Request<CallShardedRequest>,
+    ) -> Result<Response<CallShardedResponse>, Status> {
+        let (s, _active) = self.session(req.metadata())?;
+        let r = req.into_inner();
+        let mut arguments = Vec::with_capacity(r.arguments.len());
+        let mut inline = Vec::new();
+        for (i, a) in r.arguments.into_iter().enumerate() {
+            arguments.push(match a.argument {
+                Some(sharded_argument::Argument::Shards(h)) => ShardedCallArg::Shards(h.handles),
+                Some(sharded_argument::Argument::Array(t)) => {
+                    let spec = t.spec.ok_or_else(|| {
+                        invalid(format!(
+                            "argument {i}: an inline global array needs its spec"
+                        ))
+                    })?;
+                    inline.push(t.data);
+                    ShardedCallArg::Inline {
+                        ty: primitive(spec.dtype)
+                            .map_err(|e| invalid(format!("argument {i}: {}", e.message())))?,
+                        dims: spec.dims,
+                    }
+                }
+                None => {
+                    return Err(invalid(format!(
+                        "argument {i} is empty: shard handles or an inline global array"
+                    )));
+                }
+            });
+        }
+        let plan = s
+            .plan_call_sharded(ShardedCallSpec {
+                executable: r.executable,
+                arguments,
+                donate: r.donate,
+                fetch: r.fetch,
+                keep: r.keep,
+                free: r.free,
+            })
+            .map_err(access_status)?;
+        let slices: Vec<&[u8]> = inline.iter().map(|b| b.as_ref()).collect();
+        let out = plan.run(&s, &slices).await.map_err(access_status)?;
+        let results = out
+            .results
+            .into_iter()
+            .map(|o| {
+                let global = wire_spec(&o.global);
+                let size = tpubox_core::types::spec_byte_size(&o.global);
+                ShardedResult {
+                    info: Some(sharded_info(&global, size, &o.sharding, &o.shards)),
+                    fetched: o.data.is_some(),
+                    data: o.data.map(Bytes::from_owner).unwrap_or_default(),
+                }
+            })
+            .collect();
+        Ok(Response::new(CallShardedResponse {
+            results,
+            freed: out.freed,
+            unknown: out.unknown,
         }))
     }
 

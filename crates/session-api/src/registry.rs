@@ -163,6 +163,192 @@ impl LiveSession {
         self.insert_tensor(t)
     }
 
+    /// Adds tensors all at once: every one, or (after the session ended) none, the tensors
+    /// dropped with their charges and [`AccessError::Ended`] returned.
+    pub fn insert_tensors(
+        &self,
+        ts: Vec<TensorHandle>,
+    ) -> AccessResult<Vec<(u64, Arc<TensorHandle>)>> {
+        let out: Vec<(u64, Arc<TensorHandle>)> = ts
+            .into_iter()
+            .map(|t| (NEXT_HANDLE.fetch_add(1, Ordering::Relaxed), Arc::new(t)))
+            .collect();
+        self.with_tables(|tables| {
+            for (id, t) in &out {
+                tables.tensors.insert(*id, Arc::clone(t));
+            }
+        })?;
+        Ok(out)
+    }
+
+    /// Puts a global array on `devices` as `sharding` lays it out and adds its shards, one
+    /// handle per device in the order of `devices` (both front doors' sharded put); all or
+    /// nothing.
+    ///
+    /// Errors: as [`admit_handles`](Self::admit_handles) and [`Session::put_global`];
+    /// [`AccessError::Ended`].
+    pub fn put_global(
+        &self,
+        ty: pjrt::PrimitiveType,
+        dims: &[u64],
+        data: &[u8],
+        sharding: &pjrt::HloSharding,
+        devices: &[u32],
+    ) -> AccessResult<Vec<(u64, Arc<TensorHandle>)>> {
+        self.admit_handles(devices.len())?;
+        let shards = self.session.put_global(ty, dims, data, sharding, devices)?;
+        self.insert_tensors(shards)
+    }
+
+    /// Reads the sharded array whose shards are the handles of `shards` (entry `k` the
+    /// sharding's logical device `k`) back as its global array ([`Session::read_global`]
+    /// over the devices the shards live on).
+    ///
+    /// Errors: `not-found` for a handle this session does not have; `invalid-argument` for no
+    /// shards, or more than the host has devices; as [`Session::read_global`].
+    pub async fn read_global(
+        &self,
+        ty: pjrt::PrimitiveType,
+        dims: &[u64],
+        sharding: &pjrt::HloSharding,
+        shards: &[u64],
+    ) -> AccessResult<Vec<u8>> {
+        let max = self.session.device().device_count() as usize;
+        if shards.is_empty() || shards.len() > max {
+            return Err(DeviceError::invalid(format!(
+                "a sharded array has one shard per device: 1 to {max} on this host, not {}",
+                shards.len()
+            ))
+            .into());
+        }
+        let held = shards
+            .iter()
+            .map(|&h| self.tensor(h))
+            .collect::<Result<Vec<_>, _>>()?;
+        let devices: Vec<u32> = held.iter().map(|t| t.device()).collect();
+        let refs: Vec<&TensorHandle> = held.iter().map(|t| t.as_ref()).collect();
+        Ok(self
+            .session
+            .read_global(ty, dims, sharding, &devices, &refs)
+            .await?)
+    }
+
+    /// Admits a call of an SPMD executable (both front doors' `CallSharded`), before any
+    /// inline byte is made into a tensor: looks the executable and every shard handle up,
+    /// checks the counts (one list per parameter, one handle per device of the executable),
+    /// the `fetch` and `keep` positions and that each inline global array is the parameter's
+    /// global spec; checks that the kept shards fit the handle table; charges
+    /// each inline array's declared size ([`Session::admit_upload`]) and twice the fetched
+    /// results' global bytes as transfers in flight. [`ShardedCallPlan::run`] runs it.
+    ///
+    /// Errors: `not-found` for a handle this session does not have; `invalid-argument` for an
+    /// executable of one device, wrong counts, positions out of range or listed twice, an
+    /// inline array of another dtype or dims than the parameter's global spec, or
+    /// fetched results larger than [`MAX_CALL_FETCH_BYTES`] in all; `unsupported` when the
+    /// executable's shardings have no global view; `resource-exhausted` naming
+    /// `max-live-tensors` or `max-device-bytes`.
+    pub fn plan_call_sharded(&self, call: ShardedCallSpec) -> AccessResult<ShardedCallPlan> {
+        let exe = self.executable(call.executable)?;
+        let program = exe.executable();
+        if !program.is_spmd() {
+            return Err(DeviceError::invalid(
+                "the executable runs on one device: use Call or Execute",
+            )
+            .into());
+        }
+        let n = program.devices().len();
+        let sh = program.shardings()?;
+        let params = program.inputs().len();
+        if call.arguments.len() != params {
+            return Err(DeviceError::invalid(format!(
+                "the program takes {params} argument(s), got {}",
+                call.arguments.len()
+            ))
+            .into());
+        }
+        let outputs = program.outputs().len();
+        let fetched = positions(outputs, &call.fetch, "fetch")?;
+        let kept_fetched = positions(outputs, &call.keep, "keep")?;
+        let kept: Vec<bool> = fetched
+            .iter()
+            .zip(&kept_fetched)
+            .map(|(&f, &k)| !f || k)
+            .collect();
+        let mut args = Vec::with_capacity(params);
+        let mut charges = Vec::new();
+        let mut inline_sizes = Vec::new();
+        for (i, a) in call.arguments.into_iter().enumerate() {
+            args.push(match a {
+                ShardedCallArg::Shards(handles) => {
+                    if handles.len() != n {
+                        return Err(DeviceError::invalid(format!(
+                            "argument {i} has {} shard(s); the program runs on {n} devices",
+                            handles.len()
+                        ))
+                        .into());
+                    }
+                    ShardedPlannedArg::Shards(
+                        handles
+                            .iter()
+                            .map(|&h| self.tensor(h))
+                            .collect::<Result<Vec<_>, _>>()?,
+                    )
+                }
+                ShardedCallArg::Inline { ty, dims } => {
+                    let global = &sh.global_inputs[i];
+                    let idims = tpubox_core::types::dims_from_u64(&dims)?;
+                    if ty != global.ty || idims != global.dims {
+                        return Err(DeviceError::invalid(format!(
+                            "argument {i}: the program takes a global {} (sharded {}), got {ty}{idims:?}",
+                            tpubox_core::types::format_spec(global),
+                            sh.params[i],
+                        ))
+                        .into());
+                    }
+                    let (bytes, charge) = self
+                        .session
+                        .admit_upload(ty, &dims, &format!("inline argument {i} of this CallSharded"))
+                        .map_err(|e| {
+                            DeviceError::new(e.kind, format!("argument {i}: {}", e.message))
+                        })?;
+                    charges.push(charge);
+                    inline_sizes.push(bytes);
+                    ShardedPlannedArg::Inline { ty, dims, bytes }
+                }
+            });
+        }
+        self.admit_handles(kept.iter().filter(|&&k| k).count().saturating_mul(n))?;
+        let fetch_bytes = sh
+            .global_outputs
+            .iter()
+            .zip(&fetched)
+            .filter(|(_, f)| **f)
+            .fold(0u64, |a, (spec, _)| {
+                a.saturating_add(tpubox_core::types::spec_byte_size(spec))
+            });
+        if fetch_bytes > MAX_CALL_FETCH_BYTES {
+            return Err(DeviceError::invalid(format!(
+                "this CallSharded fetches {fetch_bytes} bytes of results, more than one reply carries ({MAX_CALL_FETCH_BYTES} bytes); keep the large results and read them with GetShardedTensor"
+            ))
+            .into());
+        }
+        let fetch_charge = self.tenant().charge_transfer(
+            fetch_bytes.saturating_mul(2),
+            "the fetched global results of this CallSharded (their shards' host copies and the reply)",
+        )?;
+        Ok(ShardedCallPlan {
+            exe,
+            args,
+            inline_sizes,
+            donate: call.donate,
+            fetched,
+            kept,
+            free: call.free,
+            _upload: charges,
+            fetch_charge: Arc::new(fetch_charge),
+        })
+    }
+
     /// Runs executable `executable` on the tensors of `arguments`, donating the positions in
     /// `donate`, and adds the results (both front doors' execute).
     ///
@@ -619,6 +805,196 @@ impl CallPlan {
             freed,
             unknown,
             launch_id,
+        })
+    }
+}
+
+/// One argument of a call of an SPMD executable ([`LiveSession::plan_call_sharded`]).
+#[derive(Debug, Clone)]
+pub enum ShardedCallArg {
+    /// One tensor handle per device of the executable, in its device order.
+    Shards(Vec<u64>),
+    /// A global array whose bytes come with the call (given to [`ShardedCallPlan::run`]),
+    /// split by the parameter's sharding.
+    Inline {
+        /// Element type.
+        ty: pjrt::PrimitiveType,
+        /// Global dims, outermost first.
+        dims: Vec<u64>,
+    },
+}
+
+/// A call of an SPMD executable as a front door received it (the fields of
+/// `CallShardedRequest`).
+#[derive(Debug, Clone, Default)]
+pub struct ShardedCallSpec {
+    /// The executable's handle.
+    pub executable: u64,
+    /// One per parameter, in order.
+    pub arguments: Vec<ShardedCallArg>,
+    /// Positions in `arguments` donated (every shard).
+    pub donate: Vec<u32>,
+    /// Positions of results whose gathered global arrays come back.
+    pub fetch: Vec<u32>,
+    /// Positions of fetched results also kept (results not fetched always are).
+    pub keep: Vec<u32>,
+    /// Tensor handles freed after the execution succeeded.
+    pub free: Vec<u64>,
+}
+
+#[derive(Debug)]
+enum ShardedPlannedArg {
+    Shards(Vec<Arc<TensorHandle>>),
+    Inline {
+        ty: pjrt::PrimitiveType,
+        dims: Vec<u64>,
+        bytes: usize,
+    },
+}
+
+/// An admitted call of an SPMD executable ([`LiveSession::plan_call_sharded`]): holds its
+/// charges until it is run or dropped.
+#[derive(Debug)]
+pub struct ShardedCallPlan {
+    exe: Arc<ExecutableHandle>,
+    args: Vec<ShardedPlannedArg>,
+    inline_sizes: Vec<usize>,
+    donate: Vec<u32>,
+    fetched: Vec<bool>,
+    kept: Vec<bool>,
+    free: Vec<u64>,
+    _upload: Vec<Charge>,
+    fetch_charge: Arc<Charge>,
+}
+
+/// One result of a call of an SPMD executable.
+#[derive(Debug)]
+pub struct ShardedOutput {
+    /// Its global spec.
+    pub global: tpubox_core::types::TensorSpec,
+    /// Its sharding.
+    pub sharding: pjrt::HloSharding,
+    /// One per device, in the executable's device order: its handle when kept (else 0) and
+    /// the tensor.
+    pub shards: Vec<(u64, Arc<TensorHandle>)>,
+    /// The gathered global array when fetched.
+    pub data: Option<Fetched>,
+}
+
+/// What a call of an SPMD executable did.
+#[derive(Debug)]
+pub struct ShardedCallOutcome {
+    /// One per result, in order.
+    pub results: Vec<ShardedOutput>,
+    /// How many handles of `free` were freed.
+    pub freed: u32,
+    /// The handles of `free` this session does not have.
+    pub unknown: Vec<u64>,
+}
+
+impl ShardedCallPlan {
+    /// The declared sizes of the inline global arrays, in bytes, in argument order.
+    pub fn inline_sizes(&self) -> &[usize] {
+        &self.inline_sizes
+    }
+
+    /// Runs the call on `session` (the one that planned it): splits the inline global arrays
+    /// onto the executable's devices ([`Session::put_global`] with each parameter's
+    /// sharding), runs it on all of them ([`Session::execute_spmd`], which waits), gathers
+    /// the fetched results ([`Session::read_global`]), adds the kept shards to the handle
+    /// table and then frees `free`. On any error nothing is added or freed.
+    ///
+    /// Errors: `invalid-argument` when a slice is not its argument's declared size; as
+    /// [`Session::put_global`], [`Session::execute_spmd`] and [`Session::read_global`];
+    /// [`AccessError::Ended`].
+    pub async fn run(
+        self,
+        session: &LiveSession,
+        inline: &[&[u8]],
+    ) -> AccessResult<ShardedCallOutcome> {
+        if inline.len() != self.inline_sizes.len() {
+            return Err(DeviceError::invalid(format!(
+                "{} inline arrays were declared and {} sent",
+                self.inline_sizes.len(),
+                inline.len()
+            ))
+            .into());
+        }
+        let s = &session.session;
+        let program = Arc::clone(self.exe.executable());
+        let sh = program.shardings()?;
+        let devices = program.devices();
+        let mut made: Vec<Vec<TensorHandle>> = Vec::new();
+        let mut next = inline.iter();
+        for (i, a) in self.args.iter().enumerate() {
+            if let ShardedPlannedArg::Inline { ty, dims, bytes } = a {
+                let data = next.next().copied().unwrap_or_default();
+                if data.len() != *bytes {
+                    return Err(DeviceError::invalid(format!(
+                        "argument {i}: a global {ty} array of dims {dims:?} holds {bytes} bytes, {} were sent",
+                        data.len()
+                    ))
+                    .into());
+                }
+                made.push(
+                    s.put_global(*ty, dims, data, &sh.params[i], devices)
+                        .map_err(|e| {
+                            DeviceError::new(e.kind, format!("argument {i}: {}", e.message))
+                        })?,
+                );
+            }
+        }
+        let mut made_iter = made.iter();
+        let args: Vec<Vec<&TensorHandle>> = self
+            .args
+            .iter()
+            .map(|a| match a {
+                ShardedPlannedArg::Shards(hs) => hs.iter().map(|h| h.as_ref()).collect(),
+                ShardedPlannedArg::Inline { .. } => made_iter
+                    .next()
+                    .map(|v| v.iter().collect())
+                    .unwrap_or_default(),
+            })
+            .collect();
+        let outputs = s.execute_spmd(&self.exe, &args, &self.donate).await?;
+        drop(args);
+        drop(made);
+        let mut results = Vec::with_capacity(outputs.len());
+        for (r, shards) in outputs.into_iter().enumerate() {
+            let global = sh.global_outputs[r].clone();
+            let data = if self.fetched[r] {
+                let dims: Vec<u64> = global.dims.iter().map(|&d| d.max(0) as u64).collect();
+                let refs: Vec<&TensorHandle> = shards.iter().collect();
+                Some(Fetched {
+                    bytes: s
+                        .read_global(global.ty, &dims, &sh.outputs[r], devices, &refs)
+                        .await?,
+                    _charge: Arc::clone(&self.fetch_charge),
+                })
+            } else {
+                None
+            };
+            results.push((global, shards, data));
+        }
+        let mut out = Vec::with_capacity(results.len());
+        for (r, (global, shards, data)) in results.into_iter().enumerate() {
+            let shards: Vec<(u64, Arc<TensorHandle>)> = if self.kept[r] {
+                session.insert_tensors(shards)?
+            } else {
+                shards.into_iter().map(|t| (0, Arc::new(t))).collect()
+            };
+            out.push(ShardedOutput {
+                global,
+                sharding: sh.outputs[r].clone(),
+                shards,
+                data,
+            });
+        }
+        let (freed, unknown) = session.free(&self.free, &[])?;
+        Ok(ShardedCallOutcome {
+            results: out,
+            freed,
+            unknown,
         })
     }
 }

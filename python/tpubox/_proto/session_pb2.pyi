@@ -259,7 +259,7 @@ class FreeResponse(_message.Message):
     def __init__(self, freed: _Optional[int] = ..., unknown: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class CompileRequest(_message.Message):
-    __slots__ = ("program", "format", "device", "optimization_level")
+    __slots__ = ("program", "format", "device", "optimization_level", "devices")
     class Format(int, metaclass=_enum_type_wrapper.EnumTypeWrapper):
         __slots__ = ()
         FORMAT_AUTO: _ClassVar[CompileRequest.Format]
@@ -272,14 +272,24 @@ class CompileRequest(_message.Message):
     FORMAT_FIELD_NUMBER: _ClassVar[int]
     DEVICE_FIELD_NUMBER: _ClassVar[int]
     OPTIMIZATION_LEVEL_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
     program: bytes
     format: CompileRequest.Format
     device: int
     optimization_level: str
-    def __init__(self, program: _Optional[bytes] = ..., format: _Optional[_Union[CompileRequest.Format, str]] = ..., device: _Optional[int] = ..., optimization_level: _Optional[str] = ...) -> None: ...
+    devices: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, program: _Optional[bytes] = ..., format: _Optional[_Union[CompileRequest.Format, str]] = ..., device: _Optional[int] = ..., optimization_level: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShardingInfo(_message.Message):
+    __slots__ = ("sharding", "global_spec")
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
+    GLOBAL_SPEC_FIELD_NUMBER: _ClassVar[int]
+    sharding: str
+    global_spec: TensorSpec
+    def __init__(self, sharding: _Optional[str] = ..., global_spec: _Optional[_Union[TensorSpec, _Mapping]] = ...) -> None: ...
 
 class CompileResponse(_message.Message):
-    __slots__ = ("executable", "parameters", "results", "result_bytes", "temp_bytes", "fingerprint", "tier")
+    __slots__ = ("executable", "parameters", "results", "result_bytes", "temp_bytes", "fingerprint", "tier", "devices", "parameter_shardings", "result_shardings")
     EXECUTABLE_FIELD_NUMBER: _ClassVar[int]
     PARAMETERS_FIELD_NUMBER: _ClassVar[int]
     RESULTS_FIELD_NUMBER: _ClassVar[int]
@@ -287,6 +297,9 @@ class CompileResponse(_message.Message):
     TEMP_BYTES_FIELD_NUMBER: _ClassVar[int]
     FINGERPRINT_FIELD_NUMBER: _ClassVar[int]
     TIER_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    PARAMETER_SHARDINGS_FIELD_NUMBER: _ClassVar[int]
+    RESULT_SHARDINGS_FIELD_NUMBER: _ClassVar[int]
     executable: int
     parameters: _containers.RepeatedCompositeFieldContainer[TensorSpec]
     results: _containers.RepeatedCompositeFieldContainer[TensorSpec]
@@ -294,7 +307,10 @@ class CompileResponse(_message.Message):
     temp_bytes: int
     fingerprint: str
     tier: str
-    def __init__(self, executable: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., result_bytes: _Optional[int] = ..., temp_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ...) -> None: ...
+    devices: _containers.RepeatedScalarFieldContainer[int]
+    parameter_shardings: _containers.RepeatedCompositeFieldContainer[ShardingInfo]
+    result_shardings: _containers.RepeatedCompositeFieldContainer[ShardingInfo]
+    def __init__(self, executable: _Optional[int] = ..., parameters: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., results: _Optional[_Iterable[_Union[TensorSpec, _Mapping]]] = ..., result_bytes: _Optional[int] = ..., temp_bytes: _Optional[int] = ..., fingerprint: _Optional[str] = ..., tier: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., parameter_shardings: _Optional[_Iterable[_Union[ShardingInfo, _Mapping]]] = ..., result_shardings: _Optional[_Iterable[_Union[ShardingInfo, _Mapping]]] = ...) -> None: ...
 
 class ExecuteRequest(_message.Message):
     __slots__ = ("executable", "arguments", "donate")
@@ -369,6 +385,92 @@ class CallResponse(_message.Message):
     unknown: _containers.RepeatedScalarFieldContainer[int]
     launch_id: int
     def __init__(self, results: _Optional[_Iterable[_Union[CallResult, _Mapping]]] = ..., freed: _Optional[int] = ..., unknown: _Optional[_Iterable[int]] = ..., launch_id: _Optional[int] = ...) -> None: ...
+
+class PutShardedChunk(_message.Message):
+    __slots__ = ("spec", "sharding", "devices", "data")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
+    DEVICES_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    spec: TensorSpec
+    sharding: str
+    devices: _containers.RepeatedScalarFieldContainer[int]
+    data: bytes
+    def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., sharding: _Optional[str] = ..., devices: _Optional[_Iterable[int]] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class ShardedTensorInfo(_message.Message):
+    __slots__ = ("spec", "sharding", "shards", "byte_size")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    BYTE_SIZE_FIELD_NUMBER: _ClassVar[int]
+    spec: TensorSpec
+    sharding: str
+    shards: _containers.RepeatedCompositeFieldContainer[TensorInfo]
+    byte_size: int
+    def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., sharding: _Optional[str] = ..., shards: _Optional[_Iterable[_Union[TensorInfo, _Mapping]]] = ..., byte_size: _Optional[int] = ...) -> None: ...
+
+class GetShardedTensorRequest(_message.Message):
+    __slots__ = ("spec", "sharding", "shards", "chunk_bytes")
+    SPEC_FIELD_NUMBER: _ClassVar[int]
+    SHARDING_FIELD_NUMBER: _ClassVar[int]
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    spec: TensorSpec
+    sharding: str
+    shards: _containers.RepeatedScalarFieldContainer[int]
+    chunk_bytes: int
+    def __init__(self, spec: _Optional[_Union[TensorSpec, _Mapping]] = ..., sharding: _Optional[str] = ..., shards: _Optional[_Iterable[int]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+
+class ShardHandles(_message.Message):
+    __slots__ = ("handles",)
+    HANDLES_FIELD_NUMBER: _ClassVar[int]
+    handles: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, handles: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShardedArgument(_message.Message):
+    __slots__ = ("shards", "array")
+    SHARDS_FIELD_NUMBER: _ClassVar[int]
+    ARRAY_FIELD_NUMBER: _ClassVar[int]
+    shards: ShardHandles
+    array: InlineTensor
+    def __init__(self, shards: _Optional[_Union[ShardHandles, _Mapping]] = ..., array: _Optional[_Union[InlineTensor, _Mapping]] = ...) -> None: ...
+
+class CallShardedRequest(_message.Message):
+    __slots__ = ("executable", "arguments", "donate", "fetch", "keep", "free")
+    EXECUTABLE_FIELD_NUMBER: _ClassVar[int]
+    ARGUMENTS_FIELD_NUMBER: _ClassVar[int]
+    DONATE_FIELD_NUMBER: _ClassVar[int]
+    FETCH_FIELD_NUMBER: _ClassVar[int]
+    KEEP_FIELD_NUMBER: _ClassVar[int]
+    FREE_FIELD_NUMBER: _ClassVar[int]
+    executable: int
+    arguments: _containers.RepeatedCompositeFieldContainer[ShardedArgument]
+    donate: _containers.RepeatedScalarFieldContainer[int]
+    fetch: _containers.RepeatedScalarFieldContainer[int]
+    keep: _containers.RepeatedScalarFieldContainer[int]
+    free: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, executable: _Optional[int] = ..., arguments: _Optional[_Iterable[_Union[ShardedArgument, _Mapping]]] = ..., donate: _Optional[_Iterable[int]] = ..., fetch: _Optional[_Iterable[int]] = ..., keep: _Optional[_Iterable[int]] = ..., free: _Optional[_Iterable[int]] = ...) -> None: ...
+
+class ShardedResult(_message.Message):
+    __slots__ = ("info", "fetched", "data")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    FETCHED_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    info: ShardedTensorInfo
+    fetched: bool
+    data: bytes
+    def __init__(self, info: _Optional[_Union[ShardedTensorInfo, _Mapping]] = ..., fetched: bool = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class CallShardedResponse(_message.Message):
+    __slots__ = ("results", "freed", "unknown")
+    RESULTS_FIELD_NUMBER: _ClassVar[int]
+    FREED_FIELD_NUMBER: _ClassVar[int]
+    UNKNOWN_FIELD_NUMBER: _ClassVar[int]
+    results: _containers.RepeatedCompositeFieldContainer[ShardedResult]
+    freed: int
+    unknown: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, results: _Optional[_Iterable[_Union[ShardedResult, _Mapping]]] = ..., freed: _Optional[int] = ..., unknown: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class WaitRequest(_message.Message):
     __slots__ = ("tensors", "all")

@@ -84,6 +84,21 @@ class SessionStub(object):
                 request_serializer=tpubox_dot___proto_dot_session__pb2.CallRequest.SerializeToString,
                 response_deserializer=tpubox_dot___proto_dot_session__pb2.CallResponse.FromString,
                 _registered_method=True)
+        self.PutShardedTensor = channel.stream_unary(
+                '/tpubox.v1.Session/PutShardedTensor',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.PutShardedChunk.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.ShardedTensorInfo.FromString,
+                _registered_method=True)
+        self.GetShardedTensor = channel.unary_stream(
+                '/tpubox.v1.Session/GetShardedTensor',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.GetShardedTensorRequest.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.TensorChunk.FromString,
+                _registered_method=True)
+        self.CallSharded = channel.unary_unary(
+                '/tpubox.v1.Session/CallSharded',
+                request_serializer=tpubox_dot___proto_dot_session__pb2.CallShardedRequest.SerializeToString,
+                response_deserializer=tpubox_dot___proto_dot_session__pb2.CallShardedResponse.FromString,
+                _registered_method=True)
         self.Wait = channel.unary_unary(
                 '/tpubox.v1.Session/Wait',
                 request_serializer=tpubox_dot___proto_dot_session__pb2.WaitRequest.SerializeToString,
@@ -228,6 +243,58 @@ class SessionServicer(object):
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def PutShardedTensor(self, request_iterator, context):
+        """Puts one global array on several devices as a sharding lays it out (what
+        `jax.device_put(x, NamedSharding(mesh, spec))` does): one tensor handle per device, each
+        holding that device's part in a buffer of the sharding's tile dims (`ceil(n / tiles)`
+        along each dimension, zero-padded where the tiles do not divide it), each charged on its
+        device. The first message carries the header (global spec, sharding, devices); the
+        global array's data (as PutTensor's) follows in the `data` of that and later messages.
+        The declared global size is checked and charged to the session's transfers in flight
+        before any data is read, as PutTensor's. Errors: INVALID_ARGUMENT (no header, a second
+        one, bytes that are not element size x product of the global dims, a sharding that does
+        not parse, does not tile this rank or does not cover exactly the devices given, no
+        devices, a device given twice, more devices than the host has), NOT_FOUND (a device the
+        host lacks), PERMISSION_DENIED (a device outside the session's devices), UNIMPLEMENTED
+        (`unsupported`: a sharding with no global view, such as `{manual}`), RESOURCE_EXHAUSTED
+        (`max-device-bytes`, `max-device-bytes-per-device`, `max-live-tensors`). All or nothing:
+        on failure no shard is kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetShardedTensor(self, request, context):
+        """Reads a sharded array back as its global array (gathered on the daemon: each part read
+        from the first device that holds it), streamed as GetTensor streams a tensor (the first
+        message's `info` has handle 0, the global spec and size, and the first shard's device).
+        Errors: as GetTensor for each shard; INVALID_ARGUMENT for shards that do not match the
+        spec and sharding (count, dtype, tile dims, devices); RESOURCE_EXHAUSTED
+        (`max-device-bytes`) when the session's transfers in flight leave no room for the global
+        copy and the queued chunks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def CallSharded(self, request, context):
+        """Runs an executable compiled for several devices (`CompileRequest.devices`) on all of them
+        at once, collectives included, and waits for it, as `Call` does for one device: each
+        argument is one handle per device (a sharded array, e.g. of PutShardedTensor or an
+        earlier call) or a global array sent inline, which the daemon splits by the parameter's
+        sharding (`CompileResponse.parameter_shardings`); each result comes back as one handle
+        per device, and the results named in `fetch` also (or only) as their gathered global
+        array. Inline global arrays are admitted and charged as PutTensor's, fetched bytes as
+        GetTensor's (twice), before the device is touched. On failure the session is as it was.
+        Errors: those of Call; INVALID_ARGUMENT for an executable of one device, a handle list
+        whose length is not the executable's device count, an inline array whose dtype or dims
+        are not the parameter's global spec, or a shard whose dtype or dims are not its
+        per-device spec; FAILED_PRECONDITION for a shard on another device than its partition's.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def Wait(self, request, context):
         """Waits for the launches (`CallRequest.launch`) that make the named tensors, or for every
         launch of the session so far (`all`). Errors: NOT_FOUND for a handle this session does not
@@ -365,6 +432,21 @@ def add_SessionServicer_to_server(servicer, server):
                     servicer.Call,
                     request_deserializer=tpubox_dot___proto_dot_session__pb2.CallRequest.FromString,
                     response_serializer=tpubox_dot___proto_dot_session__pb2.CallResponse.SerializeToString,
+            ),
+            'PutShardedTensor': grpc.stream_unary_rpc_method_handler(
+                    servicer.PutShardedTensor,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.PutShardedChunk.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.ShardedTensorInfo.SerializeToString,
+            ),
+            'GetShardedTensor': grpc.unary_stream_rpc_method_handler(
+                    servicer.GetShardedTensor,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.GetShardedTensorRequest.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.TensorChunk.SerializeToString,
+            ),
+            'CallSharded': grpc.unary_unary_rpc_method_handler(
+                    servicer.CallSharded,
+                    request_deserializer=tpubox_dot___proto_dot_session__pb2.CallShardedRequest.FromString,
+                    response_serializer=tpubox_dot___proto_dot_session__pb2.CallShardedResponse.SerializeToString,
             ),
             'Wait': grpc.unary_unary_rpc_method_handler(
                     servicer.Wait,
@@ -682,6 +764,87 @@ class Session(object):
             '/tpubox.v1.Session/Call',
             tpubox_dot___proto_dot_session__pb2.CallRequest.SerializeToString,
             tpubox_dot___proto_dot_session__pb2.CallResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def PutShardedTensor(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/tpubox.v1.Session/PutShardedTensor',
+            tpubox_dot___proto_dot_session__pb2.PutShardedChunk.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.ShardedTensorInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetShardedTensor(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/tpubox.v1.Session/GetShardedTensor',
+            tpubox_dot___proto_dot_session__pb2.GetShardedTensorRequest.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.TensorChunk.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def CallSharded(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/tpubox.v1.Session/CallSharded',
+            tpubox_dot___proto_dot_session__pb2.CallShardedRequest.SerializeToString,
+            tpubox_dot___proto_dot_session__pb2.CallShardedResponse.FromString,
             options,
             channel_credentials,
             insecure,
