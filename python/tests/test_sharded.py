@@ -311,6 +311,29 @@ def test_shard_map_without_in_shardings_and_device_put(four):
     close(f(other).numpy(), got.numpy(), 0)
 
 
+def test_a_mesh_of_explicit_axes(four):
+    """make_mesh's default axes are Explicit (shardings in the types): in_shardings type the
+    arguments, for a shard_map too."""
+    mesh = jax.make_mesh((2, 2), ("a", "b"))
+    assert all(t == AxisType.Explicit for t in mesh.axis_types)
+    x, w = f32(8, 6), f32(6, 4)
+    in_s = (NamedSharding(mesh, P("a")), NamedSharding(mesh, P(None, "b")))
+    fn = lambda x, w: x @ w  # noqa: E731
+    want = np.asarray(jax.jit(fn, in_shardings=in_s)(*[jax.device_put(a, s) for a, s in
+                                                       zip((x, w), in_s)]))  # fmt: skip
+    got = tj.jit(fn, session=four, in_shardings=in_s)(x, w)
+    on_four(got)
+    assert got.sharding == "{devices=[2,2]<=[4]}"
+    close(got.numpy(), want, 1e-5)
+    sm = jax.shard_map(lambda v: lax.psum(v, ("a", "b")), mesh=mesh, in_specs=P(("a", "b")),
+                       out_specs=P())  # fmt: skip
+    s = NamedSharding(mesh, P(("a", "b")))
+    want = np.asarray(jax.jit(sm, in_shardings=s)(jax.device_put(x, s)))
+    got = tj.jit(sm, session=four, in_shardings=s)(x)
+    on_four(got)
+    close(got.numpy(), want, 1e-6)
+
+
 def test_sharded_tensors_replicated_uneven_and_freed(four):
     """put_sharded without an executable: replicated, a 2x2 grid, a split that does not divide
     the dimension (zero-padded shards), read back whole; charged per device; freed."""
@@ -535,3 +558,19 @@ def test_transfers_and_fetches_are_charged_before_allocation(host):
         ok = s.put_sharded(np.zeros((300 << 8,), np.float32), "{devices=[4]<=[4]}")
         on_four(ok)
         assert s.usage().transfer_bytes == 0
+
+
+def test_a_program_over_several_devices_is_not_called_as_one(four):
+    """Execute, Call and launches (gRPC or the local socket) refuse an SPMD executable at
+    once, naming CallSharded, and leave nothing behind."""
+    exe = four.compile(exported("psum").mlir_module_serialized, devices=four.devices)
+    x = four.tensor(np.ones((2, 3), np.float32))
+    e = refused(tpubox.InvalidArgument, four._execute, exe.handle, [x.handle], (), None)
+    assert "CallSharded" in str(e)
+    refused(tpubox.InvalidArgument, four._call, exe.handle, [np.ones((2, 3), np.float32)], (),
+            [0], [], [], None)  # fmt: skip
+    refused(tpubox.InvalidArgument, four._call, exe.handle, [x], (), [], [], [], None, True)
+    with pytest.raises(ValueError):
+        exe.launch(np.ones((8, 3), np.float32))
+    u = four.usage()
+    assert u.live_tensors == 1 and u.executions == 0 and u.pending_launches == 0, u

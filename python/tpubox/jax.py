@@ -254,6 +254,9 @@ class JitFunction:
                     kw: dict[str, Any] = {}
                     if self._in_shardings is not None:
                         kw["in_shardings"] = self._in_shardings
+                        # The shardings in the arguments' types too, as a jax.Array's: a
+                        # mesh of Explicit axes (make_mesh's default) types them.
+                        dyn_args_sds = _with_shardings(self._in_shardings, dyn_args_sds)
                     if self._out_shardings is not None:
                         kw["out_shardings"] = self._out_shardings
                     exp = jax_export.export(jax.jit(positional, **kw), platforms=[platform])(
@@ -410,6 +413,29 @@ class JitFunction:
         return f"tpubox.jax.jit({getattr(self._fun, '__name__', self._fun)!r})"
 
 
+def _with_shardings(in_shardings: Any, args: tuple) -> tuple:
+    """ARGS (a tuple of pytrees of ``ShapeDtypeStruct``) with the shardings of IN_SHARDINGS (a
+    sharding, or a pytree prefix of ARGS with shardings or None) in their leaves; ARGS as they
+    are when the structures do not match (``jax.jit`` then says why)."""
+    is_sharding = lambda x: x is None or isinstance(x, jax.sharding.Sharding)  # noqa: E731
+
+    def attach(sh: Any, sub: Any) -> Any:
+        if sh is None:
+            return sub
+        return jax.tree_util.tree_map(
+            lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, weak_type=x.weak_type, sharding=sh),
+            sub,
+        )
+
+    try:
+        if is_sharding(in_shardings):
+            return tuple(attach(in_shardings, a) for a in args)
+        prefix = tuple(in_shardings) if isinstance(in_shardings, list) else in_shardings
+        return tuple(jax.tree_util.tree_map(attach, prefix, tuple(args), is_leaf=is_sharding))
+    except (ValueError, TypeError):
+        return args
+
+
 def _mesh_devices(session: Session, n: int) -> list[int]:
     """The session devices a program over N devices is compiled for: the session's first N,
     logical (mesh) device i on ``session.devices[i]``. A session with fewer gets the host's
@@ -474,8 +500,9 @@ def jit(
             a ``Mesh`` of the client's JAX CPU devices), one per positional argument
             (pytree prefixes; not with keyword arguments, as in JAX) and per output. The
             program then runs on the session's first ``mesh.size`` devices, mesh device i on
-            ``session.devices[i]``; a ``shard_map`` inside FUN needs none of them (its mesh
-            says the devices). Global arrays are split by the daemon, and the outputs are
+            ``session.devices[i]``; a ``shard_map`` over a mesh of ``AxisType.Auto`` axes
+            needs none of them (its mesh says the devices; over ``make_mesh``'s default
+            Explicit axes, give ``in_shardings``, which also type the arguments). Global arrays are split by the daemon, and the outputs are
             :class:`tpubox.ShardedTensor` s (global shape and dtype as JAX's).
 
     Returns:

@@ -352,8 +352,9 @@ impl LiveSession {
     /// Runs executable `executable` on the tensors of `arguments`, donating the positions in
     /// `donate`, and adds the results (both front doors' execute).
     ///
-    /// Errors: `not-found` for a handle this session does not have; as
-    /// [`admit_handles`](Self::admit_handles) and [`Session::execute`].
+    /// Errors: `not-found` for a handle this session does not have; `invalid-argument` for an
+    /// executable of several devices; as [`admit_handles`](Self::admit_handles) and
+    /// [`Session::execute`].
     pub async fn execute(
         &self,
         executable: u64,
@@ -361,6 +362,7 @@ impl LiveSession {
         donate: &[u32],
     ) -> AccessResult<Vec<(u64, Arc<TensorHandle>)>> {
         let exe = self.executable(executable)?;
+        one_device(&exe)?;
         let args = arguments
             .iter()
             .map(|&h| self.tensor(h))
@@ -380,12 +382,14 @@ impl LiveSession {
     /// that carries them, as `GetTensor`). The charges are held by the returned plan until the
     /// call ends; [`CallPlan::run`] runs it.
     ///
-    /// Errors: `not-found` for a handle this session does not have; `invalid-argument` for a
-    /// `fetch`/`keep` position out of range or listed twice, an inline tensor `admit_upload`
-    /// refuses, or fetched results larger than [`MAX_CALL_FETCH_BYTES`] in all;
+    /// Errors: `not-found` for a handle this session does not have; `invalid-argument` for an
+    /// executable of several devices, a `fetch`/`keep` position out of range or listed twice,
+    /// an inline tensor `admit_upload` refuses, or fetched results larger than
+    /// [`MAX_CALL_FETCH_BYTES`] in all;
     /// `resource-exhausted` naming `max-live-tensors` or `max-device-bytes`.
     pub fn plan_call(&self, call: CallSpec) -> AccessResult<CallPlan> {
         let exe = self.executable(call.executable)?;
+        one_device(&exe)?;
         let outputs = exe.executable().outputs().len();
         if call.launch && !call.fetch.is_empty() {
             return Err(DeviceError::invalid(
@@ -593,6 +597,20 @@ impl LiveSession {
         let l = lock(&self.live);
         (l.in_flight == 0 && l.attached == 0).then(|| now.saturating_duration_since(l.last_used))
     }
+}
+
+/// Refuses an executable of several devices where a call runs on one (`Execute`, `Call`).
+///
+/// Errors: `invalid-argument` naming `CallSharded`.
+fn one_device(exe: &ExecutableHandle) -> AccessResult<()> {
+    let n = exe.executable().devices().len();
+    if n > 1 {
+        return Err(DeviceError::invalid(format!(
+            "the executable runs on {n} devices at once: call it with CallSharded (one handle per device for each argument, or global arrays)"
+        ))
+        .into());
+    }
+    Ok(())
 }
 
 /// Most bytes of results one `Call` fetches (256 MiB, a quarter of the reply size the session

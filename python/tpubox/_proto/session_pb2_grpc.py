@@ -222,7 +222,8 @@ class SessionServicer(object):
         raise NotImplementedError('Method not implemented!')
 
     def Execute(self, request, context):
-        """Runs an executable; returns one new tensor handle per result.
+        """Runs an executable; returns one new tensor handle per result. INVALID_ARGUMENT for an
+        executable compiled over several devices (`CallSharded` runs those).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
