@@ -382,6 +382,11 @@ def test_donated_shards_and_kept_results(four):
     (kept,) = exe.call(x, keep=[0])
     on_four(kept)
     close(kept.numpy(), x * 2.0, 0)
+    assert kept._host is not None  # answered from the fetched bytes
+    close(kept.shards[1].numpy(), x[2:4] * 2.0, 0)
+    kept.free()
+    assert kept.freed
+    refused(tpubox.NotFound, kept.shards[0].session.get, kept.shards[0].handle)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -466,6 +466,7 @@ class Session:
                     t._freed = True  # never handles: nothing to free
                 out.append(a)
             else:
+                st._host = a
                 out.append(st)
         return out
 
