@@ -123,6 +123,14 @@ enum Cmd {
         /// Directory that receives out{N}.npy and outputs.json.
         #[arg(long, value_name = "DIR")]
         out: PathBuf,
+        /// The devices to run on, comma-separated indices in partition order. Default: device
+        /// 0 for a program of one device; the first N devices for a program whose module
+        /// declares N partitions (`mhlo.num_partitions`, as `jax.export` of `jax.jit` over a
+        /// mesh writes it), whose inputs are the global arrays, split by the program's
+        /// shardings, and whose outputs are gathered. Given, it must list as many devices as
+        /// the module declares.
+        #[arg(long, value_name = "I,J,...", value_delimiter = ',')]
+        devices: Vec<u32>,
         /// Trust the program: skip the program policy (loops over 1,048,576 trips,
         /// infeed/outfeed/send/recv, custom calls are refused without it, and loops XLA
         /// cannot bound run on the loop budget).
@@ -982,6 +990,7 @@ async fn main_inner(cli: Cli) -> Result<bool> {
             program,
             args,
             out,
+            devices,
             trusted,
             loops,
         } => {
@@ -1000,13 +1009,22 @@ async fn main_inner(cli: Cli) -> Result<bool> {
                 std::sync::Arc::default(),
                 Tenant::new("exec", limits),
             );
-            let infos = tpubox_core::exec::exec(&session, &program, &args, &out).await;
+            let opts = tpubox_core::exec::ExecOptions {
+                devices: (!devices.is_empty()).then_some(devices),
+            };
+            let infos = tpubox_core::exec::exec_with(&session, &program, &args, &out, &opts).await;
             if let Some(cache) = svc.cache() {
                 cache.flush_uploads().await;
             }
             let infos = infos?;
             for i in infos {
-                println!("{}: {}{:?}", i.file, i.dtype, i.dims);
+                match &i.sharding {
+                    Some(s) => println!(
+                        "{}: {}{:?} on devices {:?}, {s}",
+                        i.file, i.dtype, i.dims, i.devices
+                    ),
+                    None => println!("{}: {}{:?}", i.file, i.dtype, i.dims),
+                }
             }
             Ok(true)
         }

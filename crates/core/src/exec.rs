@@ -1,8 +1,21 @@
 //! `tpubox exec`: compile and run one StableHLO program on the device, without a guest.
 //!
 //! Inputs are `.npy` files, one per parameter in order; output N is written as `DIR/out{N}.npy`
-//! and `DIR/outputs.json` lists every output's XLA dtype and dims (see [`crate::npy`] for the
-//! dtype mapping, including BF16 as raw `|V2`).
+//! and `DIR/outputs.json` lists every output's XLA dtype, dims and the devices the program ran
+//! on (see [`crate::npy`] for the dtype mapping, including BF16 as raw `|V2`).
+//!
+//! A program whose module declares several partitions (`mhlo.num_partitions = N`, as
+//! `jax.export` of a `jax.jit` over a mesh of N devices writes it, with Shardy's `sdy.sharding`
+//! or GSPMD's `mhlo.sharding` annotations) is compiled for N devices at once (SPMD, one
+//! partition per device, [`CompileSettings::devices`]) and run as JAX runs it: each input file
+//! holds the global array, split by the program's parameter shardings into one shard per
+//! device; each output is gathered from its shards by the program's output sharding into the
+//! global array. The count is read from the module itself: from MLIR text, and from MLIR
+//! bytecode (what `Exported.mlir_module_serialized` holds) by [`declared_devices`], which
+//! reads the module's attribute dictionary out of the bytecode's attribute table. XLA does not
+//! check the count it is given against the module's (it refuses some mismatches through its
+//! verifier, with messages about sharding tiles or replica groups, and compiles others, such
+//! as a replicated program, for any count), so the check is made here, before compiling.
 
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -10,9 +23,11 @@ use std::sync::Arc;
 use anyhow::{Context, Result, bail};
 use serde::{Deserialize, Serialize};
 
-use crate::device::format_spec;
+use crate::device::{CompileSettings, format_spec};
+use crate::error::{DeviceError, ErrorKind};
 use crate::npy;
-use crate::session::{ProgramFormat, Session};
+use crate::session::{ExecutableHandle, ProgramFormat, Session, TensorHandle};
+use crate::types::TensorSpec;
 
 /// One entry of `outputs.json`.
 #[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
@@ -23,14 +38,101 @@ pub struct OutputInfo {
     pub file: String,
     /// XLA element type name, e.g. `"F32"`, `"BF16"`.
     pub dtype: String,
-    /// Dimensions (empty for a scalar).
+    /// Dimensions (empty for a scalar); of the global array for a program of several devices.
     pub dims: Vec<i64>,
+    /// The devices (indices, as `tpubox devices` lists them) the program ran on, in the order
+    /// of its partitions: one for a program of one device.
+    #[serde(default)]
+    pub devices: Vec<u32>,
+    /// For a program of several devices, how this output was laid out over them (XLA's text
+    /// form of its sharding, e.g. `{devices=[4,1]<=[4]}` or `{replicated}`); absent otherwise.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub sharding: Option<String>,
+}
+
+/// How [`exec_with`] places the program.
+#[derive(Debug, Clone, Default, PartialEq, Eq)]
+pub struct ExecOptions {
+    /// The devices to run on, in partition order (`tpubox exec --devices`). `None`: device 0
+    /// for a program of one device, the session's first N devices for a program that declares
+    /// N partitions. Given, its length must equal the count the module declares; for a module
+    /// whose count cannot be read, the list is taken as it is.
+    pub devices: Option<Vec<u32>>,
+}
+
+/// What a module declares about the devices it runs on (its `mhlo.num_partitions` and
+/// `mhlo.num_replicas` attributes; `None` where it has none, which XLA reads as 1).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq)]
+pub struct DeclaredDevices {
+    /// `mhlo.num_partitions`.
+    pub partitions: Option<u64>,
+    /// `mhlo.num_replicas`.
+    pub replicas: Option<u64>,
+}
+
+impl DeclaredDevices {
+    /// The number of partitions (1 when the module declares none).
+    pub fn partitions(&self) -> u64 {
+        self.partitions.unwrap_or(1)
+    }
+
+    /// The number of replicas (1 when the module declares none).
+    pub fn replicas(&self) -> u64 {
+        self.replicas.unwrap_or(1)
+    }
+}
+
+const NUM_PARTITIONS: &str = "mhlo.num_partitions";
+const NUM_REPLICAS: &str = "mhlo.num_replicas";
+
+/// Reads the device counts a module declares, from MLIR text (`mhlo.num_partitions = 4 :
+/// i32` among the module's attributes) or MLIR bytecode (portable VHLO as `jax.export`
+/// writes it, or any other MLIR bytecode whose module attributes are builtin integers).
+///
+/// Errors: a message when the bytecode is malformed, or names an attribute whose value is not
+/// a builtin integer; or when the module gives one attribute two different values.
+pub fn declared_devices(code: &[u8]) -> std::result::Result<DeclaredDevices, String> {
+    if code.starts_with(bytecode::MAGIC) {
+        let found = bytecode::module_integers(code, &[NUM_PARTITIONS, NUM_REPLICAS])?;
+        return Ok(DeclaredDevices {
+            partitions: found[0],
+            replicas: found[1],
+        });
+    }
+    let text = std::str::from_utf8(code).map_err(|_| "MLIR text is not valid UTF-8".to_string())?;
+    Ok(DeclaredDevices {
+        partitions: text_integer(text, NUM_PARTITIONS)?,
+        replicas: text_integer(text, NUM_REPLICAS)?,
+    })
+}
+
+/// The value of `name = N` in MLIR text (every occurrence followed by `= digits` must agree).
+fn text_integer(text: &str, name: &str) -> std::result::Result<Option<u64>, String> {
+    let mut found: Option<u64> = None;
+    for (at, _) in text.match_indices(name) {
+        let rest = text[at + name.len()..].trim_start();
+        let Some(rest) = rest.strip_prefix('=') else {
+            continue;
+        };
+        let rest = rest.trim_start();
+        let digits = rest.len() - rest.trim_start_matches(|c: char| c.is_ascii_digit()).len();
+        let Ok(v) = rest[..digits].parse::<u64>() else {
+            continue;
+        };
+        match found {
+            Some(f) if f != v => return Err(format!("the module gives {name} both {f} and {v}")),
+            _ => found = Some(v),
+        }
+    }
+    Ok(found)
 }
 
 /// Compiles `program` (MLIR text or bytecode) for device 0, runs it on the arrays in `args`,
 /// writes the outputs under `out_dir` (created if missing) and returns their descriptions.
-/// Everything goes through `session`, so its tenant's limits and program policy apply (a
-/// program with an unfed `infeed` or an endless loop is refused unless the tenant is trusted).
+/// A program that declares several partitions runs on the session's first devices, as
+/// [`exec_with`] says. Everything goes through `session`, so its tenant's limits and program
+/// policy apply (a program with an unfed `infeed` or an endless loop is refused unless the
+/// tenant is trusted).
 ///
 /// Errors: unreadable files, a compile failure or refusal, an argument count or an array whose
 /// dtype or dims differ from the program's parameters (named in the message), or an execution
@@ -41,33 +143,160 @@ pub async fn exec(
     args: &[PathBuf],
     out_dir: &Path,
 ) -> Result<Vec<OutputInfo>> {
+    exec_with(session, program, args, out_dir, &ExecOptions::default()).await
+}
+
+/// [`exec`], placed as `opts` says. A program of one device runs as `exec` runs it (on
+/// `opts.devices`' one device if given). A program whose module declares N > 1 partitions
+/// ([`declared_devices`]) is compiled for N devices (`opts.devices`, else the session's first
+/// N), each `.npy` input is read as the parameter's global array and split by the program's
+/// parameter sharding, the program runs on all N at once, and each output is gathered into its
+/// global array; `outputs.json` names the devices and each output's sharding.
+///
+/// Errors: as [`exec`]; `invalid-argument` naming both numbers when the module declares N
+/// partitions and `opts.devices` lists another number, or the session has fewer than N
+/// devices; `unsupported` for a module of several replicas (`mhlo.num_replicas`; JAX exports
+/// partitions) or a sharding with no global-array view.
+pub async fn exec_with(
+    session: &Session,
+    program: &Path,
+    args: &[PathBuf],
+    out_dir: &Path,
+    opts: &ExecOptions,
+) -> Result<Vec<OutputInfo>> {
     let code = std::fs::read(program).with_context(|| format!("reading {}", program.display()))?;
-    let format = if code.starts_with(b"ML\xefR") {
+    let format = if code.starts_with(bytecode::MAGIC) {
         ProgramFormat::MlirBytecode
     } else {
         ProgramFormat::MlirText
     };
-    let handle = session
-        .compile(code, format, None)
-        .await
-        .with_context(|| format!("compiling {}", program.display()))?;
+    let devices = choose_devices(session, program, &code, opts)?;
+    let compiled = match &devices {
+        None => session.compile(code, format, None).await,
+        Some(d) if d.len() == 1 => session.compile(code, format, Some(d[0])).await,
+        Some(d) => {
+            let settings = CompileSettings {
+                device: d[0],
+                devices: d.clone(),
+                ..CompileSettings::default()
+            };
+            session.compile_with(code, format, settings).await
+        }
+    };
+    let handle = compiled.with_context(|| format!("compiling {}", program.display()))?;
+    if handle.executable().is_spmd() {
+        run_spmd(session, &handle, program, args, out_dir).await
+    } else {
+        run_single(session, &handle, program, args, out_dir).await
+    }
+}
+
+/// The devices to compile for: `None` for device 0 as before (a program of one device, or one
+/// whose count cannot be read and no `--devices`).
+fn choose_devices(
+    session: &Session,
+    program: &Path,
+    code: &[u8],
+    opts: &ExecOptions,
+) -> Result<Option<Vec<u32>>> {
+    let declared = match declared_devices(code) {
+        Ok(d) => Some(d),
+        Err(e) => {
+            // Compiled as before: for one device unless --devices says otherwise (XLA
+            // reports a malformed module better than this reader).
+            tracing::warn!(
+                program = %program.display(),
+                "the module's device count cannot be read ({e}); running it as given"
+            );
+            None
+        }
+    };
+    if let Some(d) = declared
+        && d.replicas() > 1
+    {
+        bail!(DeviceError::new(
+            ErrorKind::Unsupported,
+            format!(
+                "{} declares {} replicas ({NUM_REPLICAS} = {}): tpubox runs programs of several partitions (mhlo.num_partitions, what jax.jit over a mesh exports), not of several replicas",
+                program.display(),
+                d.replicas(),
+                d.replicas()
+            )
+        ));
+    }
+    let n = declared.map(|d| d.partitions());
+    if n == Some(0) {
+        bail!(DeviceError::invalid(format!(
+            "{} declares {NUM_PARTITIONS} = 0",
+            program.display()
+        )));
+    }
+    let named = |n: u64| match declared.and_then(|d| d.partitions) {
+        Some(1) => format!("1 device ({NUM_PARTITIONS} = 1)"),
+        Some(_) => format!("{n} devices ({NUM_PARTITIONS} = {n})"),
+        None => format!("1 device (it declares no {NUM_PARTITIONS})"),
+    };
+    match (&opts.devices, n) {
+        (None, None | Some(1)) => Ok(None),
+        (None, Some(n)) => {
+            let have = session.placement().devices();
+            if (have.len() as u64) < n {
+                bail!(DeviceError::invalid(format!(
+                    "{} is a program for {}, and only {} device(s) are available ({have:?}; the CPU plugin exposes as many as --cpu-devices says)",
+                    program.display(),
+                    named(n),
+                    have.len()
+                )));
+            }
+            Ok(Some(have[..n as usize].to_vec()))
+        }
+        (Some(list), _) if list.is_empty() => Ok(None),
+        (Some(list), Some(n)) if list.len() as u64 != n => {
+            bail!(DeviceError::invalid(format!(
+                "{} is a program for {}, and --devices lists {} ({list:?})",
+                program.display(),
+                named(n),
+                list.len()
+            )))
+        }
+        (Some(list), _) => Ok(Some(list.clone())),
+    }
+}
+
+/// Reads argument `i` from `path` as `spec` (dtype and dims).
+fn read_arg(path: &Path, i: usize, spec: &TensorSpec) -> Result<npy::HostArray> {
+    npy::read_npy(path, Some(spec.ty))
+        .with_context(|| format!("argument {i} must be {}", format_spec(spec)))
+}
+
+fn wrong_count(program: &Path, want: &[TensorSpec], got: usize) -> anyhow::Error {
+    let want: Vec<String> = want.iter().map(format_spec).collect();
+    anyhow::anyhow!(
+        "{} takes {} argument(s) ({}), got {} --arg",
+        program.display(),
+        want.len(),
+        want.join(", "),
+        got
+    )
+}
+
+/// A program of one device: each input as it is, each output as it is.
+async fn run_single(
+    session: &Session,
+    handle: &ExecutableHandle,
+    program: &Path,
+    args: &[PathBuf],
+    out_dir: &Path,
+) -> Result<Vec<OutputInfo>> {
     let exe = Arc::clone(handle.executable());
     if args.len() != exe.inputs().len() {
-        let want: Vec<String> = exe.inputs().iter().map(format_spec).collect();
-        bail!(
-            "{} takes {} argument(s) ({}), got {} --arg",
-            program.display(),
-            want.len(),
-            want.join(", "),
-            args.len()
-        );
+        return Err(wrong_count(program, exe.inputs(), args.len()));
     }
     let mut tensors = Vec::with_capacity(args.len());
     for (i, (path, spec)) in args.iter().zip(exe.inputs()).enumerate() {
-        let arr = npy::read_npy(path, Some(spec.ty))
-            .with_context(|| format!("argument {i} must be {}", format_spec(spec)))?;
+        let arr = read_arg(path, i, spec)?;
         if arr.dims != spec.dims {
-            let got = crate::types::TensorSpec {
+            let got = TensorSpec {
                 ty: arr.ty,
                 dims: arr.dims.clone(),
             };
@@ -81,12 +310,12 @@ pub async fn exec(
         }
         let dims: Vec<u64> = arr.dims.iter().map(|&d| d as u64).collect();
         let t = session
-            .tensor_from_bytes(arr.ty, &dims, &arr.data, None)
+            .tensor_from_bytes(arr.ty, &dims, &arr.data, Some(exe.device()))
             .with_context(|| format!("argument {i} ({})", path.display()))?;
         tensors.push(t);
     }
     let call: Vec<&_> = tensors.iter().collect();
-    let outputs = session.execute(&handle, &call, &[]).await?;
+    let outputs = session.execute(handle, &call, &[]).await?;
     std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
     let mut infos = Vec::with_capacity(outputs.len());
     for (index, t) in outputs.iter().enumerate() {
@@ -98,9 +327,484 @@ pub async fn exec(
             file,
             dtype: t.spec().ty.name().to_string(),
             dims: t.spec().dims.clone(),
+            devices: exe.devices().to_vec(),
+            sharding: None,
         });
     }
-    let json = serde_json::to_string_pretty(&infos)?;
-    std::fs::write(out_dir.join("outputs.json"), json + "\n")?;
+    write_json(out_dir, &infos)?;
     Ok(infos)
+}
+
+/// A program of several devices: each input split by its parameter's sharding, each output
+/// gathered by its result's.
+async fn run_spmd(
+    session: &Session,
+    handle: &ExecutableHandle,
+    program: &Path,
+    args: &[PathBuf],
+    out_dir: &Path,
+) -> Result<Vec<OutputInfo>> {
+    let exe = Arc::clone(handle.executable());
+    let sh = exe.shardings()?;
+    if args.len() != sh.global_inputs.len() {
+        return Err(wrong_count(program, &sh.global_inputs, args.len()));
+    }
+    let mut shards: Vec<Vec<TensorHandle>> = Vec::with_capacity(args.len());
+    for (i, path) in args.iter().enumerate() {
+        let global = &sh.global_inputs[i];
+        let arr = read_arg(path, i, global)?;
+        if arr.dims != global.dims {
+            let got = TensorSpec {
+                ty: arr.ty,
+                dims: arr.dims.clone(),
+            };
+            bail!(
+                "argument {i} ({}) is {} but {} expects {} (the global array, which its sharding {} splits into {} per device)",
+                path.display(),
+                format_spec(&got),
+                program.display(),
+                format_spec(global),
+                sh.params[i],
+                format_spec(&exe.inputs()[i])
+            );
+        }
+        let dims: Vec<u64> = arr.dims.iter().map(|&d| d as u64).collect();
+        let parts = session
+            .put_sharded(handle, i, arr.ty, &dims, &arr.data)
+            .with_context(|| format!("argument {i} ({})", path.display()))?;
+        shards.push(parts);
+    }
+    let call: Vec<Vec<&TensorHandle>> = shards.iter().map(|s| s.iter().collect()).collect();
+    let outputs = session.execute_spmd(handle, &call, &[]).await?;
+    drop(call);
+    drop(shards);
+    std::fs::create_dir_all(out_dir).with_context(|| format!("creating {}", out_dir.display()))?;
+    let mut infos = Vec::with_capacity(outputs.len());
+    for (index, parts) in outputs.iter().enumerate() {
+        let global = &sh.global_outputs[index];
+        let bytes = session.read_sharded(handle, index, parts).await?;
+        let file = format!("out{index}.npy");
+        npy::write_npy(&out_dir.join(&file), global.ty, &global.dims, &bytes)?;
+        infos.push(OutputInfo {
+            index,
+            file,
+            dtype: global.ty.name().to_string(),
+            dims: global.dims.clone(),
+            devices: exe.devices().to_vec(),
+            sharding: Some(sh.outputs[index].to_string()),
+        });
+    }
+    write_json(out_dir, &infos)?;
+    Ok(infos)
+}
+
+fn write_json(out_dir: &Path, infos: &[OutputInfo]) -> Result<()> {
+    let json = serde_json::to_string_pretty(infos)?;
+    std::fs::write(out_dir.join("outputs.json"), json + "\n")
+        .with_context(|| format!("writing {}", out_dir.join("outputs.json").display()))
+}
+
+/// Just enough of MLIR's bytecode format (mlir.llvm.org/docs/BytecodeFormat, versions 0–6) to
+/// read builtin integer attributes out of the module's attribute dictionary: the string
+/// section, the dialect names, the attribute and type tables and the builtin dialect's
+/// encodings of `StringAttr`, `DictionaryAttr`, `IntegerAttr` and `IntegerType`. The IR
+/// section is not read. Every read is bounds-checked: a malformed file is an `Err`, never a
+/// panic.
+mod bytecode {
+    pub(super) const MAGIC: &[u8] = b"ML\xefR";
+
+    // Section ids.
+    const STRING: u8 = 0;
+    const DIALECT: u8 = 1;
+    const ATTR_TYPE: u8 = 2;
+    const ATTR_TYPE_OFFSET: u8 = 3;
+    const SECTIONS: usize = 9;
+    /// Bytecode version that added dialect versions (and the flag on dialect names).
+    const DIALECT_VERSIONING: u64 = 1;
+
+    // Builtin dialect codes (BuiltinDialectBytecode.td).
+    const DICTIONARY_ATTR: u64 = 1;
+    const STRING_ATTR: u64 = 2;
+    const INTEGER_ATTR: u64 = 8;
+    const INTEGER_TYPE: u64 = 0;
+
+    type R<T> = Result<T, String>;
+
+    struct Reader<'a> {
+        data: &'a [u8],
+        pos: usize,
+        /// Offset of `data` in the file (alignment is relative to the file's start).
+        base: usize,
+    }
+
+    impl<'a> Reader<'a> {
+        fn new(data: &'a [u8], base: usize) -> Self {
+            Reader { data, pos: 0, base }
+        }
+
+        fn is_empty(&self) -> bool {
+            self.pos >= self.data.len()
+        }
+
+        fn byte(&mut self) -> R<u8> {
+            let b = *self.data.get(self.pos).ok_or("truncated bytecode")?;
+            self.pos += 1;
+            Ok(b)
+        }
+
+        fn take(&mut self, n: u64) -> R<&'a [u8]> {
+            let n = usize::try_from(n).map_err(|_| "a length overflows")?;
+            let end = self
+                .pos
+                .checked_add(n)
+                .filter(|&e| e <= self.data.len())
+                .ok_or("truncated bytecode")?;
+            let s = &self.data[self.pos..end];
+            self.pos = end;
+            Ok(s)
+        }
+
+        /// A prefix varint: the first byte's trailing zeros count the bytes that follow.
+        fn varint(&mut self) -> R<u64> {
+            let first = self.byte()?;
+            if first & 1 == 1 {
+                return Ok(u64::from(first >> 1));
+            }
+            if first == 0 {
+                let b = self.take(8)?;
+                return Ok(u64::from_le_bytes(b.try_into().expect("8 bytes")));
+            }
+            let extra = first.trailing_zeros() as usize;
+            let mut buf = [0u8; 8];
+            buf[0] = first;
+            buf[1..=extra].copy_from_slice(self.take(extra as u64)?);
+            Ok(u64::from_le_bytes(buf) >> (extra + 1))
+        }
+
+        /// A varint whose low bit is a flag.
+        fn varint_flag(&mut self) -> R<(u64, bool)> {
+            let v = self.varint()?;
+            Ok((v >> 1, v & 1 == 1))
+        }
+
+        /// A zigzag-encoded signed varint.
+        fn signed_varint(&mut self) -> R<i64> {
+            let v = self.varint()?;
+            Ok(((v >> 1) as i64) ^ -((v & 1) as i64))
+        }
+
+        /// A section: id byte (high bit: aligned), length, alignment and padding, data.
+        fn section(&mut self) -> R<(u8, Reader<'a>)> {
+            let id_and_aligned = self.byte()?;
+            let len = self.varint()?;
+            if id_and_aligned & 0x80 != 0 {
+                let align = self.varint()?;
+                if !align.is_power_of_two() || align > 4096 {
+                    return Err(format!("a section alignment of {align}"));
+                }
+                while ((self.base + self.pos) as u64) % align != 0 {
+                    if self.byte()? != 0xcb {
+                        return Err("bad section padding".into());
+                    }
+                }
+            }
+            let base = self.base + self.pos;
+            Ok((id_and_aligned & 0x7f, Reader::new(self.take(len)?, base)))
+        }
+    }
+
+    /// One entry of the attribute or type table.
+    struct Entry<'a> {
+        dialect: usize,
+        custom: bool,
+        data: &'a [u8],
+    }
+
+    fn entries<'a>(
+        offsets: &mut Reader<'a>,
+        table: &'a [u8],
+        count: u64,
+        cursor: &mut usize,
+        dialects: usize,
+    ) -> R<Vec<Entry<'a>>> {
+        let mut out = Vec::new();
+        while (out.len() as u64) < count {
+            let dialect = offsets.varint()?;
+            if dialect >= dialects as u64 {
+                return Err(format!("dialect {dialect} of {dialects}"));
+            }
+            let n = offsets.varint()?;
+            for _ in 0..n {
+                if out.len() as u64 >= count {
+                    return Err("more table entries than declared".into());
+                }
+                let (size, custom) = offsets.varint_flag()?;
+                let end = usize::try_from(size)
+                    .ok()
+                    .and_then(|s| cursor.checked_add(s))
+                    .filter(|&e| e <= table.len())
+                    .ok_or("a table entry runs past its section")?;
+                out.push(Entry {
+                    dialect: dialect as usize,
+                    custom,
+                    data: &table[*cursor..end],
+                });
+                *cursor = end;
+            }
+        }
+        Ok(out)
+    }
+
+    /// The builtin dialect's code of a custom-encoded entry, and a reader after it.
+    fn builtin_code<'a>(e: &Entry<'a>, builtin: usize) -> R<Option<(u64, Reader<'a>)>> {
+        if e.dialect != builtin || !e.custom {
+            return Ok(None);
+        }
+        let mut r = Reader::new(e.data, 0);
+        Ok(Some((r.varint()?, r)))
+    }
+
+    /// For each of `names`, the value of the builtin integer attribute of that name in the
+    /// module's attribute dictionaries (`None` where no dictionary holds it).
+    pub(super) fn module_integers<'a>(code: &'a [u8], names: &[&str]) -> R<Vec<Option<u64>>> {
+        let mut r = Reader::new(code, 0);
+        if r.take(MAGIC.len() as u64)? != MAGIC {
+            return Err("not MLIR bytecode".into());
+        }
+        let version = r.varint()?;
+        while r.byte()? != 0 {} // the producer, NUL-terminated
+        let mut sections: [Option<Reader>; SECTIONS] = Default::default();
+        while !r.is_empty() {
+            let (id, s) = r.section()?;
+            let slot = sections
+                .get_mut(id as usize)
+                .ok_or_else(|| format!("unknown section {id}"))?;
+            if slot.is_some() {
+                return Err(format!("section {id} twice"));
+            }
+            *slot = Some(s);
+        }
+        let mut take = |id: u8| {
+            sections[id as usize]
+                .take()
+                .ok_or_else(|| format!("no section {id}"))
+        };
+        let (mut strings_r, mut dialect_r) = (take(STRING)?, take(DIALECT)?);
+        let (table, mut offsets) = (take(ATTR_TYPE)?, take(ATTR_TYPE_OFFSET)?);
+
+        // Strings: their count, their sizes in reverse order, then the NUL-terminated strings
+        // laid out from the section's end.
+        let n = strings_r.varint()?;
+        let mut end = strings_r.data.len();
+        let mut strings: Vec<&[u8]> = Vec::new();
+        for _ in 0..n {
+            let size = usize::try_from(strings_r.varint()?).map_err(|_| "a string overflows")?;
+            if size == 0 || size > end.saturating_sub(strings_r.pos) {
+                return Err("a string runs past its section".into());
+            }
+            strings.push(&strings_r.data[end - size..end - 1]);
+            end -= size;
+        }
+        strings.reverse();
+        let string = |i: u64| -> R<&[u8]> {
+            usize::try_from(i)
+                .ok()
+                .and_then(|i| strings.get(i).copied())
+                .ok_or_else(|| format!("string {i} of {}", strings.len()))
+        };
+
+        // Dialect names (the op names that follow are not needed).
+        let count = dialect_r.varint()?;
+        let mut dialects: Vec<&[u8]> = Vec::new();
+        for _ in 0..count {
+            let index = if version < DIALECT_VERSIONING {
+                dialect_r.varint()?
+            } else {
+                let (index, versioned) = dialect_r.varint_flag()?;
+                if versioned {
+                    dialect_r.section()?;
+                }
+                index
+            };
+            dialects.push(string(index)?);
+        }
+        let Some(builtin) = dialects.iter().position(|d| *d == b"builtin") else {
+            return Ok(vec![None; names.len()]);
+        };
+
+        let attrs_n = offsets.varint()?;
+        let types_n = offsets.varint()?;
+        let mut cursor = 0;
+        let attrs = entries(
+            &mut offsets,
+            table.data,
+            attrs_n,
+            &mut cursor,
+            dialects.len(),
+        )?;
+        let types = entries(
+            &mut offsets,
+            table.data,
+            types_n,
+            &mut cursor,
+            dialects.len(),
+        )?;
+        let builtin_entry = |e: &Entry<'a>| builtin_code(e, builtin);
+
+        // The attribute indices of the StringAttrs naming each wanted key.
+        let mut keys: Vec<Vec<u64>> = vec![Vec::new(); names.len()];
+        for (i, e) in attrs.iter().enumerate() {
+            if let Some((STRING_ATTR, mut r)) = builtin_entry(e)? {
+                let s = string(r.varint()?)?;
+                if let Some(k) = names.iter().position(|n| n.as_bytes() == s) {
+                    keys[k].push(i as u64);
+                }
+            }
+        }
+        let mut found: Vec<Option<u64>> = vec![None; names.len()];
+        if keys.iter().all(Vec::is_empty) {
+            return Ok(found);
+        }
+        let integer = |index: u64| -> R<u64> {
+            let e = usize::try_from(index)
+                .ok()
+                .and_then(|i| attrs.get(i))
+                .ok_or_else(|| format!("attribute {index} of {}", attrs.len()))?;
+            let Some((INTEGER_ATTR, mut r)) = builtin_entry(e)? else {
+                return Err("its value is not a builtin integer".into());
+            };
+            let ty = r.varint()?;
+            let te = usize::try_from(ty)
+                .ok()
+                .and_then(|i| types.get(i))
+                .ok_or_else(|| format!("type {ty} of {}", types.len()))?;
+            let Some((INTEGER_TYPE, mut tr)) = builtin_entry(te)? else {
+                return Err("its type is not a builtin integer type".into());
+            };
+            let width = tr.varint()? >> 2;
+            let v = match width {
+                0 => return Err("an integer of width 0".into()),
+                1..=8 => i64::from(r.byte()?),
+                9..=64 => r.signed_varint()?,
+                _ => return Err(format!("an integer of width {width}")),
+            };
+            u64::try_from(v).map_err(|_| format!("a negative count {v}"))
+        };
+        for (i, e) in attrs.iter().enumerate() {
+            let Some((DICTIONARY_ATTR, mut r)) = builtin_entry(e)? else {
+                continue;
+            };
+            let n = r.varint()?;
+            for _ in 0..n {
+                let (name, value) = (r.varint()?, r.varint()?);
+                for (k, ids) in keys.iter().enumerate() {
+                    if !ids.contains(&name) {
+                        continue;
+                    }
+                    let v = integer(value)
+                        .map_err(|e| format!("{} in dictionary {i}: {e}", names[k]))?;
+                    match found[k] {
+                        Some(f) if f != v => {
+                            return Err(format!("{} is both {f} and {v}", names[k]));
+                        }
+                        _ => found[k] = Some(v),
+                    }
+                }
+            }
+        }
+        for (k, ids) in keys.iter().enumerate() {
+            if !ids.is_empty() && found[k].is_none() {
+                return Err(format!("{} is named but its value was not found", names[k]));
+            }
+        }
+        Ok(found)
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `jax.export`'s serialization (portable VHLO, StableHLO 1.15, bytecode version 6) of
+    /// a 4-partition module: `mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 : i32`,
+    /// one `f32[8]` parameter split over the 4 devices, `add`.
+    const GSPMD4_HEX: &str = concat!(
+        "4d4cef520d537461626c65484c4f5f76312e31352e300001190501050901030b03070f13170343270901190b1b0b0f0b",
+        "0f0b1313131313030f0f130b0b0b0b0b01030f0307131707028d050d03050507090b050f110111051111010505131701",
+        "03031701050717010535170107151701090b03031b0d031d1f1d151d1723051d191d1b01020229032107110303030309",
+        "044f0501510f030107043d0301050350110307042903050b03071300050615030305010107041703030603010501004e",
+        "021d0f0b271d05252905150f110f0b116275696c74696e0076686c6f006d6f64756c650066756e635f7631006164645f",
+        "76310072657475726e5f7631002d006d686c6f2e6e756d5f706172746974696f6e73006d686c6f2e6e756d5f7265706c",
+        "69636173006d006d686c6f2e7368617264696e67007b646576696365733d5b345d3c3d5b345d7d006d61696e00707562",
+        "6c696300081505051b010b1921192325",
+    );
+
+    fn unhex(s: &str) -> Vec<u8> {
+        (0..s.len())
+            .step_by(2)
+            .map(|i| u8::from_str_radix(&s[i..i + 2], 16).unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn bytecode_counts_are_read() {
+        let code = unhex(GSPMD4_HEX);
+        assert_eq!(
+            declared_devices(&code).unwrap(),
+            DeclaredDevices {
+                partitions: Some(4),
+                replicas: Some(1)
+            }
+        );
+    }
+
+    #[test]
+    fn every_truncation_and_corruption_is_handled() {
+        let code = unhex(GSPMD4_HEX);
+        for n in 0..code.len() {
+            let _ = declared_devices(&code[..n]);
+        }
+        for i in 4..code.len() {
+            for b in [0x00, 0x01, 0x02, 0x7f, 0x80, 0xcb, 0xfe, 0xff] {
+                let mut c = code.clone();
+                c[i] = b;
+                let _ = declared_devices(&c);
+            }
+        }
+    }
+
+    #[test]
+    fn text_counts_are_read() {
+        let t =
+            "module @m attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 : i32} {}";
+        assert_eq!(
+            declared_devices(t.as_bytes()).unwrap(),
+            DeclaredDevices {
+                partitions: Some(4),
+                replicas: Some(1)
+            }
+        );
+        assert_eq!(
+            declared_devices(b"module {}").unwrap(),
+            DeclaredDevices::default()
+        );
+        let two =
+            "module attributes {mhlo.num_partitions = 4 : i32} { // mhlo.num_partitions = 2\n}";
+        assert!(declared_devices(two.as_bytes()).is_err());
+    }
+
+    #[test]
+    fn malformed_bytecode_is_an_error_not_a_panic() {
+        // Truncations of a header and of a varint that claims 8 more bytes.
+        for bytes in [
+            &b"ML\xefR"[..],
+            b"ML\xefR\x0d",
+            b"ML\xefR\x0dStableHLO\0\x00",
+            b"ML\xefR\x0dx\0\x00\xff\xff",
+            b"ML\xefR\x0dx\0\x81\x02",
+            b"ML\xefR\x0dx\0\x00\x03\xff",
+        ] {
+            assert!(declared_devices(bytes).is_err(), "{bytes:?}");
+        }
+    }
 }
