@@ -336,6 +336,16 @@ class Executable(_Handle):
         inline bytes over gRPC, one memfd on the local socket), and never become handles; with
         only Tensors it is one ``Execute``.
 
+        A program over several devices (:attr:`is_spmd`) takes one global array (of
+        :attr:`global_parameters`' shape and dtype, split on the daemon by
+        :attr:`parameter_shardings`) or one :class:`ShardedTensor` (shards of
+        :attr:`parameters`' per-device specs on :attr:`devices`, in order) per parameter, and
+        returns one :class:`ShardedTensor` per result (a ``CallSharded``, always over gRPC;
+        Tensors of one device are refused with TypeError). Extra errors then:
+        tpubox.InvalidArgument for a global array of other dims or dtype, or a ShardedTensor
+        with the wrong number of shards or a shard of other dims; tpubox.FailedPrecondition
+        for a shard on another device than its partition's.
+
         Args:
             args: one per parameter, in order: Tensors of this session, or arrays.
             donate: positions in ARGS whose tensors are donated: on success their device memory
@@ -374,6 +384,10 @@ class Executable(_Handle):
         ARGS are sent with it (inline bytes over gRPC, one memfd on the local socket), the
         results named by FETCH come back as NumPy arrays, and the tensors of FREE are freed
         after it, all in one request. ``exe.call(x, w)`` with NumPy arrays returns NumPy arrays.
+        For a program over several devices, ARGS are global arrays or :class:`ShardedTensor` s
+        (as in :meth:`__call__`), fetched results come back as the gathered global arrays (one
+        fetched and kept is a ShardedTensor whose ``numpy()`` answers from those bytes), and
+        results not fetched as ShardedTensors; FREE may hold ShardedTensors.
 
         On failure the session is as it was: nothing is kept and nothing in FREE is freed.
 
