@@ -1157,3 +1157,311 @@ async fn unreadable_inputs_are_errors() {
     assert!(format!("{e:#}").contains("cut.npy"), "{e:#}");
     assert!(!out.join("outputs.json").exists());
 }
+
+// ---------------------------------------------------------------------------------------------
+// 5. Programs of several devices (issue 45): the module declares its partitions
+// ---------------------------------------------------------------------------------------------
+
+/// `a` split by rows over 4 devices, `b` replicated (GSPMD, as `jax.export` writes it with
+/// Shardy off); returns `a + b` (split by rows) and the sum of `a` (replicated).
+const GSPMD4: &str = r#"
+module @sharded attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 : i32} {
+  func.func public @main(%a: tensor<8x3xf32> {mhlo.sharding = "{devices=[4,1]<=[4]}"}, %b: tensor<8x3xf32> {mhlo.sharding = "{replicated}"}) -> (tensor<8x3xf32> {mhlo.sharding = "{devices=[4,1]<=[4]}"}, tensor<f32> {mhlo.sharding = "{replicated}"}) {
+    %0 = stablehlo.add %a, %b : tensor<8x3xf32>
+    %cst = stablehlo.constant dense<0.0> : tensor<f32>
+    %1 = stablehlo.reduce(%a init: %cst) applies stablehlo.add across dimensions = [0, 1] : (tensor<8x3xf32>, tensor<f32>) -> tensor<f32>
+    return %0, %1 : tensor<8x3xf32>, tensor<f32>
+  }
+}
+"#;
+
+/// `shard_map(psum)` as Shardy writes it: each device sums the four row blocks of `x`.
+const PSUM4: &str = r#"
+module @psum attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 : i32} {
+  sdy.mesh @mesh = <["x"=4]>
+  func.func public @main(%arg0: tensor<8x3xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x"}, {}]>}) -> (tensor<2x3xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
+    %0 = sdy.manual_computation(%arg0) in_shardings=[<@mesh, [{"x"}, {}]>] out_shardings=[<@mesh, [{}, {}]>] manual_axes={"x"} (%arg1: tensor<2x3xf32>) {
+      %1 = "stablehlo.all_reduce"(%arg1) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<[[0, 1, 2, 3]]> : tensor<1x4xi64>, use_global_device_ids}> ({
+      ^bb0(%x: tensor<f32>, %y: tensor<f32>):
+        %s = stablehlo.add %x, %y : tensor<f32>
+        stablehlo.return %s : tensor<f32>
+      }) : (tensor<2x3xf32>) -> tensor<2x3xf32>
+      sdy.return %1 : tensor<2x3xf32>
+    } : (tensor<8x3xf32>) -> tensor<2x3xf32>
+    return %0 : tensor<2x3xf32>
+  }
+}
+"#;
+
+/// The CPU plugin with 4 devices, compiling in process (as `tests/all/spmd.rs` opens it).
+fn four() -> Arc<DeviceService> {
+    static DEV: OnceLock<Arc<DeviceService>> = OnceLock::new();
+    Arc::clone(DEV.get_or_init(|| {
+        tpubox_core::open_device(&tpubox_core::DeviceConfig {
+            client_options: vec![(
+                "cpu_device_count".to_string(),
+                tpubox_core::NamedValue::Int64(4),
+            )],
+            cache: tpubox_core::cache::CacheConfig {
+                mode: tpubox_core::cache::CacheMode::Off,
+                disk_dir: None,
+                remote_url: None,
+                ..Default::default()
+            },
+            compile_isolation: tpubox_core::compiler::CompileIsolation {
+                worker: None,
+                ..Default::default()
+            },
+            ..Default::default()
+        })
+        .expect("the CPU plugin opens with 4 devices")
+    }))
+}
+
+fn iota_f32(n: usize, base: f32) -> Vec<f32> {
+    (0..n).map(|i| base + i as f32).collect()
+}
+
+/// Writes `text` as `name` and the arrays as .npy files under `dir`.
+fn spmd_files(
+    dir: &Path,
+    name: &str,
+    text: &str,
+    arrays: &[(&[i64], &[f32])],
+) -> (PathBuf, Vec<PathBuf>) {
+    let prog = dir.join(name);
+    std::fs::write(&prog, text).unwrap();
+    let inputs: Vec<Input> = arrays
+        .iter()
+        .map(|(dims, v)| input(PrimitiveType::F32, dims, le(v)))
+        .collect();
+    (prog, write_inputs(dir, &inputs))
+}
+
+fn device_error(e: &anyhow::Error) -> &tpubox_core::DeviceError {
+    e.downcast_ref::<tpubox_core::DeviceError>()
+        .unwrap_or_else(|| panic!("not a DeviceError: {e:#}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spmd_program_runs_on_every_device_its_module_declares() {
+    let dir = tempfile::tempdir().unwrap();
+    let a = iota_f32(24, 0.0);
+    let b = iota_f32(24, 100.0);
+    let (prog, args) = spmd_files(
+        dir.path(),
+        "gspmd.mlir",
+        GSPMD4,
+        &[(&[8, 3], &a), (&[8, 3], &b)],
+    );
+    let out = dir.path().join("out");
+    let tenant = tpubox_core::Tenant::new("exec-spmd", tpubox_core::TenantLimits::default());
+    let s = tpubox_core::Session::new(four(), Arc::default(), Arc::clone(&tenant));
+    let infos = tpubox_core::exec::exec(&s, &prog, &args, &out)
+        .await
+        .unwrap();
+    assert_eq!(infos.len(), 2);
+    for i in &infos {
+        assert_eq!(i.devices, vec![0, 1, 2, 3]);
+    }
+    assert_eq!(infos[0].dims, vec![8, 3]);
+    assert_eq!(infos[0].sharding.as_deref(), Some("{devices=[4,1]<=[4]}"));
+    assert_eq!(infos[1].dims, Vec::<i64>::new());
+    assert_eq!(infos[1].sharding.as_deref(), Some("{replicated}"));
+    let listed: Vec<OutputInfo> =
+        serde_json::from_str(&std::fs::read_to_string(out.join("outputs.json")).unwrap()).unwrap();
+    assert_eq!(listed, infos);
+    let sum: Vec<f32> = a.iter().zip(&b).map(|(x, y)| x + y).collect();
+    let (descr, shape, data) = parse_npy(&std::fs::read(out.join("out0.npy")).unwrap());
+    assert_eq!((descr.as_str(), shape.as_slice()), ("<f4", &[8, 3][..]));
+    assert_eq!(f32s(&data), sum);
+    let (_, shape, data) = parse_npy(&std::fs::read(out.join("out1.npy")).unwrap());
+    assert!(shape.is_empty());
+    assert_eq!(f32s(&data), vec![a.iter().sum::<f32>()]);
+    drop(s);
+    let u = tenant.usage();
+    assert_eq!(
+        (u.device_bytes, u.live_tensors, u.live_executables),
+        (0, 0, 0)
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spmd_collective_runs_in_the_devices_given() {
+    let dir = tempfile::tempdir().unwrap();
+    let x = iota_f32(24, 1.0);
+    let (prog, args) = spmd_files(dir.path(), "psum.mlir", PSUM4, &[(&[8, 3], &x)]);
+    let out = dir.path().join("out");
+    let s = tpubox_core::Session::new(
+        four(),
+        Arc::default(),
+        tpubox_core::Tenant::new("exec-psum", tpubox_core::TenantLimits::default()),
+    );
+    let opts = tpubox_core::exec::ExecOptions {
+        devices: Some(vec![3, 2, 1, 0]),
+    };
+    let infos = tpubox_core::exec::exec_with(&s, &prog, &args, &out, &opts)
+        .await
+        .unwrap();
+    assert_eq!(infos[0].devices, vec![3, 2, 1, 0]);
+    assert_eq!(infos[0].dims, vec![2, 3]);
+    let want: Vec<f32> = (0..6)
+        .map(|j| (0..4).map(|blk| x[blk * 6 + j]).sum())
+        .collect();
+    let (_, _, data) = parse_npy(&std::fs::read(out.join("out0.npy")).unwrap());
+    assert_eq!(f32s(&data), want);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn spmd_device_counts_that_do_not_fit_are_refused_with_both_numbers() {
+    let dir = tempfile::tempdir().unwrap();
+    let x = iota_f32(24, 0.0);
+    let (prog, args) = spmd_files(
+        dir.path(),
+        "gspmd.mlir",
+        GSPMD4,
+        &[(&[8, 3], &x), (&[8, 3], &x)],
+    );
+    let out = dir.path().join("out");
+    let tenant =
+        tpubox_core::Tenant::new("exec-spmd-hostile", tpubox_core::TenantLimits::default());
+    let session = |devices: Vec<u32>| {
+        tpubox_core::Session::new(four(), Arc::default(), Arc::clone(&tenant))
+            .with_placement(tpubox_core::placement::Placement::fixed(devices))
+    };
+    // A session of 2 devices: the module needs 4.
+    let e = tpubox_core::exec::exec(&session(vec![0, 1]), &prog, &args, &out)
+        .await
+        .unwrap_err();
+    let d = device_error(&e);
+    assert_eq!(d.kind, tpubox_core::ErrorKind::InvalidArgument, "{e:#}");
+    assert!(
+        d.message
+            .contains("a program for 4 devices (mhlo.num_partitions = 4)")
+            && d.message.contains("only 2 device(s) are available ([0, 1]"),
+        "{e:#}"
+    );
+    // --devices listing another number.
+    let opts = tpubox_core::exec::ExecOptions {
+        devices: Some(vec![0, 1, 2]),
+    };
+    let e = tpubox_core::exec::exec_with(&session(vec![0, 1, 2, 3]), &prog, &args, &out, &opts)
+        .await
+        .unwrap_err();
+    let d = device_error(&e);
+    assert_eq!(d.kind, tpubox_core::ErrorKind::InvalidArgument, "{e:#}");
+    assert!(d.message.contains("--devices lists 3 ([0, 1, 2])"), "{e:#}");
+    // A device the session may not use.
+    let opts = tpubox_core::exec::ExecOptions {
+        devices: Some(vec![0, 1, 2, 3]),
+    };
+    let e = tpubox_core::exec::exec_with(&session(vec![0, 1, 2]), &prog, &args, &out, &opts)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        device_error(&e).kind,
+        tpubox_core::ErrorKind::PermissionDenied,
+        "{e:#}"
+    );
+    // Replicas: refused, JAX exports partitions.
+    let replicas = dir.path().join("replicas.mlir");
+    std::fs::write(
+        &replicas,
+        GSPMD4.replace("mhlo.num_replicas = 1", "mhlo.num_replicas = 2"),
+    )
+    .unwrap();
+    let e = tpubox_core::exec::exec(&session(vec![0, 1, 2, 3]), &replicas, &args, &out)
+        .await
+        .unwrap_err();
+    assert_eq!(
+        device_error(&e).kind,
+        tpubox_core::ErrorKind::Unsupported,
+        "{e:#}"
+    );
+    // The global array is expected, not a shard.
+    let shard_dir = dir.path().join("shard");
+    std::fs::create_dir(&shard_dir).unwrap();
+    let shard = write_inputs(
+        &shard_dir,
+        &[input(PrimitiveType::F32, &[2, 3], le(&x[..6]))],
+    );
+    let e = tpubox_core::exec::exec(
+        &session(vec![0, 1, 2, 3]),
+        &prog,
+        &[shard[0].clone(), args[1].clone()],
+        &out,
+    )
+    .await
+    .unwrap_err();
+    assert!(
+        format!("{e:#}").contains("is f32[2,3] but")
+            && format!("{e:#}").contains("expects f32[8,3] (the global array"),
+        "{e:#}"
+    );
+    assert!(!out.join("outputs.json").exists());
+    let u = tenant.usage();
+    assert_eq!(
+        (u.device_bytes, u.live_tensors, u.live_executables),
+        (0, 0, 0)
+    );
+}
+
+#[test]
+fn cli_spmd_program_needs_its_devices() {
+    let dir = tempfile::tempdir().unwrap();
+    let x = iota_f32(24, 0.0);
+    let (prog, args) = spmd_files(dir.path(), "psum.mlir", PSUM4, &[(&[8, 3], &x)]);
+    let out = dir.path().join("o");
+    let argv = |cpu_devices: &'static str| -> Vec<&std::ffi::OsStr> {
+        vec![
+            "exec".as_ref(),
+            "--cpu-devices".as_ref(),
+            cpu_devices.as_ref(),
+            "--cache-mode".as_ref(),
+            "off".as_ref(),
+            prog.as_os_str(),
+            "--arg".as_ref(),
+            args[0].as_os_str(),
+            "--out".as_ref(),
+            out.as_os_str(),
+        ]
+    };
+    // Exported for 4 devices, where the CPU plugin exposes 2: refused before compiling.
+    let stderr = assert_cli_fails(&argv("2"), "tpubox: invalid-argument: ");
+    assert!(
+        stderr.contains(
+            "psum.mlir is a program for 4 devices (mhlo.num_partitions = 4), and only 2 device(s) are available"
+        ),
+        "{stderr}"
+    );
+    assert!(!out.join("outputs.json").exists());
+    let o = tpubox_cmd().args(argv("4")).output().unwrap();
+    let stdout = String::from_utf8_lossy(&o.stdout);
+    assert!(o.status.success(), "{}", String::from_utf8_lossy(&o.stderr));
+    assert_eq!(
+        stdout.trim(),
+        "out0.npy: F32[2, 3] on devices [0, 1, 2, 3], {replicated}"
+    );
+    let json: serde_json::Value =
+        serde_json::from_str(&std::fs::read_to_string(out.join("outputs.json")).unwrap()).unwrap();
+    assert_eq!(json[0]["devices"], serde_json::json!([0, 1, 2, 3]));
+}
+
+#[tokio::test]
+async fn one_device_programs_report_their_device() {
+    let ran = run(
+        "transpose_reshape.mlir",
+        &[input(
+            PrimitiveType::S32,
+            &[2, 3],
+            le(&[1i32, 2, 3, 4, 5, 6]),
+        )],
+    )
+    .await;
+    for i in &ran.infos {
+        assert_eq!(i.devices, vec![0]);
+        assert_eq!(i.sharding, None);
+    }
+    let json = std::fs::read_to_string(ran.out.join("outputs.json")).unwrap();
+    assert!(!json.contains("sharding"), "{json}");
+}
