@@ -502,7 +502,7 @@ mod bytecode {
                 if !align.is_power_of_two() || align > 4096 {
                     return Err(format!("a section alignment of {align}"));
                 }
-                while ((self.base + self.pos) as u64) % align != 0 {
+                while !((self.base + self.pos) as u64).is_multiple_of(align) {
                     if self.byte()? != 0xcb {
                         return Err("bad section padding".into());
                     }
