@@ -26,8 +26,10 @@ HERE = Path(__file__).resolve().parent
 def sharded(tmp_path_factory):
     d = tmp_path_factory.mktemp("jax-sharded")
     # Its own process: JAX's CPU device count is fixed when its backend starts.
-    subprocess.run([sys.executable, str(HERE / "make_sharded.py"), str(d)], check=True,
-                   capture_output=True, timeout=600)
+    r = subprocess.run([sys.executable, str(HERE / "make_sharded.py"), str(d)],
+                       capture_output=True, text=True, timeout=600)
+    if r.returncode != 0:
+        pytest.fail(f"make_sharded.py failed:\n{r.stderr[-4000:]}")
     return d
 
 
