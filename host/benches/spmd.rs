@@ -203,8 +203,7 @@ pub fn main() {
         let jax_allreduce = jax[name]["jax_seconds"].as_f64().unwrap();
 
         println!(
-            "tpubox SPMD benchmark — 4 CPU devices (cpu_device_count), JAX {} on the same devices, median of {ROUNDS} rounds ({rounds} for the all-reduce)",
-            "(venv-jax)"
+            "tpubox SPMD benchmark — 4 CPU devices (cpu_device_count), JAX (venv-jax) on the same devices, median of {ROUNDS} rounds ({rounds} for the all-reduce)"
         );
         println!();
         println!("| program | devices | tpubox ms | JAX ms | tpubox / JAX |");
