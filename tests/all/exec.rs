@@ -1164,58 +1164,13 @@ async fn unreadable_inputs_are_errors() {
 
 /// `a` split by rows over 4 devices, `b` replicated (GSPMD, as `jax.export` writes it with
 /// Shardy off); returns `a + b` (split by rows) and the sum of `a` (replicated).
-const GSPMD4: &str = r#"
-module @sharded attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 : i32} {
-  func.func public @main(%a: tensor<8x3xf32> {mhlo.sharding = "{devices=[4,1]<=[4]}"}, %b: tensor<8x3xf32> {mhlo.sharding = "{replicated}"}) -> (tensor<8x3xf32> {mhlo.sharding = "{devices=[4,1]<=[4]}"}, tensor<f32> {mhlo.sharding = "{replicated}"}) {
-    %0 = stablehlo.add %a, %b : tensor<8x3xf32>
-    %cst = stablehlo.constant dense<0.0> : tensor<f32>
-    %1 = stablehlo.reduce(%a init: %cst) applies stablehlo.add across dimensions = [0, 1] : (tensor<8x3xf32>, tensor<f32>) -> tensor<f32>
-    return %0, %1 : tensor<8x3xf32>, tensor<f32>
-  }
-}
-"#;
+const GSPMD4: &str = include_str!("../programs/spmd_gspmd4.mlir");
 
 /// `shard_map(psum)` as Shardy writes it: each device sums the four row blocks of `x`.
-const PSUM4: &str = r#"
-module @psum attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 : i32} {
-  sdy.mesh @mesh = <["x"=4]>
-  func.func public @main(%arg0: tensor<8x3xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x"}, {}]>}) -> (tensor<2x3xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
-    %0 = sdy.manual_computation(%arg0) in_shardings=[<@mesh, [{"x"}, {}]>] out_shardings=[<@mesh, [{}, {}]>] manual_axes={"x"} (%arg1: tensor<2x3xf32>) {
-      %1 = "stablehlo.all_reduce"(%arg1) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<[[0, 1, 2, 3]]> : tensor<1x4xi64>, use_global_device_ids}> ({
-      ^bb0(%x: tensor<f32>, %y: tensor<f32>):
-        %s = stablehlo.add %x, %y : tensor<f32>
-        stablehlo.return %s : tensor<f32>
-      }) : (tensor<2x3xf32>) -> tensor<2x3xf32>
-      sdy.return %1 : tensor<2x3xf32>
-    } : (tensor<8x3xf32>) -> tensor<2x3xf32>
-    return %0 : tensor<2x3xf32>
-  }
-}
-"#;
+const PSUM4: &str = include_str!("../programs/spmd_psum4.mlir");
 
-/// The CPU plugin with 4 devices, compiling in process (as `tests/all/spmd.rs` opens it).
 fn four() -> Arc<DeviceService> {
-    static DEV: OnceLock<Arc<DeviceService>> = OnceLock::new();
-    Arc::clone(DEV.get_or_init(|| {
-        tpubox_core::open_device(&tpubox_core::DeviceConfig {
-            client_options: vec![(
-                "cpu_device_count".to_string(),
-                tpubox_core::NamedValue::Int64(4),
-            )],
-            cache: tpubox_core::cache::CacheConfig {
-                mode: tpubox_core::cache::CacheMode::Off,
-                disk_dir: None,
-                remote_url: None,
-                ..Default::default()
-            },
-            compile_isolation: tpubox_core::compiler::CompileIsolation {
-                worker: None,
-                ..Default::default()
-            },
-            ..Default::default()
-        })
-        .expect("the CPU plugin opens with 4 devices")
-    }))
+    crate::support::four_devices()
 }
 
 fn iota_f32(n: usize, base: f32) -> Vec<f32> {

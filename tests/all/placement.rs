@@ -4,17 +4,14 @@
 //! error kinds. The CPU plugin stands in for a TPU host's chips with `cpu_device_count` 4, as
 //! JAX tests its own multi-device code (`jax_num_cpu_devices`).
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 use std::time::Duration;
 
-use tpubox_core::NamedValue;
-use tpubox_core::cache::{CacheConfig, CacheMode};
-use tpubox_core::compiler::CompileIsolation;
 use tpubox_core::placement::{Placement, PlacementRequest, TenantDevices};
 use tpubox_core::session::{ProgramFormat, TensorHandle};
 use tpubox_core::tenant::DeviceBytes;
 use tpubox_core::weights::WeightRegistry;
-use tpubox_core::{DeviceConfig, DeviceService, ErrorKind, PrimitiveType, Session, Tenant};
+use tpubox_core::{DeviceService, ErrorKind, PrimitiveType, Session, Tenant};
 use tpubox_core::{TenantLimits, TenantUsage};
 
 use crate::support::read_f32 as get;
@@ -34,27 +31,8 @@ const ADD: &str = r#"func.func public @main(%a: tensor<4xf32>, %b: tensor<4xf32>
 }
 "#;
 
-/// Four CPU devices, two execution slots each, in-process compiles, no cache.
 fn four() -> Arc<DeviceService> {
-    static DEV: OnceLock<Arc<DeviceService>> = OnceLock::new();
-    Arc::clone(DEV.get_or_init(|| {
-        tpubox_core::open_device(&DeviceConfig {
-            client_options: vec![("cpu_device_count".to_string(), NamedValue::Int64(4))],
-            cache: CacheConfig {
-                mode: CacheMode::Off,
-                disk_dir: None,
-                remote_url: None,
-                ..CacheConfig::default()
-            },
-            compile_isolation: CompileIsolation {
-                worker: None,
-                ..CompileIsolation::default()
-            },
-            execution_slots: 2,
-            ..DeviceConfig::default()
-        })
-        .expect("the CPU plugin opens with 4 devices")
-    }))
+    crate::support::four_devices()
 }
 
 fn session(dev: &Arc<DeviceService>, tenant: &Arc<Tenant>, placement: Placement) -> Session {

@@ -4,47 +4,21 @@
 //! their exact error kinds. Four CPU devices stand in for a TPU host's chips (JAX tests its own
 //! multi-device code the same way). The reference values are computed here with plain loops.
 
-use std::sync::{Arc, OnceLock};
+use std::sync::Arc;
 
-use tpubox_core::cache::{CacheConfig, CacheMode};
-use tpubox_core::compiler::CompileIsolation;
 use tpubox_core::placement::Placement;
 use tpubox_core::session::{ExecutableHandle, ProgramFormat};
 use tpubox_core::weights::WeightRegistry;
-use tpubox_core::{CompileSettings, DeviceConfig, DeviceService, ErrorKind, NamedValue};
+use tpubox_core::{CompileSettings, DeviceService, ErrorKind};
 use tpubox_core::{PrimitiveType, Session, Tenant, TenantLimits};
 
 /// `a` split by rows over 4 devices (GSPMD annotations, as `jax.export` writes them without
 /// Shardy), `b` replicated; returns `a + b` (split by rows) and the sum of `a` (replicated: an
 /// all-reduce the partitioner inserts).
-const GSPMD: &str = r#"
-module @sharded attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 : i32} {
-  func.func public @main(%a: tensor<8x3xf32> {mhlo.sharding = "{devices=[4,1]<=[4]}"}, %b: tensor<8x3xf32> {mhlo.sharding = "{replicated}"}) -> (tensor<8x3xf32> {mhlo.sharding = "{devices=[4,1]<=[4]}"}, tensor<f32> {mhlo.sharding = "{replicated}"}) {
-    %0 = stablehlo.add %a, %b : tensor<8x3xf32>
-    %cst = stablehlo.constant dense<0.0> : tensor<f32>
-    %1 = stablehlo.reduce(%a init: %cst) applies stablehlo.add across dimensions = [0, 1] : (tensor<8x3xf32>, tensor<f32>) -> tensor<f32>
-    return %0, %1 : tensor<8x3xf32>, tensor<f32>
-  }
-}
-"#;
+const GSPMD: &str = include_str!("../programs/spmd_gspmd4.mlir");
 
 /// `shard_map(psum)` as Shardy writes it: each device sums the four row blocks of `x`.
-const PSUM: &str = r#"
-module @psum attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 : i32} {
-  sdy.mesh @mesh = <["x"=4]>
-  func.func public @main(%arg0: tensor<8x3xf32> {sdy.sharding = #sdy.sharding<@mesh, [{"x"}, {}]>}) -> (tensor<2x3xf32> {sdy.sharding = #sdy.sharding<@mesh, [{}, {}]>}) {
-    %0 = sdy.manual_computation(%arg0) in_shardings=[<@mesh, [{"x"}, {}]>] out_shardings=[<@mesh, [{}, {}]>] manual_axes={"x"} (%arg1: tensor<2x3xf32>) {
-      %1 = "stablehlo.all_reduce"(%arg1) <{channel_handle = #stablehlo.channel_handle<handle = 1, type = 1>, replica_groups = dense<[[0, 1, 2, 3]]> : tensor<1x4xi64>, use_global_device_ids}> ({
-      ^bb0(%x: tensor<f32>, %y: tensor<f32>):
-        %s = stablehlo.add %x, %y : tensor<f32>
-        stablehlo.return %s : tensor<f32>
-      }) : (tensor<2x3xf32>) -> tensor<2x3xf32>
-      sdy.return %1 : tensor<2x3xf32>
-    } : (tensor<8x3xf32>) -> tensor<2x3xf32>
-    return %0 : tensor<2x3xf32>
-  }
-}
-"#;
+const PSUM: &str = include_str!("../programs/spmd_psum4.mlir");
 
 /// A row-split parameter donated to its row-split result (`x * x`).
 const DONATE: &str = r#"
@@ -57,24 +31,7 @@ module @donate attributes {mhlo.num_partitions = 4 : i32, mhlo.num_replicas = 1 
 "#;
 
 fn four() -> Arc<DeviceService> {
-    static DEV: OnceLock<Arc<DeviceService>> = OnceLock::new();
-    Arc::clone(DEV.get_or_init(|| {
-        tpubox_core::open_device(&DeviceConfig {
-            client_options: vec![("cpu_device_count".to_string(), NamedValue::Int64(4))],
-            cache: CacheConfig {
-                mode: CacheMode::Off,
-                disk_dir: None,
-                remote_url: None,
-                ..CacheConfig::default()
-            },
-            compile_isolation: CompileIsolation {
-                worker: None,
-                ..CompileIsolation::default()
-            },
-            ..DeviceConfig::default()
-        })
-        .expect("the CPU plugin opens with 4 devices")
-    }))
+    crate::support::four_devices()
 }
 
 fn session(tenant: &Arc<Tenant>, devices: Vec<u32>) -> Session {

@@ -136,3 +136,31 @@ pub async fn read_f32(
         .map(|b| f32::from_le_bytes(b.try_into().unwrap()))
         .collect()
 }
+
+/// The CPU plugin with 4 devices (`cpu_device_count`, the stand-in for a TPU host's chips), two
+/// execution slots each, compiling in process, no compile cache: one per test process, shared
+/// by the placement, SPMD and exec suites.
+pub fn four_devices() -> Arc<DeviceService> {
+    static DEV: std::sync::OnceLock<Arc<DeviceService>> = std::sync::OnceLock::new();
+    Arc::clone(DEV.get_or_init(|| {
+        tpubox_core::open_device(&tpubox_core::DeviceConfig {
+            client_options: vec![(
+                "cpu_device_count".to_string(),
+                tpubox_core::NamedValue::Int64(4),
+            )],
+            cache: tpubox_core::cache::CacheConfig {
+                mode: tpubox_core::cache::CacheMode::Off,
+                disk_dir: None,
+                remote_url: None,
+                ..Default::default()
+            },
+            compile_isolation: tpubox_core::compiler::CompileIsolation {
+                worker: None,
+                ..Default::default()
+            },
+            execution_slots: 2,
+            ..Default::default()
+        })
+        .expect("the CPU plugin opens with 4 devices")
+    }))
+}
