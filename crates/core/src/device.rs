@@ -818,7 +818,7 @@ impl DeviceService {
     /// list's; `execution-failed` from any device (the first failure); `internal` if the
     /// execution's task failed.
     pub async fn execute_spmd(
-        self: &Arc<Self>,
+        &self,
         exe: Arc<DeviceExecutable>,
         args: Vec<Vec<Arc<DeviceTensor>>>,
         donate: Vec<usize>,

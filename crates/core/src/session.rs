@@ -1429,7 +1429,7 @@ impl Session {
         let mut charges: Vec<Vec<Charge>> = Vec::with_capacity(n);
         let charged = (|| -> DeviceResult<()> {
             held.push(Box::new(self.tenant.charge_launch()?));
-            for (k, &device) in devices.iter().enumerate() {
+            for &device in &devices {
                 let credit = taken
                     .iter()
                     .filter(|(h, _)| h.device() == device)
@@ -1441,7 +1441,6 @@ impl Session {
                     credit,
                     program.temp_bytes(),
                 )?;
-                let _ = k;
                 charges.push(out);
                 held.push(Box::new(scratch));
             }

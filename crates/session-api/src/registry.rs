@@ -635,13 +635,13 @@ pub enum CallArg {
     /// A tensor handle of this session.
     Handle(u64),
     /// A fresh tensor whose bytes come with the call (given to [`CallPlan::run`]): its element
-    /// type, dims and device (default 0).
+    /// type, dims and device (default: the session's default device).
     Inline {
         /// Element type.
         ty: pjrt::PrimitiveType,
         /// Dims, outermost first.
         dims: Vec<u64>,
-        /// Device index (default 0).
+        /// Device index (default: the session's default device).
         device: Option<u32>,
     },
 }
