@@ -207,8 +207,8 @@ check_model_guest() {
   wasm="$(guest_wasm "$1")"
   [ -x "$wasm_tools" ] || return 0
   wit="$("$wasm_tools" component wit "$wasm")"
-  grep -q '^  export tpubox:device/model@0.1.1;' <<<"$wit" ||
-    { log "$wasm does not export tpubox:device/model@0.1.1"; return 1; }
+  grep -q '^  export tpubox:device/model@0.1.2;' <<<"$wit" ||
+    { log "$wasm does not export tpubox:device/model@0.1.2"; return 1; }
 }
 
 # All guests in one cargo run: separate runs unify features per guest, so the proc macros they

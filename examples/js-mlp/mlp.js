@@ -17,8 +17,8 @@
 // so this guest releases every handle explicitly with `handle[Symbol.dispose]()` as soon as it
 // is done with it (see `using()` below).
 
-import { Tensor } from 'tpubox:device/types@0.1.1';
-import { compile, execute } from 'tpubox:device/client@0.1.1';
+import { Tensor } from 'tpubox:device/types@0.1.2';
+import { compile, execute } from 'tpubox:device/client@0.1.2';
 import { getArguments } from 'wasi:cli/environment@0.2.0';
 
 const NAME = 'js-mlp';

@@ -2,7 +2,7 @@
 //! WebAssembly component.
 //!
 //! A tpubox host owns an accelerator (CPU, GPU or TPU) through PJRT and lends it to guest
-//! components built against the WIT world `tpubox:device/guest@0.1.1` (`wit/device.wit` in the
+//! components built against the WIT world `tpubox:device/guest@0.1.2` (`wit/device.wit` in the
 //! tpubox repository). This crate wraps the raw generated bindings (still reachable through
 //! [`bindings`]) in an ergonomic layer:
 //!
@@ -114,6 +114,7 @@ mod tensor;
 pub mod eager;
 pub mod graph;
 pub mod model;
+pub mod sharded;
 pub mod weights;
 
 /// Exports a type implementing [`model::Model`] as the component's `tpubox:device/model`

@@ -1,6 +1,6 @@
 //! Model guests for `tpubox serve`: components built against the WIT world
-//! `tpubox:device/served-model@0.1.1` (`wit/model.wit`), which import the device interfaces
-//! like any guest and export `tpubox:device/model@0.1.1` (`metadata` and `infer`).
+//! `tpubox:device/served-model@0.1.2` (`wit/model.wit`), which import the device interfaces
+//! like any guest and export `tpubox:device/model@0.1.2` (`metadata` and `infer`).
 //!
 //! A model guest is a library component: a `cdylib` crate built for `wasm32-wasip2`, with no
 //! `fn main`. It implements [`Model`] (the generated `Guest` trait of the `model` interface) on
@@ -86,9 +86,9 @@ pub mod bindings {
         world: "served-model",
         additional_derives: [PartialEq, Eq, Hash],
         with: {
-            "tpubox:device/types@0.1.1": crate::bindings::tpubox::device::types,
-            "tpubox:device/client@0.1.1": crate::bindings::tpubox::device::client,
-            "tpubox:device/weights@0.1.1": crate::bindings::tpubox::device::weights,
+            "tpubox:device/types@0.1.2": crate::bindings::tpubox::device::types,
+            "tpubox:device/client@0.1.2": crate::bindings::tpubox::device::client,
+            "tpubox:device/weights@0.1.2": crate::bindings::tpubox::device::weights,
         },
         // The macro is used from the model guest's crate, not from this one: it must be
         // public and name this module by its absolute path.

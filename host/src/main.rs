@@ -183,7 +183,7 @@ enum Cmd {
         path: PathBuf,
     },
     /// Write the tpubox:device WIT package into DIR: its .wit files, and the same package
-    /// binary-encoded as a component (tpubox-device-0.1.1.wasm), the form wkg, cargo component
+    /// binary-encoded as a component (tpubox-device-0.1.2.wasm), the form wkg, cargo component
     /// and `wasm-tools component wit` consume.
     Wit {
         /// Directory to write into (created if missing).

@@ -33,7 +33,7 @@ const COMMAND_WORLD: &str = "\
 package tpubox:app@0.1.0;
 
 world command {
-    include tpubox:device/guest@0.1.1;
+    include tpubox:device/guest@0.1.2;
     export wasi:cli/run@0.2.0;
 }
 
@@ -44,11 +44,11 @@ world command-args {
 ";
 
 /// The name of the WIT package this host serves, `namespace:name@version`.
-pub const WIT_PACKAGE: &str = "tpubox:device@0.1.1";
+pub const WIT_PACKAGE: &str = "tpubox:device@0.1.2";
 
 /// The file name `tpubox wit` gives the binary-encoded package (`NAMESPACE-NAME-VERSION.wasm`,
 /// which the `deps/` directory of a WIT folder accepts as it is).
-pub const WIT_PACKAGE_WASM: &str = "tpubox-device-0.1.1.wasm";
+pub const WIT_PACKAGE_WASM: &str = "tpubox-device-0.1.2.wasm";
 
 /// A guest language `tpubox new` has a template for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -430,32 +430,10 @@ async fn run_guest(
     args: &[&str],
     tenant: &Arc<Tenant>,
 ) -> String {
-    let opts = tpubox_wasm::RunOptions {
-        args: args.iter().map(|a| a.to_string()).collect(),
-        capture_output: true,
-        stdin: Some(Vec::new()),
-        tenant: Some(Arc::clone(tenant)),
-        ..tpubox_wasm::RunOptions::default()
-    };
-    let o = host
-        .run(component, "guest", &opts)
-        .await
-        .unwrap_or_else(|e| panic!("{args:?}: {e:#}"));
-    let out = String::from_utf8_lossy(&o.stdout).into_owned();
-    assert_eq!(
-        o.exit_code,
-        0,
-        "{args:?}: {out}{}",
-        String::from_utf8_lossy(&o.stderr)
-    );
-    out
+    crate::support::run_guest(host, component, args, tenant, None).await
 }
 
-fn line<'a>(out: &'a str, key: &str) -> &'a str {
-    out.lines()
-        .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix(": ")))
-        .unwrap_or_else(|| panic!("no `{key}:` line in {out:?}"))
-}
+use crate::support::line;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn guests_launch_wait_and_see_failures_naming_the_launch() {

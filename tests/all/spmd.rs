@@ -53,6 +53,21 @@ async fn compile(s: &Session, program: &str, devices: &[u32]) -> ExecutableHandl
     .expect("the program compiles for the devices")
 }
 
+/// Asserts that `tenant` holds nothing: no device bytes, tensors, executables or launches.
+fn assert_nothing_held(tenant: &Tenant) {
+    let u = tenant.usage();
+    assert_eq!(
+        (
+            u.device_bytes,
+            u.live_tensors,
+            u.live_executables,
+            u.pending_launches
+        ),
+        (0, 0, 0, 0),
+        "{u:?}"
+    );
+}
+
 fn f32_bytes(v: &[f32]) -> Vec<u8> {
     v.iter().flat_map(|x| x.to_le_bytes()).collect()
 }
@@ -236,15 +251,111 @@ async fn hostile_sharded_calls_get_exact_kinds_and_leak_nothing() {
         }
         tokio::time::sleep(std::time::Duration::from_millis(50)).await;
     }
+    assert_nothing_held(&tenant);
+}
+
+// ---------------------------------------------------------------------------------------------
+// From guests: the WIT `sharding` interface (0.1.2), through the probe
+// ---------------------------------------------------------------------------------------------
+
+/// Runs the probe's `sharded CASE` on the four-device host as tenant `tenant`, placed on
+/// `devices` (`None`: every device).
+async fn probe_sharded(case: &str, tenant: &Arc<Tenant>, devices: Option<Vec<u32>>) -> String {
+    let host = tpubox_wasm::Host::with_device(four(), crate::support::test_host_config().sandbox)
+        .expect("a Wasm host over the four devices");
+    let probe = host
+        .load_component(&crate::support::wasm("tpubox-probe"))
+        .expect("probe loads");
+    crate::support::run_guest(&host, &probe, &["sharded", case], tenant, devices).await
+}
+
+use crate::support::line;
+
+/// The first word of a `NAME: kind (message)` line.
+fn kind<'a>(out: &'a str, key: &str) -> &'a str {
+    line(out, key).split(' ').next().unwrap()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn guests_run_sharded_programs_through_the_wit() {
+    let tenant = Tenant::new("guest-spmd", TenantLimits::default());
+    let out = probe_sharded("run", &tenant, None).await;
+    assert_eq!(line(&out, "gspmd-devices"), "[0, 1, 2, 3]");
+    assert_eq!(
+        line(&out, "gspmd-parameters"),
+        "f32[8, 3] {devices=[4,1]<=[4]}; f32[8, 3] {replicated}"
+    );
+    assert_eq!(
+        line(&out, "gspmd-results"),
+        "f32[8, 3] {devices=[4,1]<=[4]}; f32[] {replicated}"
+    );
+    assert_eq!(line(&out, "gspmd-shard-inputs"), "[2, 3]");
+    assert_eq!(
+        line(&out, "a-shards"),
+        "[(0, [2, 3]), (1, [2, 3]), (2, [2, 3]), (3, [2, 3])]"
+    );
+    let a: Vec<f32> = (0..24).map(|i| i as f32).collect();
+    let sum: Vec<f32> = a.iter().map(|x| x + 1.0).collect();
+    assert_eq!(line(&out, "gspmd-sum"), format!("{sum:?}"));
+    assert_eq!(
+        line(&out, "gspmd-total"),
+        format!("{:?}", vec![a.iter().sum::<f32>()])
+    );
+    assert_eq!(line(&out, "gspmd-out-devices"), "[0, 1, 2, 3]");
+    assert_eq!(line(&out, "shard-3"), format!("{:?}", &sum[18..]));
+    let psum: Vec<f32> = (0..6)
+        .map(|j| (0..4).map(|blk| a[blk * 6 + j]).sum())
+        .collect();
+    assert_eq!(line(&out, "psum"), format!("{psum:?}"));
+    assert_eq!(line(&out, "psum-result-sharding"), "{replicated}");
+    assert_eq!(kind(&out, "read-donated"), "failed-precondition");
+    assert_eq!(
+        line(&out, "by-hand"),
+        "[0.0, 1.0, 2.0, 3.0, 4.0, 5.0] on [2, 0]"
+    );
     let u = tenant.usage();
     assert_eq!(
-        (
-            u.device_bytes,
-            u.live_tensors,
-            u.live_executables,
-            u.pending_launches
-        ),
-        (0, 0, 0, 0),
-        "{u:?}"
+        (u.device_bytes, u.live_tensors, u.live_executables),
+        (0, 0, 0),
+        "the guest's ending gives everything back"
     );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn hostile_sharded_guest_calls_get_exact_kinds_and_leak_nothing() {
+    let tenant = Tenant::new("guest-spmd-hostile", TenantLimits::default());
+    let out = probe_sharded("hostile", &tenant, None).await;
+    for (case, want) in [
+        ("put-short-bytes", "invalid-argument"),
+        ("put-bad-sharding", "invalid-argument"),
+        ("put-nested-sharding", "invalid-argument"),
+        ("put-device-twice", "invalid-argument"),
+        ("put-too-few-devices", "invalid-argument"),
+        ("put-unknown-device", "not-found"),
+        ("put-no-devices", "invalid-argument"),
+        ("read-lying-sizes", "invalid-argument"),
+        ("execute-lying-sizes", "invalid-argument"),
+        ("read-lying-devices", "invalid-argument"),
+        ("execute-lying-devices", "failed-precondition"),
+        ("execute-short-shards", "invalid-argument"),
+        ("execute-arg-count", "invalid-argument"),
+        ("execute-donate-range", "invalid-argument"),
+        ("execute-one-device-program", "invalid-argument"),
+        ("compile-partitions-differ", "invalid-argument"),
+        ("compile-device-twice", "invalid-argument"),
+        ("compile-unknown-device", "not-found"),
+        ("compile-no-devices", "invalid-argument"),
+    ] {
+        assert_eq!(kind(&out, case), want, "{case}: {}", line(&out, case));
+    }
+    assert_eq!(line(&out, "after"), "[1.0, 2.0, 3.0, 4.0, 5.0, 6.0]");
+    // Placed on two devices, a program over four is refused before it compiles.
+    let out = probe_sharded("outside", &tenant, Some(vec![0, 1])).await;
+    assert_eq!(
+        kind(&out, "compile-outside"),
+        "permission-denied",
+        "{}",
+        line(&out, "compile-outside")
+    );
+    assert_nothing_held(&tenant);
 }

@@ -164,3 +164,42 @@ pub fn four_devices() -> Arc<DeviceService> {
         .expect("the CPU plugin opens with 4 devices")
     }))
 }
+
+/// Runs `component` (a WASI command) on `host` with `args` (after argv 0) as `tenant`,
+/// placed on `devices` (`None`: every device), its output captured; panics unless it exits
+/// with 0, showing its output. Returns its stdout.
+pub async fn run_guest(
+    host: &tpubox_wasm::Host,
+    component: &wasmtime::component::Component,
+    args: &[&str],
+    tenant: &std::sync::Arc<tpubox_core::Tenant>,
+    devices: Option<Vec<u32>>,
+) -> String {
+    let opts = tpubox_wasm::RunOptions {
+        args: args.iter().map(|a| a.to_string()).collect(),
+        capture_output: true,
+        stdin: Some(Vec::new()),
+        tenant: Some(std::sync::Arc::clone(tenant)),
+        devices,
+        ..tpubox_wasm::RunOptions::default()
+    };
+    let o = host
+        .run(component, "guest", &opts)
+        .await
+        .unwrap_or_else(|e| panic!("{args:?}: {e:#}"));
+    let out = String::from_utf8_lossy(&o.stdout).into_owned();
+    assert_eq!(
+        o.exit_code,
+        0,
+        "{args:?}: {out}{}",
+        String::from_utf8_lossy(&o.stderr)
+    );
+    out
+}
+
+/// The rest of the line `KEY: REST` of a guest's output; panics when there is none.
+pub fn line<'a>(out: &'a str, key: &str) -> &'a str {
+    out.lines()
+        .find_map(|l| l.strip_prefix(key).and_then(|r| r.strip_prefix(": ")))
+        .unwrap_or_else(|| panic!("no `{key}:` line in {out:?}"))
+}

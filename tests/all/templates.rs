@@ -327,7 +327,7 @@ fn tpubox_wit_writes_the_package_as_text_and_binary() {
         Command::new(TPUBOX).args(["wit", "--out"]).arg(tmp.path()),
     );
     let listed = text(&out.stdout);
-    for f in ["device.wit", "model.wit", "tpubox-device-0.1.1.wasm"] {
+    for f in ["device.wit", "model.wit", "tpubox-device-0.1.2.wasm"] {
         assert!(tmp.path().join(f).is_file(), "{f} missing: {listed}");
     }
     let repo = Path::new(env!("CARGO_MANIFEST_DIR")).join("../wit/device.wit");
@@ -341,11 +341,11 @@ fn tpubox_wit_writes_the_package_as_text_and_binary() {
         "wasm-tools component wit",
         Command::new(&wasm_tools)
             .args(["component", "wit"])
-            .arg(tmp.path().join("tpubox-device-0.1.1.wasm")),
+            .arg(tmp.path().join("tpubox-device-0.1.2.wasm")),
     );
     let wit = text(&printed.stdout);
     for want in [
-        "package tpubox:device@0.1.1;",
+        "package tpubox:device@0.1.2;",
         "interface client {",
         "compile: func(format: program-format, code: list<u8>, options: compile-options) -> result<executable, error>;",
         "world guest {",

@@ -1039,6 +1039,7 @@ impl Session {
             self.place(Some(d))?;
         }
         self.tenant.admit_program_size(code.len())?;
+        check_declared_partitions(&code, &settings)?;
         let charge = self.tenant.charge_executable()?;
         let text = format == ProgramFormat::MlirText;
         // Source locations (a notebook cell's file name, a line) make the same program
@@ -1980,6 +1981,73 @@ fn check_launch_args(
         })
         .collect();
     validate_arg_specs(exe, &views)
+}
+
+/// Refuses a program whose module declares another partition count (`mhlo.num_partitions`,
+/// read by [`crate::exec::declared_devices`] from MLIR text or bytecode) than the devices it
+/// is compiled for: XLA does not check the count it is given against the module's (it fails
+/// in its verifier on some programs, and compiles a replicated one for any count). A module
+/// whose attributes cannot be read is left to the compiler.
+///
+/// Errors: `invalid-argument` naming both counts.
+fn check_declared_partitions(code: &[u8], settings: &CompileSettings) -> DeviceResult<()> {
+    let devices = settings.devices.len().max(1) as u64;
+    let Ok(declared) = crate::exec::declared_devices(code) else {
+        return Ok(());
+    };
+    match declared.partitions {
+        Some(n) if n != devices => Err(DeviceError::invalid(format!(
+            "the program declares {n} partition(s) (mhlo.num_partitions) and is compiled for {devices} device(s){}",
+            if devices == 1 {
+                "; compile it for that many devices"
+            } else {
+                ""
+            }
+        ))),
+        _ => Ok(()),
+    }
+}
+
+/// Longest sharding text a client or guest may send (XLA's text form of any sharding of a
+/// host's devices is far shorter): 64 KiB.
+pub const MAX_SHARDING_TEXT: usize = 64 << 10;
+
+/// Parses a sharding a client or guest sent, in XLA's text form (`HloSharding::ToString`:
+/// `{replicated}`, `{devices=[4,1]<=[4]}`, ...). Only the forms an array can have are taken:
+/// braces nest at most twice (`{devices=[2,2]0,1,2,3 last_tile_dims={manual}}`), so a hostile
+/// tuple nested thousands deep never reaches the recursive parser.
+///
+/// Errors: `invalid-argument` for text over [`MAX_SHARDING_TEXT`], nested deeper, or that
+/// does not parse.
+pub fn parse_sharding(text: &str) -> DeviceResult<pjrt::HloSharding> {
+    if text.len() > MAX_SHARDING_TEXT {
+        return Err(DeviceError::invalid(format!(
+            "a sharding is at most {MAX_SHARDING_TEXT} bytes of text, this one {}",
+            text.len()
+        )));
+    }
+    let mut depth = 0usize;
+    for c in text.bytes() {
+        match c {
+            b'{' => {
+                depth += 1;
+                if depth > 2 {
+                    return Err(DeviceError::invalid(
+                        "a sharding's braces nest at most twice (a tuple sharding is not an array's)",
+                    ));
+                }
+            }
+            b'}' => depth = depth.saturating_sub(1),
+            _ => {}
+        }
+    }
+    text.parse::<pjrt::HloSharding>().map_err(|e| {
+        let shown: String = text.chars().take(200).collect();
+        DeviceError::invalid(format!(
+            "`{shown}` is not a sharding in XLA's text form: {}",
+            e.message
+        ))
+    })
 }
 
 /// Which of `n` arguments `donate` names.

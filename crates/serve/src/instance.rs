@@ -373,7 +373,7 @@ async fn bounded<T>(
 }
 
 /// The name under which a decoupled model exports its interface (`wit/model.wit`).
-const DECOUPLED_EXPORT: &str = "tpubox:device/decoupled@0.1.1";
+const DECOUPLED_EXPORT: &str = "tpubox:device/decoupled@0.1.2";
 
 fn to_wit_tensors(inputs: Vec<Tensor>) -> Vec<wit_model::TensorData> {
     inputs

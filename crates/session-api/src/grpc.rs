@@ -167,45 +167,14 @@ fn tensor_info(handle: u64, t: &TensorHandle) -> TensorInfo {
     }
 }
 
-/// Longest sharding text a request may carry (XLA's text form of any sharding of a host's
-/// devices is far shorter).
-pub const MAX_SHARDING_TEXT: usize = 64 << 10;
+/// Longest sharding text a request may carry: [`tpubox_core::session::MAX_SHARDING_TEXT`].
+pub use tpubox_core::session::MAX_SHARDING_TEXT;
 
-/// Parses a sharding a client sent (XLA's text form). Only the forms an array can have are
-/// taken: braces nest at most twice (`{devices=[2,2]0,1,2,3 last_tile_dims={manual}}`), so a
-/// hostile tuple nested thousands deep never reaches the recursive parser.
+/// Parses a sharding a client sent: [`tpubox_core::session::parse_sharding`].
 ///
-/// Errors: `invalid-argument` for text over [`MAX_SHARDING_TEXT`], nested deeper, or that
-/// does not parse.
+/// Errors: `INVALID_ARGUMENT` as that says.
 fn parse_sharding(text: &str) -> Result<pjrt::HloSharding, Status> {
-    if text.len() > MAX_SHARDING_TEXT {
-        return Err(invalid(format!(
-            "a sharding is at most {MAX_SHARDING_TEXT} bytes of text, this one {}",
-            text.len()
-        )));
-    }
-    let mut depth = 0usize;
-    for c in text.bytes() {
-        match c {
-            b'{' => {
-                depth += 1;
-                if depth > 2 {
-                    return Err(invalid(
-                        "a sharding's braces nest at most twice (a tuple sharding is not an array's)",
-                    ));
-                }
-            }
-            b'}' => depth = depth.saturating_sub(1),
-            _ => {}
-        }
-    }
-    text.parse::<pjrt::HloSharding>().map_err(|e| {
-        let shown: String = text.chars().take(200).collect();
-        invalid(format!(
-            "`{shown}` is not a sharding in XLA's text form: {}",
-            e.message
-        ))
-    })
+    tpubox_core::session::parse_sharding(text).map_err(device_status)
 }
 
 fn sharding_info(sharding: &pjrt::HloSharding, global: &TensorSpec) -> ShardingInfo {

@@ -624,7 +624,7 @@ fn stale_handle(e: &wasmtime::Error) -> Option<u32> {
 
 /// The kind of resource behind a stale handle, when the innermost frames name the import
 /// that was called: C and the language runtimes call imports through shims named after them
-/// (`indirect-tpubox:device/types@0.1.1-[method]tensor.read`); `execute` takes both kinds.
+/// (`indirect-tpubox:device/types@0.1.2-[method]tensor.read`); `execute` takes both kinds.
 fn stale_resource(bt: &wasmtime::WasmBacktrace) -> Option<&'static str> {
     bt.frames().iter().take(2).find_map(|f| {
         let name = f.func_name()?;

@@ -37,6 +37,7 @@ pub mod generated {
 
 use self::generated::Guest;
 use self::generated::tpubox::device::client::{self, CompileOptions, ProgramFormat};
+use self::generated::tpubox::device::sharding::{self, ProgramLayout, ShardedSpec};
 use self::generated::tpubox::device::types::{
     self, Dtype, Error as WitError, ErrorKind as WitErrorKind,
 };
@@ -318,11 +319,10 @@ impl client::Host for DeviceState {
         code: Vec<u8>,
         options: CompileOptions,
     ) -> HostResult<Resource<ExecutableHandle>> {
-        let format = match format {
-            ProgramFormat::MlirText => session::ProgramFormat::MlirText,
-            ProgramFormat::MlirBytecode => session::ProgramFormat::MlirBytecode,
-        };
-        let exe = self.session.compile(code, format, options.device).await?;
+        let exe = self
+            .session
+            .compile(code, session_format(format), options.device)
+            .await?;
         self.push(exe)
     }
 
@@ -377,6 +377,119 @@ impl client::Host for DeviceState {
     async fn set_launch_blocking(&mut self, on: bool) -> wasmtime::Result<()> {
         self.session.set_launch_blocking(on);
         Ok(())
+    }
+}
+
+fn session_format(format: ProgramFormat) -> session::ProgramFormat {
+    match format {
+        ProgramFormat::MlirText => session::ProgramFormat::MlirText,
+        ProgramFormat::MlirBytecode => session::ProgramFormat::MlirBytecode,
+    }
+}
+
+impl sharding::Host for DeviceState {
+    async fn compile(
+        &mut self,
+        format: ProgramFormat,
+        code: Vec<u8>,
+        devices: Vec<u32>,
+    ) -> HostResult<Resource<ExecutableHandle>> {
+        let Some(&first) = devices.first() else {
+            return Err(DeviceError::invalid("a program needs at least one device").into());
+        };
+        let settings = tpubox_core::CompileSettings {
+            device: first,
+            devices: if devices.len() > 1 {
+                devices
+            } else {
+                Vec::new()
+            },
+            ..Default::default()
+        };
+        let exe = self
+            .session
+            .compile_with(code, session_format(format), settings)
+            .await?;
+        self.push(exe)
+    }
+
+    async fn describe(&mut self, exe: Resource<ExecutableHandle>) -> HostResult<ProgramLayout> {
+        let exe = self.table.get(&exe)?.executable();
+        let sh = exe.shardings()?;
+        let specs = |shardings: &[pjrt::HloSharding], globals: &[TensorSpec]| {
+            shardings
+                .iter()
+                .zip(globals)
+                .map(|(s, g)| ShardedSpec {
+                    global: g.into(),
+                    sharding: s.to_string(),
+                })
+                .collect()
+        };
+        Ok(ProgramLayout {
+            devices: exe.devices().to_vec(),
+            parameters: specs(&sh.params, &sh.global_inputs),
+            results: specs(&sh.outputs, &sh.global_outputs),
+        })
+    }
+
+    async fn put(
+        &mut self,
+        dtype: Dtype,
+        dims: Vec<u64>,
+        data: Vec<u8>,
+        sharding: String,
+        devices: Vec<u32>,
+    ) -> HostResult<Vec<Resource<TensorHandle>>> {
+        let sharding = session::parse_sharding(&sharding)?;
+        let shards = self
+            .session
+            .put_global(dtype.into(), &dims, &data, &sharding, &devices)?;
+        shards.into_iter().map(|t| self.push(t)).collect()
+    }
+
+    async fn read(
+        &mut self,
+        global: types::TensorSpec,
+        sharding: String,
+        devices: Vec<u32>,
+        shards: Vec<Resource<TensorHandle>>,
+    ) -> HostResult<Vec<u8>> {
+        let sharding = session::parse_sharding(&sharding)?;
+        let shards = shards
+            .iter()
+            .map(|r| self.table.get(r))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok(self
+            .session
+            .read_global(
+                global.dtype.into(),
+                &global.dims,
+                &sharding,
+                &devices,
+                &shards,
+            )
+            .await?)
+    }
+
+    async fn execute(
+        &mut self,
+        exe: Resource<ExecutableHandle>,
+        args: Vec<Vec<Resource<TensorHandle>>>,
+        donate: Vec<u32>,
+    ) -> HostResult<Vec<Vec<Resource<TensorHandle>>>> {
+        let results = {
+            let exe = self.table.get(&exe)?;
+            let args = args
+                .iter()
+                .map(|p| p.iter().map(|r| self.table.get(r)).collect())
+                .collect::<Result<Vec<Vec<_>>, _>>()?;
+            self.session.execute_spmd(exe, &args, &donate).await?
+        };
+        results
+            .into_iter()
+            .map(|shards| shards.into_iter().map(|t| self.push(t)).collect())
+            .collect()
     }
 }
 

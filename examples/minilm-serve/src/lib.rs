@@ -1,5 +1,5 @@
 //! minilm-serve: sentence embeddings with sentence-transformers/all-MiniLM-L6-v2, served by
-//! `tpubox serve` (a model guest: `tpubox:device/model@0.1.1`).
+//! `tpubox serve` (a model guest: `tpubox:device/model@0.1.2`).
 //!
 //! Metadata (`max-batch-size` 64):
 //!

@@ -1,5 +1,5 @@
 //! Decoupled model guests for `tpubox serve`: components built against the WIT world
-//! `tpubox:device/decoupled-model@0.1.1` (`wit/model.wit`), which answer a request with a
+//! `tpubox:device/decoupled-model@0.1.2` (`wit/model.wit`), which answer a request with a
 //! stream of responses (Triton's "decoupled" models: tokens of a text generator, partial
 //! results). The server streams them to the client over gRPC `ModelStreamInfer` and the
 //! generate extension's `/generate_stream` (server-sent events).
@@ -85,9 +85,9 @@ pub mod bindings {
         world: "decoupled-model",
         additional_derives: [PartialEq, Eq, Hash],
         with: {
-            "tpubox:device/types@0.1.1": tpubox_guest::bindings::tpubox::device::types,
-            "tpubox:device/client@0.1.1": tpubox_guest::bindings::tpubox::device::client,
-            "tpubox:device/weights@0.1.1": tpubox_guest::bindings::tpubox::device::weights,
+            "tpubox:device/types@0.1.2": tpubox_guest::bindings::tpubox::device::types,
+            "tpubox:device/client@0.1.2": tpubox_guest::bindings::tpubox::device::client,
+            "tpubox:device/weights@0.1.2": tpubox_guest::bindings::tpubox::device::weights,
         },
         // Used from the model's crate: public, naming this module by its absolute path.
         pub_export_macro: true,

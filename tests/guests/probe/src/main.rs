@@ -19,11 +19,14 @@
 //! - `check NAME`: makes only the bad call `NAME` of `errors`.
 //! - `launch NAME [ARG]`: launches without waiting; see `launch.rs`. Used by
 //!   `tests/all/launch.rs` and the bench `launch`.
+//! - `sharded NAME`: programs over several devices and sharded arrays; see `sharded.rs`. Used
+//!   by `tests/all/spmd.rs`.
 //! - `abuse NAME [ARG]`: one misbehaviour (bombs, traps, forged handles, sandbox escapes); see
 //!   `abuse.rs`. Used by `tests/all/adversarial.rs`.
 
 mod abuse;
 mod launch;
+mod sharded;
 
 use tpubox_guest::bindings::tpubox::device::{client, types};
 use tpubox_guest::{Dtype, Tensor, compile_mlir};
@@ -345,9 +348,10 @@ fn main() {
         Some("check") if args.len() == 3 => check(&args[2]),
         Some("abuse") if args.len() >= 3 => abuse::run(&args[2], args.get(3).map(String::as_str)),
         Some("launch") if args.len() >= 3 => launch::run(&args[2], args.get(3).map(String::as_str)),
+        Some("sharded") if args.len() == 3 => sharded::run(&args[2]),
         _ => {
             eprintln!(
-                "usage: probe env|read PATH|loop|alloc MIB|errors|check NAME|abuse NAME [ARG]|launch NAME [ARG]|donate|weights|publish|noop|exec-loop N"
+                "usage: probe env|read PATH|loop|alloc MIB|errors|check NAME|abuse NAME [ARG]|launch NAME [ARG]|sharded NAME|donate|weights|publish|noop|exec-loop N"
             );
             std::process::exit(2);
         }
