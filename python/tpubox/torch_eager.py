@@ -391,14 +391,78 @@ class DeviceTensor(torch.Tensor):
         )
 
     # The traceable-wrapper protocol, so that `module.to(dtype)` and friends swap parameters
-    # (torch.utils.swap_tensors) rather than set `.data`, which would keep the old values.
+    # (torch.utils.swap_tensors) rather than set `.data`, which would keep the old values, and
+    # so that TorchDynamo traces a model whose parameters and inputs are device tensors into
+    # one graph: each is faked as a plain fake tensor of its spec on the tpubox device
+    # (`__tensor_unflatten__` under a fake mode), guarded on its spec only
+    # (`__metadata_guard__`), never on its value; the compiled programs get the device tensors
+    # themselves at run time (tpubox.torch's backend passes their device values).
     def __tensor_flatten__(self) -> tuple[list[str], Any]:
-        return [], (self._tb, _spec_of(self))
+        return [], (_StateRef(self._tb), _spec_of(self))
 
     @staticmethod
     def __tensor_unflatten__(inner: dict, ctx: Any, outer_size: Any, outer_stride: Any) -> Any:
-        state, spec = ctx
-        return DeviceTensor(state, spec)
+        ref, spec = ctx
+        fake_mode = torch._guards.detect_fake_mode()
+        if fake_mode is not None:
+            shape, stride, dtype = spec
+            with fake_mode:
+                return torch.empty_strided(
+                    tuple(outer_size) if outer_size is not None else shape,
+                    tuple(outer_stride) if outer_stride is not None else stride,
+                    dtype=dtype,
+                    device=_DEVICE,
+                )
+        return DeviceTensor(ref.state, spec)
+
+    @classmethod
+    def __metadata_guard__(cls, orig: Any, other: Any) -> bool:
+        """Dynamo's guard on a device tensor's flatten context: the same spec (its value may
+        change between calls, as parameters' do after an optimizer step)."""
+        return bool(orig[1] == other[1])
+
+    def __coerce_same_metadata_as_tangent__(
+        self, expected_metadata: Any, expected_type: Any = None
+    ) -> Any:
+        """aot_autograd's hook for a tangent (the gradient flowing into a compiled backward)
+        of another type than it traced: a device tensor, where the trace had a plain fake
+        tensor. The same device value, as a tensor aot_autograd passes through unflattened."""
+        # Contiguous already, so that aot_autograd's memory-format coercion keeps this object.
+        t = self if self.is_contiguous() else self.contiguous()
+        return _Tangent(t._tb, _spec_of(t))
+
+
+class _Tangent(DeviceTensor):
+    """A device tensor handed to a compiled backward program: without the traceable-wrapper
+    protocol on the instance (``__tensor_flatten__`` raises AttributeError), so aot_autograd
+    passes it to the program as it is. Ops on it give plain device tensors."""
+
+    @property
+    def __tensor_flatten__(self) -> Any:  # type: ignore[override]
+        raise AttributeError("__tensor_flatten__")
+
+
+class _StateRef:
+    """A device tensor's state inside its flatten context: deep copies (Dynamo copies guard
+    metadata) share it rather than copy device values."""
+
+    __slots__ = ("state",)
+
+    def __init__(self, state: _State):
+        self.state = state
+
+    def __deepcopy__(self, memo: dict) -> "_StateRef":
+        return self
+
+
+def _fake_of(t: "DeviceTensor", fake_mode: Any) -> torch.Tensor:
+    """A plain fake tensor of T's spec and ``requires_grad`` on the tpubox device, in
+    FAKE_MODE: how traces (Dynamo's, aot_autograd's) see a device tensor."""
+    shape, stride, dtype = _spec_of(t)
+    with fake_mode:
+        return torch.empty_strided(
+            shape, stride, dtype=dtype, device=_DEVICE, requires_grad=t.requires_grad
+        )
 
 
 _DEVICE: torch.device = None  # type: ignore[assignment]  # set by _register()
