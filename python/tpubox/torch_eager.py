@@ -874,11 +874,19 @@ class _Trace:
             key = (tuple((info.key, refs) for info, refs in self.records), len(self.inputs))
             with _GLOBAL:
                 known = _FUSED.get(key)
-            if known is not None and not known[0].issuperset((r, o) for _, r, o in live):
-                # A program of this structure exists but not for these values: garbage in
-                # reference cycles may hold some. Collect it rather than compile again.
+            # A program of this structure exists but not for these values: garbage in
+            # reference cycles may hold some. Collect it rather than compile again, the
+            # youngest generation first (this step's cycles: a full collection of a process
+            # that imported torch and Dynamo takes hundreds of milliseconds).
+            generation = 0
+            while (
+                known is not None
+                and generation <= 2
+                and not known[0].issuperset((r, o) for _, r, o in live)
+            ):
                 del live
-                gc.collect()
+                gc.collect(generation)
+                generation += 1
                 live = self._live()
             wanted = [(r, o) for _, r, o in live]
             try:
