@@ -278,6 +278,7 @@ class Executable(_Handle):
         "global_parameters",
         "global_results",
         "_freed",
+        "_out_meta",
         "__weakref__",
     )
 
@@ -314,6 +315,8 @@ class Executable(_Handle):
             self.result_shardings = ("{replicated}",) * len(self.results)
             self.global_results = self.results
         self._freed = False
+        # Per result: (shape, dtype, nbytes), and the device (Session._launch_pipelined).
+        self._out_meta: tuple[tuple[tuple[tuple[int, ...], np.dtype, int], ...], int] | None = None
 
     @property
     def is_spmd(self) -> bool:
@@ -334,7 +337,7 @@ class Executable(_Handle):
 
         Arrays among ARGS are sent with the execution, in the same round trip (a ``Call``:
         inline bytes over gRPC, one memfd on the local socket), and never become handles; with
-        only Tensors it is one ``Execute``.
+        only Tensors it is one ``Execute`` (on the local socket, a ``call`` of handles).
 
         A program over several devices (:attr:`is_spmd`) takes one global array (of
         :attr:`global_parameters`' shape and dtype, split on the daemon by

@@ -29,9 +29,25 @@ _SEALS = (
     | getattr(fcntl, "F_SEAL_GROW", 0)
 )
 _MAX_REPLY = 1 << 16
+#: Most bytes sent after a request's header, or asked for after a reply's JSON, instead of in a
+#: memfd (``MAX_INLINE_BYTES`` in crates/session-api/src/local.rs).
+MAX_INLINE_BYTES = 64 << 10
+#: Most launches sent without reading their replies (:meth:`LocalChannel.launch`) before
+#: the replies are read.
+PIPELINE_WINDOW = 32
+#: Pipelined launches sent together, in one write (``TPUBOX_LAUNCH_BATCH``, default 8; 1
+#: sends each at once): each write wakes the daemon, which costs the client tens of µs on a
+#: busy machine (docs/BENCHMARKS.md, issue 46). The batch is sent when full and before any
+#: other request (a read, a wait), so a launch waits at most that many later launches.
+LAUNCH_BATCH = max(1, int(os.environ.get("TPUBOX_LAUNCH_BATCH", "8") or 8))
 #: Tensors packed in one memfd (a call's inline arguments, its fetched results) each start at
 #: the next multiple of this many bytes (``PACK_ALIGN`` in crates/session-api/src/local.rs).
 PACK_ALIGN = 64
+
+
+# The requests sent with the batched launches before their replies are read.
+_AFTER_LAUNCHES = frozenset(("get", "wait"))
+_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def packed(sizes: list[int]) -> tuple[list[int], int]:
@@ -66,6 +82,16 @@ class LocalChannel:
         self._address = address
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        # Bytes received past the last reply read (replies to pipelined launches arrive in
+        # bunches).
+        self._buf = bytearray()
+        # The launches sent and not yet answered, oldest first: what each was, for the error.
+        self._unread: list[tuple[int, list[int]]] = []
+        # Launches not sent yet (at most LAUNCH_BATCH), framed.
+        self._out = bytearray()
+        self._batched = 0
+        # The first failure among the pipelined launches answered since it was last raised.
+        self._deferred: TpuboxError | None = None
 
     def connect(self) -> None:
         """Connects. Raises ``OSError`` when the socket cannot be reached."""
@@ -77,11 +103,144 @@ class LocalChannel:
             raise
         self._sock = s
 
+    def _connected(self) -> socket.socket:
+        """The connection, made now if there is none (under the lock). Raises
+        ``Unavailable`` when the socket cannot be reached."""
+        if self._sock is None:
+            try:
+                self.connect()
+            except OSError as e:
+                raise self._gone(e) from None
+        assert self._sock is not None
+        return self._sock
+
+    def _failed(self, e: OSError, got: list[int], timeout: float | None) -> TpuboxError:
+        """The error for E, raised by a send or a receive: closes the descriptors in GOT and
+        the connection (a reply may still come: it is out of step)."""
+        for f in got:
+            os.close(f)
+        self.close()
+        if isinstance(e, socket.timeout):
+            return error(
+                "deadline-exceeded",
+                f"no reply from the tpubox daemon at {self._address} within {timeout} s",
+            )
+        return self._gone(e)
+
     def close(self) -> None:
         """Closes the connection (the session is not affected)."""
         if self._sock is not None:
             self._sock.close()
             self._sock = None
+        self._buf = bytearray()
+        if self._unread and self._deferred is None:
+            self._deferred = self._gone(
+                f"the connection closed before {len(self._unread)} launches sent on it were "
+                f"answered (the first: of executable {self._unread[0][0]}, results "
+                f"{self._unread[0][1]})"
+            )
+        self._unread = []
+        self._out = bytearray()
+        self._batched = 0
+
+    def _flush(self, s: socket.socket) -> None:
+        """Sends the launches batched so far."""
+        if self._out:
+            out, self._out, self._batched = self._out, bytearray(), 0
+            s.sendall(out)
+
+    def _read_message(self, s: socket.socket, got: list[int]) -> tuple[bytes, bytes]:
+        """The next reply on S: its JSON and the bytes after it (``tail``); descriptors that
+        arrive are added to GOT. Raises ``OSError``, ``socket.timeout``; ``ConnectionError``
+        when the daemon closed the connection."""
+        buf = self._buf
+        tail = -1
+        while True:
+            if len(buf) >= 4:
+                (n,) = struct.unpack_from("<I", buf)
+                if len(buf) >= 4 + n:
+                    if tail < 0:
+                        body = bytes(buf[4 : 4 + n])
+                        tail = 0
+                        if b'"tail"' in body:
+                            tail = int(json.loads(body).get("tail", 0))
+                    if len(buf) >= 4 + n + tail:
+                        body = bytes(buf[4 : 4 + n])
+                        rest = bytes(buf[4 + n : 4 + n + tail])
+                        del buf[: 4 + n + tail]
+                        return body, rest
+            data, fds, _, _ = socket.recv_fds(s, _MAX_REPLY, 1)
+            got.extend(fds)
+            if not data:
+                raise ConnectionError("the daemon closed the connection")
+            buf += data
+
+    def _drain(self, s: socket.socket) -> None:
+        """Sends the launches batched and reads the replies of the pipelined launches sent so
+        far; keeps the first failure."""
+        self._flush(s)
+        while self._unread:
+            got: list[int] = []
+            body, _ = self._read_message(s, got)
+            for f in got:
+                os.close(f)
+            exe, out = self._unread.pop(0)
+            if body.startswith(b'{"ok"'):
+                continue
+            reply = json.loads(body)
+            if "error" in reply and self._deferred is None:
+                err = reply["error"]
+                self._deferred = error(
+                    str(err["kind"]),
+                    f"the pipelined launch of executable {exe} (results {out}) failed: "
+                    f"{err['message']}",
+                )
+
+    def take_deferred(self) -> TpuboxError | None:
+        """The first failure of a pipelined launch not raised yet (cleared)."""
+        e, self._deferred = self._deferred, None
+        return e
+
+    def launch(
+        self,
+        fields: dict[str, Any],
+        executable: int,
+        timeout: float | None,
+        tail: bytes | None = None,
+        window: int = PIPELINE_WINDOW,
+    ) -> bool:
+        """Sends a launch (``op: call`` with ``launch`` and its result handles in ``out``)
+        without reading its reply (EXECUTABLE's handle names it in its error): batched with
+        the next ones (:data:`LAUNCH_BATCH`), and sent by the last of the batch or before the
+        next request. The reply is read with the next request's, or when WINDOW launches are
+        unanswered; a failure is kept and raised by the next :meth:`request` (or
+        :meth:`take_deferred`). Returns whether the window was full (its replies were read).
+
+        Raises: ``Unavailable`` when the daemon is gone; ``DeadlineExceeded``.
+        """
+        fields["op"] = "call"
+        fields["token"] = self._token
+        body = _dumps(fields).encode()
+        msg = struct.pack("<I", len(body)) + body
+        if tail is not None:
+            msg += tail
+        with self._lock:
+            s = self._connected()
+            full = False
+            try:
+                if len(self._unread) >= window:
+                    s.settimeout(timeout)
+                    self._drain(s)
+                    full = True
+                self._out += msg
+                self._batched += 1
+                if self._batched >= LAUNCH_BATCH:
+                    s.settimeout(timeout)
+                    self._flush(s)
+            except OSError as e:
+                raise self._failed(e, [], timeout) from None
+            self._unread.append((executable, fields["out"]))
+            return full
 
     def _gone(self, what: object) -> TpuboxError:
         return Unavailable(
@@ -91,13 +250,24 @@ class LocalChannel:
         )
 
     def request(
-        self, op: str, fields: dict[str, Any], fd: int | None, timeout: float | None
+        self,
+        op: str,
+        fields: dict[str, Any],
+        fd: int | None,
+        timeout: float | None,
+        tail: bytes | memoryview | None = None,
+        *,
+        deferred: bool = True,
     ) -> tuple[Any, int | None]:
-        """Sends request ``op`` with ``fields`` (and descriptor ``fd``); returns the reply's
-        ``ok`` value and the descriptor it carried, if any (the caller closes it).
+        """Sends request ``op`` with ``fields`` (and descriptor ``fd``, and TAIL's bytes after
+        the header); returns the reply's ``ok`` value and the descriptor it carried, if any
+        (the caller closes it). The bytes after the reply's JSON, if any, are in the ``ok``
+        value's ``"_tail"``.
 
-        A request that could not be sent (the connection was dropped, the daemon restarted) is
-        sent once more on a new connection.
+        The replies of pipelined launches (:meth:`launch`) are read first; the first of them
+        that failed is raised instead of sending the request (unless DEFERRED is false: it is
+        then kept for the next one). A request that could not be sent (the connection was
+        dropped, the daemon restarted) is sent once more on a new connection.
 
         Raises: the TpuboxError of the reply's kind; ``Unavailable`` when the daemon is gone;
         ``DeadlineExceeded`` after ``timeout`` seconds.
@@ -105,63 +275,76 @@ class LocalChannel:
         req = dict(fields)
         req["op"] = op
         req["token"] = self._token
+        if tail is not None:
+            req["tail"] = len(tail)
         body = json.dumps(req, separators=(",", ":")).encode()
         msg = struct.pack("<I", len(body)) + body
+        if tail is not None:
+            msg += tail
         with self._lock:
             got: list[int] = []
-            if self._sock is None:
-                try:
-                    self.connect()
-                except OSError as e:
-                    raise self._gone(e) from None
-            s = self._sock
-            assert s is not None
+            s = self._connected()
+            # A read or a wait goes out with the launches batched, without waiting for their
+            # replies first (nothing is made or changed by it: its reply is dropped if one of
+            # them failed); other requests only once the launches were answered.
+            after = bool(self._unread) and op in _AFTER_LAUNCHES and fd is None
+            raised: TpuboxError | None = None
             try:
-                try:
+                if self._unread and not after:
                     s.settimeout(timeout)
-                    self._send(s, msg, fd)
-                except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
-                    # The request never reached the daemon (it restarted, or the connection
-                    # was dropped): reconnect once and send it again.
-                    self.close()
-                    self.connect()
+                    self._drain(s)
+                if deferred and self._deferred is not None and not after:
+                    raise self.take_deferred()  # type: ignore[misc]
+                if after:
+                    s.settimeout(timeout)
+                    self._out += msg
+                    self._drain(s)
+                    if deferred and self._deferred is not None:
+                        raised = self.take_deferred()
+                else:
+                    self._send_or_resend(s, msg, fd, timeout)
                     s = self._sock
                     assert s is not None
-                    s.settimeout(timeout)
-                    self._send(s, msg, fd)
-                data, got, _, _ = socket.recv_fds(s, _MAX_REPLY, 1)
-                while data and (len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]):
-                    more = s.recv(_MAX_REPLY)
-                    if not more:
-                        data = b""
-                        break
-                    data += more
-            except socket.timeout:
-                for f in got:
-                    os.close(f)
-                # The reply may still come: this connection is out of step, drop it.
-                self.close()
-                raise error(
-                    "deadline-exceeded",
-                    f"no reply from the tpubox daemon at {self._address} within {timeout} s",
-                ) from None
+                try:
+                    data, rest = self._read_message(s, got)
+                except ConnectionError:
+                    data, rest = b"", b""
             except OSError as e:
-                for f in got:
-                    os.close(f)
-                self.close()
-                raise self._gone(e) from None
+                raise self._failed(e, got, timeout) from None
             if not data:
                 for f in got:
                     os.close(f)
                 self.close()
                 raise self._gone("the daemon closed the connection")
-        (n,) = struct.unpack("<I", data[:4])
-        reply = json.loads(data[4 : 4 + n])
+        if raised is not None:
+            for f in got:
+                os.close(f)
+            raise raised
+        reply = json.loads(data)
         if "error" in reply:
             for f in got:
                 os.close(f)
             raise error(str(reply["error"]["kind"]), str(reply["error"]["message"]))
-        return reply["ok"], (got[0] if got else None)
+        ok = reply["ok"]
+        if "tail" in reply:
+            ok["_tail"] = rest
+        return ok, (got[0] if got else None)
+
+    def _send_or_resend(
+        self, s: socket.socket, msg: bytes, fd: int | None, timeout: float | None
+    ) -> None:
+        """Sends MSG on S; a request that could not be sent (the daemon restarted, or the
+        connection was dropped) is sent once more on a new connection (``self._sock``)."""
+        try:
+            s.settimeout(timeout)
+            self._send(s, msg, fd)
+        except (BrokenPipeError, ConnectionResetError, ConnectionRefusedError):
+            self.close()
+            self.connect()
+            s = self._sock
+            assert s is not None
+            s.settimeout(timeout)
+            self._send(s, msg, fd)
 
     @staticmethod
     def _send(s: socket.socket, msg: bytes, fd: int | None) -> None:
@@ -175,16 +358,22 @@ class LocalChannel:
     ) -> dict[str, Any]:
         """Creates a tensor from dense little-endian bytes ``raw`` of XLA type ``dtype``
         (``"F32"``, ``"BF16"``, ...) and ``dims``; returns its tensor info (handle, dtype, dims,
-        device, byte_size, read_only)."""
+        device, byte_size, read_only). Up to :data:`MAX_INLINE_BYTES` travel after the
+        request's header, more in a sealed memfd."""
+        fields: dict[str, Any] = {"dtype": dtype, "dims": [int(d) for d in dims]}
+        if device is not None:
+            fields["device"] = int(device)
+        if 0 < len(raw) <= MAX_INLINE_BYTES:
+            info, extra = self.request("put", fields, None, None, raw)
+            if extra is not None:
+                os.close(extra)
+            return dict(info)
         fd = os.memfd_create("tpubox-tensor", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             done = 0
             while done < len(raw):
                 done += os.write(fd, raw[done:])
             fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            fields: dict[str, Any] = {"dtype": dtype, "dims": [int(d) for d in dims]}
-            if device is not None:
-                fields["device"] = int(device)
             info, extra = self.request("put", fields, fd, None)
             if extra is not None:
                 os.close(extra)
@@ -194,8 +383,14 @@ class LocalChannel:
 
     def get(self, handle: int) -> tuple[dict[str, Any], np.ndarray]:
         """Reads tensor ``handle``: its info and its bytes as a writable uint8 array (a private,
-        copy-on-write map of the sealed memfd the daemon sent: no copy is made)."""
-        info, fd = self.request("get", {"handle": int(handle)}, None, None)
+        copy-on-write map of the sealed memfd the daemon sent: no copy is made; a tensor of up
+        to :data:`MAX_INLINE_BYTES` comes after the reply's JSON instead)."""
+        info, fd = self.request("get", {"handle": int(handle), "inline": True}, None, None)
+        if info.get("inline"):
+            if fd is not None:
+                os.close(fd)
+            raw = info.pop("_tail", b"")
+            return dict(info), np.frombuffer(bytearray(raw), np.uint8)
         if fd is None:
             raise error("internal", "the daemon's reply to a local get carried no memfd")
         try:
@@ -218,9 +413,19 @@ class LocalChannel:
         bytes as a writable uint8 array when it was fetched (views of one private,
         copy-on-write map of the memfd the daemon sent), else None."""
         fd = None
+        tail: bytes | None = None
+        fields = dict(fields)
+        fields["inline"] = True
         if inline:
             offsets, total = packed([len(b) for b in inline])
-            fd = os.memfd_create("tpubox-call", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
+            if total <= MAX_INLINE_BYTES:
+                # Small arguments travel after the header.
+                buf = bytearray(total)
+                for b, at in zip(inline, offsets):
+                    buf[at : at + len(b)] = b
+                tail = bytes(buf)
+            else:
+                fd = os.memfd_create("tpubox-call", os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
         try:
             if fd is not None:
                 os.ftruncate(fd, total)
@@ -229,12 +434,21 @@ class LocalChannel:
                     while done < len(b):
                         done += os.pwrite(fd, b[done:], at + done)
                 fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-            reply, got = self.request("call", fields, fd, timeout)
+            reply, got = self.request("call", fields, fd, timeout, tail)
         finally:
             if fd is not None:
                 os.close(fd)
         results = reply["results"]
         out: list[np.ndarray | None] = [None] * len(results)
+        if "_tail" in reply:
+            if got is not None:
+                os.close(got)
+            buf = np.frombuffer(bytearray(reply["_tail"]), np.uint8)
+            for i, r in enumerate(results):
+                if "offset" in r:
+                    at = int(r["offset"])
+                    out[i] = buf[at : at + int(r["byte_size"])]
+            return reply, out
         if got is None:
             if any("offset" in r for r in results):
                 raise error("internal", "the daemon's reply to a local call carried no memfd")

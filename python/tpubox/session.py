@@ -22,6 +22,7 @@ import atexit
 import collections
 import contextlib
 import errno
+import math
 import os
 import re
 import sys
@@ -54,6 +55,7 @@ from ._values import (
 )
 from .errors import (
     Internal,
+    NotFound,
     SessionEnded,
     TpuboxError,
     Unavailable,
@@ -211,6 +213,14 @@ class Session:
         self._pending_executables: collections.deque[int] = collections.deque()
         self._attachment: _transport.Attachment | None = None
         self._local = local
+        # Handle numbers reserved for the results of pipelined launches: [next, end).
+        self._reserved = [0, 0]
+        # Whether launches may be pipelined (launch blocking off); None until known.
+        self._pipeline_ok: bool | None = None
+        # The first result handle of the first launch of each window of pipelined launches
+        # (waited for a window later: at most two windows of them pending).
+        self._marks: collections.deque[int] = collections.deque()
+        self._window = _local.PIPELINE_WINDOW
 
     # -- properties -------------------------------------------------------------------------
 
@@ -288,7 +298,11 @@ class Session:
         try:
             if self._local is not None:
                 self._local.request(
-                    "free", {"tensors": tensors, "executables": executables}, None, self.timeout
+                    "free",
+                    {"tensors": tensors, "executables": executables},
+                    None,
+                    self.timeout,
+                    deferred=False,
                 )
             else:
                 self._stub.Free(
@@ -345,12 +359,23 @@ class Session:
         self, executable: int, arguments: list[int], donate: tuple[int, ...], timeout: float | None
     ) -> list[Tensor]:
         if self._local is not None:
-            r, _ = self._local_request(
-                "execute",
-                {"executable": executable, "arguments": arguments, "donate": list(donate)},
-                None,
-                timeout,
-            )
+            # A call of handles only: an execute that also frees what dropped handles queued.
+            fields: dict[str, Any] = {
+                "executable": executable,
+                "arguments": [{"handle": h} for h in arguments],
+                "donate": list(donate),
+            }
+            self._check_open()
+            queued = drain(self._pending_tensors) if not self._pending_executables else []
+            if queued:
+                fields["free"] = queued
+            self._flush_frees()
+            try:
+                with self._local_call() as local:
+                    r, _ = local.call(fields, [], self._deadline(timeout))
+            except BaseException:
+                self._pending_tensors.extend(queued)
+                raise
             return [Tensor._from_json(self, t) for t in r["results"]]
         resp = self._unary(
             "Execute",
@@ -398,9 +423,17 @@ class Session:
             if launch:
                 fields["launch"] = True
             self._check_open()
+            # Frees queued by dropped handles go with the call (freed once it succeeded);
+            # executables' in a request of their own.
+            queued = drain(self._pending_tensors) if not self._pending_executables else []
+            fields["free"] += queued
             self._flush_frees()
-            with self._local_call() as local:
-                reply, data = local.call(fields, inline, self._deadline(timeout))
+            try:
+                with self._local_call() as local:
+                    reply, data = local.call(fields, inline, self._deadline(timeout))
+            except BaseException:
+                self._pending_tensors.extend(queued)
+                raise
             return [
                 _result(Tensor._from_json(self, r), raw) for r, raw in zip(reply["results"], data)
             ]
@@ -486,6 +519,118 @@ class Session:
         except grpc.RpcError as e:
             raise self._error(e, "GetShardedTensor") from None
 
+    def _out_handles(self, n: int) -> list[int]:
+        """N handle numbers from this session's reservation (reserving more when it runs
+        out: one round trip per 4096)."""
+        nxt, end = self._reserved
+        if end - nxt < n:
+            count = max(4096, n)
+            r, _ = self._local_request("reserve", {"count": count}, None, _DEFAULT)
+            nxt, end = int(r["first"]), int(r["first"]) + count
+        self._reserved[0], self._reserved[1] = nxt + n, end
+        return list(range(nxt, nxt + n))
+
+    def _launch_pipelined(
+        self, exe: Executable, args: Sequence[Tensor | np.ndarray], free: Sequence[int]
+    ) -> list[Tensor] | None:
+        """Launches EXE on ARGS (Tensors of this session, normalised arrays) without waiting
+        for the daemon's reply: the results are named from the session's reservation, so
+        they can be used at once. What the daemon refuses (a limit, a freed handle) is raised
+        by the session's next request other than a launch (a wait, a read), naming the launch;
+        the results of a refused launch are never made (using them says not-found). At most
+        two windows of launches are left pending (a window: :data:`tpubox._local.
+        PIPELINE_WINDOW`, or a quarter of ``max_pending_launches`` when that is less): the
+        first launch of the window before the last is waited for. Returns None where it cannot
+        pipeline (gRPC, launch blocking on, arguments too large to go inline); the caller
+        launches as usual."""
+        local = self._local
+        if local is None:
+            return None
+        if self._pipeline_ok is None:
+            self._pipeline_ok = not self.info().launch_blocking
+            limit = int(getattr(self.limits, "max_pending_launches", 0) or 0)
+            if limit:
+                self._window = max(1, min(_local.PIPELINE_WINDOW, limit // 4))
+        if not self._pipeline_ok:
+            return None
+        meta = exe._out_meta
+        if meta is None:
+            if exe.is_spmd:
+                return None
+            device = exe.devices[0] if exe.devices else (self.devices[0] if self.devices else 0)
+            meta = exe._out_meta = (
+                tuple(
+                    (tuple(r.shape), r.dtype, math.prod(r.shape) * r.dtype.itemsize)
+                    for r in exe.results
+                ),
+                device,
+            )
+        arguments: list[dict[str, Any]] = []
+        inline: list[memoryview] = []
+        weights: set[tuple[str, int]] = set()
+        for a in args:
+            if isinstance(a, Tensor):
+                arguments.append({"handle": a.handle})
+                if a.weights:
+                    weights.update(a.weights)
+            else:
+                name = _dtypes.dtype_name(_dtypes.to_wire(a.dtype))
+                arguments.append({"dtype": name, "dims": list(a.shape)})
+                inline.append(_raw(a))
+        tail = None
+        if inline:
+            offsets, total = _local.packed([len(b) for b in inline])
+            if total > _local.MAX_INLINE_BYTES:
+                return None
+            buf = bytearray(total)
+            for b, at in zip(inline, offsets):
+                buf[at : at + len(b)] = b
+            tail = bytes(buf)
+        if self._closed:
+            self._check_open()
+        results, device = meta
+        n = len(results)
+        nxt = self._reserved[0]
+        if self._reserved[1] - nxt < n:
+            ids = self._out_handles(n)
+        else:
+            self._reserved[0] = nxt + n
+            ids = list(range(nxt, nxt + n))
+        queued = drain(self._pending_tensors) if not self._pending_executables else []
+        if self._pending_executables:
+            self._flush_frees()
+        fields: dict[str, Any] = {
+            "executable": exe.handle,
+            "arguments": arguments,
+            "launch": True,
+            "out": ids,
+        }
+        if free or queued:
+            fields["free"] = [*free, *queued]
+        if tail is not None:
+            fields["tail"] = len(tail)
+        try:
+            full = local.launch(fields, exe.handle, self._deadline(_DEFAULT), tail, self._window)
+        except TpuboxError as e:
+            if e.kind == "session-ended":
+                self._closed = True
+            raise
+        if full:
+            # A window of launches was answered and this one starts the next: wait for the
+            # first launch of the window before the last (those before it ran, in order).
+            if len(self._marks) >= 2:
+                try:
+                    self._wait([self._marks.popleft()], False, _DEFAULT)
+                except NotFound:
+                    pass  # freed since: nothing to wait for
+            if ids:
+                self._marks.append(ids[0])
+        w = tuple(sorted(weights)) if weights else ()
+        return [
+            Tensor(self, h, shape, dtype, device, nbytes, False, w)
+            for h, (shape, dtype, nbytes) in zip(ids, results)
+        ]
+
     def _wait(self, tensors: list[int], all: bool, timeout: Any) -> None:
         if self._local is not None:
             self._local_request("wait", {"tensors": tensors, "all": all}, None, timeout)
@@ -512,6 +657,7 @@ class Session:
         environment has ``TPUBOX_LAUNCH_BLOCKING=1``. Returns whether launches are synchronous
         now (also true when the daemon runs with ``--launch-blocking``)."""
         r = self._unary("SetLaunchBlocking", pb.SetLaunchBlockingRequest(on=bool(on)), _DEFAULT)
+        self._pipeline_ok = not r.blocking
         return bool(r.blocking)
 
     # -- session ----------------------------------------------------------------------------

@@ -49,6 +49,7 @@ import torch
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from . import session as _session
+from ._dtypes import as_device_array
 from .errors import ResourceExhausted, TpuboxError
 from .session import Session, Tensor
 
@@ -713,7 +714,15 @@ def _run_chain(root: _Root, chain: tuple) -> Any:
 # Running: DEFER_NEVER launches, DEFER_AND_FUSE records
 
 
-def _launch(exe: Any, args: list[Any]) -> list[Tensor]:
+def _launch(exe: Any, args: list[Any], blocking: bool = False) -> list[Tensor]:
+    if not blocking:
+        # Without waiting for the daemon's reply (its refusal, if any, is raised by the next
+        # read or wait, naming the launch).
+        outs = exe.session._launch_pipelined(
+            exe, [a if isinstance(a, Tensor) else as_device_array(a, None) for a in args], ()
+        )
+        if outs is not None:
+            return outs
     try:
         return exe.launch(*args)
     except ResourceExhausted as e:
@@ -723,21 +732,26 @@ def _launch(exe: Any, args: list[Any]) -> list[Tensor]:
         return exe.launch(*args)
 
 
+_PRECISION: list[Any] = []
+
+
 def _run_program(prog: Any, args: list[Any], blocking: bool) -> list[Any]:
     """Launches PROG on ARGS (tpubox Tensors and NumPy arrays); the values of its outputs."""
     session = _current_session()
     outs: list[Any] = []
     if prog.module is not None:
         known = prog._exes.get(session)
-        from .torch import current_precision
+        if not _PRECISION:
+            from .torch import current_precision
 
-        p = current_precision()
+            _PRECISION.append(current_precision)
+        p = _PRECISION[0]()
         if known is None or p not in known:
             _count("compiles")
         else:
             _count("op_cache_hits")
         exe = prog.executable(session, p)
-        outs = _launch(exe, args)
+        outs = _launch(exe, args, blocking)
         _count("launches")
         if blocking and outs:
             session._wait([o.handle for o in outs], False, None)
@@ -747,7 +761,7 @@ def _run_program(prog: Any, args: list[Any], blocking: bool) -> list[Any]:
             result.append(outs[v])
         elif what == "input":
             a = args[v]
-            result.append(_current_session().tensor(a) if isinstance(a, np.ndarray) else a)
+            result.append(session.tensor(a) if isinstance(a, np.ndarray) else a)
         else:
             raise _Unlowerable(f"a program output is the constant {v!r}")
     return result
@@ -1107,11 +1121,27 @@ def _flatten(args: Sequence[Any], kwargs: dict) -> tuple[list[Any], tuple]:
     return leaves, tuple(shape)
 
 
+# Per op overload: (whether it is a view op, whether it returns a value that is no tensor).
+_FUNC_FACTS: dict[Any, tuple[bool, bool]] = {}
+
+
+def _func_facts(func: Any) -> tuple[bool, bool]:
+    facts = _FUNC_FACTS.get(func)
+    if facts is None:
+        facts = _FUNC_FACTS[func] = (
+            _is_view_op(func),
+            any(
+                r.alias_info is None and not _is_tensor_type(r.type)
+                for r in func._schema.returns
+            ),
+        )
+    return facts
+
+
 def _dispatch_device(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
-    schema = func._schema
     mutated_ids, by_set = _mutated(func, args, kwargs)
-    view_op = _is_view_op(func)
-    if any(r.alias_info is None and not _is_tensor_type(r.type) for r in schema.returns):
+    view_op, returns_value = _func_facts(func)
+    if returns_value:
         raise _Unlowerable("it returns a value, not a tensor")
     flat, shape = _flatten(args, kwargs)
     leaf_keys: list[Any] = []

@@ -1266,3 +1266,200 @@ async fn donated_handles_count_against_max_live_tensors() {
         f32_bytes(&[3., 6., 9., 12.])
     );
 }
+
+/// A connection to the local socket that sends requests without waiting for their replies
+/// (pipelined) and reads the replies in order: (JSON, the bytes after it).
+struct LocalConn(std::os::unix::net::UnixStream);
+
+impl LocalConn {
+    fn send(&mut self, header: &str, tail: &[u8]) {
+        use std::io::Write;
+        let mut msg = (header.len() as u32).to_le_bytes().to_vec();
+        msg.extend_from_slice(header.as_bytes());
+        msg.extend_from_slice(tail);
+        self.0.write_all(&msg).unwrap();
+    }
+
+    fn reply(&mut self) -> (serde_json::Value, Vec<u8>) {
+        use std::io::Read;
+        let mut len = [0u8; 4];
+        self.0.read_exact(&mut len).unwrap();
+        let mut body = vec![0u8; u32::from_le_bytes(len) as usize];
+        self.0.read_exact(&mut body).unwrap();
+        let v: serde_json::Value = serde_json::from_slice(&body).unwrap();
+        let mut tail = vec![0u8; v["tail"].as_u64().unwrap_or(0) as usize];
+        self.0.read_exact(&mut tail).unwrap();
+        (v, tail)
+    }
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn local_socket_pipelines_launches_into_reserved_handles() {
+    let d = daemon().await;
+    let mut c = client(&d).await;
+    let s = open(
+        &mut c,
+        "bob-token",
+        OpenRequest {
+            limits: Some(Limits {
+                max_pending_launches: 1,
+                max_live_tensors: 64,
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+    )
+    .await;
+    let other = open(&mut c, "bob-token", OpenRequest::default()).await;
+    let info = c
+        .info(authed(InfoRequest {}, &s.session_token))
+        .await
+        .unwrap()
+        .into_inner();
+    let path = std::path::PathBuf::from(&info.local_socket);
+    let token = s.session_token.clone();
+    let other_token = other.session_token.clone();
+    let exe = compile_add(&mut c, &token).await.executable;
+    tokio::task::spawn_blocking(move || {
+        let kind = |v: &serde_json::Value| v["error"]["kind"].as_str().unwrap_or("").to_string();
+        let mut l = LocalConn(std::os::unix::net::UnixStream::connect(&path).unwrap());
+        // A small put with its bytes after the header (no memfd).
+        l.send(
+            &format!(r#"{{"op":"put","token":"{token}","dtype":"F32","dims":[4],"tail":16}}"#),
+            &f32_bytes(&[1., 2., 3., 4.]),
+        );
+        let (r, _) = l.reply();
+        let x = r["ok"]["handle"].as_u64().unwrap_or_else(|| panic!("{r}"));
+        // Reserve handle numbers; launch into them without reading the replies, the second
+        // launch using the first's result, then read the second's result inline.
+        l.send(&format!(r#"{{"op":"reserve","token":"{token}","count":8}}"#), &[]);
+        let (r, _) = l.reply();
+        let first = r["ok"]["first"].as_u64().unwrap_or_else(|| panic!("{r}"));
+        let launch = |a: u64, out: u64| {
+            format!(
+                r#"{{"op":"call","token":"{token}","executable":{exe},"arguments":[{{"handle":{a}}},{{"handle":{a}}}],"launch":true,"out":[{out}]}}"#
+            )
+        };
+        l.send(&launch(x, first), &[]);
+        l.send(&launch(first, first + 1), &[]);
+        l.send(
+            &format!(r#"{{"op":"wait","token":"{token}","tensors":[{}]}}"#, first + 1),
+            &[],
+        );
+        l.send(
+            &format!(r#"{{"op":"get","token":"{token}","handle":{},"inline":true}}"#, first + 1),
+            &[],
+        );
+        for _ in 0..3 {
+            let (r, _) = l.reply();
+            assert!(r.get("ok").is_some(), "{r}");
+        }
+        let (r, tail) = l.reply();
+        assert_eq!(r["ok"]["handle"], first + 1, "{r}");
+        assert_eq!(tail, f32_bytes(&[4., 8., 12., 16.]));
+        // A call's small inline arguments after its header, its fetched result after the
+        // reply's JSON.
+        let mut args = f32_bytes(&[1., 1., 1., 1.]);
+        args.resize(64, 0);
+        args.extend(f32_bytes(&[2., 2., 2., 2.]));
+        l.send(
+            &format!(
+                r#"{{"op":"call","token":"{token}","executable":{exe},"arguments":[{{"dtype":"F32","dims":[4]}},{{"dtype":"F32","dims":[4]}}],"fetch":[0],"inline":true,"tail":{}}}"#,
+                args.len()
+            ),
+            &args,
+        );
+        let (r, tail) = l.reply();
+        assert_eq!(r["ok"]["results"][0]["offset"], 0, "{r}");
+        assert_eq!(tail, f32_bytes(&[3., 3., 3., 3.]));
+        // Made-up handles: a used one, one out of the reservation, another session's, one
+        // below the next (out of order): each refused, nothing made.
+        let mut o = LocalConn(std::os::unix::net::UnixStream::connect(&path).unwrap());
+        o.send(&format!(r#"{{"op":"reserve","token":"{other_token}","count":4}}"#), &[]);
+        let theirs = o.reply().0["ok"]["first"].as_u64().unwrap();
+        for out in [first, first + 1, first + 8, 12345, theirs] {
+            l.send(&launch(x, out), &[]);
+            let (r, _) = l.reply();
+            assert_eq!(kind(&r), "invalid-argument", "out {out}: {r}");
+        }
+        l.send(&launch(x, first + 3), &[]);
+        assert!(l.reply().0.get("ok").is_some());
+        l.send(&launch(x, first + 2), &[]);
+        assert_eq!(kind(&l.reply().0), "invalid-argument", "below the next");
+        l.send(
+            &format!(r#"{{"op":"reserve","token":"{token}","count":{}}}"#, (1u64 << 16) + 1),
+            &[],
+        );
+        assert_eq!(kind(&l.reply().0), "invalid-argument", "too many");
+        // A tail larger than the limit ends the connection; a tail of the wrong size is
+        // refused and skipped (the next request is read where it starts).
+        l.send(
+            &format!(r#"{{"op":"put","token":"{token}","dtype":"F32","dims":[2],"tail":16}}"#),
+            &[0u8; 16],
+        );
+        assert_eq!(kind(&l.reply().0), "invalid-argument", "8 bytes declared, 16 sent");
+        l.send(&format!(r#"{{"op":"reserve","token":"{token}","count":4}}"#), &[]);
+        assert!(l.reply().0["ok"]["first"].as_u64().is_some(), "read where it starts");
+        let mut big = LocalConn(std::os::unix::net::UnixStream::connect(&path).unwrap());
+        big.send(
+            &format!(r#"{{"op":"put","token":"{token}","dtype":"F32","dims":[1],"tail":{}}}"#, 1 << 20),
+            &[],
+        );
+        assert_eq!(kind(&big.reply().0), "invalid-argument");
+        // A flood of pipelined launches whose replies are never read: the daemon answers each
+        // (admitted, or refused naming max-pending-launches / max-live-tensors) and stops
+        // reading once its replies fill the socket, so the flood blocks.
+        let mut flood = LocalConn(std::os::unix::net::UnixStream::connect(&path).unwrap());
+        flood.send(&format!(r#"{{"op":"reserve","token":"{token}","count":65536}}"#), &[]);
+        let base = flood.reply().0["ok"]["first"].as_u64().unwrap();
+        flood
+            .0
+            .set_write_timeout(Some(std::time::Duration::from_secs(2)))
+            .unwrap();
+        let mut sent = 0u64;
+        let mut blocked = false;
+        use std::io::Write;
+        while sent < 65536 {
+            let msg = launch(x, base + sent);
+            let mut framed = (msg.len() as u32).to_le_bytes().to_vec();
+            framed.extend_from_slice(msg.as_bytes());
+            match flood.0.write_all(&framed) {
+                Ok(()) => sent += 1,
+                Err(e)
+                    if matches!(
+                        e.kind(),
+                        std::io::ErrorKind::WouldBlock | std::io::ErrorKind::TimedOut
+                    ) =>
+                {
+                    blocked = true;
+                    break;
+                }
+                Err(e) => panic!("{e}"),
+            }
+        }
+        assert!(blocked, "{sent} pipelined launches never blocked");
+        // Its replies, in order: each admitted, or refused with the kind its limit gives.
+        let mut kinds = std::collections::BTreeMap::new();
+        for _ in 0..sent.min(2000) {
+            let (r, _) = flood.reply();
+            let k = kind(&r);
+            if !k.is_empty() {
+                let m = r["error"]["message"].as_str().unwrap().to_string();
+                assert!(
+                    k == "resource-exhausted"
+                        && (m.contains("max-pending-launches") || m.contains("max-live-tensors")),
+                    "{r}"
+                );
+            }
+            *kinds.entry(k).or_insert(0u32) += 1;
+        }
+        assert!(kinds.get("").copied().unwrap_or(0) <= 64, "{kinds:?}");
+        assert!(kinds.contains_key("resource-exhausted"), "{kinds:?}");
+        drop(flood);
+        // The daemon still serves the session on other connections.
+        l.send(&format!(r#"{{"op":"wait","token":"{token}","all":true}}"#), &[]);
+        assert!(l.reply().0.get("ok").is_some());
+    })
+    .await
+    .unwrap();
+}

@@ -825,6 +825,7 @@ impl SessionRpc for Service {
                 keep: r.keep,
                 free: r.free,
                 launch: r.launch,
+                out: Vec::new(),
             })
             .map_err(access_status)?;
         let slices: Vec<&[u8]> = inline.iter().map(|b| b.as_ref()).collect();

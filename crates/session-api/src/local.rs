@@ -31,6 +31,26 @@
 //!   result a pending handle);
 //! - `{"op": "wait", "token": SESSION_TOKEN, "tensors": [..], "all": false}` → `{"ok": {}}`,
 //!   as `Wait`;
+//! - `{"op": "reserve", "token": SESSION_TOKEN, "count": N}` → `{"ok": {"first": F, "count":
+//!   N}}`: handle numbers `F..F+N` reserved for the session's client to name the results of its
+//!   launches with (1 to 65536 numbers; a new reservation replaces the unused rest of the last).
+//!   A call with `"out": [H, ..]` (one per kept result, each reserved and unused, in increasing
+//!   order; any other number is refused, `invalid-argument`, and used numbers stay used)
+//!   makes its results under those numbers, so a client may send a launch and use its results
+//!   in its next requests without reading the reply (pipelining: the replies come in request
+//!   order; a launch so named replies `{"ok": {"launch_id", "freed"}}` only). A client that
+//!   never reads its replies stops being read once they fill the socket (the daemon answers
+//!   each request before reading the next), and each launch is still charged against
+//!   `max-pending-launches`, `max-live-tensors` and `max-device-bytes` as it is admitted;
+//!
+//! Small tensors travel in the messages themselves: a put or a call may carry up to
+//! [`MAX_INLINE_BYTES`] after its header (`"tail": N`, the put's tensor or the call's inline
+//! arguments packed as in a memfd) instead of a memfd, read only after the request was
+//! admitted and the bytes charged; a get or a call with `"inline": true` whose tensor (or
+//! fetched results, packed) is at most that size gets them after the reply's JSON, whose
+//! top level then says how many (`{"ok": .., "tail": N}`; a get's info has `"inline": true`).
+//! A request whose tail is over the limit is refused and its connection closed; one refused
+//! before its tail was read has the tail skipped.
 //!
 //! where `TENSOR_INFO` is `{"handle", "dtype", "dims", "device", "byte_size", "read_only",
 //! "weights"}` (`weights`: `[{"name", "version"}, ..]`, as `TensorInfo.weights`),
@@ -109,10 +129,18 @@ enum LocalRequest {
         dims: Vec<u64>,
         #[serde(default)]
         device: Option<u32>,
+        #[serde(default)]
+        tail: usize,
     },
     Get {
         token: String,
         handle: u64,
+        #[serde(default)]
+        inline: bool,
+    },
+    Reserve {
+        token: String,
+        count: u64,
     },
     Execute {
         token: String,
@@ -142,6 +170,12 @@ enum LocalRequest {
         free: Vec<u64>,
         #[serde(default)]
         launch: bool,
+        #[serde(default)]
+        out: Vec<u64>,
+        #[serde(default)]
+        tail: usize,
+        #[serde(default)]
+        inline: bool,
     },
     Wait {
         token: String,
@@ -150,6 +184,29 @@ enum LocalRequest {
         #[serde(default)]
         all: bool,
     },
+}
+
+impl LocalRequest {
+    /// The bytes that follow the request's header (`tail`): the tensor of a put, the inline
+    /// arguments of a call.
+    fn tail(&self) -> usize {
+        match self {
+            LocalRequest::Put { tail, .. } | LocalRequest::Call { tail, .. } => *tail,
+            _ => 0,
+        }
+    }
+
+    fn op(&self) -> &'static str {
+        match self {
+            LocalRequest::Put { .. } => "put",
+            LocalRequest::Get { .. } => "get",
+            LocalRequest::Reserve { .. } => "reserve",
+            LocalRequest::Execute { .. } => "execute",
+            LocalRequest::Free { .. } => "free",
+            LocalRequest::Call { .. } => "call",
+            LocalRequest::Wait { .. } => "wait",
+        }
+    }
 }
 
 /// One argument of a local call: `{"handle": N}` or `{"dtype", "dims", "device"?}`.
@@ -169,6 +226,12 @@ struct LocalArg {
 /// Fetched results up to this many bytes in all are written to their memfd on the request's
 /// own task; larger ones on a blocking thread.
 const INLINE_WRITE_BYTES: usize = 64 << 10;
+
+/// Most bytes a request carries after its header (`tail`: a small put's tensor, a call's
+/// small inline arguments) instead of in a memfd, and most bytes a reply carries after its
+/// JSON (a small get's tensor, a call's small fetched results), when the client asks for them
+/// inline.
+pub const MAX_INLINE_BYTES: usize = 64 << 10;
 
 /// Alignment of each tensor packed in a call's memfd, in bytes.
 pub const PACK_ALIGN: usize = 64;
@@ -362,10 +425,17 @@ struct TooManyDescriptors {
     truncated: bool,
 }
 
-async fn send(stream: &UnixStream, reply: &Value, fd: Option<&OwnedFd>) -> std::io::Result<()> {
+async fn send(
+    stream: &UnixStream,
+    reply: &Value,
+    fd: Option<&OwnedFd>,
+    tail: &[u8],
+) -> std::io::Result<()> {
     let body = serde_json::to_vec(reply).unwrap_or_default();
-    let mut msg = (body.len() as u32).to_le_bytes().to_vec();
+    let mut msg = Vec::with_capacity(4 + body.len() + tail.len());
+    msg.extend_from_slice(&(body.len() as u32).to_le_bytes());
     msg.extend_from_slice(&body);
+    msg.extend_from_slice(tail);
     let mut sent = 0;
     let mut fd = fd;
     while sent < msg.len() {
@@ -402,6 +472,7 @@ async fn refuse(stream: &UnixStream, e: Failure) -> std::io::Result<()> {
         stream,
         &json!({"error": {"kind": e.0, "message": e.1}}),
         None,
+        &[],
     )
     .await
 }
@@ -475,16 +546,114 @@ async fn connection(
                 return Ok(());
             }
         }
-        let (reply, fd) = match handle(&header, fds, &registry).await {
-            Ok((v, fd)) => {
-                served = true;
-                (json!({ "ok": v }), fd)
-            }
-            Err(Failure(kind, message)) => {
-                (json!({"error": {"kind": kind, "message": message}}), None)
-            }
+        let started = std::time::Instant::now();
+        let req: Result<LocalRequest, _> = serde_json::from_slice(&header);
+        let (op, declared) = match &req {
+            Ok(r) => (r.op(), r.tail()),
+            Err(_) => ("malformed", 0),
         };
-        send(&stream, &reply, fd.as_ref()).await?;
+        if declared > MAX_INLINE_BYTES {
+            let e = invalid(format!(
+                "a local request carries at most {MAX_INLINE_BYTES} bytes after its header (`tail`), this one says {declared}; send more in a memfd"
+            ));
+            return refuse(&stream, e).await;
+        }
+        let mut tail = Tail {
+            stream: &stream,
+            left: declared,
+            timeout: header_timeout_after,
+            broken: false,
+        };
+        let r = match req {
+            Ok(req) => handle(req, fds, &registry, &mut tail).await,
+            Err(e) => Err(invalid(format!("a malformed local-socket request: {e}"))),
+        };
+        let handled = started.elapsed();
+        let (reply, fd, bytes) = match r {
+            Ok((v, fd, bytes)) => {
+                served = true;
+                let reply = if bytes.is_empty() {
+                    json!({ "ok": v })
+                } else {
+                    json!({ "ok": v, "tail": bytes.len() })
+                };
+                (reply, fd, bytes)
+            }
+            Err(Failure(kind, message)) => (
+                json!({"error": {"kind": kind, "message": message}}),
+                None,
+                Vec::new(),
+            ),
+        };
+        // A request that failed before its tail was read: what is left of it is dropped, so
+        // that the next request starts where it should.
+        if !tail.broken && tail.left > 0 && !tail.discard().await {
+            return Ok(());
+        }
+        send(&stream, &reply, fd.as_ref(), &bytes).await?;
+        tracing::trace!(
+            op,
+            handled_us = handled.as_micros() as u64,
+            replied_us = started.elapsed().as_micros() as u64,
+            "local request"
+        );
+        if tail.broken {
+            return Ok(());
+        }
+    }
+}
+
+/// The bytes a request carries after its header (`tail`), read only once the request was
+/// admitted and their size charged (never more than [`MAX_INLINE_BYTES`]).
+struct Tail<'a> {
+    stream: &'a UnixStream,
+    left: usize,
+    timeout: Duration,
+    /// Reading it failed: the connection ends after the reply.
+    broken: bool,
+}
+
+impl Tail<'_> {
+    /// Reads all of it into a new buffer of its declared size (charged by the caller first).
+    ///
+    /// Errors: `invalid-argument` when descriptors come with it, the stream ends first, or it
+    /// does not arrive within the header timeout (the connection then ends).
+    async fn read(&mut self) -> Result<Vec<u8>, Failure> {
+        let mut buf = vec![0u8; self.left];
+        let mut fds = Vec::new();
+        let got =
+            tokio::time::timeout(self.timeout, receive_exact(self.stream, &mut buf, &mut fds))
+                .await;
+        self.left = 0;
+        match got {
+            Ok(Ok(Ok(true))) if fds.is_empty() => Ok(buf),
+            _ => {
+                self.broken = true;
+                Err(invalid(
+                    "the bytes after the request's header (`tail`) did not all arrive, alone and in time; the connection is closed",
+                ))
+            }
+        }
+    }
+
+    /// Reads and drops what is left of it, through a small buffer; `false` when that failed
+    /// (the connection then ends).
+    async fn discard(&mut self) -> bool {
+        let mut buf = [0u8; 4096];
+        while self.left > 0 {
+            let n = self.left.min(buf.len());
+            let mut fds = Vec::new();
+            let got = tokio::time::timeout(
+                self.timeout,
+                receive_exact(self.stream, &mut buf[..n], &mut fds),
+            )
+            .await;
+            if !matches!(got, Ok(Ok(Ok(true)))) || !fds.is_empty() {
+                return false;
+            }
+            self.left -= n;
+        }
+        true
     }
 }
 
@@ -498,21 +667,46 @@ fn no_fds(fds: &[OwnedFd]) -> Result<(), Failure> {
     }
 }
 
+/// A request's reply: its `ok` value, the descriptor it carries, and the bytes that follow its
+/// JSON (`tail`).
+type Reply = (Value, Option<OwnedFd>, Vec<u8>);
+
 async fn handle(
-    header: &[u8],
+    req: LocalRequest,
     mut fds: Vec<OwnedFd>,
     registry: &Arc<Registry>,
-) -> Result<(Value, Option<OwnedFd>), Failure> {
-    let req: LocalRequest = serde_json::from_slice(header)
-        .map_err(|e| invalid(format!("a malformed local-socket request: {e}")))?;
+    tail: &mut Tail<'_>,
+) -> Result<Reply, Failure> {
     match req {
         LocalRequest::Put {
             token,
             dtype,
             dims,
             device,
+            tail: declared,
         } => {
             let (s, _active) = registry.get(&token)?;
+            if declared > 0 {
+                no_fds(&fds)?;
+                let ty = PrimitiveType::from_name(&dtype.to_ascii_uppercase())
+                    .ok_or_else(|| invalid(format!("`{dtype}` is not a dtype tpubox supports")))?;
+                // Charged before the buffer is allocated, as a memfd's map is.
+                let (expected, upload) = s.session().admit_upload(
+                    ty,
+                    &dims,
+                    "this local-socket put (its inline bytes)",
+                )?;
+                if expected != declared {
+                    return Err(invalid(format!(
+                        "the header declares a {ty} tensor of dims {dims:?} ({expected} bytes) and {declared} bytes after it"
+                    )));
+                }
+                let data = tail.read().await?;
+                let (h, t) = s.put(ty, &dims, &data, device)?;
+                drop(data);
+                drop(upload);
+                return Ok((info(h, &t), None, Vec::new()));
+            }
             if fds.len() != 1 {
                 return Err(invalid(format!(
                     "a local put carries exactly one memfd with the data, this one {}",
@@ -538,7 +732,13 @@ async fn handle(
             let (h, t) = s.put(ty, &dims, map.as_slice(), device)?;
             drop(map);
             drop(upload);
-            Ok((info(h, &t), None))
+            Ok((info(h, &t), None, Vec::new()))
+        }
+        LocalRequest::Reserve { token, count } => {
+            no_fds(&fds)?;
+            let (s, _active) = registry.get(&token)?;
+            let first = s.reserve_handles(count)?;
+            Ok((json!({"first": first, "count": count}), None, Vec::new()))
         }
         LocalRequest::Execute {
             token,
@@ -554,7 +754,7 @@ async fn handle(
                 .iter()
                 .map(|(h, t)| info(*h, t))
                 .collect();
-            Ok((json!({ "results": results }), None))
+            Ok((json!({ "results": results }), None, Vec::new()))
         }
         LocalRequest::Call {
             token,
@@ -565,6 +765,9 @@ async fn handle(
             keep,
             free,
             launch,
+            out,
+            tail: declared,
+            inline,
         } => {
             let (s, _active) = registry.get(&token)?;
             let mut args = Vec::with_capacity(arguments.len());
@@ -599,6 +802,7 @@ async fn handle(
                     }
                 });
             }
+            let named = !out.is_empty();
             // Admitted and charged before the descriptor is looked at.
             let plan = s.plan_call(CallSpec {
                 executable,
@@ -608,10 +812,22 @@ async fn handle(
                 keep,
                 free,
                 launch,
+                out,
             })?;
             let sizes = plan.inline_sizes().to_vec();
-            let map = if sizes.is_empty() {
+            let mut buf = Vec::new();
+            let map = if fds.is_empty() || sizes.is_empty() || declared > 0 {
+                // No memfd: the inline arguments (if any) follow the header.
                 no_fds(&fds)?;
+                let (_, total) = packed(&sizes)?;
+                if declared != total {
+                    return Err(invalid(format!(
+                        "the inline arguments, packed at multiples of {PACK_ALIGN} bytes, span {total} bytes, and {declared} follow the header"
+                    )));
+                }
+                if declared > 0 {
+                    buf = tail.read().await?;
+                }
                 None
             } else {
                 if fds.len() != 1 {
@@ -630,17 +846,32 @@ async fn handle(
                 )
             };
             let (offsets, _) = packed(&sizes)?;
-            let slices: Vec<&[u8]> = match &map {
-                Some(m) => offsets
+            let whole: &[u8] = match &map {
+                Some(m) => m.as_slice(),
+                None => &buf,
+            };
+            let slices: Vec<&[u8]> = if sizes.is_empty() {
+                Vec::new()
+            } else {
+                offsets
                     .iter()
                     .zip(&sizes)
-                    .map(|(&at, &n)| &m.as_slice()[at..at + n])
-                    .collect(),
-                None => Vec::new(),
+                    .map(|(&at, &n)| &whole[at..at + n])
+                    .collect()
             };
             let out = plan.run(&s, &slices).await?;
             drop(slices);
             drop(map);
+            drop(buf);
+            if named && launch {
+                // The client named the results and knows their specs: the launch's id is all
+                // the reply says.
+                return Ok((
+                    json!({"launch_id": out.launch_id, "freed": out.freed}),
+                    None,
+                    Vec::new(),
+                ));
+            }
             let fetched: Vec<usize> = out
                 .results
                 .iter()
@@ -666,7 +897,22 @@ async fn handle(
                 "launch_id": out.launch_id,
             });
             if fetched.is_empty() {
-                return Ok((reply, None));
+                return Ok((reply, None, Vec::new()));
+            }
+            if inline && total <= MAX_INLINE_BYTES {
+                // Small results follow the reply's JSON (at most MAX_INLINE_BYTES a connection).
+                let mut bytes = vec![0u8; total];
+                for (o, &at) in out
+                    .results
+                    .iter()
+                    .filter_map(|o| o.data.as_ref())
+                    .zip(&offsets)
+                {
+                    let d = o.as_ref();
+                    bytes[at..at + d.len()].copy_from_slice(d);
+                }
+                drop(out);
+                return Ok((reply, None, bytes));
             }
             let write = move || {
                 let parts: Vec<&[u8]> = out
@@ -691,7 +937,7 @@ async fn handle(
                     format!("a memfd for the fetched results: {e}"),
                 )
             })?;
-            Ok((reply, Some(fd)))
+            Ok((reply, Some(fd), Vec::new()))
         }
         LocalRequest::Wait {
             token,
@@ -701,7 +947,7 @@ async fn handle(
             no_fds(&fds)?;
             let (s, _active) = registry.get(&token)?;
             s.wait(&tensors, all).await?;
-            Ok((json!({}), None))
+            Ok((json!({}), None, Vec::new()))
         }
         LocalRequest::Free {
             token,
@@ -711,15 +957,28 @@ async fn handle(
             no_fds(&fds)?;
             let (s, _active) = registry.get(&token)?;
             let (freed, unknown) = s.free(&tensors, &executables)?;
-            Ok((json!({"freed": freed, "unknown": unknown}), None))
+            Ok((
+                json!({"freed": freed, "unknown": unknown}),
+                None,
+                Vec::new(),
+            ))
         }
-        LocalRequest::Get { token, handle } => {
+        LocalRequest::Get {
+            token,
+            handle,
+            inline,
+        } => {
             no_fds(&fds)?;
             let (s, _active) = registry.get(&token)?;
             let t = s.tensor(handle)?;
             // The host copy is shared with concurrent reads of this handle and charged to the
-            // tenant until the memfd is written.
+            // tenant until the memfd (or the reply) is written.
             let bytes = s.session().read_shared(&t).await?;
+            if inline && bytes.bytes().len() <= MAX_INLINE_BYTES {
+                let mut v = info(handle, &t);
+                v["inline"] = json!(true);
+                return Ok((v, None, bytes.bytes().to_vec()));
+            }
             let fd = tokio::task::spawn_blocking(move || -> std::io::Result<OwnedFd> {
                 use rustix::fs::{MemfdFlags, SealFlags};
                 let fd = rustix::fs::memfd_create(
@@ -743,7 +1002,7 @@ async fn handle(
                     format!("a memfd for the tensor: {e}"),
                 )
             })?;
-            Ok((info(handle, &t), Some(fd)))
+            Ok((info(handle, &t), Some(fd), Vec::new()))
         }
     }
 }

@@ -25,6 +25,9 @@ use tpubox_core::weights::WeightRegistry;
 /// Source of handle numbers, shared by every session so that no number is valid in two.
 static NEXT_HANDLE: AtomicU64 = AtomicU64::new(1);
 
+/// Most handle numbers one [`LiveSession::reserve_handles`] reserves.
+pub const MAX_RESERVED_HANDLES: u64 = 1 << 16;
+
 /// Tokens of ended sessions remembered (to say "ended" rather than "unknown").
 const ENDED_REMEMBERED: usize = 10_000;
 
@@ -52,6 +55,9 @@ pub type AccessResult<T> = Result<T, AccessError>;
 struct Tables {
     tensors: HashMap<u64, Arc<TensorHandle>>,
     executables: HashMap<u64, Arc<ExecutableHandle>>,
+    /// The handle numbers this session reserved and has not used yet, `next..end`
+    /// ([`LiveSession::reserve_handles`]).
+    reserved: std::ops::Range<u64>,
 }
 
 #[derive(Debug)]
@@ -428,7 +434,8 @@ impl LiveSession {
                 }
             });
         }
-        self.admit_handles(kept.iter().filter(|&&k| k).count())?;
+        let n_kept = kept.iter().filter(|&&k| k).count();
+        self.admit_handles(n_kept)?;
         let sizes = exe.executable().output_bytes();
         let fetch_bytes = sizes
             .iter()
@@ -445,6 +452,16 @@ impl LiveSession {
             fetch_bytes.saturating_mul(2),
             "the fetched results of this Call (their host copies and the reply)",
         )?;
+        if !call.out.is_empty() {
+            if call.out.len() != n_kept {
+                return Err(DeviceError::invalid(format!(
+                    "this call names {} result handles (`out`) and keeps {n_kept} results",
+                    call.out.len()
+                ))
+                .into());
+            }
+            self.take_reserved(&call.out)?;
+        }
         Ok(CallPlan {
             exe,
             args,
@@ -454,6 +471,7 @@ impl LiveSession {
             kept,
             free: call.free,
             launch: call.launch,
+            out: call.out,
             _upload: charges,
             fetch_charge: Arc::new(fetch_charge),
         })
@@ -486,6 +504,51 @@ impl LiveSession {
             tables.executables.insert(id, e);
             id
         })
+    }
+
+    /// Reserves `count` handle numbers for this session's client to name the results of its
+    /// own calls with ([`CallSpec::out`]: a launch then needs no reply before its results are
+    /// used); returns the first, the others following it. The numbers come from the source
+    /// every session's handles come from, so none is another session's; a new reservation
+    /// replaces the unused rest of the previous one. Nothing is allocated or charged: a result
+    /// is charged when its call runs, as any other.
+    ///
+    /// Errors: `invalid-argument` for a count of 0 or over [`MAX_RESERVED_HANDLES`];
+    /// [`AccessError::Ended`].
+    pub fn reserve_handles(&self, count: u64) -> AccessResult<u64> {
+        if count == 0 || count > MAX_RESERVED_HANDLES {
+            return Err(DeviceError::invalid(format!(
+                "a reservation is of 1 to {MAX_RESERVED_HANDLES} handle numbers, not {count}"
+            ))
+            .into());
+        }
+        let first = NEXT_HANDLE.fetch_add(count, Ordering::Relaxed);
+        self.with_tables(|t| t.reserved = first..first + count)?;
+        Ok(first)
+    }
+
+    /// Takes `ids` out of this session's reservation, all or none: each must be reserved and
+    /// unused, and each larger than the one before (a number is used once, even when its call
+    /// then fails).
+    ///
+    /// Errors: `invalid-argument` naming the first number that is not reserved or used already
+    /// (made up, another session's, or reused); [`AccessError::Ended`].
+    fn take_reserved(&self, ids: &[u64]) -> AccessResult<()> {
+        self.with_tables(|t| {
+            let mut next = t.reserved.start;
+            for &id in ids {
+                if id < next || id >= t.reserved.end {
+                    return Err(DeviceError::invalid(format!(
+                        "handle {id} is not one this session reserved and has not used (each reserved number names one result, in increasing order; this session's next is {}, its reservation ends before {})",
+                        t.reserved.start, t.reserved.end
+                    ))
+                    .into());
+                }
+                next = id + 1;
+            }
+            t.reserved.start = next;
+            Ok(())
+        })?
     }
 
     /// The tensor of handle `id`.
@@ -664,6 +727,9 @@ pub struct CallSpec {
     /// Launch without waiting ([`Session::launch`]): every result a pending handle, nothing
     /// fetched.
     pub launch: bool,
+    /// The handle numbers of the kept results, in order, from the session's reservation
+    /// ([`LiveSession::reserve_handles`]); empty: the daemon numbers them.
+    pub out: Vec<u64>,
 }
 
 #[derive(Debug)]
@@ -689,6 +755,7 @@ pub struct CallPlan {
     kept: Vec<bool>,
     free: Vec<u64>,
     launch: bool,
+    out: Vec<u64>,
     _upload: Vec<Charge>,
     fetch_charge: Arc<Charge>,
 }
@@ -801,9 +868,13 @@ impl CallPlan {
             results.push((Arc::new(o), data));
         }
         let mut out = Vec::with_capacity(results.len());
+        let mut named = self.out.iter();
         for (i, (tensor, data)) in results.into_iter().enumerate() {
             let handle = if self.kept[i] {
-                let id = NEXT_HANDLE.fetch_add(1, Ordering::Relaxed);
+                let id = match named.next() {
+                    Some(&id) => id,
+                    None => NEXT_HANDLE.fetch_add(1, Ordering::Relaxed),
+                };
                 session.with_tables(|t| {
                     t.tensors.insert(id, Arc::clone(&tensor));
                 })?;
