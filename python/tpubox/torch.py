@@ -70,6 +70,7 @@ import contextlib
 import enum
 import itertools
 import threading
+import time
 import weakref
 from dataclasses import dataclass
 from typing import Any, Callable, Iterator, Mapping, Sequence
@@ -79,6 +80,7 @@ import numpy as np
 import torch
 
 from . import _export
+from . import _lowering_cache
 from . import session as _session
 from .errors import TpuboxError, Unsupported
 from .session import Executable, Session, Tensor
@@ -193,6 +195,10 @@ _STAT_NAMES = (
     "weight_hits",  # parameters/buffers used where they were on the device
     "specializations",  # concrete signatures traced for graphs with symbolic sizes
     "session_restarts",  # times a call found its session gone and started over
+    "lowering_cache_hits",  # StableHLO texts found in the lowering cache (no torch-mlir run)
+    "lowering_cache_misses",  # texts looked up there and not found
+    "lowerings",  # graphs lowered by torch-mlir
+    "lowering_ms",  # milliseconds spent in those lowerings
 )
 
 
@@ -206,7 +212,10 @@ def stats() -> dict[str, int]:
     lowered), ``compiles`` (:meth:`Session.compile` calls), ``executions``, ``weight_puts``
     (parameters and buffers put on the device: first use, or after an in-place update),
     ``weight_hits`` (used where they were), ``specializations`` (concrete signatures traced
-    for graphs with symbolic sizes), ``session_restarts``."""
+    for graphs with symbolic sizes), ``session_restarts``, ``lowering_cache_hits`` and
+    ``lowering_cache_misses`` (StableHLO texts found in the on-disk lowering cache or not),
+    ``lowerings`` (graphs torch-mlir lowered) and ``lowering_ms`` (the milliseconds it took).
+    The lowering counters include the programs of eager device tensors."""
     with _STATS_LOCK:
         return {k: _STATS.get(k, 0) for k in _STAT_NAMES}
 
@@ -490,8 +499,13 @@ def _decompositions() -> dict:
     lowers stay, the rest are decomposed into them)."""
     global _DECOMPOSITIONS
     if _DECOMPOSITIONS is None:
-        _torch_mlir()
-        from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+        # Only the table: torch-mlir's importer (a quarter of a second to import) is loaded when
+        # a graph is lowered, not where the lowering cache has every text.
+        try:
+            from torch_mlir.extras.fx_decomp_util import get_decomposition_table
+        except ImportError:
+            _torch_mlir()  # Unsupported, saying what to install
+            raise
 
         _DECOMPOSITIONS = dict(get_decomposition_table())
     return _DECOMPOSITIONS
@@ -630,19 +644,37 @@ class _Program:
             else:
                 self.in_tensor.append(False)
         self.n_results = len(prog_outs)
-        self.module = None
+        self._module: Any = None
         self.context_lock = threading.Lock()
-        if self.n_results:
-            self.module = self._lower(gm, placeholders, prog_outs)
+        self._lower_lock = threading.Lock()
+        # The graph torch-mlir lowers (until it has), and its digest in the lowering cache.
+        self._to_lower: torch.fx.GraphModule | None = None
+        self._digest: str | None = None
         self.gm = gm
+        if self.n_results:
+            self._to_lower = self._restricted(gm, prog_outs)
+            if _lowering_cache.enabled():
+                self._digest = _lowering_cache.graph_digest(
+                    self._to_lower, (_Program, _set_precision)
+                )
+            # The text at the precision in force now: from the lowering cache, else lowered
+            # here (so that a graph torch-mlir cannot lower fails when Dynamo compiles it).
+            self.text(current_precision())
         _count("graphs")
 
-    def _lower(
-        self, gm: torch.fx.GraphModule, placeholders: list[Any], prog_outs: list[Any]
-    ) -> Any:
-        """The StableHLO module (torch-mlir's Python object) of GM restricted to the tensor
-        inputs and tensor results."""
-        tm_fx = _torch_mlir()
+    @property
+    def module(self) -> Any:
+        """The StableHLO module (torch-mlir's Python object) of the graph, lowered on first
+        use; None for a program without results."""
+        with self._lower_lock:
+            if self._module is None and self._to_lower is not None:
+                self._module = self._lower(self._to_lower)
+                self._to_lower = None
+            return self._module
+
+    def _restricted(self, gm: torch.fx.GraphModule, prog_outs: list[Any]) -> torch.fx.GraphModule:
+        """GM restricted to the tensor inputs and tensor results: the graph torch-mlir
+        lowers."""
         g = torch.fx.Graph()
         env: dict[Any, Any] = {}
         for n in gm.graph.nodes:
@@ -658,6 +690,12 @@ class _Program:
         lowered = torch.fx.GraphModule(gm, g)
         lowered.graph.eliminate_dead_code()
         # Keep every tensor placeholder (eliminate_dead_code leaves placeholders).
+        return lowered
+
+    def _lower(self, lowered: torch.fx.GraphModule) -> Any:
+        """The StableHLO module (torch-mlir's Python object) of LOWERED."""
+        start = time.perf_counter()
+        tm_fx = _torch_mlir()  # the first lowering of a process imports the importer
         try:
             return tm_fx.stateless_fx_import(lowered, output_type="stablehlo", model_name="main")
         except Exception as e:
@@ -666,16 +704,30 @@ class _Program:
                 f"tpubox backend: torch-mlir could not lower {self.kind} graph {self.name} to "
                 f"StableHLO: {type(e).__name__}: {str(e)[:2000]}",
             ) from e
+        finally:
+            _count("lowerings")
+            _count("lowering_ms", round((time.perf_counter() - start) * 1000))
 
     def text(self, p: Precision) -> str:
-        """The program's StableHLO text with every dot and convolution at precision P."""
+        """The program's StableHLO text with every dot and convolution at precision P: from
+        this object, else from the lowering cache (tpubox._lowering_cache), else lowered."""
         with self._lock:
             t = self._texts.get(p)
+            if t is not None:
+                return t
+            key = None
+            if self._digest is not None:
+                key = _lowering_cache.entry_key(self._digest, self.kind, p.value)
+                t = _lowering_cache.load(key, self.n_results)
+                _count("lowering_cache_hits" if t is not None else "lowering_cache_misses")
             if t is None:
+                module = self.module
                 with self.context_lock:
-                    _set_precision(self.module, p)
-                    t = self.module.operation.get_asm(enable_debug_info=False)
-                self._texts[p] = t
+                    _set_precision(module, p)
+                    t = module.operation.get_asm(enable_debug_info=False)
+                if key is not None:
+                    _lowering_cache.store(key, t, self.n_results)
+            self._texts[p] = t
             return t
 
     def executable(self, session: Session, p: Precision) -> Executable:
