@@ -99,6 +99,7 @@ __all__ = [
     "export",
     # Eager tensors on the device (tpubox.torch_eager)
     "device",
+    "is_device_tensor",
     "EagerMode",
     "eager_mode",
     "set_eager_mode",
@@ -191,6 +192,7 @@ _STAT_NAMES = (
     "graphs",  # FX graphs lowered to StableHLO (forward and backward count apart)
     "compiles",  # Session.compile calls
     "executions",  # programs executed
+    "device_executions",  # of those, on device tensors (a model moved to tpubox.torch.device())
     "weight_puts",  # parameters/buffers put on the device (first use, after an update)
     "weight_hits",  # parameters/buffers used where they were on the device
     "specializations",  # concrete signatures traced for graphs with symbolic sizes
@@ -211,7 +213,8 @@ def stats() -> dict[str, int]:
     """Counters of this process since the last :func:`reset_stats`: ``graphs`` (FX graphs
     lowered), ``compiles`` (:meth:`Session.compile` calls), ``executions``, ``weight_puts``
     (parameters and buffers put on the device: first use, or after an in-place update),
-    ``weight_hits`` (used where they were), ``specializations`` (concrete signatures traced
+    ``weight_hits`` (used where they were), ``device_executions`` (executions on device
+    tensors: a model moved to :func:`device`), ``specializations`` (concrete signatures traced
     for graphs with symbolic sizes), ``session_restarts``, ``lowering_cache_hits`` and
     ``lowering_cache_misses`` (StableHLO texts found in the on-disk lowering cache or not),
     ``lowerings`` (graphs torch-mlir lowered) and ``lowering_ms`` (the milliseconds it took).
@@ -372,6 +375,11 @@ _NP_OF_TORCH = {
     torch.complex64: np.dtype(np.complex64),
     torch.complex128: np.dtype(np.complex128),
 }
+
+
+def _spec(t: torch.Tensor) -> tuple:
+    """T's (shape, stride, dtype)."""
+    return (tuple(t.shape), tuple(t.stride()), t.dtype)
 
 
 def _to_numpy(t: torch.Tensor) -> np.ndarray:
@@ -644,6 +652,8 @@ class _Program:
             else:
                 self.in_tensor.append(False)
         self.n_results = len(prog_outs)
+        # (shape, stride, dtype) of each program result, for results that stay on the device.
+        self.out_specs = [_spec(o.meta["val"]) for o in prog_outs]
         self._module: Any = None
         self.context_lock = threading.Lock()
         self._lower_lock = threading.Lock()
@@ -768,6 +778,8 @@ class _Program:
         return result
 
     def _run(self, args: Sequence[Any], weights: Callable[[Any], bool]) -> list[Any]:
+        if any(_eager.is_device_tensor(a) for a in args):
+            return self._run_on_device(args)
         target = self.opts.target
         p = current_precision()
         for attempt in range(3):
@@ -798,6 +810,29 @@ class _Program:
                     pass
                 target.wait(30.0)
         raise AssertionError("unreachable")
+
+
+    def _run_on_device(self, args: Sequence[Any]) -> list[Any]:
+        """Runs the program on device tensors (a model moved with ``model.to(device())``): in
+        the device tensors' session, their device values as the arguments (nothing through the
+        host), launched without waiting (the eager modes' ``launch``); the results are device
+        tensors holding the launch's pending outputs. CPU tensors among ARGS travel inline."""
+        session = _eager._current_session()
+        exe = self.executable(session, current_precision())
+        call_args: list[Any] = []
+        for a, is_tensor in zip(args, self.in_tensor):
+            if not is_tensor:
+                continue
+            if _eager.is_device_tensor(a):
+                call_args.append(_eager._concrete(_eager._value(a)))
+            else:
+                call_args.append(_to_numpy(a))
+        outs = _eager._launch(exe, call_args)
+        if _eager.eager_mode() is _eager.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING and outs:
+            session._wait([o.handle for o in outs], False, None)
+        _count("executions")
+        _count("device_executions")
+        return [_eager._wrap(o, spec) for o, spec in zip(outs, self.out_specs)]
 
 
 _GONE_KINDS = {"session-ended", "unavailable", "unauthenticated"}
@@ -866,6 +901,29 @@ def _is_module_state(node: Any) -> bool:
     )
 
 
+def _host_devices(gm: torch.fx.GraphModule) -> None:
+    """Rewrites the tpubox device in GM's ops (a factory's ``device=`` in a graph traced from
+    device tensors, ``scalar_tensor(0, device=tpubox)``) to the CPU, which is the device
+    torch-mlir knows: where a value is computed is the program's, not the op's, business."""
+
+    def fix(v: Any) -> Any:
+        if isinstance(v, torch.device) and v.type == _eager._DEVICE.type:
+            return torch.device("cpu")
+        return v
+
+    changed = False
+    for n in gm.graph.nodes:
+        if n.op != "call_function":
+            continue
+        args = tuple(fix(a) for a in n.args)
+        kwargs = {k: fix(v) for k, v in n.kwargs.items()}
+        if args != n.args or kwargs != n.kwargs:
+            n.args, n.kwargs = args, kwargs
+            changed = True
+    if changed:
+        gm.recompile()
+
+
 def _aot(
     gm: torch.fx.GraphModule, example_inputs: Sequence[Any], opts: _Options, weights: _Weights
 ) -> Any:
@@ -879,6 +937,7 @@ def _aot(
 
     def compiler(kind: str) -> Callable[..., Any]:
         def compile_graph(g: torch.fx.GraphModule, _inputs: Sequence[Any]) -> Any:
+            _host_devices(g)
             prog = _Program(g, kind, f"{opts.name}/{gid}/{kind}", opts)
 
             def run(*args: Any) -> list[Any]:
@@ -891,6 +950,17 @@ def _aot(
     def forward_compiler(g: torch.fx.GraphModule, inputs: Sequence[Any]) -> Any:
         return compiler("forward")(g, inputs)
 
+    # Device tensors (a model moved with `model.to(device())`) have no inner tensors to fake,
+    # which aot_autograd would take for already fake: fake each as a plain tensor of its spec
+    # on the tpubox device (what Dynamo traced), in the fake mode of the trace.
+    if any(_eager.is_device_tensor(x) for x in example_inputs):
+        from torch._subclasses.fake_tensor import FakeTensorMode
+
+        fake_mode = torch._guards.detect_fake_mode(example_inputs) or FakeTensorMode()
+        example_inputs = [
+            _eager._fake_of(x, fake_mode) if _eager.is_device_tensor(x) else x
+            for x in example_inputs
+        ]
     return aot_autograd(
         fw_compiler=forward_compiler,
         bw_compiler=compiler("backward"),
@@ -1328,6 +1398,7 @@ _register()
 
 
 # Eager tensors on the device, in TorchTPU's eager modes (tpubox.torch_eager; docs/PYTORCH.md).
+from . import torch_eager as _eager  # noqa: E402
 from .torch_eager import (  # noqa: E402
     CpuFallbackWarning,
     EagerMode,
@@ -1335,6 +1406,7 @@ from .torch_eager import (  # noqa: E402
     device,
     eager_mode,
     eager_stats,
+    is_device_tensor,
     mark_step,
     max_fused_ops,
     reset_eager_stats,
