@@ -10,9 +10,16 @@ tests).
 from __future__ import annotations
 
 import os
+import tempfile
 
 import pytest
 import torch
+
+# The lowering cache (tpubox/_lowering_cache.py) of these tests is their own, not the user's
+# ~/.cache/tpubox/torch-lowering; the processes the tests start inherit it.
+os.environ.setdefault(
+    "TPUBOX_TORCH_LOWERING_CACHE_DIR", tempfile.mkdtemp(prefix="tpubox-test-lowering-")
+)
 
 # Each test process computes with one thread per core of its own; the machine running the tests
 # also runs the daemon's executions.
