@@ -264,3 +264,15 @@ def test_refused_what_cannot_run(alice):
     with pytest.raises(tpubox.Unsupported):
         tj.jit(callback, session=alice)(f32(2))
     assert alice.usage().compiles == 0
+
+
+def test_a_call_launches_without_waiting_and_a_refusal_comes_with_the_next_read(alice):
+    # Issue 46: on the local socket a call that donates nothing is a pipelined launch.
+    fn = tj.jit(lambda x: x * 2, session=alice)
+    a = f32(4)
+    t = alice.tensor(a)
+    np.testing.assert_array_equal(fn(t).numpy(), a * 2)
+    t.free()
+    r = fn(t)  # the daemon's not-found is not waited for here
+    with pytest.raises(tpubox.NotFound, match="pipelined launch"):
+        r.numpy()

@@ -44,7 +44,7 @@ import jax
 import numpy as np
 from jax import export as jax_export
 
-from . import _export
+from . import _dtypes, _export
 from . import session as _session
 from .errors import Internal, Unsupported
 from .session import Executable, Session, ShardedTensor, Tensor
@@ -355,6 +355,13 @@ class JitFunction:
         """Runs the function on the daemon's device; returns its outputs as Tensors in its
         output pytree.
 
+        On the daemon's local socket a call that donates nothing is launched without waiting
+        for the daemon's reply (as ``jax.jit`` dispatches asynchronously): what the daemon
+        refuses or the device fails with is raised by the next read or wait of the session
+        (``Tensor.numpy``, :meth:`tpubox.Session.wait_all`), naming the launch. Over gRPC,
+        with launch blocking on, or with ``donate_argnums``, the call returns once the
+        daemon ran it.
+
         Raises:
             tpubox.Unsupported: what cannot be exported for one device (see the module doc);
             TypeError: an input leaf that is not an array, or a dtype JAX changes;
@@ -388,7 +395,18 @@ class JitFunction:
                     call_args.append(leaf)
             else:
                 call_args.append(np.asarray(leaf, dtype=entry.in_dtypes[i]))
-        outs = exe(*call_args, donate=entry.donate)
+        outs = None
+        if not spmd and not entry.donate:
+            outs = session._launch_pipelined(
+                exe,
+                [
+                    a if isinstance(a, Tensor) else _dtypes.as_device_array(a, None)
+                    for a in call_args
+                ],
+                (),
+            )
+        if outs is None:
+            outs = exe(*call_args, donate=entry.donate)
         if spmd:
             # The daemon's global shape is the per-device shape times the tiles; where the
             # tiles do not divide a dimension, JAX's is smaller (the shards are the same).
