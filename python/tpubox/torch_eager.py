@@ -1226,6 +1226,8 @@ def _dispatch_device(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
             ret_leaves.append(DeviceTensor(st, spec))
         else:
             ret_leaves.append(extra)
+    if info.ret_tree.is_leaf():
+        return ret_leaves[0]  # one tensor: tree_unflatten would return it
     return tree_unflatten(ret_leaves, info.ret_tree)
 
 
