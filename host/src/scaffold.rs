@@ -475,7 +475,14 @@ mod tests {
         interfaces.sort();
         assert_eq!(
             interfaces,
-            ["client", "decoupled", "model", "sharding", "types", "weights"]
+            [
+                "client",
+                "decoupled",
+                "model",
+                "sharding",
+                "types",
+                "weights"
+            ]
         );
         let mut worlds: Vec<&str> = pkg.worlds.keys().map(String::as_str).collect();
         worlds.sort();
