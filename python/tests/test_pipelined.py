@@ -84,17 +84,20 @@ def test_made_up_and_reused_handles_are_refused(daemon, s):
             10,
         )
 
-    first = s._out_handles(2)[0]
+    with s._reserve_lock:
+        first = s._out_handles(2)[0]
     launch([first])
     for out in ([first], [12345], [first + 5000]):
         with pytest.raises(tpubox.InvalidArgument, match="reserved"):
             launch(out)
     with tpubox.connect(daemon.unix, ALICE, label="pytest pipelined other") as other:
-        theirs = other._out_handles(1)[0]
+        with other._reserve_lock:
+            theirs = other._out_handles(1)[0]
         with pytest.raises(tpubox.InvalidArgument, match="reserved"):
             launch([theirs])
         # And their tensors are not ours to use.
-        mine = s._out_handles(1)[0]
+        with s._reserve_lock:
+            mine = s._out_handles(1)[0]
         launch([mine])
         with pytest.raises(tpubox.NotFound):
             other.get(mine)
@@ -118,3 +121,14 @@ def test_a_flood_of_pipelined_launches_is_bounded(daemon):
         assert "pipelined launch" in str(e.value)
         u = s.usage()
         assert u.live_tensors <= 16 and u.pending_launches <= 8
+
+
+def test_batched_launches_go_out_with_a_read_or_when_sent(s):
+    add = s.compile(ADD)
+    x = s.tensor(np.ones(4, np.float32))
+    (y,) = s._launch_pipelined(add, [x, x], ())  # batched, not written yet
+    assert s._local._batched == (1 if _local.LAUNCH_BATCH > 1 else 0)
+    s._send_launches()
+    assert s._local._batched == 0 and not s._local._out
+    (z,) = s._launch_pipelined(add, [y, y], ())
+    np.testing.assert_array_equal(z.numpy(), np.full(4, 4))  # the read sends the batch first

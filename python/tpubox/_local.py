@@ -196,6 +196,21 @@ class LocalChannel:
                     f"{err['message']}",
                 )
 
+    def send_batch(self, timeout: float | None) -> None:
+        """Sends the launches batched so far, without reading their replies.
+
+        Raises: ``Unavailable`` when the daemon is gone; ``DeadlineExceeded``.
+        """
+        with self._lock:
+            if not self._out or self._sock is None:
+                return
+            s = self._sock
+            try:
+                s.settimeout(timeout)
+                self._flush(s)
+            except OSError as e:
+                raise self._failed(e, [], timeout) from None
+
     def take_deferred(self) -> TpuboxError | None:
         """The first failure of a pipelined launch not raised yet (cleared)."""
         e, self._deferred = self._deferred, None

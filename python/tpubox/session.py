@@ -215,6 +215,7 @@ class Session:
         self._local = local
         # Handle numbers reserved for the results of pipelined launches: [next, end).
         self._reserved = [0, 0]
+        self._reserve_lock = threading.Lock()
         # Whether launches may be pipelined (launch blocking off); None until known.
         self._pipeline_ok: bool | None = None
         # The first result handle of the first launch of each window of pipelined launches
@@ -521,7 +522,7 @@ class Session:
 
     def _out_handles(self, n: int) -> list[int]:
         """N handle numbers from this session's reservation (reserving more when it runs
-        out: one round trip per 4096)."""
+        out: one round trip per 4096). The caller holds ``_reserve_lock``."""
         nxt, end = self._reserved
         if end - nxt < n:
             count = max(4096, n)
@@ -590,12 +591,13 @@ class Session:
             self._check_open()
         results, device = meta
         n = len(results)
-        nxt = self._reserved[0]
-        if self._reserved[1] - nxt < n:
-            ids = self._out_handles(n)
-        else:
-            self._reserved[0] = nxt + n
-            ids = list(range(nxt, nxt + n))
+        with self._reserve_lock:
+            nxt = self._reserved[0]
+            if self._reserved[1] - nxt < n:
+                ids = self._out_handles(n)
+            else:
+                self._reserved[0] = nxt + n
+                ids = list(range(nxt, nxt + n))
         queued = drain(self._pending_tensors) if not self._pending_executables else []
         if self._pending_executables:
             self._flush_frees()
@@ -630,6 +632,11 @@ class Session:
             Tensor(self, h, shape, dtype, device, nbytes, False, w)
             for h, (shape, dtype, nbytes) in zip(ids, results)
         ]
+
+    def _send_launches(self) -> None:
+        """Sends the pipelined launches batched so far (their replies are read later)."""
+        if self._local is not None:
+            self._local.send_batch(self._deadline(_DEFAULT))
 
     def _wait(self, tensors: list[int], all: bool, timeout: Any) -> None:
         if self._local is not None:

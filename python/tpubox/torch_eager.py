@@ -820,10 +820,17 @@ def set_max_fused_ops(n: int) -> None:
 def mark_step() -> None:
     """Runs this process's pending fused graph now (DEFER_AND_FUSE), as TorchTPU's
     ``mark_step``: the tensors still held get their values (the device computes; reads wait).
-    Nothing happens when no graph is pending."""
+    Nothing happens when no graph is pending. In DEFER_NEVER it sends the launches batched so
+    far on the local socket (they go out by themselves with the next read, wait or batch)."""
     t = _TRACE[0]
     if t is not None and t.records:
         t.flush()
+    s = _SESSION
+    if s is None:
+        with _session._LAST_LOCK:
+            s = _session._LAST() if _session._LAST is not None else None
+    if s is not None and not s.closed:
+        s._send_launches()
 
 
 class _Trace:
