@@ -47,7 +47,6 @@ PACK_ALIGN = 64
 
 # The requests sent with the batched launches before their replies are read.
 _AFTER_LAUNCHES = frozenset(("get", "wait"))
-_dumps = json.JSONEncoder(separators=(",", ":")).encode
 
 
 def packed(sizes: list[int]) -> tuple[list[int], int]:
@@ -82,6 +81,8 @@ class LocalChannel:
         self._address = address
         self._lock = threading.Lock()
         self._sock: socket.socket | None = None
+        # The end of a launch's JSON (launch).
+        self._launch_end = ',"op":"call","token":%s}' % json.dumps(token)
         # Bytes received past the last reply read (replies to pipelined launches arrive in
         # bunches).
         self._buf = bytearray()
@@ -218,14 +219,16 @@ class LocalChannel:
 
     def launch(
         self,
-        fields: dict[str, Any],
+        head: str,
         executable: int,
+        out: list[int],
         timeout: float | None,
         tail: bytes | None = None,
         window: int = PIPELINE_WINDOW,
     ) -> bool:
-        """Sends a launch (``op: call`` with ``launch`` and its result handles in ``out``)
-        without reading its reply (EXECUTABLE's handle names it in its error): batched with
+        """Sends a launch (``op: call`` with ``launch`` and its result handles in ``out``:
+        HEAD is its JSON without the closing brace, the op and the token) without reading its
+        reply (EXECUTABLE's handle and OUT name it in its error): batched with
         the next ones (:data:`LAUNCH_BATCH`), and sent by the last of the batch or before the
         next request. The reply is read with the next request's, or when WINDOW launches are
         unanswered; a failure is kept and raised by the next :meth:`request` (or
@@ -233,9 +236,7 @@ class LocalChannel:
 
         Raises: ``Unavailable`` when the daemon is gone; ``DeadlineExceeded``.
         """
-        fields["op"] = "call"
-        fields["token"] = self._token
-        body = _dumps(fields).encode()
+        body = (head + self._launch_end).encode()
         msg = struct.pack("<I", len(body)) + body
         if tail is not None:
             msg += tail
@@ -254,7 +255,7 @@ class LocalChannel:
                     self._flush(s)
             except OSError as e:
                 raise self._failed(e, [], timeout) from None
-            self._unread.append((executable, fields["out"]))
+            self._unread.append((executable, out))
             return full
 
     def _gone(self, what: object) -> TpuboxError:

@@ -22,6 +22,7 @@ import atexit
 import collections
 import contextlib
 import errno
+import json
 import math
 import os
 import re
@@ -566,17 +567,18 @@ class Session:
                 ),
                 device,
             )
-        arguments: list[dict[str, Any]] = []
+        # The request's JSON is written here (its fields are numbers, and names JSON writes).
+        arguments: list[str] = []
         inline: list[memoryview] = []
         weights: set[tuple[str, int]] = set()
         for a in args:
             if isinstance(a, Tensor):
-                arguments.append({"handle": a.handle})
+                arguments.append('{"handle":%d}' % a.handle)
                 if a.weights:
                     weights.update(a.weights)
             else:
                 name = _dtypes.dtype_name(_dtypes.to_wire(a.dtype))
-                arguments.append({"dtype": name, "dims": list(a.shape)})
+                arguments.append(json.dumps({"dtype": name, "dims": [int(d) for d in a.shape]}))
                 inline.append(_raw(a))
         tail = None
         if inline:
@@ -598,21 +600,24 @@ class Session:
             else:
                 self._reserved[0] = nxt + n
                 ids = list(range(nxt, nxt + n))
-        queued = drain(self._pending_tensors) if not self._pending_executables else []
+        queued: list[int] = []
+        if self._pending_tensors and not self._pending_executables:
+            queued = drain(self._pending_tensors)
         if self._pending_executables:
             self._flush_frees()
-        fields: dict[str, Any] = {
-            "executable": exe.handle,
-            "arguments": arguments,
-            "launch": True,
-            "out": ids,
-        }
+        head = '{"executable":%d,"arguments":[%s],"launch":true,"out":[%s]' % (
+            exe.handle,
+            ",".join(arguments),
+            ",".join(map(str, ids)),
+        )
         if free or queued:
-            fields["free"] = [*free, *queued]
+            head += ',"free":[%s]' % ",".join(map(str, (*free, *queued)))
         if tail is not None:
-            fields["tail"] = len(tail)
+            head += ',"tail":%d' % len(tail)
         try:
-            full = local.launch(fields, exe.handle, self._deadline(_DEFAULT), tail, self._window)
+            full = local.launch(
+                head, exe.handle, ids, self._deadline(_DEFAULT), tail, self._window
+            )
         except TpuboxError as e:
             if e.kind == "session-ended":
                 self._closed = True
