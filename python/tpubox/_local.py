@@ -150,12 +150,14 @@ class LocalChannel:
             out, self._out, self._batched = self._out, bytearray(), 0
             s.sendall(out)
 
-    def _read_message(self, s: socket.socket, got: list[int]) -> tuple[bytes, bytes]:
-        """The next reply on S: its JSON and the bytes after it (``tail``); descriptors that
-        arrive are added to GOT. Raises ``OSError``, ``socket.timeout``; ``ConnectionError``
-        when the daemon closed the connection."""
+    def _read_message(self, s: socket.socket, got: list[int]) -> tuple[bytes, bytes, Any]:
+        """The next reply on S: its JSON, the bytes after it (``tail``) and the JSON parsed
+        when it had to be (to find the tail), else None; descriptors that arrive are added to
+        GOT. Raises ``OSError``, ``socket.timeout``; ``ConnectionError`` when the daemon closed
+        the connection."""
         buf = self._buf
         tail = -1
+        parsed = None
         while True:
             if len(buf) >= 4:
                 (n,) = struct.unpack_from("<I", buf)
@@ -164,12 +166,13 @@ class LocalChannel:
                         body = bytes(buf[4 : 4 + n])
                         tail = 0
                         if b'"tail"' in body:
-                            tail = int(json.loads(body).get("tail", 0))
+                            parsed = json.loads(body)
+                            tail = int(parsed.get("tail", 0))
                     if len(buf) >= 4 + n + tail:
                         body = bytes(buf[4 : 4 + n])
                         rest = bytes(buf[4 + n : 4 + n + tail])
                         del buf[: 4 + n + tail]
-                        return body, rest
+                        return body, rest, parsed
             data, fds, _, _ = socket.recv_fds(s, _MAX_REPLY, 1)
             got.extend(fds)
             if not data:
@@ -182,7 +185,7 @@ class LocalChannel:
         self._flush(s)
         while self._unread:
             got: list[int] = []
-            body, _ = self._read_message(s, got)
+            body, _, _ = self._read_message(s, got)
             for f in got:
                 os.close(f)
             exe, out = self._unread.pop(0)
@@ -322,9 +325,9 @@ class LocalChannel:
                     s = self._sock
                     assert s is not None
                 try:
-                    data, rest = self._read_message(s, got)
+                    data, rest, parsed = self._read_message(s, got)
                 except ConnectionError:
-                    data, rest = b"", b""
+                    data, rest, parsed = b"", b"", None
             except OSError as e:
                 raise self._failed(e, got, timeout) from None
             if not data:
@@ -336,7 +339,7 @@ class LocalChannel:
             for f in got:
                 os.close(f)
             raise raised
-        reply = json.loads(data)
+        reply = parsed if parsed is not None else json.loads(data)
         if "error" in reply:
             for f in got:
                 os.close(f)
