@@ -121,6 +121,11 @@ def test_a_flood_of_pipelined_launches_is_bounded(daemon):
         assert "pipelined launch" in str(e.value)
         u = s.usage()
         assert u.live_tensors <= 16 and u.pending_launches <= 8
+        # What the refused launches were to free is freed again once their results go.
+        del outs
+        s.wait_all()
+        s._flush_frees()
+        assert s.usage().live_tensors == 1  # x
 
 
 def test_batched_launches_go_out_with_a_read_or_when_sent(s):

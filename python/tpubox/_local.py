@@ -87,7 +87,9 @@ class LocalChannel:
         # bunches).
         self._buf = bytearray()
         # The launches sent and not yet answered, oldest first: what each was, for the error.
-        self._unread: list[tuple[int, list[int]]] = []
+        self._unread: list[tuple[int, list[int], tuple[int, ...]]] = []
+        # Tensor handles a refused pipelined launch was to free: the session frees them again.
+        self.unfreed: list[int] = []
         # Launches not sent yet (at most LAUNCH_BATCH), framed.
         self._out = bytearray()
         self._batched = 0
@@ -188,9 +190,10 @@ class LocalChannel:
             body, _, _ = self._read_message(s, got)
             for f in got:
                 os.close(f)
-            exe, out = self._unread.pop(0)
+            exe, out, frees = self._unread.pop(0)
             if body.startswith(b'{"ok"'):
                 continue
+            self.unfreed.extend(frees)
             reply = json.loads(body)
             if "error" in reply and self._deferred is None:
                 err = reply["error"]
@@ -228,10 +231,12 @@ class LocalChannel:
         timeout: float | None,
         tail: bytes | None = None,
         window: int = PIPELINE_WINDOW,
+        frees: tuple[int, ...] = (),
     ) -> bool:
         """Sends a launch (``op: call`` with ``launch`` and its result handles in ``out``:
         HEAD is its JSON without the closing brace, the op and the token) without reading its
-        reply (EXECUTABLE's handle and OUT name it in its error): batched with
+        reply (EXECUTABLE's handle and OUT name it in its error; FREES, the handles it frees,
+        go to :attr:`unfreed` if it is refused): batched with
         the next ones (:data:`LAUNCH_BATCH`), and sent by the last of the batch or before the
         next request. The reply is read with the next request's, or when WINDOW launches are
         unanswered; a failure is kept and raised by the next :meth:`request` (or
@@ -258,7 +263,7 @@ class LocalChannel:
                     self._flush(s)
             except OSError as e:
                 raise self._failed(e, [], timeout) from None
-            self._unread.append((executable, out))
+            self._unread.append((executable, out, frees))
             return full
 
     def _gone(self, what: object) -> TpuboxError:

@@ -290,7 +290,11 @@ class Session:
         return self.timeout if timeout is _DEFAULT else timeout  # type: ignore[return-value]
 
     def _flush_frees(self) -> None:
-        """Sends the frees queued by ``__del__`` of dropped Tensors and Executables."""
+        """Sends the frees queued by ``__del__`` of dropped Tensors and Executables (and those
+        a refused pipelined launch did not do)."""
+        if self._local is not None and self._local.unfreed:
+            self._pending_tensors.extend(self._local.unfreed)
+            self._local.unfreed.clear()
         if not self._pending_tensors and not self._pending_executables:
             return
         tensors = drain(self._pending_tensors)
@@ -610,13 +614,14 @@ class Session:
             ",".join(arguments),
             ",".join(map(str, ids)),
         )
-        if free or queued:
-            head += ',"free":[%s]' % ",".join(map(str, (*free, *queued)))
+        frees = (*free, *queued)
+        if frees:
+            head += ',"free":[%s]' % ",".join(map(str, frees))
         if tail is not None:
             head += ',"tail":%d' % len(tail)
         try:
             full = local.launch(
-                head, exe.handle, ids, self._deadline(_DEFAULT), tail, self._window
+                head, exe.handle, ids, self._deadline(_DEFAULT), tail, self._window, frees
             )
         except TpuboxError as e:
             if e.kind == "session-ended":
@@ -628,8 +633,8 @@ class Session:
             if len(self._marks) >= 2:
                 try:
                     self._wait([self._marks.popleft()], False, _DEFAULT)
-                except NotFound:
-                    pass  # freed since: nothing to wait for
+                except (NotFound, IndexError):
+                    pass  # freed since (or taken by another thread): nothing to wait for
             if ids:
                 self._marks.append(ids[0])
         w = tuple(sorted(weights)) if weights else ()
