@@ -28,6 +28,7 @@
 pub mod accelerator;
 pub mod cache;
 pub mod compiler;
+pub mod declared;
 pub mod device;
 pub mod error;
 pub mod exec;

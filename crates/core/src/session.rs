@@ -1984,7 +1984,7 @@ fn check_launch_args(
 }
 
 /// Refuses a program whose module declares another partition count (`mhlo.num_partitions`,
-/// read by [`crate::exec::declared_devices`] from MLIR text or bytecode) than the devices it
+/// read by [`crate::declared::declared_devices`] from MLIR text or bytecode) than the devices it
 /// is compiled for: XLA does not check the count it is given against the module's (it fails
 /// in its verifier on some programs, and compiles a replicated one for any count). A module
 /// whose attributes cannot be read is left to the compiler.
@@ -1992,7 +1992,7 @@ fn check_launch_args(
 /// Errors: `invalid-argument` naming both counts.
 fn check_declared_partitions(code: &[u8], settings: &CompileSettings) -> DeviceResult<()> {
     let devices = settings.devices.len().max(1) as u64;
-    let Ok(declared) = crate::exec::declared_devices(code) else {
+    let Ok(declared) = crate::declared::declared_devices(code) else {
         return Ok(());
     };
     match declared.partitions {
