@@ -634,7 +634,7 @@ class _OpInfo:
                 _uncount_graph()
             except Exception as e:
                 raise _Unlowerable(f"torch-mlir: {str(e)[:200]}") from e
-            if prog.module is not None:
+            if prog.n_results:
                 from .torch import current_precision
 
                 text = prog.text(current_precision())
@@ -739,7 +739,7 @@ def _run_program(prog: Any, args: list[Any], blocking: bool) -> list[Any]:
     """Launches PROG on ARGS (tpubox Tensors and NumPy arrays); the values of its outputs."""
     session = _current_session()
     outs: list[Any] = []
-    if prog.module is not None:
+    if prog.n_results:
         known = prog._exes.get(session)
         if not _PRECISION:
             from .torch import current_precision
