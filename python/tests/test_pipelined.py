@@ -137,3 +137,59 @@ def test_batched_launches_go_out_with_a_read_or_when_sent(s):
     assert s._local._batched == 0 and not s._local._out
     (z,) = s._launch_pipelined(add, [y, y], ())
     np.testing.assert_array_equal(z.numpy(), np.full(4, 4))  # the read sends the batch first
+
+
+def test_a_read_answered_with_the_launches_keeps_its_memfd(tmp_path):
+    """A get sent in the same batch as pipelined launches, whose reply and memfd arrive in the
+    same socket read as the launches' replies (a fake daemon sends them in one message): the
+    memfd is the get's, not dropped with the launches' replies."""
+    import json
+    import os
+    import socket
+    import struct
+    import threading
+
+    path = str(tmp_path / "fake.sock")
+    server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+    server.bind(path)
+    server.listen(1)
+    payload = np.arange(20000, dtype=np.float32).tobytes()  # over the inline limit
+
+    def frame(obj):
+        body = json.dumps(obj).encode()
+        return struct.pack("<I", len(body)) + body
+
+    def fake_daemon():
+        conn, _ = server.accept()
+        with conn:
+            buf = b""
+            requests = []
+            while len(requests) < 4:  # three launches and the get
+                buf += conn.recv(1 << 16)
+                while len(buf) >= 4:
+                    (n,) = struct.unpack_from("<I", buf)
+                    if len(buf) < 4 + n:
+                        break
+                    requests.append(json.loads(buf[4 : 4 + n]))
+                    buf = buf[4 + n :]
+            assert [r["op"] for r in requests] == ["call", "call", "call", "get"], requests
+            fd = os.memfd_create("fake", os.MFD_CLOEXEC)
+            os.write(fd, payload)
+            replies = b"".join(frame({"ok": {"launch": i}}) for i in range(3))
+            info = {"handle": 7, "dtype": "F32", "dims": [20000], "device": 0}
+            replies += frame({"ok": dict(info, byte_size=len(payload))})
+            socket.send_fds(conn, [replies], [fd])
+            os.close(fd)
+
+    t = threading.Thread(target=fake_daemon, daemon=True)
+    t.start()
+    ch = _local.LocalChannel(path, "token", "unix:fake")
+    head = '{"executable":1,"arguments":[],"launch":true,"out":[%d]'
+    for h in range(3):
+        ch.launch(head % (100 + h), 1, [100 + h], 5.0)
+    info, got = ch.get(7)
+    t.join(5)
+    assert info["byte_size"] == len(payload)
+    np.testing.assert_array_equal(got.view(np.float32), np.frombuffer(payload, np.float32))
+    ch.close()
+    server.close()

@@ -86,6 +86,9 @@ class LocalChannel:
         # Bytes received past the last reply read (replies to pipelined launches arrive in
         # bunches).
         self._buf = bytearray()
+        # Descriptors received while reading the replies of pipelined launches, which carry
+        # none: they came with the reply after them (a get sent with the batch), in one read.
+        self._early_fds: list[int] = []
         # The launches sent and not yet answered, oldest first: what each was, for the error.
         self._unread: list[tuple[int, list[int], tuple[int, ...]]] = []
         # Tensor handles a refused pipelined launch was to free: the session frees them again.
@@ -136,6 +139,9 @@ class LocalChannel:
             self._sock.close()
             self._sock = None
         self._buf = bytearray()
+        for f in self._early_fds:
+            os.close(f)
+        self._early_fds = []
         if self._unread and self._deferred is None:
             self._deferred = self._gone(
                 f"the connection closed before {len(self._unread)} launches sent on it were "
@@ -188,8 +194,8 @@ class LocalChannel:
         while self._unread:
             got: list[int] = []
             body, _, _ = self._read_message(s, got)
-            for f in got:
-                os.close(f)
+            # A launch's reply carries no descriptor: one read here belongs to a later reply.
+            self._early_fds.extend(got)
             exe, out, frees = self._unread.pop(0)
             if body.startswith(b'{"ok"'):
                 continue
@@ -317,6 +323,10 @@ class LocalChannel:
                 if self._unread and not after:
                     s.settimeout(timeout)
                     self._drain(s)
+                    # Nothing but launches was in flight: descriptors read are stray.
+                    for f in self._early_fds:
+                        os.close(f)
+                    self._early_fds = []
                 if deferred and self._deferred is not None and not after:
                     raise self.take_deferred()  # type: ignore[misc]
                 if after:
@@ -329,6 +339,10 @@ class LocalChannel:
                     self._send_or_resend(s, msg, fd, timeout)
                     s = self._sock
                     assert s is not None
+                # Descriptors that came in while the launches' replies were read are this
+                # reply's.
+                got.extend(self._early_fds)
+                self._early_fds = []
                 try:
                     data, rest, parsed = self._read_message(s, got)
                 except ConnectionError:
