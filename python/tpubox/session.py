@@ -292,9 +292,7 @@ class Session:
     def _flush_frees(self) -> None:
         """Sends the frees queued by ``__del__`` of dropped Tensors and Executables (and those
         a refused pipelined launch did not do)."""
-        if self._local is not None and self._local.unfreed:
-            self._pending_tensors.extend(self._local.unfreed)
-            self._local.unfreed.clear()
+        self._take_unfreed()
         if not self._pending_tensors and not self._pending_executables:
             return
         tensors = drain(self._pending_tensors)
@@ -372,10 +370,9 @@ class Session:
                 "donate": list(donate),
             }
             self._check_open()
-            queued = drain(self._pending_tensors) if not self._pending_executables else []
+            queued = self._frees_for_call()
             if queued:
                 fields["free"] = queued
-            self._flush_frees()
             try:
                 with self._local_call() as local:
                     r, _ = local.call(fields, [], self._deadline(timeout))
@@ -431,9 +428,8 @@ class Session:
             self._check_open()
             # Frees queued by dropped handles go with the call (freed once it succeeded);
             # executables' in a request of their own.
-            queued = drain(self._pending_tensors) if not self._pending_executables else []
+            queued = self._frees_for_call()
             fields["free"] += queued
-            self._flush_frees()
             try:
                 with self._local_call() as local:
                     reply, data = local.call(fields, inline, self._deadline(timeout))
@@ -525,6 +521,22 @@ class Session:
         except grpc.RpcError as e:
             raise self._error(e, "GetShardedTensor") from None
 
+    def _take_unfreed(self) -> None:
+        """Queues again the frees a refused pipelined launch carried and did not do."""
+        if self._local is not None and self._local.unfreed:
+            self._pending_tensors.extend(self._local.unfreed)
+            self._local.unfreed.clear()
+
+    def _frees_for_call(self) -> list[int]:
+        """The tensor handles dropped Tensors queued for freeing, taken to travel with the next
+        call on the local socket (the caller puts them back if the call fails); with
+        executables queued too, everything is freed now in a request of its own instead."""
+        self._take_unfreed()
+        if self._pending_executables:
+            self._flush_frees()
+            return []
+        return drain(self._pending_tensors)
+
     def _out_handles(self, n: int) -> list[int]:
         """N handle numbers from this session's reservation (reserving more when it runs
         out: one round trip per 4096). The caller holds ``_reserve_lock``."""
@@ -598,17 +610,8 @@ class Session:
         results, device = meta
         n = len(results)
         with self._reserve_lock:
-            nxt = self._reserved[0]
-            if self._reserved[1] - nxt < n:
-                ids = self._out_handles(n)
-            else:
-                self._reserved[0] = nxt + n
-                ids = list(range(nxt, nxt + n))
-        queued: list[int] = []
-        if self._pending_tensors and not self._pending_executables:
-            queued = drain(self._pending_tensors)
-        if self._pending_executables:
-            self._flush_frees()
+            ids = self._out_handles(n)
+        queued = self._frees_for_call()
         head = '{"executable":%d,"arguments":[%s],"launch":true,"out":[%s]' % (
             exe.handle,
             ",".join(arguments),
