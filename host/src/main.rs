@@ -334,14 +334,22 @@ struct ServeArgs {
 /// every allocation of 1 MiB or more (upload buffers, read copies, encoded chunks) is mapped on
 /// its own and returned to the OS when freed: with glibc's default, adaptive threshold such
 /// buffers land in malloc's arenas after the first large free, and a burst of slow readers left
-/// 40-70 MiB resident after it ended (tests/hardening/test_session_memory.py). Skipped when
-/// GLIBC_TUNABLES already names `glibc.malloc.hugetlb`, or with TPUBOX_MALLOC_TUNING=0.
+/// 40-70 MiB resident after it ended (tests/hardening/test_session_memory.py). And it sets
+/// `glibc.malloc.trim_threshold` to 8 MiB (glibc's default is 128 KiB): the CPU plugin's
+/// smaller buffers are `malloc`ed from its worker threads' arenas, which glibc otherwise trims
+/// with `madvise` as soon as their top holds 128 KiB free, so every execution faulted its
+/// outputs' pages in again: an MLP training step compiled with JAX spent 42% of the daemon's
+/// CPU time in the kernel (page faults, `clear_page`) and the daemon's CPU time per step fell
+/// from about 5 ms to about 3.3 ms with the setting (issue 46, docs/BENCHMARKS.md). Each arena
+/// keeps at most 8 MiB free beyond what it uses. Skipped when GLIBC_TUNABLES already names
+/// `glibc.malloc.hugetlb`, or with TPUBOX_MALLOC_TUNING=0.
 #[cfg(feature = "serve")]
 fn restart_with_malloc_tunables() {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     {
         use std::os::unix::process::CommandExt;
-        const TUNABLE: &str = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1048576";
+        const TUNABLE: &str = "glibc.malloc.hugetlb=1:glibc.malloc.mmap_threshold=1048576:\
+                               glibc.malloc.trim_threshold=8388608";
         let current = std::env::var("GLIBC_TUNABLES").unwrap_or_default();
         if current.contains("glibc.malloc.hugetlb")
             || std::env::var("TPUBOX_MALLOC_TUNING").is_ok_and(|v| v == "0")

@@ -10,8 +10,11 @@ times, with `torch.set_num_threads(2)` on both sides, median and p90 per step:
   eager device tensors in DEFER_NEVER and DEFER_AND_FUSE; `torch.compile(backend="tpubox")`
   with the model on the CPU (parameters put again after each step); the same with the model
   on the device (`model.to(tpubox.torch.device())`; the optimizer's ops fused by
-  DEFER_AND_FUSE): only the batch goes in and the loss out; and the loss compiled with the
+  DEFER_AND_FUSE): only the batch goes in and the loss out; the loss compiled with the
   model (`torch.compile` of a function returning it), which leaves only the optimizer eager;
+  and the optimizer's step compiled as well (three programs a step). For reference, PyTorch's
+  own compiled step on the CPU (`ref_aot_eager`: the same Dynamo and aot_autograd machinery,
+  PyTorch's kernels in process; `ref_inductor`);
 - a MiniLM-sized BERT (hidden 384, 6 layers, 12 heads; random weights) forward on 8 x 128
   tokens: PyTorch CPU eager, `torch.compile` with the model on the CPU and on the device;
 - the same BERT's training step (AdamW, dropout 0): PyTorch CPU eager and `torch.compile` with
@@ -110,6 +113,14 @@ def mlp_rows(dev: Any, batch: int, steps: int, warmup: int, modes: bool) -> dict
 
     m = mlp()
     rows["pytorch_cpu"] = timed(train_step(m, sgd(m), xs, ys, None), steps, warmup)
+    # PyTorch's own compiled step on the CPU, for reference: the loss and `opt.step()` compiled
+    # as below, by aot_eager (the Dynamo and aot_autograd machinery tpubox's backend also runs,
+    # computing with PyTorch's kernels in this process) and Inductor.
+    for ref_backend in ("aot_eager", "inductor"):
+        m = mlp()
+        rows[f"ref_{ref_backend}"] = timed(
+            compiled_step(m, sgd(m), xs, ys, None, ref_backend), steps, warmup
+        )
     if modes:
         for mode in (tt.EagerMode.DEFER_NEVER, tt.EagerMode.DEFER_AND_FUSE):
             m = mlp().to(dev)
@@ -152,7 +163,45 @@ def mlp_rows(dev: Any, batch: int, steps: int, warmup: int, modes: bool) -> dict
         rows["compile_loss_on_device"] = timed(loss_step, steps, 0)
         s = tt.eager_stats()
     rows["compile_loss_on_device"]["eager_ops_per_step"] = s["ops"] / steps
+    # The optimizer compiled too (PyTorch's idiom: `torch.compile` of a function calling
+    # `opt.step()`): three programs a step, and the gradient seed as the one eager op.
+    m = mlp().to(dev)
+    step = compiled_step(m, sgd(m), xs, ys, dev, "tpubox")
+    with tt.set_eager_mode(tt.EagerMode.DEFER_AND_FUSE):
+        for i in range(max(warmup, 3)):
+            step(i)
+        tt.reset_eager_stats()
+        tt.reset_stats()
+        rows["compile_step_on_device"] = timed(step, steps, 0)
+        s, c = tt.eager_stats(), tt.stats()
+    rows["compile_step_on_device"]["eager_launches_per_step"] = s["launches"] / steps
+    rows["compile_step_on_device"]["programs_per_step"] = c["device_executions"] / steps
     return rows
+
+
+def compiled_step(
+    model: nn.Module, opt: torch.optim.Optimizer, xs: torch.Tensor, ys: torch.Tensor, dev: Any,
+    backend: str,
+) -> Callable[[int], float]:
+    """A training step whose loss and optimizer step are compiled by BACKEND (the optimizer
+    as PyTorch's tutorial compiles it: a function calling ``opt.step()``)."""
+    loss_fn = torch.compile(lambda x, y: F.cross_entropy(model(x), y), backend=backend)
+
+    @torch.compile(backend=backend)
+    def opt_step() -> None:
+        opt.step()
+
+    def step(i: int) -> float:
+        x, y = xs[i % len(xs)], ys[i % len(ys)]
+        if dev is not None:
+            x, y = x.to(dev), y.to(dev)
+        loss = loss_fn(x, y)
+        opt.zero_grad()
+        loss.backward()
+        opt_step()
+        return loss.item()
+
+    return step
 
 
 def bert_rows(dev: Any, steps: int, warmup: int) -> dict[str, Any]:

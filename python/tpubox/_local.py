@@ -238,13 +238,15 @@ class LocalChannel:
         tail: bytes | None = None,
         window: int = PIPELINE_WINDOW,
         frees: tuple[int, ...] = (),
+        send_now: bool = False,
     ) -> bool:
         """Sends a launch (``op: call`` with ``launch`` and its result handles in ``out``:
         HEAD is its JSON without the closing brace, the op and the token) without reading its
         reply (EXECUTABLE's handle and OUT name it in its error; FREES, the handles it frees,
         go to :attr:`unfreed` if it is refused): batched with
         the next ones (:data:`LAUNCH_BATCH`), and sent by the last of the batch or before the
-        next request. The reply is read with the next request's, or when WINDOW launches are
+        next request; with SEND_NOW, sent at once with those before it (a program whose work
+        the daemon should start while the caller goes on). The reply is read with the next request's, or when WINDOW launches are
         unanswered; a failure is kept and raised by the next :meth:`request` (or
         :meth:`take_deferred`). Returns whether the window was full (its replies were read).
 
@@ -264,7 +266,7 @@ class LocalChannel:
                     full = True
                 self._out += msg
                 self._batched += 1
-                if self._batched >= LAUNCH_BATCH:
+                if send_now or self._batched >= LAUNCH_BATCH:
                     s.settimeout(timeout)
                     self._flush(s)
             except OSError as e:

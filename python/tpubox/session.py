@@ -549,7 +549,11 @@ class Session:
         return list(range(nxt, nxt + n))
 
     def _launch_pipelined(
-        self, exe: Executable, args: Sequence[Tensor | np.ndarray], free: Sequence[int]
+        self,
+        exe: Executable,
+        args: Sequence[Tensor | np.ndarray],
+        free: Sequence[int],
+        send_now: bool = False,
     ) -> list[Tensor] | None:
         """Launches EXE on ARGS (Tensors of this session, normalised arrays) without waiting
         for the daemon's reply: the results are named from the session's reservation, so
@@ -558,7 +562,9 @@ class Session:
         the results of a refused launch are never made (using them says not-found). At most
         two windows of launches are left pending (a window: :data:`tpubox._local.
         PIPELINE_WINDOW`, or a quarter of ``max_pending_launches`` when that is less): the
-        first launch of the window before the last is waited for. Returns None where it cannot
+        first launch of the window before the last is waited for. Launches are sent in batches
+        (:data:`tpubox._local.LAUNCH_BATCH`); SEND_NOW sends this one (and those batched before
+        it) at once: a large program, which the daemon should run while Python goes on. Returns None where it cannot
         pipeline (gRPC, launch blocking on, arguments too large to go inline); the caller
         launches as usual."""
         local = self._local
@@ -624,7 +630,14 @@ class Session:
             head += ',"tail":%d' % len(tail)
         try:
             full = local.launch(
-                head, exe.handle, ids, self._deadline(_DEFAULT), tail, self._window, frees
+                head,
+                exe.handle,
+                ids,
+                self._deadline(_DEFAULT),
+                tail,
+                self._window,
+                frees,
+                send_now,
             )
         except TpuboxError as e:
             if e.kind == "session-ended":

@@ -68,6 +68,7 @@ from __future__ import annotations
 
 import contextlib
 import enum
+import functools
 import itertools
 import threading
 import time
@@ -515,8 +516,108 @@ def _decompositions() -> dict:
             _torch_mlir()  # Unsupported, saying what to install
             raise
 
-        _DECOMPOSITIONS = dict(get_decomposition_table())
+        _DECOMPOSITIONS = {**_foreach_decompositions(), **dict(get_decomposition_table())}
     return _DECOMPOSITIONS
+
+
+def _foreach_decompositions() -> dict:
+    """Decompositions of ATen's ``_foreach_*`` ops (what PyTorch's optimizers call with
+    ``foreach=True``, their default on accelerators) into the same op on each tensor of the
+    lists, for a compiled ``opt.step()``: PyTorch's own table has none (Inductor lowers them
+    itself), and torch-mlir lowers the per-tensor ops. The functional overloads (what
+    aot_autograd's functionalization leaves) and the in-place ones (an eager trace's)."""
+    table: dict[Any, Any] = {}
+    for schema in torch._C._jit_get_all_schemas():
+        name, overload = schema.name, schema.overload_name
+        if not name.startswith("aten::_foreach_") or overload.endswith("out"):
+            continue
+        base = name[len("aten::_foreach_") :]
+        inplace = base.endswith("_")
+        if inplace:
+            base = base[:-1]
+        if base not in _FOREACH_BASES and not hasattr(torch.ops.aten, base):
+            continue
+        packet = getattr(torch.ops.aten, name[len("aten::") :])
+        op = getattr(packet, overload or "default")
+        table[op] = functools.partial(_foreach_apply, op, base, inplace)
+    return table
+
+
+def _foreach_apply(op: Any, base: str, inplace: bool, *args: Any, **kwargs: Any) -> Any:
+    """OP (``aten._foreach_BASE[_]``) as BASE on each element: list arguments (``Tensor[]``,
+    ``Scalar[]``) are taken element by element, the rest given to every call; an in-place
+    overload writes each result into its ``self`` element."""
+    aten = torch.ops.aten
+    values: list[tuple[Any, Any]] = []
+    for i, a in enumerate(op._schema.arguments):
+        if i < len(args):
+            v = args[i]
+        elif a.name in kwargs:
+            v = kwargs[a.name]
+        else:
+            v = a.default_value
+        values.append((a, v))
+    n = next(len(v) for a, v in values if a.type.kind() == "ListType")
+    outs = []
+    for i in range(n):
+        pos: list[Any] = []
+        kw: dict[str, Any] = {}
+        for a, v in values:
+            if a.type.kind() == "ListType":
+                v = v[i]
+            elif a.name == "scalars" and isinstance(v, torch.Tensor):
+                v = v[i]  # addcmul/addcdiv's per-element factors, as a 1-D tensor
+            if a.kwarg_only:
+                kw[a.name] = v
+            else:
+                pos.append(v)
+        outs.append(_foreach_one(base, pos, kw))
+    if inplace:
+        for a, v in values:
+            if a.name == "self":
+                for dst, r in zip(v, outs):
+                    aten.copy_(dst, r)
+        return None
+    return outs
+
+
+def _foreach_one(base: str, pos: list[Any], kw: dict[str, Any]) -> Any:
+    aten = torch.ops.aten
+    if base in ("addcmul", "addcdiv") and len(pos) == 4:
+        # The factor is positional here, keyword-only in ATen's op; a tensor's element is
+        # no Scalar, so that form is written out.
+        x, t1, t2, s = pos
+        if not isinstance(s, torch.Tensor):
+            return getattr(aten, base)(x, t1, t2, value=s)
+        inner = aten.mul(t1, t2) if base == "addcmul" else aten.div(t1, t2)
+        return aten.add(x, aten.mul(inner, s))
+    special = _FOREACH_BASES.get(base)
+    if special is not None:
+        return special(*pos, **kw)
+    return getattr(aten, base)(*pos, **kw)
+
+
+def _scalar_or(tensor_op: str, scalar_op: str) -> Callable[..., Any]:
+    def f(x: Any, y: Any) -> Any:
+        op = tensor_op if isinstance(y, torch.Tensor) else scalar_op
+        return getattr(torch.ops.aten, op)(x, y)
+
+    return f
+
+
+# The ``_foreach_*`` ops whose per-tensor op is not ATen's op of the same name.
+_FOREACH_BASES: dict[str, Callable[..., Any]] = {
+    "norm": lambda x, ord=2, dtype=None: torch.ops.aten.linalg_vector_norm(
+        x, ord, None, False, dtype=dtype
+    ),
+    "powsum": lambda x, ord=2, dtype=None: torch.ops.aten.sum(
+        torch.ops.aten.pow(torch.ops.aten.abs(x), ord), dtype=dtype
+    ),
+    "zero": lambda x: torch.ops.aten.zeros_like(x),
+    "max": lambda x: torch.ops.aten.max.default(x),
+    "maximum": _scalar_or("maximum", "clamp_min"),
+    "minimum": _scalar_or("minimum", "clamp_max"),
+}
 
 
 def _attention_math(
@@ -827,7 +928,7 @@ class _Program:
                 call_args.append(_eager._concrete(_eager._value(a)))
             else:
                 call_args.append(_to_numpy(a))
-        outs = _eager._launch(exe, call_args)
+        outs = _eager._launch(exe, call_args, send_now=True)
         if _eager.eager_mode() is _eager.EagerMode.DEFER_NEVER_AND_LAUNCH_BLOCKING and outs:
             session._wait([o.handle for o in outs], False, None)
         _count("executions")
@@ -899,6 +1000,74 @@ def _is_module_state(node: Any) -> bool:
     return "_parameters" in name or "_buffers" in name or "parameters_" in name or (
         "buffers_" in name
     )
+
+
+def _lift_device_state(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[Any]]:
+    """A copy of GM whose attributes that are device tensors are its first inputs, and those
+    tensors, in the order of the new placeholders (GM's graph is Dynamo's: left as it is).
+
+    Dynamo installs the tensors a compiled function reads from outside its arguments as GM's
+    attributes when it may (``opt.step()`` compiled: the optimizer's parameters). A device
+    tensor has no inner tensors, which aot_autograd takes for already fake, so it cannot fake
+    one found among GM's parameters; as an input, the backend fakes it (``_aot``), and
+    aot_autograd writes the step's in-place updates back into it (a device value rebound, no
+    copy)."""
+    graph = torch.fx.Graph()
+    env: dict[Any, Any] = {}
+    graph.output(graph.graph_copy(gm.graph, env))
+    for old, new in env.items():
+        if hasattr(old, "_dynamo_source"):
+            new._dynamo_source = old._dynamo_source
+    copied = torch.fx.GraphModule(gm, graph)
+    copied.meta.update(gm.meta)
+    if hasattr(gm, "_param_name_to_source"):
+        copied._param_name_to_source = gm._param_name_to_source
+    gm = copied
+    nodes = [
+        n
+        for n in gm.graph.nodes
+        if n.op == "get_attr" and _eager.is_device_tensor(_attr(gm, str(n.target)))
+    ]
+    first = next(iter(gm.graph.nodes))
+    sources = dict(getattr(gm, "_param_name_to_source", None) or {})
+    lifted: list[Any] = []
+    by_target: dict[str, Any] = {}
+    for n in nodes:
+        target = str(n.target)
+        ph = by_target.get(target)
+        if ph is None:
+            with gm.graph.inserting_before(first):
+                ph = gm.graph.placeholder(f"lifted_{len(lifted)}")
+            ph.meta.update(n.meta)
+            # aot_autograd reads each Dynamo placeholder's source (for its guards).
+            ph._dynamo_source = sources.pop(target, None)  # type: ignore[attr-defined]
+            by_target[target] = ph
+            lifted.append(_attr(gm, target))
+        n.replace_all_uses_with(ph)
+        gm.graph.erase_node(n)
+    for target in by_target:
+        owner, _, leaf = target.rpartition(".")
+        mod = gm.get_submodule(owner) if owner else gm
+        if leaf in mod._parameters:
+            del mod._parameters[leaf]
+        elif leaf in mod._buffers:
+            del mod._buffers[leaf]
+        elif hasattr(mod, leaf):
+            delattr(mod, leaf)
+    if hasattr(gm, "_param_name_to_source"):
+        gm._param_name_to_source = sources
+    gm.graph.lint()
+    gm.recompile()
+    return gm, lifted
+
+
+def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    v: Any = gm
+    for part in target.split("."):
+        v = getattr(v, part, None)
+        if v is None:
+            return None
+    return v
 
 
 def _host_devices(gm: torch.fx.GraphModule) -> None:
@@ -1184,6 +1353,21 @@ def backend(
             "unsupported", f"tpubox backend: torch.compile mode={mode!r} is not supported"
         )
     opts = _Options(options)
+    lifted: list[Any] = []
+    if any(
+        n.op == "get_attr" and _eager.is_device_tensor(_attr(gm, str(n.target)))
+        for n in gm.graph.nodes
+    ):
+        gm, lifted = _lift_device_state(gm)
+    if lifted:
+        # The live tensors go first, each call: their values change (an optimizer's step
+        # rebinds them), the tensors themselves do not (Dynamo guards on them).
+        inner = backend(gm, [*lifted, *example_inputs], options, mode)
+
+        def with_state(*args: Any) -> Any:
+            return inner(*lifted, *args)
+
+        return with_state
     weights = _Weights(gm, example_inputs)
     if torch.is_grad_enabled() and any(
         isinstance(x, torch.Tensor) and x.requires_grad for x in example_inputs

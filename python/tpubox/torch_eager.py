@@ -714,12 +714,19 @@ def _run_chain(root: _Root, chain: tuple) -> Any:
 # Running: DEFER_NEVER launches, DEFER_AND_FUSE records
 
 
-def _launch(exe: Any, args: list[Any], blocking: bool = False) -> list[Tensor]:
+def _launch(
+    exe: Any, args: list[Any], blocking: bool = False, send_now: bool = False
+) -> list[Tensor]:
+    """Launches EXE on ARGS; the result tensors (pending). Not BLOCKING: without waiting for
+    the daemon's reply (its refusal, if any, is raised by the next read or wait, naming the
+    launch), batched with the next launches unless SEND_NOW (a program of more than one op:
+    the daemon starts it while Python traces the next)."""
     if not blocking:
-        # Without waiting for the daemon's reply (its refusal, if any, is raised by the next
-        # read or wait, naming the launch).
         outs = exe.session._launch_pipelined(
-            exe, [a if isinstance(a, Tensor) else as_device_array(a, None) for a in args], ()
+            exe,
+            [a if isinstance(a, Tensor) else as_device_array(a, None) for a in args],
+            (),
+            send_now,
         )
         if outs is not None:
             return outs
@@ -735,8 +742,11 @@ def _launch(exe: Any, args: list[Any], blocking: bool = False) -> list[Tensor]:
 _PRECISION: list[Any] = []
 
 
-def _run_program(prog: Any, args: list[Any], blocking: bool) -> list[Any]:
-    """Launches PROG on ARGS (tpubox Tensors and NumPy arrays); the values of its outputs."""
+def _run_program(
+    prog: Any, args: list[Any], blocking: bool, send_now: bool = False
+) -> list[Any]:
+    """Launches PROG on ARGS (tpubox Tensors and NumPy arrays); the values of its outputs.
+    SEND_NOW: see :func:`_launch`."""
     session = _current_session()
     outs: list[Any] = []
     if prog.n_results:
@@ -751,7 +761,7 @@ def _run_program(prog: Any, args: list[Any], blocking: bool) -> list[Any]:
         else:
             _count("op_cache_hits")
         exe = prog.executable(session, p)
-        outs = _launch(exe, args, blocking)
+        outs = _launch(exe, args, blocking, send_now)
         _count("launches")
         if blocking and outs:
             session._wait([o.handle for o in outs], False, None)
@@ -913,7 +923,7 @@ class _Trace:
             try:
                 try:
                     prog, order = _fused_for(key, self.records, len(self.inputs), wanted)
-                    got = _run_program(prog, list(self.inputs), False)
+                    got = _run_program(prog, list(self.inputs), False, len(self.records) > 1)
                     index = {ro: i for i, ro in enumerate(order)}
                     outs = [got[index[ro]] for ro in wanted]
                     _count("fused_graphs")
