@@ -184,7 +184,10 @@ def compiled_step(
     backend: str,
 ) -> Callable[[int], float]:
     """A training step whose loss and optimizer step are compiled by BACKEND (the optimizer
-    as PyTorch's tutorial compiles it: a function calling ``opt.step()``)."""
+    as PyTorch's tutorial compiles it: a function calling ``opt.step()``). Dynamo's caches
+    are cleared first: every optimizer's step shares `step`'s code object, whose recompiles
+    Dynamo limits (8), after which it runs the step uncompiled."""
+    torch._dynamo.reset()
     loss_fn = torch.compile(lambda x, y: F.cross_entropy(model(x), y), backend=backend)
 
     @torch.compile(backend=backend)

@@ -60,6 +60,7 @@ from .errors import (
     SessionEnded,
     TpuboxError,
     Unavailable,
+    Unsupported,
     from_rpc_error,
 )
 
@@ -671,6 +672,72 @@ class Session:
         self._unary("Wait", pb.WaitRequest(tensors=tensors, all=all), timeout)
 
     # -- launches ---------------------------------------------------------------------------
+
+    # Process groups (docs/DISTRIBUTED.md): collectives over several sessions' tensors, one
+    # device each, run by the daemon as one program. The local socket only.
+
+    def _group_request(self, op: str, fields: dict[str, Any], timeout: float | None) -> Any:
+        if self._local is None:
+            raise Unsupported(
+                "unsupported",
+                "process groups need the daemon's local socket (connect with a unix: address)",
+            )
+        r, _ = self._local_request(op, fields, None, timeout)
+        return r
+
+    def create_group(self, size: int, rank: int, *, timeout: float = 600.0) -> str:
+        """Makes a process group of SIZE ranks, one device each (this session's default
+        device is rank RANK's), and joins it; returns its id, which the other ranks pass to
+        :meth:`join_group`. TIMEOUT (seconds) bounds how long a collective waits for the last
+        rank; after it the group is broken (every later collective fails).
+
+        Raises: tpubox.ResourceExhausted: SIZE over the devices the tenant may use (the
+        message names both numbers) or too many groups; tpubox.InvalidArgument: a size or
+        rank out of range."""
+        r = self._group_request(
+            "group_create",
+            {"size": int(size), "rank": int(rank), "timeout_ms": int(timeout * 1000)},
+            _DEFAULT,
+        )
+        return str(r["group"])
+
+    def join_group(self, group: str, rank: int) -> None:
+        """Joins process group GROUP (an id :meth:`create_group` gave, in this tenant) as
+        RANK, on this session's default device.
+
+        Raises: tpubox.NotFound: an unknown id (or another tenant's); tpubox.
+        FailedPrecondition: a rank joined already, or a device another rank has."""
+        self._group_request("group_join", {"group": group, "rank": int(rank)}, _DEFAULT)
+
+    def collective(
+        self,
+        group: str,
+        kind: str,
+        tensor: Tensor | None = None,
+        *,
+        reduce: str = "sum",
+        root: int | None = None,
+        timeout: float | None = None,
+    ) -> Tensor | None:
+        """This rank's next collective of GROUP: KIND is ``all_reduce``, ``broadcast``
+        (ROOT: the rank whose tensor every rank gets), ``all_gather`` (concatenated along
+        dimension 0), ``reduce_scatter`` (the reduction's part RANK along dimension 0),
+        ``all_to_all`` (dimension 0 split in equal parts) or ``barrier`` (no tensor); REDUCE
+        is ``sum``, ``avg``, ``product``, ``min`` or ``max``. Returns the result, a new
+        tensor of this session on this rank's device (None for a barrier). Every rank must
+        call the same collectives in the same order.
+
+        Raises: tpubox.FailedPrecondition: a rank did not arrive within the group's timeout,
+        or the group is broken (a rank's session ended); tpubox.InvalidArgument: the ranks
+        disagree, or the tensor does not fit the collective (rank 0, a first dimension the
+        group's size does not divide)."""
+        fields: dict[str, Any] = {"group": group, "kind": kind, "reduce": reduce}
+        if root is not None:
+            fields["root"] = int(root)
+        if tensor is not None:
+            fields["handle"] = tensor.handle
+        r = self._group_request("collective", fields, timeout)
+        return Tensor._from_json(self, r["result"]) if "result" in r else None
 
     def wait_all(self, *, timeout: float | None = None) -> None:
         """Waits until every launch of this session so far (:meth:`Executable.launch`) has

@@ -1597,3 +1597,8 @@ from .torch_eager import (  # noqa: E402
     set_eager_mode,
     set_max_fused_ops,
 )
+
+# The torch.distributed backend "tpubox" (tpubox.distributed; docs/DISTRIBUTED.md).
+from . import distributed as _distributed  # noqa: E402
+
+_distributed.register()

@@ -27,6 +27,7 @@
 
 pub mod accelerator;
 pub mod cache;
+pub mod collective;
 pub mod compiler;
 pub mod declared;
 pub mod device;

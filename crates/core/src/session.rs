@@ -68,6 +68,7 @@
 //! Front doors only look handles up, convert types and call a session; validation of values
 //! against PJRT's rules happens below, in [`crate::device`] and [`crate::types`].
 
+use std::collections::HashMap;
 use std::sync::atomic::{AtomicBool, AtomicU64, Ordering};
 use std::sync::{Arc, Mutex, OnceLock, Weak};
 
@@ -104,6 +105,9 @@ pub struct Session {
     launches: Launches,
     /// Weight-set versions of the tensors read since [`Session::take_weights_read`].
     weights_read: Mutex<Vec<WeightTag>>,
+    /// The process groups this session is a rank of ([`crate::collective`]), by id: dropped
+    /// with the session, which breaks each group for its other ranks.
+    groups: Mutex<HashMap<String, Arc<crate::collective::Membership>>>,
 }
 
 impl Drop for Session {
@@ -734,6 +738,7 @@ impl Session {
             max_read_bytes: u64::MAX,
             launches: Launches::default(),
             weights_read: Mutex::new(Vec::new()),
+            groups: Mutex::new(HashMap::new()),
         }
     }
 
@@ -1472,6 +1477,112 @@ impl Session {
             }
         }
         Ok(by_result)
+    }
+
+    /// Makes a process group of `size` ranks ([`crate::collective`]) and joins it as `rank`;
+    /// returns its id, which the other ranks pass to [`join_group`](Self::join_group).
+    /// `allowed_devices` is how many devices the tenant's sessions may use (the door knows).
+    /// Each rank's device is its session's default device.
+    ///
+    /// Errors: as [`crate::collective::Groups::create`], then as
+    /// [`join_group`](Self::join_group).
+    pub fn create_group(
+        &self,
+        size: u32,
+        allowed_devices: u32,
+        timeout: std::time::Duration,
+        rank: u32,
+    ) -> DeviceResult<String> {
+        let group = self
+            .device
+            .groups()
+            .create(&self.tenant, size, allowed_devices, timeout)?;
+        let id = group.id().to_string();
+        // The creator joins at once: a group always has a member whose end forgets it.
+        let member = group.join(rank, self.placement.default_device())?;
+        self.groups
+            .lock()
+            .expect("session groups lock")
+            .insert(id.clone(), Arc::new(member));
+        Ok(id)
+    }
+
+    /// Joins the process group `id` of this session's tenant as `rank`, on this session's
+    /// default device.
+    ///
+    /// Errors: `not-found` for an unknown id (or another tenant's); `invalid-argument` for a
+    /// rank outside the group; `failed-precondition` for a rank already joined, a device
+    /// another rank has, a broken group, or a session that is a member already.
+    pub fn join_group(&self, id: &str, rank: u32) -> DeviceResult<()> {
+        let group = self.device.groups().find(&self.tenant, id)?;
+        let mut mine = self.groups.lock().expect("session groups lock");
+        if mine.contains_key(id) {
+            return Err(DeviceError::new(
+                ErrorKind::FailedPrecondition,
+                "this session is a member of the group already",
+            ));
+        }
+        let member = group.join(rank, self.placement.default_device())?;
+        mine.insert(id.to_string(), Arc::new(member));
+        Ok(())
+    }
+
+    /// Leaves the process group `id` (what ending the session does): the group breaks for
+    /// its other ranks, and is forgotten after its last member. Returns whether this session
+    /// was a member.
+    pub fn leave_group(&self, id: &str) -> bool {
+        self.groups
+            .lock()
+            .expect("session groups lock")
+            .remove(id)
+            .is_some()
+    }
+
+    /// Leaves every process group (what the session layer does when the session ends);
+    /// returns how many.
+    pub fn leave_all_groups(&self) -> usize {
+        let mut mine = self.groups.lock().expect("session groups lock");
+        let n = mine.len();
+        mine.clear();
+        n
+    }
+
+    /// Runs this rank's next collective of group `id` on `input` (none for a barrier) and
+    /// returns its result as a new handle of this session, charged on this rank's device; see
+    /// [`crate::collective`]. Pending inputs are waited for first.
+    ///
+    /// Errors: `not-found` when this session is no member of the group; `permission-denied`
+    /// for another session's handle; as [`crate::collective::Membership`]'s collectives
+    /// (`failed-precondition` for a timeout or a broken group, `invalid-argument` when the
+    /// ranks disagree).
+    pub async fn collective(
+        &self,
+        id: &str,
+        what: crate::collective::Collective,
+        input: Option<&TensorHandle>,
+    ) -> DeviceResult<Option<TensorHandle>> {
+        let member = self
+            .groups
+            .lock()
+            .expect("session groups lock")
+            .get(id)
+            .cloned()
+            .ok_or_else(|| {
+                DeviceError::new(
+                    ErrorKind::NotFound,
+                    "this session is no member of that process group",
+                )
+            })?;
+        let tensor = match input {
+            Some(h) => {
+                self.owns(h.session)?;
+                self.wait(h).await?;
+                Some(h.tensor()?)
+            }
+            None => None,
+        };
+        let out = member.run(&self.device, &self.tenant, what, tensor).await?;
+        Ok(out.map(|(t, charge)| self.owned_tensor(t, charge)))
     }
 
     /// Launches `exe` on `args`, donating the arguments whose positions are in `donate`, and

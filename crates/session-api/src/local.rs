@@ -177,6 +177,30 @@ enum LocalRequest {
         #[serde(default)]
         inline: bool,
     },
+    #[serde(rename = "group_create")]
+    GroupCreate {
+        token: String,
+        size: u32,
+        timeout_ms: u64,
+        rank: u32,
+    },
+    #[serde(rename = "group_join")]
+    GroupJoin {
+        token: String,
+        group: String,
+        rank: u32,
+    },
+    Collective {
+        token: String,
+        group: String,
+        kind: String,
+        #[serde(default)]
+        reduce: Option<String>,
+        #[serde(default)]
+        root: Option<u32>,
+        #[serde(default)]
+        handle: Option<u64>,
+    },
     Wait {
         token: String,
         #[serde(default)]
@@ -205,6 +229,9 @@ impl LocalRequest {
             LocalRequest::Free { .. } => "free",
             LocalRequest::Call { .. } => "call",
             LocalRequest::Wait { .. } => "wait",
+            LocalRequest::GroupCreate { .. } => "group_create",
+            LocalRequest::GroupJoin { .. } => "group_join",
+            LocalRequest::Collective { .. } => "collective",
         }
     }
 }
@@ -292,6 +319,29 @@ impl From<AccessError> for Failure {
             AccessError::Device(e) => e.into(),
         }
     }
+}
+
+/// The collective a request names: `kind` (`all_reduce`, `broadcast`, `all_gather`,
+/// `reduce_scatter`, `all_to_all`, `barrier`), its `reduce` (`sum`, `avg`, `product`, `min`,
+/// `max`; default `sum`) and a broadcast's `root`.
+fn collective_of(
+    kind: &str,
+    reduce: Option<&str>,
+    root: Option<u32>,
+) -> Result<tpubox_core::collective::Collective, Failure> {
+    use tpubox_core::collective::{Collective, ReduceOp};
+    let op = || ReduceOp::parse(reduce.unwrap_or("sum"));
+    Ok(match kind {
+        "all_reduce" => Collective::AllReduce(op()?),
+        "reduce_scatter" => Collective::ReduceScatter(op()?),
+        "broadcast" => Collective::Broadcast {
+            root: root.ok_or_else(|| invalid("a broadcast needs its root"))?,
+        },
+        "all_gather" => Collective::AllGather,
+        "all_to_all" => Collective::AllToAll,
+        "barrier" => Collective::Barrier,
+        _ => return Err(invalid(format!("unknown collective {kind:?}"))),
+    })
 }
 
 fn invalid(m: impl Into<String>) -> Failure {
@@ -948,6 +998,39 @@ async fn handle(
             let (s, _active) = registry.get(&token)?;
             s.wait(&tensors, all).await?;
             Ok((json!({}), None, Vec::new()))
+        }
+        LocalRequest::GroupCreate {
+            token,
+            size,
+            timeout_ms,
+            rank,
+        } => {
+            no_fds(&fds)?;
+            let (s, _active) = registry.get(&token)?;
+            let id = s.create_group(size, Duration::from_millis(timeout_ms), rank)?;
+            Ok((json!({"group": id}), None, Vec::new()))
+        }
+        LocalRequest::GroupJoin { token, group, rank } => {
+            no_fds(&fds)?;
+            let (s, _active) = registry.get(&token)?;
+            s.join_group(&group, rank)?;
+            Ok((json!({}), None, Vec::new()))
+        }
+        LocalRequest::Collective {
+            token,
+            group,
+            kind,
+            reduce,
+            root,
+            handle,
+        } => {
+            no_fds(&fds)?;
+            let what = collective_of(&kind, reduce.as_deref(), root)?;
+            let (s, _active) = registry.get(&token)?;
+            match s.collective(&group, what, handle).await? {
+                Some((h, t)) => Ok((json!({"result": info(h, &t)}), None, Vec::new())),
+                None => Ok((json!({}), None, Vec::new())),
+            }
         }
         LocalRequest::Free {
             token,

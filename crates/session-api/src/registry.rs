@@ -85,6 +85,8 @@ pub struct LiveSession {
     /// When it was opened, by the wall clock (for operators).
     pub opened_at: std::time::SystemTime,
     session: Session,
+    /// How many devices its tenant may use (the size a process group may have).
+    tenant_devices: u32,
     key: [u8; 32],
     tables: Mutex<Option<Tables>>,
     live: Mutex<Liveness>,
@@ -494,6 +496,44 @@ impl LiveSession {
             self.session.wait_all().await?;
         }
         Ok(())
+    }
+
+    /// Makes a process group of `size` ranks (one device each, at most as many as the
+    /// tenant may use) and joins it as `rank`; its id. See [`tpubox_core::collective`].
+    ///
+    /// Errors: as [`Session::create_group`]; [`AccessError::Ended`].
+    pub fn create_group(
+        &self,
+        size: u32,
+        timeout: std::time::Duration,
+        rank: u32,
+    ) -> AccessResult<String> {
+        self.with_tables(|_| ())?;
+        Ok(self
+            .session
+            .create_group(size, self.tenant_devices, timeout, rank)?)
+    }
+
+    /// Joins process group `id` as `rank`. Errors: as [`Session::join_group`].
+    pub fn join_group(&self, id: &str, rank: u32) -> AccessResult<()> {
+        self.with_tables(|_| ())?;
+        Ok(self.session.join_group(id, rank)?)
+    }
+
+    /// Runs this rank's next collective of group `id` on tensor handle `input` (none for a
+    /// barrier); the result's handle number and handle. Errors: as
+    /// [`Session::collective`]; `not-found` for an unknown handle; [`AccessError::Ended`].
+    pub async fn collective(
+        &self,
+        id: &str,
+        what: tpubox_core::collective::Collective,
+        input: Option<u64>,
+    ) -> AccessResult<Option<(u64, Arc<TensorHandle>)>> {
+        let input = input.map(|h| self.tensor(h)).transpose()?;
+        match self.session.collective(id, what, input.as_deref()).await? {
+            Some(t) => Ok(Some(self.insert_tensor(t)?)),
+            None => Ok(None),
+        }
     }
 
     /// Adds an executable; as [`insert_tensor`](Self::insert_tensor).
@@ -1255,6 +1295,7 @@ impl Registry {
             opened: Instant::now(),
             opened_at: std::time::SystemTime::now(),
             session,
+            tenant_devices: grant.devices.devices.len() as u32,
             key,
             tables: Mutex::new(Some(Tables::default())),
             live: Mutex::new(Liveness {
@@ -1334,8 +1375,10 @@ impl Registry {
         let (tensors, executables) = tables
             .as_ref()
             .map_or((0, 0), |t| (t.tensors.len(), t.executables.len()));
-        // Dropping the tables returns their charges.
+        // Dropping the tables returns their charges; leaving its process groups breaks them
+        // for their other ranks at once (they do not wait out their timeout).
         drop(tables);
+        session.session.leave_all_groups();
         session.ended.send_replace(Some(reason.to_string()));
         tracing::info!(
             session = %session.id,
