@@ -1479,7 +1479,33 @@ def _refused(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
     )
 
 
+def _as_strided(func: Any, args: Sequence[Any], kwargs: dict) -> Any:
+    """``as_strided`` of a contiguous device tensor into a dense block of it (what DDP's
+    reducer does to view each gradient inside its flat bucket): a view by the ops the device
+    tensors chain (flatten, slice, view), so writes through it reach the bucket. Other
+    strides go the generic way (a CPU fallback, a copy)."""
+    x, size = args[0], list(args[1])
+    stride = list(args[2]) if len(args) > 2 else list(kwargs.get("stride", []))
+    offset = args[3] if len(args) > 3 else kwargs.get("storage_offset")
+    offset = 0 if offset is None else int(offset)
+    if (
+        not isinstance(x, DeviceTensor)
+        or not x.is_contiguous()
+        or x.storage_offset() != 0
+        or stride != list(_contiguous(size))
+    ):
+        return NotImplemented
+    n = 1
+    for d in size:
+        n *= int(d)
+    if offset + n > x.numel():
+        return NotImplemented
+    flat = aten.view.default(x, [-1])
+    return aten.view.default(aten.slice.Tensor(flat, 0, offset, offset + n), size)
+
+
 _SPECIAL: dict[Any, Callable[..., Any]] = {
+    aten.as_strided.default: _as_strided,
     aten._to_copy.default: _to_copy,
     aten.copy_.default: _copy_,
     aten._local_scalar_dense.default: _local_scalar_dense,

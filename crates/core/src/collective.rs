@@ -481,21 +481,24 @@ impl Group {
         Ok((n, rx, done))
     }
 
-    /// Fails round `n` for a timeout, naming the ranks that never arrived, and breaks the group.
-    fn time_out(&self, n: u64, what: &Collective) {
+    /// Fails round `n` for a timeout, naming the ranks that never arrived, and breaks the
+    /// group; returns why, or None when the round is no longer waiting (it ran meanwhile, or
+    /// the group broke: the rank's reply is sent).
+    fn time_out(&self, n: u64, what: &Collective) -> Option<String> {
         let mut st = self.state.lock().expect("group lock");
-        let missing: Vec<usize> = match st.rounds.get(&n) {
-            Some(r) => (0..r.entries.len())
+        let missing: Vec<usize> = {
+            let r = st.rounds.get(&n)?;
+            (0..r.entries.len())
                 .filter(|&k| r.entries[k].is_none())
-                .collect(),
-            None => return, // it completed meanwhile
+                .collect()
         };
         let why = format!(
             "collective #{n} ({}) timed out after {:.1} s: rank(s) {missing:?} never arrived",
             what.describe(),
             self.timeout.as_secs_f64()
         );
-        self.break_locked(&mut st, why);
+        self.break_locked(&mut st, why.clone());
+        Some(why)
     }
 
     /// Runs a complete round: checks every rank asked the same, then the program.
@@ -676,20 +679,21 @@ impl Membership {
         if let Some(entries) = done {
             self.group.run(device, tenant, entries).await;
         }
-        match tokio::time::timeout(self.group.timeout, rx).await {
-            Ok(Ok(result)) => Ok(result?.zip(charge)),
-            Ok(Err(_)) => Err(DeviceError::new(
+        let mut rx = rx;
+        let reply = match tokio::time::timeout(self.group.timeout, &mut rx).await {
+            Ok(reply) => reply,
+            Err(_) => match self.group.time_out(n, &what) {
+                Some(why) => return Err(precondition(why)),
+                // Answered meanwhile (it ran, or the group broke): take that answer.
+                None => rx.await,
+            },
+        };
+        match reply {
+            Ok(result) => Ok(result?.zip(charge)),
+            Err(_) => Err(DeviceError::new(
                 ErrorKind::Internal,
                 "the collective's round was dropped",
             )),
-            Err(_) => {
-                self.group.time_out(n, &what);
-                Err(precondition(format!(
-                    "collective #{n} ({}) timed out after {:.1} s waiting for the other ranks",
-                    what.describe(),
-                    self.group.timeout.as_secs_f64()
-                )))
-            }
         }
     }
 }

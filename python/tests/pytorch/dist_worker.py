@@ -26,15 +26,14 @@ import time
 import torch
 import torch.distributed as dist
 import torch.nn.functional as F
-from torch import nn
 
 import tpubox
 import tpubox.torch as tt
+from dist_worker_model import STEPS, mlp
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
 MODE, OUT = sys.argv[1], sys.argv[2]
-STEPS = 20
 
 
 def rel(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -129,11 +128,6 @@ def _gloo_sum(x: torch.Tensor, gloo: dist.ProcessGroup) -> torch.Tensor:
     b = x.clone()
     dist.all_reduce(b, group=gloo)
     return b
-
-
-def mlp() -> nn.Module:
-    torch.manual_seed(0)
-    return nn.Sequential(nn.Linear(16, 32), nn.ReLU(), nn.Linear(32, 4))
 
 
 def ddp(dev: torch.device) -> dict:
