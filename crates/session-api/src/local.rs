@@ -42,6 +42,15 @@
 //!   never reads its replies stops being read once they fill the socket (the daemon answers
 //!   each request before reading the next), and each launch is still charged against
 //!   `max-pending-launches`, `max-live-tensors` and `max-device-bytes` as it is admitted;
+//! - `{"op": "group_create", "token", "size": N, "rank": R, "timeout_ms": T}` →
+//!   `{"ok": {"group": ID}}`: a process group of N ranks (one device each, the session's
+//!   default device is rank R's), joined at once; `{"op": "group_join", "token", "group": ID,
+//!   "rank": R}` → `{"ok": {}}`; `{"op": "collective", "token", "group": ID, "kind":
+//!   "all_reduce" | "broadcast" | "all_gather" | "reduce_scatter" | "all_to_all" | "barrier",
+//!   "reduce": "sum" | "avg" | "product" | "min" | "max", "root": R, "handle": N}` →
+//!   `{"ok": {"result": TENSOR_INFO}}` (`{"ok": {}}` for a barrier) once every rank's same
+//!   collective ran ([`tpubox_core::collective`]; the request waits for the other ranks, at
+//!   most the group's timeout);
 //!
 //! Small tensors travel in the messages themselves: a put or a call may carry up to
 //! [`MAX_INLINE_BYTES`] after its header (`"tail": N`, the put's tensor or the call's inline

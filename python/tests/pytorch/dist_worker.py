@@ -13,6 +13,8 @@ MODE:
   steps on this rank's quarter of each batch; the final parameters.
 - straggler: rank WORLD_SIZE-1 never reaches the all_reduce; the others' error and how long
   it took.
+- killed: rank WORLD_SIZE-1 is SIGKILLed while the others wait in an all_reduce (started
+  without torchrun, which would stop the others: INIT_METHOD=tcp://..., RANK, WORLD_SIZE).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from __future__ import annotations
 import datetime
 import json
 import os
+import signal
 import sys
 import time
 
@@ -165,6 +168,21 @@ def straggler() -> dict:
     return {"error": None, "seconds": time.monotonic() - t0}
 
 
+def killed() -> dict:
+    """The last rank is SIGKILLed as the others enter an all_reduce; they must fail at once
+    (its session ends with its connection), not after the group's timeout."""
+    x = torch.ones(4).to(tt.device())
+    if RANK == WORLD - 1:
+        time.sleep(1.0)
+        os.kill(os.getpid(), signal.SIGKILL)
+    t0 = time.monotonic()
+    try:
+        dist.all_reduce(x)
+    except Exception as e:  # noqa: BLE001 (the test reads the type)
+        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
+    return {"error": None, "seconds": time.monotonic() - t0}
+
+
 def main() -> None:
     s = tpubox.connect(
         os.environ["TPUBOX_ADDRESS"],
@@ -174,7 +192,13 @@ def main() -> None:
     )
     dev = tt.device(session=s)
     timeout = datetime.timedelta(seconds=float(os.environ.get("PG_TIMEOUT", "120")))
-    dist.init_process_group("tpubox", timeout=timeout)
+    init = os.environ.get("INIT_METHOD")  # tcp://HOST:PORT; else torchrun's env://
+    if init:
+        dist.init_process_group(
+            "tpubox", init_method=init, rank=RANK, world_size=WORLD, timeout=timeout
+        )
+    else:
+        dist.init_process_group("tpubox", timeout=timeout)
     result: dict = {"rank": RANK, "devices": list(s.devices)}
     if MODE == "collectives":
         gloo = dist.new_group(backend="gloo")
@@ -183,9 +207,11 @@ def main() -> None:
         result.update(ddp(dev))
     elif MODE == "straggler":
         result.update(straggler())
+    elif MODE == "killed":
+        result.update(killed())
     with open(os.path.join(OUT, f"rank{RANK}.json"), "w") as f:
         json.dump(result, f)
-    if MODE != "straggler":
+    if MODE not in ("straggler", "killed"):
         dist.destroy_process_group()
 
 

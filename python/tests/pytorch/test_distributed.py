@@ -131,6 +131,50 @@ def test_a_rank_that_never_arrives_times_out_and_breaks_the_group(daemon, tmp_pa
         assert 2.5 <= r["seconds"] <= 9.0, r
 
 
+@pytest.mark.timeout(300)
+def test_a_rank_killed_inside_a_collective_fails_the_others_at_once(daemon, tmp_path):
+    """Four processes without torchrun (it would stop the others), meeting by `tcp://`; the
+    last is SIGKILLed while the others wait in an all_reduce whose group timeout is 60 s."""
+    out = tmp_path / "killed"
+    out.mkdir()
+    port = free_ports(1)[0]
+    env = dict(
+        os.environ,
+        TPUBOX_ADDRESS=daemon.unix,
+        TPUBOX_TOKEN=ALICE,
+        PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
+        OMP_NUM_THREADS="1",
+        INIT_METHOD=f"tcp://127.0.0.1:{port}",
+        WORLD_SIZE=str(WORLD),
+        PG_TIMEOUT="60",
+    )
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(HERE / "dist_worker.py"), "killed", str(out)],
+            env=dict(env, RANK=str(r), LOCAL_RANK=str(r)),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT,
+            text=True,
+        )
+        for r in range(WORLD)
+    ]
+    codes = [p.wait(timeout=200) for p in procs]
+    logs = [p.stdout.read()[-2000:] for p in procs]
+    assert codes[-1] == -9, logs[-1]
+    results = [json.loads(f.read_text()) for f in sorted(out.glob("rank*.json"))]
+    assert len(results) == WORLD - 1, logs
+    for r in results:
+        assert r["error"] == "DistBackendError", r
+        assert f"rank {WORLD - 1}'s session ended" in r["message"], r
+        assert r["seconds"] < 20, r  # the killed rank's session ends with its connection
+    # The daemon keeps nothing of them.
+    deadline = time.monotonic() + 10
+    while tpubox.tenant_usage(daemon.unix, ALICE).sessions and time.monotonic() < deadline:
+        time.sleep(0.2)
+    usage = tpubox.tenant_usage(daemon.unix, ALICE)
+    assert (usage.sessions, usage.usage.live_tensors) == (0, 0), usage
+
+
 def _sessions(address: str, token: str, devices: list[int]) -> list[tpubox.Session]:
     return [tpubox.connect(address, token, devices=[d], label=f"group {d}") for d in devices]
 
