@@ -19,10 +19,11 @@ joins it with its session's device, and the store's barrier waits until all have
 
 Collectives: ``all_reduce`` (sum, avg, product, min, max), ``all_gather`` and
 ``all_gather_into_tensor``, ``reduce_scatter`` and ``reduce_scatter_tensor``, ``broadcast``,
-``all_to_all_single`` (equal splits) and ``barrier``. Tensors on the tpubox device move device to
+``all_to_all_single`` (equal splits), ``barrier``, and ``send``/``recv`` (a send is queued on the
+daemon at once; the receive copies it device to device). Tensors on the tpubox device move device to
 device; CPU tensors are put, reduced and read back. Work handles are complete when returned
-(``async_op=True`` gives a finished work). ``send``/``recv`` and uneven ``all_to_all`` splits
-are refused (``NotImplementedError``). A collective that waits longer than the group's
+(``async_op=True`` gives a finished work). Uneven ``all_to_all`` splits are refused
+(``NotImplementedError``). A collective that waits longer than the group's
 ``timeout`` (``init_process_group(timeout=...)``) raises ``torch.distributed.DistBackendError``
 and breaks the group, as does a rank whose process dies.
 """
@@ -113,7 +114,8 @@ class ProcessGroupTpubox(dist.ProcessGroup):
             out = self._session.collective(self._group, kind, arg, **fields)
         except TpuboxError as e:
             raise dist.DistBackendError(f"tpubox {kind}: {e}") from e
-        assert out is not None
+        if out is None:  # a send
+            return None
         spec = (tuple(out.shape), _contiguous_strides(out.shape), t.dtype)
         if on_device:
             return _eager._wrap(out, spec)
@@ -225,10 +227,15 @@ class ProcessGroupTpubox(dist.ProcessGroup):
         return _done([])
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int = 0) -> Any:
-        raise NotImplementedError("tpubox process group: send/recv are not supported yet")
+        for t in tensors:
+            self._run("send", t.reshape(1) if t.dim() == 0 else t, peer=int(dst), tag=int(tag))
+        return _done(list(tensors))
 
     def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int = 0) -> Any:
-        raise NotImplementedError("tpubox process group: send/recv are not supported yet")
+        for t in tensors:
+            with torch.no_grad():
+                t.copy_(self._rank1("recv", t, peer=int(src), tag=int(tag)))
+        return _done(list(tensors))
 
 
 def _backend(script_pg: Any) -> "ProcessGroupTpubox":
@@ -314,8 +321,8 @@ def c10d_ops() -> dict[Any, Any]:
         .alltoall_base(out, inp, osz, isz)
         .boxed(),
         c10d.barrier.default: lambda t, pg, *_: _backend(pg).barrier().boxed(),
-        c10d.send.default: lambda t, pg, dst, tag: _backend(pg).send(t, dst, tag),
-        c10d.recv_.default: lambda t, pg, src, tag: _backend(pg).recv(t, src, tag),
+        c10d.send.default: lambda t, pg, dst, tag: _backend(pg).send(t, dst, tag).boxed(),
+        c10d.recv_.default: lambda t, pg, src, tag: _backend(pg).recv(t, src, tag).boxed(),
     }
     return {op: (lambda f: lambda func, args, kwargs: f(*args, *kwargs.values()))(f) for op, f in table.items()}
 

@@ -717,13 +717,17 @@ class Session:
         *,
         reduce: str = "sum",
         root: int | None = None,
+        peer: int | None = None,
+        tag: int = 0,
         timeout: float | None = None,
     ) -> Tensor | None:
         """This rank's next collective of GROUP: KIND is ``all_reduce``, ``broadcast``
         (ROOT: the rank whose tensor every rank gets), ``all_gather`` (concatenated along
         dimension 0), ``reduce_scatter`` (the reduction's part RANK along dimension 0),
-        ``all_to_all`` (dimension 0 split in equal parts) or ``barrier`` (no tensor); REDUCE
-        is ``sum``, ``avg``, ``product``, ``min`` or ``max``. Returns the result, a new
+        ``all_to_all`` (dimension 0 split in equal parts), ``barrier`` (no tensor), ``send``
+        (TENSOR to rank PEER, queued at once: returns None) or ``recv`` (what PEER sent with
+        the same TAG; TENSOR gives the dtype and dims expected); REDUCE is ``sum``, ``avg``,
+        ``product``, ``min`` or ``max``. Returns the result, a new
         tensor of this session on this rank's device (None for a barrier). Every rank must
         call the same collectives in the same order.
 
@@ -734,6 +738,8 @@ class Session:
         fields: dict[str, Any] = {"group": group, "kind": kind, "reduce": reduce}
         if root is not None:
             fields["root"] = int(root)
+        if peer is not None:
+            fields["peer"], fields["tag"] = int(peer), int(tag)
         if tensor is not None:
             fields["handle"] = tensor.handle
         r = self._group_request("collective", fields, timeout)

@@ -118,6 +118,23 @@ pub enum Collective {
     AllToAll,
     /// No tensor: every rank waits for all the others.
     Barrier,
+    /// This rank's tensor to rank `peer`'s matching [`Collective::Recv`] (same `tag`): queued
+    /// at once (the sender does not wait), copied device to device when the receiver comes.
+    /// Not a round: point-to-point calls match by (sender, receiver, tag), in order.
+    Send {
+        /// The receiving rank.
+        peer: u32,
+        /// Matches a receive of the same tag.
+        tag: i64,
+    },
+    /// The tensor rank `peer` sent with the same `tag`, on this rank's device; the given
+    /// tensor says the dtype and dims expected.
+    Recv {
+        /// The sending rank.
+        peer: u32,
+        /// Matches a send of the same tag.
+        tag: i64,
+    },
 }
 
 impl Collective {
@@ -130,6 +147,8 @@ impl Collective {
             Collective::ReduceScatter(op) => format!("reduce_scatter({})", op.name()),
             Collective::AllToAll => "all_to_all".into(),
             Collective::Barrier => "barrier".into(),
+            Collective::Send { peer, tag } => format!("send(to rank {peer}, tag {tag})"),
+            Collective::Recv { peer, tag } => format!("recv(from rank {peer}, tag {tag})"),
         }
     }
 
@@ -180,7 +199,10 @@ pub fn result_dims(what: &Collective, spec: &TensorSpec, n: u32) -> DeviceResult
     }
     let mut out = dims.clone();
     match what {
-        Collective::AllReduce(_) | Collective::Barrier => {}
+        Collective::AllReduce(_)
+        | Collective::Barrier
+        | Collective::Send { .. }
+        | Collective::Recv { .. } => {}
         Collective::Broadcast { root } => {
             if *root >= n {
                 return Err(DeviceError::invalid(format!(
@@ -226,8 +248,14 @@ fn tensor_type(ty: PrimitiveType, dims: &[i64]) -> String {
 ///
 /// Errors: as [`result_dims`]; `invalid-argument` for a barrier (it runs no program).
 pub fn program_text(what: &Collective, spec: &TensorSpec, n: u32) -> DeviceResult<String> {
-    if *what == Collective::Barrier {
-        return Err(DeviceError::invalid("a barrier runs no program"));
+    if matches!(
+        what,
+        Collective::Barrier | Collective::Send { .. } | Collective::Recv { .. }
+    ) {
+        return Err(DeviceError::invalid(format!(
+            "{} runs no program",
+            what.describe()
+        )));
     }
     let out_dims = result_dims(what, spec, n)?;
     let n64 = i64::from(n);
@@ -304,7 +332,9 @@ pub fn program_text(what: &Collective, spec: &TensorSpec, n: u32) -> DeviceResul
         Collective::AllToAll => format!(
             "      %r = \"stablehlo.all_to_all\"(%arg1) <{{{channel}, concat_dimension = 0 : i64, replica_groups = {groups}, split_count = {n} : i64, split_dimension = 0 : i64}}> : ({local_in}) -> {local_out}\n      sdy.return %r : {local_out}\n"
         ),
-        Collective::Barrier => unreachable!("refused above"),
+        Collective::Barrier | Collective::Send { .. } | Collective::Recv { .. } => {
+            unreachable!("refused above")
+        }
     };
     Ok(format!(
         "module @collective attributes {{mhlo.num_partitions = {n} : i32, mhlo.num_replicas = 1 : i32}} {{\n  sdy.mesh @mesh = <[\"x\"={n}]>\n  func.func public @main(%arg0: {global_in} {{sdy.sharding = #sdy.sharding<@mesh, {sharding}>}}) -> ({global_out} {{sdy.sharding = #sdy.sharding<@mesh, {sharding}>}}) {{\n    %0 = sdy.manual_computation(%arg0) in_shardings=[<@mesh, {sharding}>] out_shardings=[<@mesh, {sharding}>] manual_axes={{\"x\"}} (%arg1: {local_in}) {{\n{body}    }} : ({global_in}) -> {global_out}\n    return %0 : {global_out}\n  }}\n}}\n"
@@ -329,9 +359,22 @@ struct Round {
     arrived: u32,
 }
 
+/// A point-to-point call waiting for its match, by (sender, receiver, tag).
+enum P2p {
+    /// A send's tensor.
+    Sent(Arc<DeviceTensor>),
+    /// A receive: the spec it expects, and where its tensor goes.
+    Waiting(TensorSpec, oneshot::Sender<Reply>),
+}
+
+/// Most sends queued, unmatched, from one rank to another.
+pub const MAX_QUEUED_SENDS: usize = 64;
+
 struct State {
     /// Each rank's device once joined.
     devices: Vec<Option<u32>>,
+    /// Unmatched point-to-point calls.
+    p2p: HashMap<(u32, u32, i64), std::collections::VecDeque<P2p>>,
     /// Each rank's next round.
     next: Vec<u64>,
     rounds: BTreeMap<u64, Round>,
@@ -434,6 +477,13 @@ impl Group {
                     .send(Err(precondition(format!("the group is broken: {why}"))));
             }
         }
+        for (_, queue) in std::mem::take(&mut st.p2p) {
+            for p in queue {
+                if let P2p::Waiting(_, reply) = p {
+                    let _ = reply.send(Err(precondition(format!("the group is broken: {why}"))));
+                }
+            }
+        }
     }
 
     /// The rank's tensor arrives for its next round; returns the receiver of its result, and
@@ -479,6 +529,100 @@ impl Group {
             None
         };
         Ok((n, rx, done))
+    }
+
+    /// A send from `from` to `to` arrives: handed to a waiting receive (copied to its
+    /// device), or queued. Errors: a broken group, a peer outside the group or the rank
+    /// itself, [`MAX_QUEUED_SENDS`] unmatched, a receive expecting another spec.
+    fn send(
+        &self,
+        device: &DeviceService,
+        from: u32,
+        to: u32,
+        tag: i64,
+        tensor: Arc<DeviceTensor>,
+    ) -> DeviceResult<()> {
+        let mut st = self.state.lock().expect("group lock");
+        self.check_peer(&st, from, to)?;
+        let dest = st.devices[to as usize].unwrap_or(0);
+        let queue = st.p2p.entry((from, to, tag)).or_default();
+        if matches!(queue.front(), Some(P2p::Waiting(..))) {
+            let Some(P2p::Waiting(spec, reply)) = queue.pop_front() else {
+                unreachable!("checked above")
+            };
+            drop(st);
+            if &spec != tensor.spec() {
+                let msg = format!(
+                    "rank {from} sent {} and rank {to} expects {spec} (tag {tag})",
+                    tensor.spec()
+                );
+                let _ = reply.send(Err(DeviceError::invalid(msg.clone())));
+                return Err(DeviceError::invalid(msg));
+            }
+            let _ = reply.send(device.copy_to_device(&tensor, dest).map(Some));
+            return Ok(());
+        }
+        if queue.len() >= MAX_QUEUED_SENDS {
+            return Err(DeviceError::new(
+                ErrorKind::ResourceExhausted,
+                format!(
+                    "{MAX_QUEUED_SENDS} sends from rank {from} to rank {to} wait unreceived (tag {tag})"
+                ),
+            ));
+        }
+        queue.push_back(P2p::Sent(tensor));
+        Ok(())
+    }
+
+    /// A receive of `to` from `from`: a queued send's tensor copied to `to`'s device, or the
+    /// receiver of it once it comes.
+    fn recv(
+        &self,
+        device: &DeviceService,
+        from: u32,
+        to: u32,
+        tag: i64,
+        spec: TensorSpec,
+    ) -> DeviceResult<oneshot::Receiver<Reply>> {
+        let (tx, rx) = oneshot::channel();
+        let mut st = self.state.lock().expect("group lock");
+        self.check_peer(&st, to, from)?;
+        let dest = st.devices[to as usize].unwrap_or(0);
+        let queue = st.p2p.entry((from, to, tag)).or_default();
+        if matches!(queue.front(), Some(P2p::Sent(_))) {
+            let Some(P2p::Sent(tensor)) = queue.pop_front() else {
+                unreachable!("checked above")
+            };
+            drop(st);
+            if &spec != tensor.spec() {
+                return Err(DeviceError::invalid(format!(
+                    "rank {from} sent {} and rank {to} expects {spec} (tag {tag})",
+                    tensor.spec()
+                )));
+            }
+            let _ = tx.send(device.copy_to_device(&tensor, dest).map(Some));
+            return Ok(rx);
+        }
+        queue.push_back(P2p::Waiting(spec, tx));
+        Ok(rx)
+    }
+
+    fn check_peer(&self, st: &State, me: u32, peer: u32) -> DeviceResult<()> {
+        if let Some(why) = &st.broken {
+            return Err(precondition(format!("the group is broken: {why}")));
+        }
+        if peer >= self.size || peer == me {
+            return Err(DeviceError::invalid(format!(
+                "rank {me} cannot exchange with rank {peer} in a group of {}",
+                self.size
+            )));
+        }
+        if st.devices[peer as usize].is_none() {
+            return Err(precondition(format!(
+                "rank {peer} has not joined the group"
+            )));
+        }
+        Ok(())
     }
 
     /// Fails round `n` for a timeout, naming the ranks that never arrived, and breaks the
@@ -650,6 +794,12 @@ impl Membership {
         tensor: Option<Arc<DeviceTensor>>,
     ) -> RankResult {
         let mut charge = None;
+        if tensor.is_none() && what != Collective::Barrier {
+            return Err(DeviceError::invalid(format!(
+                "{} needs a tensor",
+                what.describe()
+            )));
+        }
         if let Some(t) = &tensor {
             if t.device() != self.device {
                 return Err(precondition(format!(
@@ -663,17 +813,43 @@ impl Membership {
                 ty: t.spec().ty,
                 dims: result_dims(&what, t.spec(), self.group.size)?,
             };
-            // This rank's result, charged to its own session before anything runs.
-            let bytes = out
-                .byte_len()
-                .ok_or_else(|| DeviceError::invalid("the result's size overflows"))?;
-            let (mut c, _scratch) = tenant.charge_execution(self.device, &[bytes as u64], 0, 0)?;
-            charge = c.pop();
-        } else if what != Collective::Barrier {
-            return Err(DeviceError::invalid(format!(
-                "{} needs a tensor",
-                what.describe()
-            )));
+            // This rank's result (a send has none), charged to its own session before
+            // anything runs.
+            if !matches!(what, Collective::Send { .. }) {
+                let bytes = out
+                    .byte_len()
+                    .ok_or_else(|| DeviceError::invalid("the result's size overflows"))?;
+                let (mut c, _scratch) =
+                    tenant.charge_execution(self.device, &[bytes as u64], 0, 0)?;
+                charge = c.pop();
+            }
+        }
+        match what {
+            Collective::Send { peer, tag } => {
+                let t = tensor.ok_or_else(|| DeviceError::invalid("send needs a tensor"))?;
+                self.group.send(device, self.rank, peer, tag, t)?;
+                return Ok(None);
+            }
+            Collective::Recv { peer, tag } => {
+                let spec = tensor
+                    .as_ref()
+                    .map(|t| t.spec().clone())
+                    .ok_or_else(|| DeviceError::invalid("recv needs the tensor it fills"))?;
+                let mut rx = self.group.recv(device, peer, self.rank, tag, spec)?;
+                return match tokio::time::timeout(self.group.timeout, &mut rx).await {
+                    Ok(Ok(r)) => Ok(r?.zip(charge)),
+                    Ok(Err(_)) => Err(DeviceError::new(
+                        ErrorKind::Internal,
+                        "the receive was dropped",
+                    )),
+                    Err(_) => Err(precondition(format!(
+                        "{} timed out after {:.1} s",
+                        what.describe(),
+                        self.group.timeout.as_secs_f64()
+                    ))),
+                };
+            }
+            _ => {}
         }
         let (n, rx, done) = self.group.arrive(self.rank, what, tensor)?;
         if let Some(entries) = done {
@@ -745,12 +921,13 @@ impl Groups {
     /// Makes a group of `size` ranks for `tenant`, whose sessions may use `allowed_devices`
     /// devices; returns it (its id is 128 random bits in hex). Nobody is a member yet: the
     /// session layer joins its creator at once ([`crate::session::Session::create_group`]),
-    /// so that every group has a member whose end forgets it.
+    /// so that every group has a member whose end forgets it; a group nobody joins is never
+    /// forgotten, so doors call that, not this.
     ///
     /// Errors: `invalid-argument` for a size of 0 or over [`MAX_GROUP_SIZE`], a timeout of 0
     /// or over [`MAX_TIMEOUT`]; `resource-exhausted` for a group larger than the tenant's
     /// devices (naming both numbers) or a tenant with [`MAX_GROUPS_PER_TENANT`] groups.
-    pub(crate) fn create(
+    pub fn create(
         &self,
         tenant: &Arc<Tenant>,
         size: u32,
@@ -798,6 +975,7 @@ impl Groups {
                 devices: vec![None; size as usize],
                 next: vec![0; size as usize],
                 rounds: BTreeMap::new(),
+                p2p: HashMap::new(),
                 broken: None,
                 members: 0,
             }),

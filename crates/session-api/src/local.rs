@@ -46,9 +46,11 @@
 //!   `{"ok": {"group": ID}}`: a process group of N ranks (one device each, the session's
 //!   default device is rank R's), joined at once; `{"op": "group_join", "token", "group": ID,
 //!   "rank": R}` → `{"ok": {}}`; `{"op": "collective", "token", "group": ID, "kind":
-//!   "all_reduce" | "broadcast" | "all_gather" | "reduce_scatter" | "all_to_all" | "barrier",
-//!   "reduce": "sum" | "avg" | "product" | "min" | "max", "root": R, "handle": N}` →
-//!   `{"ok": {"result": TENSOR_INFO}}` (`{"ok": {}}` for a barrier) once every rank's same
+//!   "all_reduce" | "broadcast" | "all_gather" | "reduce_scatter" | "all_to_all" | "barrier"
+//!   | "send" | "recv", "reduce": "sum" | "avg" | "product" | "min" | "max", "root": R,
+//!   "peer": R, "tag": T, "handle": N}` → `{"ok": {"result": TENSOR_INFO}}` (`{"ok": {}}` for
+//!   a barrier or a send; a receive's handle is the tensor whose spec it expects) once every
+//!   rank's same
 //!   collective ran ([`tpubox_core::collective`]; the request waits for the other ranks, at
 //!   most the group's timeout);
 //!
@@ -208,6 +210,10 @@ enum LocalRequest {
         #[serde(default)]
         root: Option<u32>,
         #[serde(default)]
+        peer: Option<u32>,
+        #[serde(default)]
+        tag: Option<i64>,
+        #[serde(default)]
         handle: Option<u64>,
     },
     Wait {
@@ -331,13 +337,17 @@ impl From<AccessError> for Failure {
 }
 
 /// The collective a request names: `kind` (`all_reduce`, `broadcast`, `all_gather`,
-/// `reduce_scatter`, `all_to_all`, `barrier`), its `reduce` (`sum`, `avg`, `product`, `min`,
-/// `max`; default `sum`) and a broadcast's `root`.
+/// `reduce_scatter`, `all_to_all`, `barrier`, `send`, `recv`), its `reduce` (`sum`, `avg`,
+/// `product`, `min`, `max`; default `sum`), a broadcast's `root`, a send's or receive's
+/// `peer` and `tag` (default 0).
 fn collective_of(
     kind: &str,
     reduce: Option<&str>,
     root: Option<u32>,
+    peer: Option<u32>,
+    tag: i64,
 ) -> Result<tpubox_core::collective::Collective, Failure> {
+    let peer = || peer.ok_or_else(|| invalid(format!("a {kind} needs its peer")));
     use tpubox_core::collective::{Collective, ReduceOp};
     let op = || ReduceOp::parse(reduce.unwrap_or("sum"));
     Ok(match kind {
@@ -349,6 +359,8 @@ fn collective_of(
         "all_gather" => Collective::AllGather,
         "all_to_all" => Collective::AllToAll,
         "barrier" => Collective::Barrier,
+        "send" => Collective::Send { peer: peer()?, tag },
+        "recv" => Collective::Recv { peer: peer()?, tag },
         _ => return Err(invalid(format!("unknown collective {kind:?}"))),
     })
 }
@@ -1031,10 +1043,12 @@ async fn handle(
             kind,
             reduce,
             root,
+            peer,
+            tag,
             handle,
         } => {
             no_fds(&fds)?;
-            let what = collective_of(&kind, reduce.as_deref(), root)?;
+            let what = collective_of(&kind, reduce.as_deref(), root, peer, tag.unwrap_or(0))?;
             let (s, _active) = registry.get(&token)?;
             match s.collective(&group, what, handle).await? {
                 Some((h, t)) => Ok((json!({"result": info(h, &t)}), None, Vec::new())),

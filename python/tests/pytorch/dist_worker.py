@@ -122,6 +122,19 @@ def collectives(dev: torch.device, gloo: dist.ProcessGroup) -> dict:
     dist.all_to_all_single(b, y.clone(), group=gloo)
     out["all_to_all_single"] = rel(a.cpu(), b)
 
+    # A ring: each rank sends to the next and receives from the one before (a send does not
+    # wait for its receive, so every rank may send first), tagged.
+    nxt, prev = (RANK + 1) % WORLD, (RANK - 1) % WORLD
+    a = torch.zeros(8, 3).to(dev)
+    req = dist.isend(mine(x), nxt, tag=7)
+    dist.recv(a, prev, tag=7)
+    req.wait()
+    b = torch.zeros(8, 3)
+    req = dist.isend(x.clone(), nxt, group=gloo, tag=7)
+    dist.recv(b, prev, group=gloo, tag=7)
+    req.wait()
+    out["send_recv"] = rel(a.cpu(), b)
+
     dist.barrier()
     out["barrier"] = 0.0
     return out

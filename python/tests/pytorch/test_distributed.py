@@ -95,6 +95,7 @@ def test_collectives_equal_gloo(daemon, tmp_path):
             "all_reduce_sum", "all_reduce_avg", "all_reduce_product", "all_reduce_min",
             "all_reduce_max", "all_reduce_scalar", "all_reduce_cpu_tensor", "all_gather",
             "all_gather_into_tensor", "reduce_scatter_tensor", "all_to_all_single", "barrier",
+            "send_recv",
         ) + tuple(f"broadcast_{k}" for k in range(WORLD)):  # fmt: skip
             assert rel[name] <= 1e-6, (r["rank"], name, rel[name])
 
