@@ -9,8 +9,8 @@ rendezvous) and a gloo group over the same ranks, the reference. Writes OUT_DIR/
 MODE:
 - collectives: every collective on tpubox device tensors and on CPU tensors through gloo,
   same inputs; the largest relative difference of each.
-- ddp: DistributedDataParallel of an MLP (and a tiny BERT) over eager device tensors, 20 SGD
-  steps on this rank's quarter of each batch; the final parameters.
+- ddp: DistributedDataParallel of an MLP and of a tiny Hugging Face BERT over eager device
+  tensors, 20 SGD steps each on this rank's quarter of each batch; the final parameters.
 - straggler: rank WORLD_SIZE-1 never reaches the all_reduce; the others' error and how long
   it took.
 - killed: rank WORLD_SIZE-1 is SIGKILLed while the others wait in an all_reduce (started
@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import tpubox
 import tpubox.torch as tt
-from dist_worker_model import STEPS, mlp
+from dist_worker_model import STEPS, bert_batches, mlp, tiny_bert
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -162,8 +162,19 @@ def ddp(dev: torch.device) -> dict:
         loss.backward()
         opt.step()
         losses.append(loss.item())
+    # A tiny Hugging Face BERT the same way: this rank's 4 sequences of each batch.
+    ids, labels = bert_batches(WORLD)
+    bert = DDP(tiny_bert().to(dev))
+    bopt = torch.optim.SGD(bert.parameters(), lr=0.05, momentum=0.9)
+    for i in range(STEPS):
+        part = slice(4 * RANK, 4 * (RANK + 1))
+        loss = bert(input_ids=ids[i, part].to(dev), labels=labels[i, part].to(dev)).loss
+        bopt.zero_grad()
+        loss.backward()
+        bopt.step()
     return {
         "params": [p.detach().cpu().flatten().tolist() for p in model.module.parameters()],
+        "bert_params": [p.detach().cpu().flatten().tolist() for p in bert.module.parameters()],
         "losses": losses,
     }
 

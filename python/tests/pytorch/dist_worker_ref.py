@@ -21,3 +21,15 @@ def one_process(world: int) -> list[list[float]]:
         loss.backward()
         opt.step()
     return [p.detach().flatten().tolist() for p in model.parameters()]
+
+
+def one_process_bert(world: int) -> list[list[float]]:
+    ids, labels = m.bert_batches(world)
+    model = m.tiny_bert()
+    opt = torch.optim.SGD(model.parameters(), lr=0.05, momentum=0.9)
+    for i in range(m.STEPS):
+        loss = model(input_ids=ids[i], labels=labels[i]).loss
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+    return [p.detach().flatten().tolist() for p in model.parameters()]
