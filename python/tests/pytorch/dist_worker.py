@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 import tpubox
 import tpubox.torch as tt
-from dist_worker_model import STEPS, bert_batches, mlp, tiny_bert
+from tiny_models import STEPS, bert_batches, mlp, tiny_bert
 
 RANK = int(os.environ["RANK"])
 WORLD = int(os.environ["WORLD_SIZE"])
@@ -179,17 +179,22 @@ def ddp(dev: torch.device) -> dict:
     }
 
 
-def straggler() -> dict:
-    x = torch.ones(4).to(tt.device())
-    if RANK == WORLD - 1:
-        time.sleep(float(os.environ.get("STRAGGLE_SECONDS", "20")))
-        return {"slept": True}
+def timed_all_reduce(x: torch.Tensor) -> dict:
+    """An all_reduce of X: the error's type and message, if any, and the seconds it took."""
     t0 = time.monotonic()
     try:
         dist.all_reduce(x)
     except Exception as e:  # noqa: BLE001 (the test reads the type)
         return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
     return {"error": None, "seconds": time.monotonic() - t0}
+
+
+def straggler() -> dict:
+    x = torch.ones(4).to(tt.device())
+    if RANK == WORLD - 1:
+        time.sleep(float(os.environ.get("STRAGGLE_SECONDS", "20")))
+        return {"slept": True}
+    return timed_all_reduce(x)
 
 
 def killed() -> dict:
@@ -199,12 +204,7 @@ def killed() -> dict:
     if RANK == WORLD - 1:
         time.sleep(1.0)
         os.kill(os.getpid(), signal.SIGKILL)
-    t0 = time.monotonic()
-    try:
-        dist.all_reduce(x)
-    except Exception as e:  # noqa: BLE001 (the test reads the type)
-        return {"error": type(e).__name__, "message": str(e), "seconds": time.monotonic() - t0}
-    return {"error": None, "seconds": time.monotonic() - t0}
+    return timed_all_reduce(x)
 
 
 def main() -> None:

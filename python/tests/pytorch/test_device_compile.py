@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import copy
 import importlib.util
+import sys
 from pathlib import Path
 
 import pytest
@@ -21,6 +22,8 @@ import tpubox
 import tpubox.torch as tt
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+import tiny_models  # noqa: E402
 _spec = importlib.util.spec_from_file_location("tpubox_tests_conftest", HERE.parent / "conftest.py")
 _parent = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(_parent)
@@ -120,20 +123,8 @@ def test_no_graph_break_with_the_model_on_the_device(dev):
 
 @pytest.mark.parametrize("opt_name", ["sgd", "adamw"])
 def test_compiled_tiny_bert_trains_on_the_device_as_on_the_cpu(dev, opt_name):
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.BertConfig(
-        vocab_size=100,
-        hidden_size=32,
-        num_hidden_layers=2,
-        num_attention_heads=4,
-        intermediate_size=64,
-        max_position_embeddings=64,
-        hidden_dropout_prob=0.0,
-        attention_probs_dropout_prob=0.0,
-        num_labels=3,
-    )
-    torch.manual_seed(0)
-    ref = transformers.BertForSequenceClassification(cfg).train()
+    pytest.importorskip("transformers")
+    ref = tiny_models.tiny_bert()
     model = copy.deepcopy(ref).to(dev)
     # AdamW normalises each gradient by its own size, so it magnifies rounding where a
     # gradient is near zero: the attention key biases' gradients are zero but for rounding

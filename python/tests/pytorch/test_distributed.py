@@ -50,12 +50,10 @@ def daemon(tmp_path_factory):
     assert d.stop() == 0, d.log()[-3000:]
 
 
-def torchrun(daemon, mode: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
-    """Runs dist_worker.py MODE under `torchrun --nproc_per_node=4`; the ranks' results."""
-    out = tmp_path / mode
-    out.mkdir()
-    runner = Path(sys.executable).parent / "torchrun"
-    full_env = dict(
+def rank_env(daemon, **env: str) -> dict[str, str]:
+    """The environment of a rank: the daemon's address and alice's token, this checkout's
+    package first on the path, one thread of computation per process."""
+    return dict(
         os.environ,
         TPUBOX_ADDRESS=daemon.unix,
         TPUBOX_TOKEN=ALICE,
@@ -63,6 +61,14 @@ def torchrun(daemon, mode: str, tmp_path: Path, **env: str) -> tuple[subprocess.
         OMP_NUM_THREADS="1",
         **env,
     )
+
+
+def torchrun(daemon, mode: str, tmp_path: Path, **env: str) -> tuple[subprocess.CompletedProcess, list[dict]]:
+    """Runs dist_worker.py MODE under `torchrun --nproc_per_node=4`; the ranks' results."""
+    out = tmp_path / mode
+    out.mkdir()
+    runner = Path(sys.executable).parent / "torchrun"
+    full_env = rank_env(daemon, **env)
     p = subprocess.run(
         [
             str(runner),
@@ -146,15 +152,8 @@ def test_a_rank_killed_inside_a_collective_fails_the_others_at_once(daemon, tmp_
     out = tmp_path / "killed"
     out.mkdir()
     port = free_ports(1)[0]
-    env = dict(
-        os.environ,
-        TPUBOX_ADDRESS=daemon.unix,
-        TPUBOX_TOKEN=ALICE,
-        PYTHONPATH=os.pathsep.join([str(HERE.parents[1]), os.environ.get("PYTHONPATH", "")]),
-        OMP_NUM_THREADS="1",
-        INIT_METHOD=f"tcp://127.0.0.1:{port}",
-        WORLD_SIZE=str(WORLD),
-        PG_TIMEOUT="60",
+    env = rank_env(
+        daemon, INIT_METHOD=f"tcp://127.0.0.1:{port}", WORLD_SIZE=str(WORLD), PG_TIMEOUT="60"
     )
     procs = [
         subprocess.Popen(

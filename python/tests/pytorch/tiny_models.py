@@ -1,4 +1,5 @@
-"""The model and step count dist_worker.py and its reference share."""
+"""Tiny models the PyTorch tests share (dist_worker.py and its reference,
+test_device_compile.py), and the step count of the distributed ones."""
 
 from __future__ import annotations
 
