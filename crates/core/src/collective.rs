@@ -894,7 +894,8 @@ impl GroupsInner {
     }
 }
 
-/// The daemon's process groups (one per [`DeviceService`]); see the module docs.
+/// The daemon's process groups (one for all its sessions: [`crate::session::Session::with_groups`]);
+/// see the module docs.
 pub struct Groups {
     inner: Arc<GroupsInner>,
 }

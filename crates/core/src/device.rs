@@ -87,8 +87,6 @@ pub struct DeviceService {
     /// Bytes copied host → device and device → host so far ([`Self::transferred_bytes`]).
     host_to_device: std::sync::atomic::AtomicU64,
     device_to_host: std::sync::atomic::AtomicU64,
-    /// The process groups of sessions on these devices ([`crate::collective`]).
-    groups: crate::collective::Groups,
 }
 
 impl std::fmt::Debug for DeviceService {
@@ -137,7 +135,6 @@ impl DeviceService {
             cache: None,
             identity: OnceLock::new(),
             leases,
-            groups: crate::collective::Groups::default(),
             schedulers,
             launch_blocking: false,
             host_to_device: Default::default(),
@@ -233,11 +230,6 @@ impl DeviceService {
     /// ([`crate::placement::DeviceLeases::place`]).
     pub fn leases(&self) -> &Arc<crate::placement::DeviceLeases> {
         &self.leases
-    }
-
-    /// The process groups of sessions on these devices ([`crate::collective`]).
-    pub fn groups(&self) -> &crate::collective::Groups {
-        &self.groups
     }
 
     /// Number of addressable devices.

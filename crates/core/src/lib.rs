@@ -19,6 +19,8 @@
 //! - [`device`]: the PJRT client shared by all tenants, with validation before every PJRT call;
 //! - [`open`]: opening a device from a [`DeviceConfig`] ([`open_device`]);
 //! - [`weights`]: named, read-only weight sets shared by all tenants;
+//! - [`collective`]: process groups, whose collectives run as one program over the ranks'
+//!   devices (what `torch.distributed` ranks call);
 //! - [`session`]: one tenant connection; every tenant rule (charges, donation, read-only
 //!   weights, handle ownership, execution slots) is decided here, for every front door;
 //! - [`npy`] and [`exec`]: `tpubox exec`, running a StableHLO program on `.npy` files.

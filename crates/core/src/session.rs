@@ -108,6 +108,8 @@ pub struct Session {
     /// The process groups this session is a rank of ([`crate::collective`]), by id: dropped
     /// with the session, which breaks each group for its other ranks.
     groups: Mutex<HashMap<String, Arc<crate::collective::Membership>>>,
+    /// Where its tenant's process groups are found ([`with_groups`](Self::with_groups)).
+    group_registry: Option<Arc<crate::collective::Groups>>,
 }
 
 impl Drop for Session {
@@ -739,6 +741,7 @@ impl Session {
             launches: Launches::default(),
             weights_read: Mutex::new(Vec::new()),
             groups: Mutex::new(HashMap::new()),
+            group_registry: None,
         }
     }
 
@@ -748,6 +751,24 @@ impl Session {
     pub fn with_placement(mut self, placement: Placement) -> Self {
         self.placement = placement;
         self
+    }
+
+    /// Gives the session the daemon's process groups ([`crate::collective`]): the sessions
+    /// given the same [`Groups`](crate::collective::Groups) meet in them. Without, its
+    /// [`create_group`](Self::create_group) and [`join_group`](Self::join_group) are
+    /// `unsupported`.
+    pub fn with_groups(mut self, groups: Arc<crate::collective::Groups>) -> Self {
+        self.group_registry = Some(groups);
+        self
+    }
+
+    fn group_registry(&self) -> DeviceResult<&crate::collective::Groups> {
+        self.group_registry.as_deref().ok_or_else(|| {
+            DeviceError::new(
+                ErrorKind::Unsupported,
+                "this session has no process groups (a session of the daemon's session API has)",
+            )
+        })
     }
 
     /// The devices this session may use, its default first.
@@ -1494,8 +1515,7 @@ impl Session {
         rank: u32,
     ) -> DeviceResult<String> {
         let group = self
-            .device
-            .groups()
+            .group_registry()?
             .create(&self.tenant, size, allowed_devices, timeout)?;
         let id = group.id().to_string();
         // The creator joins at once: a group always has a member whose end forgets it.
@@ -1514,7 +1534,7 @@ impl Session {
     /// rank outside the group; `failed-precondition` for a rank already joined, a device
     /// another rank has, a broken group, or a session that is a member already.
     pub fn join_group(&self, id: &str, rank: u32) -> DeviceResult<()> {
-        let group = self.device.groups().find(&self.tenant, id)?;
+        let group = self.group_registry()?.find(&self.tenant, id)?;
         let mut mine = self.groups.lock().expect("session groups lock");
         if mine.contains_key(id) {
             return Err(DeviceError::new(

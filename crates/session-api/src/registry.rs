@@ -1181,6 +1181,8 @@ pub struct Registry {
     /// again when its policy's budget limits change.
     budgets: Mutex<HashMap<String, Arc<Tenant>>>,
     stopping: Mutex<Option<String>>,
+    /// The process groups its sessions meet in (`torch.distributed`'s ranks).
+    groups: Arc<tpubox_core::collective::Groups>,
 }
 
 fn key_of(token: &str) -> [u8; 32] {
@@ -1209,6 +1211,7 @@ impl Registry {
             tenants_seen: Mutex::new(BTreeSet::new()),
             budgets: Mutex::new(HashMap::new()),
             stopping: Mutex::new(None),
+            groups: Arc::default(),
         })
     }
 
@@ -1284,7 +1287,8 @@ impl Registry {
         let budget = self.budget(grant);
         let tenant = Tenant::with_budget(grant.tenant.clone(), limits.tenant.clone(), budget);
         let session = Session::new(Arc::clone(&self.device), Arc::clone(&self.weights), tenant)
-            .with_placement(placed);
+            .with_placement(placed)
+            .with_groups(Arc::clone(&self.groups));
         let label: String = label.chars().take(200).collect();
         let live = Arc::new(LiveSession {
             id: id.clone(),
