@@ -11,7 +11,7 @@ Starts a `tpubox serve` daemon with four CPU devices (`--cpu-devices 4`) and run
   ranks, `dist.new_group(backend="gloo")`); median ms per call, rank 0's clock, a barrier of
   each backend before each call;
 - a DDP training step of an MLP 256 -> 1024 -> 1024 -> 10 (SGD, momentum) on 4 x 64 rows over
-  eager device tensors, against one process training on the whole batch of 256 rows with
+  eager device tensors (the batch put once; DEFER_NEVER, then DEFER_AND_FUSE), against one process training on the whole batch of 256 rows with
   PyTorch on the CPU (`torch.set_num_threads(2)`), measured first, alone.
 
 Ratios above 1: tpubox is faster. Needs the venv with torch ($CACHE/venv-torch).
@@ -109,6 +109,10 @@ def rank_main(iters: int, out: str) -> None:
     x, y = torch.randn(64, 256), torch.randint(0, 10, (64,))
     # The batch put once: the step's puts are what the one-process step does not pay either.
     rows["ddp_step_4_ranks"] = median_step(model, opt, x.to(dev), y.to(dev), iters, dist.barrier)
+    with tt.set_eager_mode(tt.EagerMode.DEFER_AND_FUSE):
+        rows["ddp_step_4_ranks_fused"] = median_step(
+            model, opt, x.to(dev), y.to(dev), iters, dist.barrier
+        )
     if rank == 0:
         Path(out).write_text(json.dumps(rows))
     dist.destroy_process_group()
@@ -162,6 +166,8 @@ def main() -> None:
     print("training step, 256 rows in all, median ms")
     print(f"  one process (PyTorch CPU)  {single:9.2f}")
     print(f"  DDP, 4 ranks (tpubox)      {ddp:9.2f}  ratio {single / ddp:5.2f}x")
+    fused = rows["ddp_step_4_ranks_fused"]
+    print(f"  the same, DEFER_AND_FUSE   {fused:9.2f}  ratio {single / fused:5.2f}x")
 
 
 if __name__ == "__main__":
