@@ -99,13 +99,19 @@ class ProcessGroupTpubox(dist.ProcessGroup):
 
     # The daemon's side --------------------------------------------------------------------
 
-    def _run(self, kind: str, t: torch.Tensor | None, **fields: Any) -> torch.Tensor | None:
-        """Runs collective KIND on T (a device or CPU tensor, rank 1 at least); the result as
-        a tensor on T's device (a device tensor when T is one)."""
+    def _call(self, kind: str, t: torch.Tensor | None, **fields: Any) -> torch.Tensor | None:
+        """Runs collective KIND on T (a device or CPU tensor; a 0-d one travels as dims [1]);
+        the result as a tensor on T's device (a device tensor when T is one), None for a
+        barrier or a send.
+
+        Raises: torch.distributed.DistBackendError for the daemon's refusal (a timeout, a
+        broken group, ranks that disagree)."""
         try:
             if t is None:
                 self._session.collective(self._group, kind, None, **fields)
                 return None
+            if t.dim() == 0:
+                t = t.reshape(1)
             on_device = _eager.is_device_tensor(t)
             if on_device:
                 arg = _eager._concrete(_eager._value(t))
@@ -116,28 +122,23 @@ class ProcessGroupTpubox(dist.ProcessGroup):
             raise dist.DistBackendError(f"tpubox {kind}: {e}") from e
         if out is None:  # a send
             return None
-        spec = (tuple(out.shape), _contiguous_strides(out.shape), t.dtype)
         if on_device:
-            return _eager._wrap(out, spec)
+            return _eager._wrap(out, (tuple(out.shape), _eager._contiguous(out.shape), t.dtype))
         return torch.from_numpy(out.numpy().copy()).to(t.dtype)
 
-    def _rank1(self, kind: str, t: torch.Tensor, **fields: Any) -> torch.Tensor:
-        """As :meth:`_run`, giving a 0-d tensor dims [1] and its result back its shape."""
-        if t.dim() == 0:
-            r = self._run(kind, t.reshape(1), **fields)
-            assert r is not None
-            return r.reshape(())
-        r = self._run(kind, t, **fields)
+    def _into(self, dst: torch.Tensor, kind: str, src: torch.Tensor, **fields: Any) -> None:
+        """Runs collective KIND on SRC and writes its result into DST (its dims)."""
+        r = self._call(kind, src, **fields)
         assert r is not None
-        return r
+        with torch.no_grad():
+            dst.copy_(r.reshape(dst.shape))
 
     # torch.distributed's calls ------------------------------------------------------------
 
     def allreduce(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
         op = _reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
         for t in tensors:
-            with torch.no_grad():
-                t.copy_(self._rank1("all_reduce", t, reduce=op))
+            self._into(t, "all_reduce", t, reduce=op)
         return _done(list(tensors))
 
     def allreduce_coalesced(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
@@ -146,28 +147,23 @@ class ProcessGroupTpubox(dist.ProcessGroup):
     def broadcast(self, tensors: Sequence[torch.Tensor], opts: Any = None) -> Any:
         root = int(opts.rootRank) if opts is not None else 0
         for t in tensors:
-            with torch.no_grad():
-                t.copy_(self._rank1("broadcast", t, root=root))
+            self._into(t, "broadcast", t, root=root)
         return _done(list(tensors))
 
     def allgather(
         self, outputs: Sequence[Sequence[torch.Tensor]], inputs: Sequence[torch.Tensor], opts: Any = None
     ) -> Any:
         for outs, t in zip(outputs, inputs):
-            flat = t.reshape(1, *t.shape) if t.dim() == 0 else t
-            gathered = self._run("all_gather", flat)
+            gathered = self._call("all_gather", t)
             assert gathered is not None
-            d0 = flat.shape[0]
+            d0 = t.shape[0] if t.dim() else 1
             with torch.no_grad():
                 for i, o in enumerate(outs):
                     o.copy_(gathered[i * d0 : (i + 1) * d0].reshape(o.shape))
         return _done(list(outputs))
 
     def _allgather_base(self, output: torch.Tensor, input: torch.Tensor, opts: Any = None) -> Any:
-        gathered = self._run("all_gather", input.reshape(1, *input.shape) if input.dim() == 0 else input)
-        assert gathered is not None
-        with torch.no_grad():
-            output.copy_(gathered.reshape(output.shape))
+        self._into(output, "all_gather", input)
         return _done([output])
 
     def allgather_into_tensor_coalesced(
@@ -181,10 +177,7 @@ class ProcessGroupTpubox(dist.ProcessGroup):
         self, output: torch.Tensor, input: torch.Tensor, opts: Any = None
     ) -> Any:
         op = _reduce_name(opts.reduceOp if opts is not None else dist.ReduceOp.SUM)
-        r = self._run("reduce_scatter", input, reduce=op)
-        assert r is not None
-        with torch.no_grad():
-            output.copy_(r.reshape(output.shape))
+        self._into(output, "reduce_scatter", input, reduce=op)
         return _done([output])
 
     def reduce_scatter(
@@ -216,25 +209,21 @@ class ProcessGroupTpubox(dist.ProcessGroup):
                 raise NotImplementedError(
                     "tpubox process group: all_to_all_single with uneven splits"
                 )
-        r = self._run("all_to_all", input)
-        assert r is not None
-        with torch.no_grad():
-            output.copy_(r.reshape(output.shape))
+        self._into(output, "all_to_all", input)
         return _done([output])
 
     def barrier(self, opts: Any = None) -> Any:
-        self._run("barrier", None)
+        self._call("barrier", None)
         return _done([])
 
     def send(self, tensors: Sequence[torch.Tensor], dst: int, tag: int = 0) -> Any:
         for t in tensors:
-            self._run("send", t.reshape(1) if t.dim() == 0 else t, peer=int(dst), tag=int(tag))
+            self._call("send", t, peer=int(dst), tag=int(tag))
         return _done(list(tensors))
 
     def recv(self, tensors: Sequence[torch.Tensor], src: int, tag: int = 0) -> Any:
         for t in tensors:
-            with torch.no_grad():
-                t.copy_(self._rank1("recv", t, peer=int(src), tag=int(tag)))
+            self._into(t, "recv", t, peer=int(src), tag=int(tag))
         return _done(list(tensors))
 
 
@@ -325,14 +314,6 @@ def c10d_ops() -> dict[Any, Any]:
         c10d.recv_.default: lambda t, pg, src, tag: _backend(pg).recv(t, src, tag).boxed(),
     }
     return {op: (lambda f: lambda func, args, kwargs: f(*args, *kwargs.values()))(f) for op, f in table.items()}
-
-
-def _contiguous_strides(shape: Sequence[int]) -> tuple[int, ...]:
-    strides, acc = [], 1
-    for d in reversed(tuple(shape)):
-        strides.append(acc)
-        acc *= max(int(d), 1)
-    return tuple(reversed(strides))
 
 
 def _rank_session(rank: int) -> Session:

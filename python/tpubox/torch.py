@@ -1004,7 +1004,8 @@ def _is_module_state(node: Any) -> bool:
 
 def _lift_device_state(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, list[Any]]:
     """A copy of GM whose attributes that are device tensors are its first inputs, and those
-    tensors, in the order of the new placeholders (GM's graph is Dynamo's: left as it is).
+    tensors, in the order of the new placeholders (GM's graph is Dynamo's: left as it is);
+    GM itself and no tensor when it has no such attribute.
 
     Dynamo installs the tensors a compiled function reads from outside its arguments as GM's
     attributes when it may (``opt.step()`` compiled: the optimizer's parameters). A device
@@ -1012,6 +1013,12 @@ def _lift_device_state(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
     one found among GM's parameters; as an input, the backend fakes it (``_aot``), and
     aot_autograd writes the step's in-place updates back into it (a device value rebound, no
     copy)."""
+
+    def device_attr(n: Any, owner: torch.fx.GraphModule) -> bool:
+        return n.op == "get_attr" and _eager.is_device_tensor(_attr(owner, str(n.target)))
+
+    if not any(device_attr(n, gm) for n in gm.graph.nodes):
+        return gm, []
     graph = torch.fx.Graph()
     env: dict[Any, Any] = {}
     graph.output(graph.graph_copy(gm.graph, env))
@@ -1023,11 +1030,7 @@ def _lift_device_state(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
     if hasattr(gm, "_param_name_to_source"):
         copied._param_name_to_source = gm._param_name_to_source
     gm = copied
-    nodes = [
-        n
-        for n in gm.graph.nodes
-        if n.op == "get_attr" and _eager.is_device_tensor(_attr(gm, str(n.target)))
-    ]
+    nodes = [n for n in gm.graph.nodes if device_attr(n, gm)]
     first = next(iter(gm.graph.nodes))
     sources = dict(getattr(gm, "_param_name_to_source", None) or {})
     lifted: list[Any] = []
@@ -1062,6 +1065,7 @@ def _lift_device_state(gm: torch.fx.GraphModule) -> tuple[torch.fx.GraphModule, 
 
 
 def _attr(gm: torch.fx.GraphModule, target: str) -> Any:
+    """GM's attribute at the dotted path TARGET (a ``get_attr`` node's), or None."""
     v: Any = gm
     for part in target.split("."):
         v = getattr(v, part, None)
@@ -1353,12 +1357,7 @@ def backend(
             "unsupported", f"tpubox backend: torch.compile mode={mode!r} is not supported"
         )
     opts = _Options(options)
-    lifted: list[Any] = []
-    if any(
-        n.op == "get_attr" and _eager.is_device_tensor(_attr(gm, str(n.target)))
-        for n in gm.graph.nodes
-    ):
-        gm, lifted = _lift_device_state(gm)
+    gm, lifted = _lift_device_state(gm)
     if lifted:
         # The live tensors go first, each call: their values change (an optimizer's step
         # rebinds them), the tensors themselves do not (Dynamo guards on them).
