@@ -248,6 +248,24 @@ def test_shared_memory_refuses_lies_strangers_and_vanishing_objects(server, http
             )
     assert e.value.code() == grpc_lib.StatusCode.INVALID_ARGUMENT
     assert "CUDA shared memory is not supported" in e.value.details()
+    # What Triton's shared-memory examples call first to clean up, and the status: answered as
+    # Triton answers them with no CUDA region registered (none is, ever), on both doors.
+    grpc = grpcclient.InferenceServerClient(f"{server.host}:{server.grpc_port}")
+    http.unregister_cuda_shared_memory(headers=HH)
+    http.unregister_cuda_shared_memory("x", headers=HH)
+    grpc.unregister_cuda_shared_memory(headers=GH)
+    grpc.unregister_cuda_shared_memory("x", headers=GH)
+    assert http.get_cuda_shared_memory_status(headers=HH) == []
+    assert not grpc.get_cuda_shared_memory_status(headers=GH, as_json=True).get("regions")
+    for call in (
+        lambda: http.get_cuda_shared_memory_status("x", headers=HH),
+        lambda: grpc.get_cuda_shared_memory_status("x", headers=GH),
+    ):
+        with pytest.raises(InferenceServerException, match="Unable to find cuda shared memory region: 'x'"):
+            call()
+    # Not without a token.
+    assert request(server, "POST", "/v2/cudasharedmemory/unregister", {}).status == 401
+    assert request(server, "GET", "/v2/cudasharedmemory/status").status == 401
     assert http.is_server_live()
 
 

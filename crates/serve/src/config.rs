@@ -11,6 +11,7 @@ use serde::Deserialize;
 use serde_json::{Value, json};
 
 use super::protocol::Datatype;
+use super::triton_schema::{Format, Normalized, normalize};
 use tpubox_core::tenant::TenantLimits;
 pub use tpubox_session_api::policy::DevicesField;
 
@@ -25,10 +26,6 @@ pub struct TensorConfig {
     /// Dimensions without the batch dimension; -1 for any size.
     pub dims: Vec<i64>,
 }
-
-/// Triton fields accepted for compatibility and ignored (what they set does not apply to a
-/// tpubox model); unknown fields are errors.
-type Ignored = Option<Value>;
 
 /// `[[instance_group]]`.
 #[derive(Debug, Clone, Deserialize, PartialEq)]
@@ -50,12 +47,6 @@ pub struct InstanceGroup {
     /// over the devices the model may use ([`ModelConfig::instance_devices`]).
     #[serde(default)]
     pub gpus: Vec<u32>,
-    #[serde(default)]
-    profile: Ignored,
-    #[serde(default)]
-    passive: Ignored,
-    #[serde(default)]
-    host_policy: Ignored,
 }
 
 fn one() -> u32 {
@@ -69,12 +60,6 @@ pub struct QueuePolicy {
     /// Requests that may wait in the model's queue; 0 (default) for no limit.
     #[serde(default)]
     pub max_queue_size: u32,
-    #[serde(default)]
-    timeout_action: Ignored,
-    #[serde(default)]
-    default_timeout_microseconds: Ignored,
-    #[serde(default)]
-    allow_timeout_override: Ignored,
 }
 
 /// `[dynamic_batching]`.
@@ -90,14 +75,6 @@ pub struct DynamicBatching {
     /// Queue limits.
     #[serde(default)]
     pub default_queue_policy: QueuePolicy,
-    #[serde(default)]
-    preserve_ordering: Ignored,
-    #[serde(default)]
-    priority_levels: Ignored,
-    #[serde(default)]
-    default_priority_level: Ignored,
-    #[serde(default)]
-    priority_queue_policy: Ignored,
 }
 
 /// `[sequence_batching]` (Triton's field names): a stateful model. Each request carries a
@@ -121,10 +98,6 @@ pub struct SequenceBatching {
     /// The `oldest` strategy.
     #[serde(default)]
     pub oldest: Option<SequenceStrategy>,
-    #[serde(default)]
-    state: Ignored,
-    #[serde(default)]
-    iterative_sequence: Ignored,
 }
 
 fn default_sequence_idle() -> u64 {
@@ -139,14 +112,6 @@ pub struct SequenceStrategy {
     /// microseconds (default 0).
     #[serde(default)]
     pub max_queue_delay_microseconds: u64,
-    #[serde(default)]
-    max_candidate_sequences: Ignored,
-    #[serde(default)]
-    preferred_batch_size: Ignored,
-    #[serde(default)]
-    preserve_ordering: Ignored,
-    #[serde(default)]
-    minimum_slot_utilization: Ignored,
 }
 
 /// One `control_input` of `[sequence_batching]`: an input of the model the server fills.
@@ -326,10 +291,12 @@ impl Default for DecoupledSection {
     }
 }
 
-/// A model's `config.toml` / `config.json`. Unknown fields are errors (a misspelt
-/// `max_batch_size` must not pass unnoticed); Triton fields that have no meaning here
-/// (`version_policy`, `parameters`, `default_model_filename`, `optimization`, `model_warmup`,
-/// `response_cache`, `metric_tags`, `runtime`) are accepted and ignored.
+/// A model's configuration: `config.pbtxt` (Triton's), `config.toml` or `config.json`, each
+/// read first as Triton's `ModelConfig` message ([`crate::triton_schema`]): a field Triton does
+/// not define is an error (a misspelt `max_batch_size` must not pass unnoticed), a Triton field
+/// tpubox does not implement is dropped and named in [`ModelConfig::ignored`] (logged as a
+/// warning at load), or fails the load where ignoring it would serve wrong answers
+/// ([`crate::triton_schema::REFUSED`]).
 #[derive(Debug, Clone, Deserialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
 pub struct ModelConfig {
@@ -343,7 +310,10 @@ pub struct ModelConfig {
     /// See [`ModelConfig::platform`].
     #[serde(default)]
     pub backend: Option<String>,
-    /// Largest batch; 0 for a model without a batch dimension. Default: the guest's.
+    /// Largest batch; 0 for a model without a batch dimension. Default: the guest's (a
+    /// StableHLO model's: the largest program batch size, or none when no program has one).
+    /// In `config.pbtxt` a 0 reads as unset, since protobuf cannot tell the two apart (as
+    /// Triton's auto-complete does, the model's own is taken).
     #[serde(default)]
     pub max_batch_size: Option<u32>,
     /// Declared inputs, checked against the guest's metadata.
@@ -364,25 +334,19 @@ pub struct ModelConfig {
     /// Triton's transaction policy: `decoupled = true` for a model that streams responses.
     #[serde(default)]
     pub model_transaction_policy: TransactionPolicy,
-    /// tpubox's own settings.
+    /// The model file in the model directory or its version directory (Triton's
+    /// `default_model_filename`): the component, where `tpubox.component` is not given.
+    #[serde(default)]
+    pub default_model_filename: Option<String>,
+    /// tpubox's own settings: the `[tpubox]` table of `config.toml`, the `tpubox` object of
+    /// `config.json` or of a config override, or for `config.pbtxt` the `tpubox.toml` file
+    /// beside it (the table's contents, without the `[tpubox]` header).
     #[serde(default)]
     pub tpubox: TpuboxSection,
-    #[serde(default)]
-    version_policy: Ignored,
-    #[serde(default)]
-    parameters: Ignored,
-    #[serde(default)]
-    default_model_filename: Ignored,
-    #[serde(default)]
-    optimization: Ignored,
-    #[serde(default)]
-    model_warmup: Ignored,
-    #[serde(default)]
-    response_cache: Ignored,
-    #[serde(default)]
-    metric_tags: Ignored,
-    #[serde(default)]
-    runtime: Ignored,
+    /// Triton fields the configuration sets that tpubox ignores, by path
+    /// (`input[data_0].reshape`); the load logs them as a warning.
+    #[serde(skip)]
+    pub ignored: Vec<String>,
 }
 
 /// The UTF-8 name of a model directory.
@@ -392,48 +356,101 @@ fn dir_name(dir: &Path) -> Result<&str> {
         .context("the model directory has no UTF-8 name")
 }
 
-/// The file names a model directory's configuration may have, in the order they are tried.
-pub const CONFIG_FILES: [&str; 2] = ["config.toml", "config.json"];
+/// The file names a model directory's configuration may have (exactly one of them).
+pub const CONFIG_FILES: [&str; 3] = ["config.pbtxt", "config.toml", "config.json"];
+
+/// The file beside a `config.pbtxt` that holds tpubox's own settings (the `[tpubox]` table's
+/// contents), which Triton's message has no place for.
+pub const TPUBOX_SETTINGS_FILE: &str = "tpubox.toml";
+
+/// The configuration of the model in `dir`, read as Triton's message; with the name of its file.
+fn read_dir_config(dir: &Path) -> Result<(String, Normalized)> {
+    let found: Vec<PathBuf> = CONFIG_FILES
+        .iter()
+        .map(|f| dir.join(f))
+        .filter(|p| p.is_file())
+        .collect();
+    let path = match found.as_slice() {
+        [] => bail!(
+            "{} has no configuration: config.pbtxt, config.toml or config.json",
+            dir.display()
+        ),
+        [one] => one,
+        [a, b, ..] => bail!(
+            "{} has both {} and {}: keep one",
+            dir.display(),
+            a.file_name().unwrap_or_default().to_string_lossy(),
+            b.file_name().unwrap_or_default().to_string_lossy()
+        ),
+    };
+    let text =
+        std::fs::read_to_string(path).with_context(|| format!("reading {}", path.display()))?;
+    let what = path.display().to_string();
+    let format = match path.extension().and_then(|e| e.to_str()) {
+        Some("pbtxt") => Format::Pbtxt,
+        Some("json") => Format::Json,
+        _ => Format::Toml,
+    };
+    let mut n = normalize(&text, format, &what)?;
+    let settings = dir.join(TPUBOX_SETTINGS_FILE);
+    if format == Format::Pbtxt && settings.is_file() {
+        let text = std::fs::read_to_string(&settings)
+            .with_context(|| format!("reading {}", settings.display()))?;
+        let table: toml::Table =
+            toml::from_str(&text).with_context(|| format!("parsing {}", settings.display()))?;
+        n.tpubox = Some(serde_json::to_value(table)?);
+    }
+    Ok((what, n))
+}
 
 impl ModelConfig {
-    /// Reads the configuration of the model in `dir`.
+    /// Reads the configuration of the model in `dir`: its `config.pbtxt` (with `tpubox.toml`
+    /// beside it, where present), `config.toml` or `config.json`.
     ///
-    /// Errors: no configuration file, one that does not parse (the message names the file and
-    /// the field), a `name` that differs from the directory's, an unknown datatype, a dimension
-    /// below -1.
+    /// Errors: no configuration file or more than one, one that does not parse as Triton's
+    /// `ModelConfig` (the message names the file, the field and, for `config.pbtxt`, the line
+    /// and column), a field tpubox refuses, a `name` that differs from the directory's, an
+    /// unknown datatype, a dimension below -1.
     pub fn load(dir: &Path) -> Result<Self> {
         let dir_name = dir_name(dir)?;
-        let Some(path) = CONFIG_FILES
-            .iter()
-            .map(|f| dir.join(f))
-            .find(|p| p.is_file())
-        else {
-            bail!("{} has no config.toml or config.json", dir.display());
-        };
-        let text = std::fs::read_to_string(&path)
-            .with_context(|| format!("reading {}", path.display()))?;
-        let json = path.extension().is_some_and(|e| e == "json");
-        Self::parse(dir_name, &text, json, &path.display().to_string())
+        let (what, n) = read_dir_config(dir)?;
+        Self::build(dir_name, n, &what)
     }
 
-    /// The configuration a repository load gives in place of the directory's files (Triton's
-    /// `config` load parameter: the model configuration as JSON, with the field names of
-    /// `config.json`; it replaces the file's configuration for that load, it is not merged
-    /// into it).
+    /// The configuration a repository load gives in place of the directory's (Triton's
+    /// `config` load parameter: the model configuration as protobuf JSON). It replaces the
+    /// Triton part of the directory's configuration for that load (it is not merged into it);
+    /// tpubox's own settings are the override's `tpubox` object where it has one, else the
+    /// directory's.
     ///
     /// Errors: as [`ModelConfig::load`], naming "the config override".
     pub fn from_override(dir: &Path, json: &str) -> Result<Self> {
-        Self::parse(dir_name(dir)?, json, true, "the config override")
+        let what = "the config override";
+        let mut n = normalize(json, Format::Json, what)?;
+        if n.tpubox.is_none() {
+            n.tpubox = read_dir_config(dir).ok().and_then(|(_, d)| d.tpubox);
+        }
+        Self::build(dir_name(dir)?, n, what)
     }
 
-    /// Parses and checks a configuration of the model directory `dir_name`; `what` names its
-    /// source in errors.
+    /// Parses and checks a configuration of the model directory `dir_name` in tpubox's TOML
+    /// (`json`: JSON) form; `what` names its source in errors.
+    #[cfg(test)]
     fn parse(dir_name: &str, text: &str, json: bool, what: &str) -> Result<Self> {
-        let config: ModelConfig = if json {
-            serde_json::from_str(text).with_context(|| format!("parsing {what}"))?
-        } else {
-            toml::from_str(text).with_context(|| format!("parsing {what}"))?
-        };
+        let format = if json { Format::Json } else { Format::Toml };
+        Self::build(dir_name, normalize(text, format, what)?, what)
+    }
+
+    /// The configuration of the model directory `dir_name` from its normalized form, checked;
+    /// `what` names its source in errors.
+    fn build(dir_name: &str, n: Normalized, what: &str) -> Result<Self> {
+        let mut value = n.triton;
+        if let Some(t) = n.tpubox {
+            value.insert("tpubox".into(), t);
+        }
+        let mut config: ModelConfig = serde_json::from_value(Value::Object(value))
+            .with_context(|| format!("parsing {what}"))?;
+        config.ignored = n.ignored;
         if let Some(name) = &config.name
             && name != dir_name
         {
@@ -604,13 +621,35 @@ impl ModelConfig {
         Ok(out)
     }
 
-    /// The component's path inside `dir`.
+    /// The component's path inside `dir`: `tpubox.component` where given; else the model file
+    /// (`default_model_filename`, default `model.wasm`) in `dir` itself, then in its version
+    /// directories (`1/`, `2/`, …, Triton's layout), the highest version first, as Triton's
+    /// default version policy (the latest one) serves it.
     ///
-    /// Errors: the configured file, or `model.wasm` and `1/model.wasm`, do not exist.
+    /// Errors: none of those files exists.
     pub fn component_path(&self, dir: &Path) -> Result<PathBuf> {
         let candidates: Vec<PathBuf> = match &self.tpubox.component {
             Some(p) => vec![dir.join(p)],
-            None => vec![dir.join("model.wasm"), dir.join("1").join("model.wasm")],
+            None => {
+                let file = self
+                    .default_model_filename
+                    .as_deref()
+                    .unwrap_or("model.wasm");
+                let mut versions: Vec<u64> = std::fs::read_dir(dir)
+                    .map(|entries| {
+                        entries
+                            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                            .collect()
+                    })
+                    .unwrap_or_default();
+                versions.sort_unstable_by(|a, b| b.cmp(a));
+                if versions.is_empty() {
+                    versions.push(1);
+                }
+                std::iter::once(dir.join(file))
+                    .chain(versions.iter().map(|v| dir.join(v.to_string()).join(file)))
+                    .collect()
+            }
         };
         candidates
             .iter()
@@ -846,7 +885,7 @@ max_device_mib = 16
         ] {
             std::fs::write(m.join("config.toml"), typo).unwrap();
             let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
-            assert!(e.contains("unknown field"), "{typo}: {e}");
+            assert!(e.contains("unrecognized field name"), "{typo}: {e}");
         }
         std::fs::write(m.join("config.toml"), "backend = \"stablehlo\"").unwrap();
         let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());

@@ -110,6 +110,18 @@ fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
         shm.push(shm_param(&format!("input `{}`", i.name), &i.parameters)?);
     }
     let in_band = shm.iter().filter(|s| s.is_none()).count();
+    // Triton checks that no input has typed contents when raw contents are used before it
+    // counts them, and answers in its own words (its grpc_explicit_int_content_client.py
+    // looks for them).
+    if !r.raw_input_contents.is_empty()
+        && let Some(i) = r
+            .inputs
+            .iter()
+            .zip(&shm)
+            .find(|(i, s)| s.is_none() && i.contents.is_some())
+    {
+        return Err(super::wording::contents_with_raw(&i.0.name, &r.model_name));
+    }
     if !r.raw_input_contents.is_empty() && r.raw_input_contents.len() != in_band {
         return Err(ServeError::bad_request(format!(
             "{} raw_input_contents for {} inputs (not in shared memory)",
@@ -445,7 +457,7 @@ impl GrpcInferenceService for Service {
             name: m.name.clone(),
             versions: vec![VERSION.into()],
             platform: "tpubox".into(),
-            inputs: t(&m.metadata.inputs),
+            inputs: t(&m.client_inputs()),
             outputs: t(&m.metadata.outputs),
         }))
     }
@@ -786,9 +798,18 @@ impl GrpcInferenceService for Service {
 
     async fn cuda_shared_memory_status(
         &self,
-        _r: Request<CudaSharedMemoryStatusRequest>,
+        r: Request<CudaSharedMemoryStatusRequest>,
     ) -> Result<Response<CudaSharedMemoryStatusResponse>, Status> {
-        Err(Status::invalid_argument(super::rest::CUDA_SHM_REFUSED))
+        let name = &r.get_ref().name;
+        self.server
+            .cuda_shm_status(
+                auth(&r).as_deref(),
+                (!name.is_empty()).then_some(name.as_str()),
+            )
+            .map_err(status)?;
+        Ok(Response::new(CudaSharedMemoryStatusResponse {
+            regions: Default::default(),
+        }))
     }
 
     async fn cuda_shared_memory_register(
@@ -800,9 +821,12 @@ impl GrpcInferenceService for Service {
 
     async fn cuda_shared_memory_unregister(
         &self,
-        _r: Request<CudaSharedMemoryUnregisterRequest>,
+        r: Request<CudaSharedMemoryUnregisterRequest>,
     ) -> Result<Response<CudaSharedMemoryUnregisterResponse>, Status> {
-        Err(Status::invalid_argument(super::rest::CUDA_SHM_REFUSED))
+        self.server
+            .cuda_shm_unregister(auth(&r).as_deref())
+            .map_err(status)?;
+        Ok(Response::new(CudaSharedMemoryUnregisterResponse {}))
     }
 }
 
@@ -1060,11 +1084,27 @@ mod tests {
             // Raw contents for some inputs only.
             (
                 vec![
+                    model_infer_request::InferInputTensor {
+                        contents: None,
+                        ..input("a", "FP32", &[1], InferTensorContents::default())
+                    },
+                    model_infer_request::InferInputTensor {
+                        contents: None,
+                        ..input("b", "FP32", &[1], InferTensorContents::default())
+                    },
+                ],
+                vec![vec![0u8; 4]],
+                "raw_input_contents for 2 inputs",
+            ),
+            // Typed contents beside raw ones: Triton's words, before the raw ones are counted
+            // (its grpc_explicit_int_content_client.py sends one raw entry for two inputs).
+            (
+                vec![
                     input("a", "FP32", &[1], InferTensorContents::default()),
                     input("b", "FP32", &[1], InferTensorContents::default()),
                 ],
                 vec![vec![0u8; 4]],
-                "raw_input_contents for 2 inputs",
+                "contents field must not be specified when using raw_input_contents for 'a' for model ''",
             ),
             // A negative dimension.
             (

@@ -42,6 +42,7 @@ pub mod rest;
 pub mod sequence;
 pub mod shm;
 pub mod stablehlo;
+pub mod triton_schema;
 pub mod wording;
 
 use std::collections::BTreeMap;
@@ -582,6 +583,37 @@ impl Server {
     ) -> ServeResult<Vec<shm::RegionStatus>> {
         let t = self.access.identify(authorization)?;
         self.shm.status(&t.entry.name, name)
+    }
+
+    /// CUDA shared memory's status: no region is ever registered (registering is refused,
+    /// [`rest::CUDA_SHM_REFUSED`]), so the caller's regions are none, and a named one is not
+    /// found, in Triton's words. Triton's clients ask it, and unregister all, to clean up
+    /// before they register anything; so both are answered, as Triton answers them on a
+    /// server with no CUDA region.
+    ///
+    /// Errors: unauthenticated; bad request for a `name`.
+    pub fn cuda_shm_status(
+        &self,
+        authorization: Option<&str>,
+        name: Option<&str>,
+    ) -> ServeResult<()> {
+        self.access.identify(authorization)?;
+        match name {
+            Some(n) => Err(ServeError::bad_request(format!(
+                "Unable to find cuda shared memory region: '{n}'"
+            ))),
+            None => Ok(()),
+        }
+    }
+
+    /// Unregisters the caller's CUDA shared-memory regions (or its region `name`): there are
+    /// none ([`Server::cuda_shm_status`]), so this succeeds, as Triton's unregister of a
+    /// region it does not hold does.
+    ///
+    /// Errors: unauthenticated.
+    pub fn cuda_shm_unregister(&self, authorization: Option<&str>) -> ServeResult<()> {
+        self.access.identify(authorization)?;
+        Ok(())
     }
 
     /// The metrics text.

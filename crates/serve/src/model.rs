@@ -324,6 +324,13 @@ impl Model {
             Some(json) => ModelConfig::from_override(dir, json)?,
             None => ModelConfig::load(dir)?,
         };
+        if !config.ignored.is_empty() {
+            tracing::warn!(
+                model = name,
+                fields = config.ignored.join(", "),
+                "the configuration sets Triton fields tpubox does not implement; they are ignored"
+            );
+        }
         // Where each instance runs, decided before anything loads: a device the host lacks
         // fails the load here.
         let devices = config
@@ -502,9 +509,25 @@ impl Model {
         self.queues.iter().map(|q| q.len()).sum()
     }
 
+    /// The inputs a client sends, as the model's metadata and configuration show them: those
+    /// the model declares but the sequence control inputs the server fills, unless the
+    /// configuration lists them in `input` too (Triton shows the configured inputs).
+    pub fn client_inputs(&self) -> Vec<TensorDecl> {
+        let controls = control_inputs(&self.config);
+        self.metadata
+            .inputs
+            .iter()
+            .filter(|d| {
+                !controls.contains(&d.name.as_str())
+                    || self.config.input.iter().any(|c| c.name == d.name)
+            })
+            .cloned()
+            .collect()
+    }
+
     /// The Triton JSON configuration.
     pub fn config_json(&self) -> serde_json::Value {
-        let ins: Vec<_> = self.metadata.inputs.iter().map(to_dims).collect();
+        let ins: Vec<_> = self.client_inputs().iter().map(to_dims).collect();
         let outs: Vec<_> = self.metadata.outputs.iter().map(to_dims).collect();
         triton_json(
             &self.name,
@@ -838,10 +861,22 @@ fn names(ds: &[TensorDecl]) -> String {
         .join(", ")
 }
 
-/// The configuration's `input`/`output`, where given, must be what the guest declares.
+/// The configuration's `input`/`output`, where given, must be what the guest declares. The
+/// inputs of a sequence model are the configured ones plus its control inputs, which Triton's
+/// configurations name only in `sequence_batching.control_input` (its `simple_sequence`); a
+/// configuration that also lists them in `input` is taken as well.
 fn check_declared(config: &ModelConfig, m: &GuestMetadata) -> Result<()> {
+    let controls = control_inputs(config);
+    let declared_inputs: Vec<TensorDecl> = m
+        .inputs
+        .iter()
+        .filter(|d| {
+            !controls.contains(&d.name.as_str()) || config.input.iter().any(|c| c.name == d.name)
+        })
+        .cloned()
+        .collect();
     for (what, cfg, decl) in [
-        ("input", &config.input, &m.inputs),
+        ("input", &config.input, &declared_inputs),
         ("output", &config.output, &m.outputs),
     ] {
         if cfg.is_empty() {
@@ -876,6 +911,15 @@ fn check_declared(config: &ModelConfig, m: &GuestMetadata) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// The names of the configuration's sequence control inputs (none without sequence batching).
+fn control_inputs(config: &ModelConfig) -> Vec<&str> {
+    config
+        .sequence_batching
+        .iter()
+        .flat_map(|sb| sb.control_input.iter().map(|c| c.name.as_str()))
+        .collect()
 }
 
 /// Sends each request of `batch` its part of the outputs.

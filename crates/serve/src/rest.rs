@@ -104,6 +104,16 @@ pub fn router(server: Arc<Server>) -> Router {
             "/v2/systemsharedmemory/region/{r}/unregister",
             post(shm_unregister_one),
         )
+        .route("/v2/cudasharedmemory/status", get(cuda_shm_status_all))
+        .route(
+            "/v2/cudasharedmemory/region/{r}/status",
+            get(cuda_shm_status_one),
+        )
+        .route("/v2/cudasharedmemory/unregister", post(cuda_shm_unregister))
+        .route(
+            "/v2/cudasharedmemory/region/{r}/unregister",
+            post(cuda_shm_unregister),
+        )
         .route("/v2/cudasharedmemory/{*rest}", get(cuda_shm).post(cuda_shm))
         .fallback(not_found)
         .method_not_allowed_fallback(method_not_allowed)
@@ -165,11 +175,31 @@ async fn shm_unregister_one(State(s): S, headers: HeaderMap, Path(r): Path<Strin
     Ok(StatusCode::OK.into_response())
 }
 
+async fn cuda_shm_status_all(State(s): S, headers: HeaderMap) -> R<axum::Json<Value>> {
+    s.cuda_shm_status(auth(&headers), None)?;
+    Ok(axum::Json(json!([])))
+}
+
+async fn cuda_shm_status_one(
+    State(s): S,
+    headers: HeaderMap,
+    Path(r): Path<String>,
+) -> R<axum::Json<Value>> {
+    s.cuda_shm_status(auth(&headers), Some(&r))?;
+    Ok(axum::Json(json!([])))
+}
+
+async fn cuda_shm_unregister(State(s): S, headers: HeaderMap) -> R<Response> {
+    s.cuda_shm_unregister(auth(&headers))?;
+    Ok(StatusCode::OK.into_response())
+}
+
+/// Registering CUDA shared memory (and any other CUDA shared-memory path).
 async fn cuda_shm() -> ErrorResponse {
     ErrorResponse(ServeError::bad_request(CUDA_SHM_REFUSED))
 }
 
-/// The answer to every CUDA shared-memory call.
+/// The answer to a CUDA shared-memory registration.
 pub const CUDA_SHM_REFUSED: &str = "CUDA shared memory is not supported: tpubox shares no device memory with clients (the device may be a TPU, and is shared by tenants); use system shared memory (/v2/systemsharedmemory)";
 
 async fn not_found() -> ErrorResponse {
@@ -223,7 +253,7 @@ pub fn metadata_json(m: &Model) -> Value {
         "name": m.name,
         "versions": [VERSION],
         "platform": "tpubox",
-        "inputs": t(&m.metadata.inputs),
+        "inputs": t(&m.client_inputs()),
         "outputs": t(&m.metadata.outputs),
     })
 }

@@ -95,7 +95,7 @@ impl Sequencer {
     ///
     /// Errors: a control kind Triton does not define, a control input the model does not
     /// declare or declares with another datatype or a shape other than `[1]`, a flag without
-    /// two values, a CORRID type other than UINT64, INT64, UINT32, INT32, no READY-less model
+    /// two values, a CORRID type other than UINT64, INT64, UINT32, INT32, STRING, no READY-less model
     /// check (a model needs at least START or READY to know anything).
     pub fn new(
         model: &str,
@@ -134,10 +134,14 @@ impl Sequencer {
                         .unwrap_or(Datatype::Uint64);
                     if !matches!(
                         d,
-                        Datatype::Uint64 | Datatype::Int64 | Datatype::Uint32 | Datatype::Int32
+                        Datatype::Uint64
+                            | Datatype::Int64
+                            | Datatype::Uint32
+                            | Datatype::Int32
+                            | Datatype::Bytes
                     ) {
                         bail!(
-                            "control input `{}`: CORRID as {} is not supported (UINT64, INT64, UINT32, INT32)",
+                            "control input `{}`: CORRID as {} is not supported (UINT64, INT64, UINT32, INT32, STRING)",
                             ci.name,
                             d.name()
                         );
@@ -283,9 +287,20 @@ impl Sequencer {
     }
 }
 
-/// The correlation id as `d` (a string id as its 64-bit FNV-1a hash: models with numeric
-/// CORRIDs still tell string-named sequences apart).
+/// The correlation id as `d`: as `TYPE_STRING` (BYTES) the id's text, a number in decimal
+/// (as Triton fills a string CORRID); as a number a string id's 64-bit FNV-1a hash (models with
+/// numeric CORRIDs still tell string-named sequences apart).
 fn corrid_bytes(id: &SequenceId, d: Datatype) -> Vec<u8> {
+    if d == Datatype::Bytes {
+        let text = match id {
+            SequenceId::Number(n) => n.to_string(),
+            SequenceId::Text(t) => t.clone(),
+        };
+        let mut out = Vec::with_capacity(4 + text.len());
+        out.extend_from_slice(&(text.len() as u32).to_le_bytes());
+        out.extend_from_slice(text.as_bytes());
+        return out;
+    }
     let n = match id {
         SequenceId::Number(n) => *n,
         SequenceId::Text(t) => t.bytes().fold(0xcbf2_9ce4_8422_2325u64, |h, b| {

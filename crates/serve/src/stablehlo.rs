@@ -180,7 +180,12 @@ impl Plan {
         if s.programs.is_empty() {
             bail!("[tpubox.stablehlo] lists no program ([[tpubox.stablehlo.program]])");
         }
-        let batching = config.max_batch_size != Some(0);
+        // Without max_batch_size (config.pbtxt's 0 reads as unset, as protobuf has it), the
+        // programs say: batch sizes make a batched model.
+        let batching = match config.max_batch_size {
+            Some(m) => m > 0,
+            None => s.programs.iter().any(|p| p.batch_size.is_some()),
+        };
         let mut buckets = Vec::with_capacity(s.programs.len());
         for p in &s.programs {
             let path = dir.join(&p.file);
