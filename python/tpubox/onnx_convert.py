@@ -442,6 +442,14 @@ def load_model(path: str | os.PathLike[str]) -> Any:
             f"{p}: not a complete ONNX model ({size} bytes, no graph or no outputs: truncated "
             "or corrupt?)"
         )
+    if model.functions:
+        # Model-local functions (exporters' helpers): inlined, so that every node is an op.
+        try:
+            import onnx.inliner
+
+            model = onnx.inliner.inline_local_functions(model)
+        except Exception as e:
+            raise ConversionError(f"{p}: inlining its local functions fails: {e}") from None
     try:
         if model.ByteSize() < 2**31 - 1:
             onnx.checker.check_model(model)
@@ -731,20 +739,20 @@ class Lifted:
 
 
 def lift_weights(model: Any, inline_max_elements: int, keep_outputs: Sequence[str]) -> Lifted:
-    """A copy of MODEL whose initializers and ``Constant`` tensors of more than
-    INLINE_MAX_ELEMENTS elements are graph inputs instead (after the model's own inputs, in
-    initializer order), their values returned by name, and whose graph outputs are
-    KEEP_OUTPUTS in that order. Tensors read at a ``_CONSTANT_OPERANDS`` position stay
-    constants; initializers no node reads are dropped. Unique names are given to unnamed
-    nodes (``OpType_index``) so that the lowering's locations name them.
+    """MODEL (changed in place: a model of gigabytes is not copied) with its initializers and
+    ``Constant`` tensors of more than INLINE_MAX_ELEMENTS elements turned into graph inputs
+    (after the model's own inputs, in initializer order), their values returned by name, and
+    its graph outputs KEEP_OUTPUTS in that order. Tensors read at a ``_CONSTANT_OPERANDS``
+    position stay constants; initializers no node reads are dropped. Unique names are given to
+    unnamed nodes (``OpType_index``) so that the lowering's locations name them.
 
     Raises:
         ConversionError: a weight of a dtype the safetensors file cannot hold.
     """
-    onnx = _onnx()
+    _onnx()
     from onnx import helper, numpy_helper
 
-    m = copy.deepcopy(model)
+    m = model
     g = m.graph
     outs = {o.name: o for o in g.output}
     del g.output[:]
@@ -814,7 +822,6 @@ def lift_weights(model: Any, inline_max_elements: int, keep_outputs: Sequence[st
     for name, a in weights.items():
         if a.dtype.name not in {v[0] for v in _DTYPES.values()}:
             raise ConversionError(f"weight `{name}` has dtype {a.dtype}, which safetensors lacks")
-    del onnx
     return Lifted(m, weights, inline)
 
 
@@ -1365,12 +1372,11 @@ def _prepare(
     for kind, ts in (("input", layout.inputs), ("output", layout.outputs)):
         for t in ts:
             t.triton_type(f"{path}: {kind}")
+    ops = op_counts(model)
     lifted = lift_weights(model, inline_max_elements, [t.name for t in layout.outputs])
     node_types = {n.name: op_type_name(n) for n in _all_nodes(lifted.model.graph)}
     t2 = time.perf_counter()
-    return _Prepared(
-        model, layout, lifted, node_types, op_counts(model), {"load": t1 - t0, "lift": t2 - t1}
-    )
+    return _Prepared(model, layout, lifted, node_types, ops, {"load": t1 - t0, "lift": t2 - t1})
 
 
 def _unconverted_error(path: Path, where: str, u: _Unconverted) -> ConversionError:

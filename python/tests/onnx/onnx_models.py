@@ -94,7 +94,7 @@ def helper_graph(d: Path) -> tuple[Path, Feeds]:
 
 
 def static_graph(d: Path) -> tuple[Path, Feeds]:
-    """No batch dimension: x f32[3,4] @ W[4,2] + b, then Softmax: one program."""
+    """No batch dimension: x f32[3,4] @ W[4,5] + b, then Softmax: one program."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -107,10 +107,10 @@ def static_graph(d: Path) -> tuple[Path, Feeds]:
         ],
         "static_graph",
         [helper.make_tensor_value_info("x", TensorProto.FLOAT, [3, 4])],
-        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 2])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, [3, 5])],
         [
-            numpy_helper.from_array(r.standard_normal((4, 2)).astype(np.float32), "W"),
-            numpy_helper.from_array(r.standard_normal((2,)).astype(np.float32), "b"),
+            numpy_helper.from_array(r.standard_normal((4, 5)).astype(np.float32), "W"),
+            numpy_helper.from_array(r.standard_normal((5,)).astype(np.float32), "b"),
         ],
     )
     model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
@@ -122,8 +122,8 @@ def static_graph(d: Path) -> tuple[Path, Feeds]:
 
 
 def unknown_op_graph(d: Path) -> Path:
-    """A batched graph with an op of a custom domain (``com.example.FancyNorm``) and a
-    standard op torch-mlir has no conversion for (``Det``) between supported ones."""
+    """A batched graph with an op of a custom domain (``com.example.FancyNorm``, node
+    ``fancy``) between supported ones, and a ``Det``."""
     import onnx
     from onnx import TensorProto, helper, numpy_helper
 
@@ -154,6 +154,63 @@ def unknown_op_graph(d: Path) -> Path:
     path = d / "model.onnx"
     onnx.save(model, path)
     return path
+
+
+def det_graph(d: Path) -> Path:
+    """A standard ONNX op torch-mlir converts to torch but not to StableHLO (``Det``, node
+    ``determinant``) beside a Relu."""
+    import onnx
+    from onnx import TensorProto, helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("Relu", ["x"], ["r"]),
+            helper.make_node("Det", ["sq"], ["det"], name="determinant"),
+        ],
+        "det_graph",
+        [
+            helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("sq", TensorProto.FLOAT, ["N", 3, 3]),
+        ],
+        [
+            helper.make_tensor_value_info("r", TensorProto.FLOAT, ["N", 4]),
+            helper.make_tensor_value_info("det", TensorProto.FLOAT, ["N"]),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 17)])
+    model.ir_version = 8
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "model.onnx"
+    onnx.save(model, path)
+    return path
+
+
+def two_dynamic_dims(d: Path) -> tuple[Path, Feeds]:
+    """x f32[N, S, 4] (batch ``N`` and sequence ``S`` both symbolic) @ W[4, 6] -> Softmax over
+    the last axis, then ReduceMean over S: y f32[N, 6]."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "W"], ["h"]),
+            helper.make_node("Softmax", ["h"], ["p"], axis=-1),
+            helper.make_node("ReduceMean", ["p", "axes"], ["y"], keepdims=0),
+        ],
+        "two_dynamic_dims",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", "S", 4])],
+        [helper.make_tensor_value_info("y", TensorProto.FLOAT, ["N", 6])],
+        [
+            numpy_helper.from_array(_rng(3).standard_normal((4, 6)).astype(np.float32), "W"),
+            numpy_helper.from_array(np.array([1], np.int64), "axes"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 18)])
+    model.ir_version = 8
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "model.onnx"
+    onnx.save(model, path)
+    return path, lambda bs: {"x": _rng(500 + bs).standard_normal((bs, 5, 4)).astype(np.float32)}
 
 
 class _TorchNet:
@@ -219,7 +276,7 @@ def torch_exported(d: Path) -> tuple[Path, Feeds]:
     return path, feeds
 
 
-def tiny_bert(d: Path, seq: int = 8) -> tuple[Path, Feeds]:
+def tiny_bert(d: Path) -> tuple[Path, Feeds]:
     """A 2-layer BERT (hidden 32, 4 heads, vocab 100) from ``transformers.BertConfig``, random
     weights, exported with inputs ``input_ids``, ``attention_mask``, ``token_type_ids``
     (int64 [batch, seq], batch dynamic) and outputs ``last_hidden_state``, ``pooler_output``."""
@@ -252,6 +309,7 @@ def tiny_bert(d: Path, seq: int = 8) -> tuple[Path, Feeds]:
             )
             return o.last_hidden_state, o.pooler_output
 
+    seq = BERT_SEQ
     ids = torch.randint(0, 100, (2, seq))
     mask = torch.ones(2, seq, dtype=torch.int64)
     tt = torch.zeros(2, seq, dtype=torch.int64)
@@ -270,17 +328,23 @@ def tiny_bert(d: Path, seq: int = 8) -> tuple[Path, Feeds]:
         verbose=False,
     )
 
-    def feeds(bs: int) -> dict[str, np.ndarray]:
-        g = _rng(300 + bs)
-        mask = np.ones((bs, seq), np.int64)
-        mask[:, seq - 2 :] = g.integers(0, 2, (bs, 2))  # some padding
-        return {
-            "input_ids": g.integers(0, 100, (bs, seq)).astype(np.int64),
-            "attention_mask": mask,
-            "token_type_ids": (np.arange(seq)[None, :] >= seq // 2).astype(np.int64).repeat(bs, 0),
-        }
+    return path, tiny_bert_feeds
 
-    return path, feeds
+
+BERT_SEQ = 8
+
+
+def tiny_bert_feeds(bs: int, seq: int = BERT_SEQ) -> dict[str, np.ndarray]:
+    """Inputs of :func:`tiny_bert` for batch size BS: random ids, a mask with some padding in
+    the last two positions, two token types."""
+    g = _rng(300 + bs)
+    mask = np.ones((bs, seq), np.int64)
+    mask[:, seq - 2 :] = g.integers(0, 2, (bs, 2))
+    return {
+        "input_ids": g.integers(0, 100, (bs, seq)).astype(np.int64),
+        "attention_mask": mask,
+        "token_type_ids": (np.arange(seq)[None, :] >= seq // 2).astype(np.int64).repeat(bs, 0),
+    }
 
 
 def tiny_resnet(d: Path) -> tuple[Path, Feeds]:
