@@ -416,7 +416,8 @@ def load_model(path: str | os.PathLike[str]) -> Any:
 
     Raises:
         ConversionError: the file is missing, empty, does not parse as an ONNX model
-            (truncated or corrupt), or the ONNX checker refuses it; the message names PATH.
+            (truncated or corrupt: "truncated or corrupt?"), or the ONNX checker refuses it
+            ("an invalid or damaged model"); the message names PATH.
     """
     onnx = _onnx()
     from google.protobuf.message import DecodeError
@@ -457,7 +458,7 @@ def load_model(path: str | os.PathLike[str]) -> Any:
             onnx.checker.check_model(str(p))
     except Exception as e:  # onnx.checker.ValidationError, and C++ errors surfacing as others
         raise ConversionError(
-            f"{p}: the ONNX checker refuses it (truncated or corrupt?): "
+            f"{p}: the ONNX checker refuses it (an invalid or damaged model): "
             f"{_first_lines(str(e), 6)}"
         ) from None
     return model
@@ -851,13 +852,23 @@ def specialise(model: Any, layout: Layout, batch_size: int | None) -> Any:
                 size = layout.dim_sizes[d.dim_param]
                 d.Clear()
                 d.dim_value = size
-    # Shapes inferred for the symbolic sizes are stale: infer them again.
+    # Shapes inferred for the symbolic sizes are stale: infer them again. The outputs' batch
+    # dimension (the symbol of the inputs' batch dimension) and the sized symbols are set, as
+    # ONNX shape inference leaves the declared shapes of some outputs (function ops such as
+    # GroupNormalization) as they are; other symbolic dims are cleared for it to fill.
+    batch_syms = {t.dims[0] for t in layout.inputs if layout.batched and t.dims and isinstance(t.dims[0], str)}
     del g.value_info[:]
     for vi in g.output:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
-            for d in vi.type.tensor_type.shape.dim:
-                if not d.HasField("dim_value"):
-                    d.Clear()
+            for i, d in enumerate(vi.type.tensor_type.shape.dim):
+                if d.HasField("dim_value"):
+                    continue
+                sym = d.dim_param if d.HasField("dim_param") else None
+                d.Clear()
+                if i == 0 and sym in batch_syms:
+                    d.dim_value = int(batch_size)  # type: ignore[arg-type]
+                elif sym in layout.dim_sizes:
+                    d.dim_value = layout.dim_sizes[sym]
     try:
         return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
     except Exception as e:  # InferenceError
@@ -1172,6 +1183,24 @@ def lower_model(
             except Exception as e:
                 detail = _diagnostics(e)
                 blamed = _blamed_ops(e, node_types, module)
+                if not blamed:
+                    # The diagnostic may point at a constant (its location lost to CSE) left
+                    # by an op without a pattern: the ops the failed pass left (the passes
+                    # before it stay applied) carry their nodes' locations.
+                    left = _ops(
+                        module,
+                        lambda o: o.name.startswith("torch.")
+                        and not o.name.startswith(("torch.constant.", "torch.prim.ListConstruct")),
+                    )
+                    for o in left:
+                        for n in _node_names_of(o.location):
+                            if n in node_types:
+                                blamed.setdefault(node_types[n], [])
+                                if n not in blamed[node_types[n]]:
+                                    blamed[node_types[n]].append(n)
+                    if left:
+                        names = sorted({o.name for o in left})
+                        detail = f"left unconverted: {', '.join(names[:8])}; {detail}"
                 if blamed:
                     raise _Unconverted(blamed, f"{pipeline}: {detail}") from None
                 raise ConversionError(f"{pipeline}: {detail}") from None
@@ -1355,6 +1384,63 @@ class _Prepared:
     node_types: dict[str, str]
     ops: dict[str, int]
     seconds: dict[str, float]
+    upgrade_tried: bool = False
+    opset_upgrade: dict[str, Any] | None = None
+
+
+# Models of an older default-domain opset whose ops do not convert are upgraded to this one with
+# onnx.version_converter and tried again: torch-mlir's patterns follow the current forms of the
+# ops (Softmax over one axis since opset 13, Unsqueeze's axes as an input, ...).
+UPGRADE_OPSET = 18
+
+
+def _default_opset(model: Any) -> int | None:
+    return next((int(o.version) for o in model.opset_import if o.domain in ("", "ai.onnx")), None)
+
+
+def _lower_one(
+    prep: _Prepared, bs: int | None, precision: str, fmt: str, target_version: str | None
+) -> Lowered:
+    """The program of batch size BS. When ops do not convert and the model's opset is below
+    ``UPGRADE_OPSET``, the (lifted) model is upgraded once and tried again; if that converts,
+    PREP holds the upgraded model from then on (and ``opset_upgrade`` says so), else the first
+    failure stands.
+
+    Raises:
+        _Unconverted, ConversionError: as :func:`lower_model`.
+    """
+    m = specialise(prep.lifted.model, prep.layout, bs)
+    try:
+        return lower_model(m, prep.node_types, precision, fmt, target_version)
+    except _Unconverted as u:
+        old = _default_opset(prep.lifted.model)
+        if prep.upgrade_tried or old is None or old >= UPGRADE_OPSET:
+            raise
+        prep.upgrade_tried = True
+        try:
+            from onnx import version_converter
+
+            up = version_converter.convert_version(prep.lifted.model, UPGRADE_OPSET)
+        except Exception:
+            raise u from None
+        seen: set[str] = set()
+        for i, node in enumerate(_all_nodes(up.graph)):
+            if not node.name or node.name in seen:
+                node.name = f"{node.op_type}_u{i}"
+            seen.add(node.name)
+        node_types = {n.name: op_type_name(n) for n in _all_nodes(up.graph)}
+        try:
+            low = lower_model(specialise(up, prep.layout, bs), node_types, precision, fmt, target_version)
+        except (_Unconverted, ConversionError):
+            raise u from None
+        prep.lifted.model = up
+        prep.node_types = node_types
+        prep.opset_upgrade = {
+            "from": old,
+            "to": UPGRADE_OPSET,
+            "why": f"at opset {old}: " + ", ".join(sorted(u.ops)) + " do not convert",
+        }
+        return low
 
 
 def _prepare(
@@ -1435,9 +1521,8 @@ def convert(
     first: Lowered | None = None
     for bs in layout.batch_sizes if layout.batched else [None]:
         where = f" at batch size {bs}" if bs is not None else ""
-        m = specialise(prep.lifted.model, layout, bs)
         try:
-            low = lower_model(m, prep.node_types, prec, fmt, target_version)
+            low = _lower_one(prep, bs, prec, fmt, target_version)
         except _Unconverted as u:
             raise _unconverted_error(p, where, u) from None
         except ConversionError as e:
@@ -1495,6 +1580,7 @@ def convert(
         "ops": prep.ops,
         "dims": layout.dim_sizes,
         "notes": layout.notes,
+        "opset_upgrade": prep.opset_upgrade,
         "seconds": {
             "load": round(prep.seconds["load"], 3),
             "lift": round(prep.seconds["lift"], 3),
@@ -1571,13 +1657,17 @@ def check(
         {"file": ..., "ok": bool, "batched": bool, "max_batch_size": 8,
          "inputs": [{"name", "data_type", "dims"}],  # dims as in the model ("batch" symbolic)
          "outputs": [...],
-         "ops": {"Conv": {"nodes": 1, "converts": [1, 2, 4, 8], "fails": []}, ...},
+         "ops": {"Conv": {"nodes": 1, "converts": [1, 2, 4, 8], "fails": [], "unchecked": []},
+                 ...},
          "batch_sizes": {"1": {"ok": true, "seconds": 0.4}, "2": {"ok": false, "error": ...,
                          "ops": ["Det"]}},   # "all" for a model without a batch dimension
          "weights": {"count", "bytes", "inline_constants"}, "notes": [...]}
 
-    ``converts`` lists the batch sizes at which that op's nodes all lowered (``[null]`` for an
-    unbatched model), ``fails`` those at which one did not.
+    ``converts`` lists the batch sizes at which the whole program lowered (``[null]`` for an
+    unbatched model), ``fails`` those at which a node of that op did not, ``unchecked`` those
+    at which the lowering stopped at another op first (torch-mlir's later passes stop at the
+    first failure; the first, ONNX -> torch, is re-run past each failed op type, so that every
+    op type without a conversion pattern is named).
 
     Raises:
         ConversionError: the file cannot be read or checked, or the configuration does not fit
@@ -1587,27 +1677,29 @@ def check(
     prep = _prepare(p, batch_sizes, config_pbtxt, dims, inline_max_elements)
     layout = prep.layout
     ops: dict[str, dict[str, Any]] = {
-        k: {"nodes": v, "converts": [], "fails": []} for k, v in prep.ops.items()
+        k: {"nodes": v, "converts": [], "fails": [], "unchecked": []} for k, v in prep.ops.items()
     }
     per: dict[str, Any] = {}
     for bs in layout.batch_sizes if layout.batched else [None]:
         key = str(bs) if bs is not None else "all"
         where = f" at batch size {bs}" if bs is not None else ""
         failed: set[str] = set()
+        ok = False
         try:
-            m = specialise(prep.lifted.model, layout, bs)
-            low = lower_model(m, prep.node_types, "HIGHEST", "text", None)
+            low = _lower_one(prep, bs, "HIGHEST", "text", None)
             _check_signature(p, layout, prep.lifted, low, bs)
             per[key] = {"ok": True, "seconds": round(low.seconds, 3)}
+            ok = True
         except _Unconverted as u:
             failed = set(u.ops)
             e = _unconverted_error(p, where, u)
             per[key] = {"ok": False, "error": str(e), "ops": e.ops, "nodes": e.nodes}
         except ConversionError as e:
-            failed = set(ops)  # nothing is known to convert
-            per[key] = {"ok": False, "error": f"{p}{where}: {e}" if not str(e).startswith(str(p)) else str(e), "ops": []}
+            msg = str(e) if str(e).startswith(str(p)) else f"{p}{where}: {e}"
+            per[key] = {"ok": False, "error": msg, "ops": []}
         for k, v in ops.items():
-            (v["fails"] if k in failed else v["converts"]).append(bs)
+            # A failed program says nothing of the ops not blamed: the lowering stopped early.
+            (v["converts"] if ok else v["fails"] if k in failed else v["unchecked"]).append(bs)
     return {
         "file": str(p),
         "ok": all(v["ok"] for v in per.values()),
@@ -1624,6 +1716,7 @@ def check(
         },
         "dims": layout.dim_sizes,
         "notes": layout.notes,
+        "opset_upgrade": prep.opset_upgrade,
     }
 
 
@@ -1657,12 +1750,25 @@ def _check_text(report: dict[str, Any]) -> str:
             status.append(f"converts at {conv}" if report["batched"] else "converts")
         if v["fails"]:
             status.append(f"does not convert at {fails}" if report["batched"] else "does not convert")
+        if v["unchecked"]:
+            unk = ", ".join("all" if b is None else str(b) for b in v["unchecked"])
+            status.append(
+                f"not checked at {unk} (the lowering stopped at another op)"
+                if report["batched"]
+                else "not checked (the lowering stopped at another op)"
+            )
         lines.append(f"    {k:<{width}}  x{v['nodes']:<3} {'; '.join(status)}")
     for key, v in report["batch_sizes"].items():
         label = f"batch size {key}" if key != "all" else "program"
         lines.append(f"  {label}: " + (f"ok ({v['seconds']} s)" if v["ok"] else v["error"]))
     for n in report["notes"]:
         lines.append(f"  note: {n}")
+    up = report.get("opset_upgrade")
+    if up:
+        lines.append(
+            f"  note: converted after upgrading opset {up['from']} to {up['to']} with "
+            f"onnx.version_converter ({up['why']})"
+        )
     lines.append("ok" if report["ok"] else "does not convert")
     return "\n".join(lines)
 
