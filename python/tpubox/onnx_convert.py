@@ -25,11 +25,22 @@ Why this one, and not ONNX -> PyTorch -> the existing ``torch.export`` path:
   ``onnx2pytorch``) are small third-party projects that re-implement each op as a torch module
   and trail new opsets;
 - it needs no PyTorch: the importer and the passes are torch-mlir's own MLIR build (its wheel
-  asks only for NumPy and packaging, ``onnx`` for this importer), so the venv is about 400 MB,
+  asks only for NumPy and packaging, ``onnx`` for this importer), so the venv is about 450 MB,
   not the 6 GB of PyPI's CUDA torch;
 - it is one hop: ONNX -> torch dialect -> StableHLO inside one MLIR context, with no Python
   model re-execution or tracing in between, and the ONNX node names survive as MLIR locations,
   so an op that does not convert is named by its node.
+
+Measured with the pinned venv (torch-mlir 20261001, onnx 1.23.2; single-op graphs at batch
+size 2, each program run on the CPU and compared with ONNX Runtime 1.32.0, rtol 1e-4): the
+elementwise, comparison and logical ops, Cast, Clip, MatMul (broadcasting), Gemm, Einsum, Conv
+(groups, dilation, strides), ConvTranspose, MaxPool, AveragePool, Global*Pool,
+BatchNormalization, InstanceNormalization, GroupNormalization, LayerNormalization, LRN,
+(Log)Softmax, Gelu, Reshape, Flatten, Transpose, (Un)Squeeze, Concat, Split, Slice, Gather,
+GatherElements, GatherND, ScatterND, Expand, Tile, Pad (constant), the Reduce ops, ArgMax/Min,
+TopK, CumSum, Range, Shape chains, Depth/SpaceToDepth, Trilu, OneHot, Dropout and Resize
+(through the rewrite below) convert; Softsign, ScatterElements, Pad (reflect), NonZero, LSTM,
+GRU, Attention (opset 23) and If do not (torch-mlir leaves them unlowered), and are named.
 
 What this module adds around it (checked from outside, issue 49: the importer gives StableHLO
 that ``tpubox exec`` runs, but only for static shapes, and with the weights as inline
@@ -54,11 +65,26 @@ constants):
   its faster bf16 passes), and each program is written as portable VHLO bytecode for the
   StableHLO version of 12 weeks' compatibility (``--format text`` writes StableHLO text; the
   daemon's XLA may be older than torch-mlir's StableHLO).
-- **ops that do not convert are named.** After ``convert-torch-onnx-to-torch`` every
-  ``torch.operator`` left is an ONNX op torch-mlir has no pattern for (at that shape); if a
-  later pass fails, the ops left outside StableHLO are traced back to their ONNX nodes by their
-  locations. The error lists the op types (``ops that do not convert: Det, com.example.Foo``)
-  and the nodes.
+- **Resize is rewritten** (torch-mlir lowers it to ``aten.__interpolate``, which has no
+  StableHLO pattern): along each resized axis, gathers of the input at constant indices,
+  weighted and summed (nearest: one, linear: two, cubic: four), the indices and weights
+  computed from the ONNX spec's coordinate transformations (all but ``tf_crop_and_resize``;
+  not ``antialias`` when shrinking). These index and weight tables (one entry per output
+  position) stay inline constants: they are the op's arithmetic, not weights.
+- **older opsets are upgraded once when ops do not convert**: a model below opset 18 whose
+  ops do not convert is upgraded with ``onnx.version_converter`` and tried again (torch-mlir's
+  patterns know the current forms of Softmax, Unsqueeze, Upsample, ...); ``opset_upgrade`` in
+  the plan says so. If the upgraded model does not convert either, the first failure is
+  reported.
+- **ops that do not convert are named.** ``convert-torch-onnx-to-torch`` stops at the first
+  op it has no pattern for: that op type's nodes are stubbed out and the pass re-run, so every
+  such op type is named. Ops of other domains than ONNX's (``com.example.Foo``; torch-mlir's
+  importer drops the domain, so they would get a standard op's meaning) are named without
+  trying them, and what depends on them is not tried. If a later pass fails, the ops it left
+  are traced back to their ONNX nodes by their locations (these passes stop at the first
+  failure: ``--check`` says which ops it could not check). The error lists the op types and
+  nodes: ``ops that do not convert to StableHLO at batch size 1: Det (determinant),
+  com.example.Foo (foo) [the passes' message]``.
 
 Outputs in DIR:
 
@@ -89,6 +115,8 @@ Outputs in DIR:
          "weights": {"count": 9, "bytes": 4660, "inline_constants": 3},
          "ops": {"Conv": 1, "Relu": 2, ...},          # op type (domain.Op outside ONNX's) -> nodes
          "dims": {"sequence": 5},                     # symbolic dims given a size
+         "notes": [],                                 # e.g. batch sizes given for an unbatched model
+         "opset_upgrade": null,                       # or {"from": 11, "to": 18, "why": "..."}
          "seconds": {"load": 0.01, "lift": 0.0, "programs": {"1": 0.41, ...}, "total": 1.9}}
 
     ``input``/``output`` are Triton's fields (dims without the batch dimension, every dim
@@ -870,9 +898,230 @@ def specialise(model: Any, layout: Layout, batch_size: int | None) -> Any:
                 elif sym in layout.dim_sizes:
                     d.dim_value = layout.dim_sizes[sym]
     try:
-        return onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+        m = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
     except Exception as e:  # InferenceError
         raise ConversionError(f"ONNX shape inference fails: {_first_lines(str(e), 4)}") from None
+    if _rewrite_resizes(m):
+        try:
+            m = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+        except Exception as e:
+            raise ConversionError(f"ONNX shape inference fails: {_first_lines(str(e), 4)}") from None
+    return m
+
+
+# Suffix of the nodes that stand for one node of the model (Resize's gathers): errors name the
+# model's node.
+_DERIVED = "/tpubox:"
+
+_FLOAT_TYPES = {1, 10, 11, 16}  # FLOAT, FLOAT16, DOUBLE, BFLOAT16
+
+
+def _rewrite_resizes(model: Any) -> int:
+    """Replaces, in MODEL (static shapes inferred; changed in place), every ``Resize`` that
+    torch-mlir cannot lower (it leaves ``aten.__interpolate``) by what it computes along each
+    resized axis: ``Gather``s of the input at constant indices, weighted by constant
+    coefficients and summed (one gather for ``nearest``, two for ``linear``, four for
+    ``cubic``); the indices and weights follow the ONNX Resize spec (opset 11-19:
+    ``coordinate_transformation_mode`` half_pixel, half_pixel_symmetric, pytorch_half_pixel,
+    align_corners, asymmetric; ``nearest_mode``; ``cubic_coeff_a``; ``exclude_outside``) and
+    are checked against ONNX Runtime by the tests. Left as they are (and then named as not
+    converting): ``tf_crop_and_resize``, ``antialias`` when shrinking, scales that are not
+    constants, non-float inputs to ``linear``/``cubic``, unknown shapes. Returns how many
+    were replaced."""
+    from onnx import helper, numpy_helper
+
+    g = model.graph
+    if (_default_opset(model) or 0) < 11:
+        return 0
+    static: dict[str, list[int]] = {}
+    types: dict[str, int] = {}
+    for vi in list(g.input) + list(g.value_info) + list(g.output):
+        if not vi.type.HasField("tensor_type"):
+            continue
+        tt = vi.type.tensor_type
+        types[vi.name] = tt.elem_type
+        if tt.HasField("shape") and all(d.HasField("dim_value") for d in tt.shape.dim):
+            static[vi.name] = [int(d.dim_value) for d in tt.shape.dim]
+    consts: dict[str, np.ndarray] = {i.name: numpy_helper.to_array(i) for i in g.initializer}
+    for node in g.node:
+        if node.op_type == "Constant" and len(node.output) == 1:
+            for a in node.attribute:
+                if a.name == "value" and a.HasField("t"):
+                    consts[node.output[0]] = numpy_helper.to_array(a.t)
+    for i in g.initializer:
+        types.setdefault(i.name, i.data_type)
+        static.setdefault(i.name, list(i.dims))
+    new_nodes: list[Any] = []
+    new_inits: list[Any] = []
+    count = 0
+    for node in g.node:
+        plan = _resize_plan(node, static, types, consts)
+        if plan is None:
+            new_nodes.append(node)
+            continue
+        count += 1
+        cur = node.input[0]
+        rank = len(static[cur])
+        dtype = _DTYPES[types[cur]][0]
+        steps = [(ax, taps) for ax, taps in plan]
+        for si, (axis, (idx, w)) in enumerate(steps):
+            base = f"{node.name}{_DERIVED}ax{axis}"
+            terms = []
+            for k in range(idx.shape[0]):
+                iname = f"{base}/idx{k}"
+                new_inits.append(numpy_helper.from_array(idx[k].astype(np.int64), iname))
+                gname = f"{base}/g{k}"
+                new_nodes.append(helper.make_node("Gather", [cur, iname], [gname], axis=axis, name=gname))
+                if w is None:
+                    terms.append(gname)
+                    continue
+                wname = f"{base}/w{k}"
+                shape = [idx.shape[1]] + [1] * (rank - 1 - axis)
+                arr = w[k].reshape(shape).astype(np.dtype(dtype) if dtype != "bfloat16" else np.float32)
+                new_inits.append(numpy_helper.from_array(arr, wname))
+                if dtype == "bfloat16":  # (NumPy has no bfloat16: a float32 constant, cast)
+                    cname = f"{wname}/cast"
+                    new_nodes.append(helper.make_node("Cast", [wname], [cname], to=16, name=cname))
+                    wname = cname
+                mname = f"{base}/m{k}"
+                new_nodes.append(helper.make_node("Mul", [gname, wname], [mname], name=mname))
+                terms.append(mname)
+            acc = terms[0]
+            for k, t in enumerate(terms[1:], start=1):
+                aname = f"{base}/s{k}"
+                new_nodes.append(helper.make_node("Add", [acc, t], [aname], name=aname))
+                acc = aname
+            cur = acc
+        new_nodes.append(
+            helper.make_node("Identity", [cur], [node.output[0]], name=f"{node.name}{_DERIVED}out")
+        )
+    if count:
+        del g.node[:]
+        g.node.extend(new_nodes)
+        g.initializer.extend(new_inits)
+    return count
+
+
+def _resize_plan(
+    node: Any, static: dict[str, list[int]], types: dict[str, int], consts: dict[str, np.ndarray]
+) -> list[tuple[int, tuple[np.ndarray, np.ndarray | None]]] | None:
+    """For a ``Resize`` NODE that can be rewritten: per resized axis, (indices [K, n_out],
+    weights [K, n_out] or None for nearest). None: leave the node."""
+    if node.op_type != "Resize" or node.domain not in ("", "ai.onnx") or len(node.input) < 3:
+        return None
+    from onnx import helper
+
+    attrs = {a.name: helper.get_attribute_value(a) for a in node.attribute}
+
+    def text(name: str, default: str) -> str:
+        v = attrs.get(name, default)
+        return v.decode() if isinstance(v, bytes) else str(v)
+
+    mode = text("mode", "nearest")
+    ctm = text("coordinate_transformation_mode", "half_pixel")
+    nearest_mode = text("nearest_mode", "round_prefer_floor")
+    a = float(attrs.get("cubic_coeff_a", -0.75))
+    exclude = bool(attrs.get("exclude_outside", 0))
+    antialias = bool(attrs.get("antialias", 0))
+    x, y = node.input[0], node.output[0]
+    if mode not in ("nearest", "linear", "cubic") or ctm == "tf_crop_and_resize":
+        return None
+    if x not in static or y not in static or len(static[x]) != len(static[y]):
+        return None
+    if mode != "nearest" and types.get(x) not in _FLOAT_TYPES:
+        return None
+    if types.get(x) not in _DTYPES:
+        return None
+    rank = len(static[x])
+    scales: list[float] | None = None
+    sname = node.input[2]
+    if sname:
+        if sname not in consts:
+            return None
+        sv = consts[sname].astype(np.float32).reshape(-1)
+        if sv.size:
+            axes = [int(v) % rank for v in attrs.get("axes", list(range(rank)))]
+            if len(axes) != sv.size:
+                return None
+            scales = [1.0] * rank
+            for ax, s in zip(axes, sv):
+                scales[ax] = float(s)
+    out: list[tuple[int, tuple[np.ndarray, np.ndarray | None]]] = []
+    for axis in range(rank):
+        n_in, n_out = static[x][axis], static[y][axis]
+        s = np.float32(scales[axis]) if scales is not None else np.float32(n_out) / np.float32(n_in)
+        if n_in == n_out and s == 1:
+            continue
+        if antialias and mode != "nearest" and s < 1:
+            return None
+        taps = _resize_taps(n_in, n_out, s, mode, ctm, nearest_mode, a, exclude)
+        if taps is None:
+            return None
+        out.append((axis, taps))
+    return out
+
+
+def _resize_taps(
+    n_in: int, n_out: int, scale: Any, mode: str, ctm: str, nearest_mode: str, a: float,
+    exclude: bool,
+) -> tuple[np.ndarray, np.ndarray | None] | None:
+    """Indices [K, n_out] into the input axis and weights [K, n_out] (None for nearest) of a
+    1-D ONNX Resize from N_IN to N_OUT with SCALE (float32, as ONNX Runtime computes it)."""
+    j = np.arange(n_out, dtype=np.float32)
+    s = np.float32(scale)
+    half = np.float32(0.5)
+    if ctm == "half_pixel":
+        xo = (j + half) / s - half
+    elif ctm == "half_pixel_symmetric":
+        adj = np.float32(n_out) / (np.float32(n_in) * s)
+        center = np.float32(n_in) / np.float32(2)
+        xo = center * (np.float32(1) - adj) + (j + half) / s - half
+    elif ctm == "pytorch_half_pixel":
+        xo = (j + half) / s - half if n_out > 1 else np.zeros_like(j)
+    elif ctm == "align_corners":
+        xo = j * np.float32(n_in - 1) / np.float32(n_out - 1) if n_out > 1 else np.zeros_like(j)
+    elif ctm == "asymmetric":
+        xo = j / s
+    else:
+        return None
+    xo = xo.astype(np.float64)
+    if mode == "nearest":
+        fl = np.floor(xo)
+        is_half = (xo - fl) == 0.5
+        if nearest_mode == "round_prefer_floor":
+            i = np.where(is_half, fl, np.floor(xo + 0.5))
+        elif nearest_mode == "round_prefer_ceil":
+            i = np.where(is_half, fl + 1, np.floor(xo + 0.5))
+        elif nearest_mode == "floor":
+            i = fl
+        elif nearest_mode == "ceil":
+            i = np.ceil(xo)
+        else:
+            return None
+        return np.clip(i, 0, n_in - 1).astype(np.int64)[None, :], None
+    x0 = np.floor(xo)
+    t = xo - x0
+    if mode == "linear":
+        offs = np.array([0, 1])
+        w = np.stack([1 - t, t])
+    else:  # cubic, Keys' kernel with coefficient A
+        offs = np.array([-1, 0, 1, 2])
+
+        def kern(d: np.ndarray) -> np.ndarray:
+            d = np.abs(d)
+            return np.where(
+                d <= 1,
+                ((a + 2) * d - (a + 3)) * d * d + 1,
+                np.where(d < 2, ((a * d - 5 * a) * d + 8 * a) * d - 4 * a, 0.0),
+            )
+
+        w = np.stack([kern(t - o) for o in offs])
+    idx = x0[None, :] + offs[:, None]
+    if exclude:
+        inside = (idx >= 0) & (idx <= n_in - 1)
+        w = np.where(inside, w, 0.0)
+        w = w / w.sum(axis=0, keepdims=True)
+    return np.clip(idx, 0, n_in - 1).astype(np.int64), w
 
 
 # ---------------------------------------------------------------------------------------------
@@ -925,7 +1174,9 @@ _LOC_NAME = re.compile(r'loc\("((?:[^"\\]|\\.)*)"')
 
 
 def _node_names_of(loc: Any) -> list[str]:
-    return _LOC_NAME.findall(str(loc))
+    """The ONNX node names in an MLIR location (a node the converter derived from one of the
+    model's, ``name/tpubox:...``, by that one's)."""
+    return [n.split(_DERIVED)[0] for n in _LOC_NAME.findall(str(loc))]
 
 
 def _op_name(op: Any) -> str:

@@ -213,6 +213,84 @@ def two_dynamic_dims(d: Path) -> tuple[Path, Feeds]:
     return path, lambda bs: {"x": _rng(500 + bs).standard_normal((bs, 5, 4)).astype(np.float32)}
 
 
+def old_opset_graph(d: Path) -> tuple[Path, Feeds]:
+    """Opset 11 forms torch-mlir has no pattern for: Softmax over axis 1 of a rank-3 tensor
+    (before opset 13 it flattens the axes from 1 on into one), Unsqueeze with an ``axes``
+    attribute; then ReduceMean and Split with attributes and a Clip. x f32[N, 5, 4] ->
+    y1 f32[N, 5, 2], y2 f32[N, 5, 4]."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node("MatMul", ["x", "W"], ["h"]),
+            helper.make_node("Softmax", ["h"], ["s"], axis=1),
+            helper.make_node("Unsqueeze", ["s"], ["u"], axes=[1]),
+            helper.make_node("ReduceMean", ["u"], ["m"], axes=[1], keepdims=0),
+            helper.make_node("Split", ["m"], ["a", "y2"], axis=2, split=[2, 4]),
+            helper.make_node("Clip", ["a", "lo", "hi"], ["y1"]),
+        ],
+        "old_opset_graph",
+        [helper.make_tensor_value_info("x", TensorProto.FLOAT, ["N", 5, 4])],
+        [
+            helper.make_tensor_value_info("y1", TensorProto.FLOAT, ["N", 5, 2]),
+            helper.make_tensor_value_info("y2", TensorProto.FLOAT, ["N", 5, 4]),
+        ],
+        [
+            numpy_helper.from_array(_rng(4).standard_normal((4, 6)).astype(np.float32), "W"),
+            numpy_helper.from_array(np.array(0.02, np.float32), "lo"),
+            numpy_helper.from_array(np.array(0.05, np.float32), "hi"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 11)])
+    model.ir_version = 6
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "model.onnx"
+    onnx.save(model, path)
+    return path, lambda bs: {"x": _rng(600 + bs).standard_normal((bs, 5, 4)).astype(np.float32)}
+
+
+def resize_graph(d: Path) -> tuple[Path, Feeds]:
+    """Three Resizes of img f32[N, 3, 8, 8] (opset 19), which the converter rewrites into
+    gathers: nearest x2 (asymmetric, floor: what PyTorch's ``interpolate(mode="nearest")``
+    exports) -> near f32[N, 3, 16, 16]; linear to sizes 12 x 20 (``axes`` 2, 3; half_pixel) -> lin
+    f32[N, 3, 12, 20]; cubic x1.5 / x0.5 (A = -0.5, exclude_outside) -> cub f32[N, 3, 12, 4]."""
+    import onnx
+    from onnx import TensorProto, helper, numpy_helper
+
+    graph = helper.make_graph(
+        [
+            helper.make_node(
+                "Resize", ["img", "", "s2"], ["near"], mode="nearest",
+                coordinate_transformation_mode="asymmetric", nearest_mode="floor",
+            ),
+            helper.make_node("Resize", ["img", "", "", "size"], ["lin"], mode="linear", axes=[2, 3]),
+            helper.make_node(
+                "Resize", ["img", "", "s3"], ["cub"], mode="cubic", cubic_coeff_a=-0.5,
+                exclude_outside=1,
+            ),
+        ],  # fmt: skip
+        "resize_graph",
+        [helper.make_tensor_value_info("img", TensorProto.FLOAT, ["N", 3, 8, 8])],
+        [
+            helper.make_tensor_value_info("near", TensorProto.FLOAT, ["N", 3, 16, 16]),
+            helper.make_tensor_value_info("lin", TensorProto.FLOAT, ["N", 3, 12, 20]),
+            helper.make_tensor_value_info("cub", TensorProto.FLOAT, ["N", 3, 12, 4]),
+        ],
+        [
+            numpy_helper.from_array(np.array([1, 1, 2, 2], np.float32), "s2"),
+            numpy_helper.from_array(np.array([1, 1, 1.5, 0.5], np.float32), "s3"),
+            numpy_helper.from_array(np.array([12, 20], np.int64), "size"),
+        ],
+    )
+    model = helper.make_model(graph, opset_imports=[helper.make_opsetid("", 19)])
+    model.ir_version = 9
+    d.mkdir(parents=True, exist_ok=True)
+    path = d / "model.onnx"
+    onnx.save(model, path)
+    return path, lambda bs: {"img": _rng(700 + bs).standard_normal((bs, 3, 8, 8)).astype(np.float32)}
+
+
 class _TorchNet:
     """Built lazily: torch is imported only by the tests that export from PyTorch."""
 
@@ -230,7 +308,8 @@ class _TorchNet:
 
             def forward(self, img: Any, ids: Any) -> Any:
                 h = torch.nn.functional.gelu(self.bn(self.conv(img)))
-                h = torch.nn.functional.max_pool2d(h, 2)
+                h = torch.nn.functional.interpolate(h, scale_factor=2, mode="bilinear")
+                h = torch.nn.functional.max_pool2d(h, 4)
                 h = self.fc(h.flatten(1))
                 t = self.emb(ids).mean(dim=1)
                 return torch.softmax(h + t, dim=-1), torch.tanh(h) * 2
@@ -244,8 +323,9 @@ class _TorchNet:
 
 
 def torch_exported(d: Path) -> tuple[Path, Feeds]:
-    """A small conv + BatchNorm + GELU + max-pool + Linear + Embedding module exported by
-    ``torch.onnx.export`` (the dynamo exporter, onnxscript) with a dynamic batch dimension."""
+    """A small conv + BatchNorm + GELU + bilinear upsampling + max-pool + Linear + Embedding
+    module exported by ``torch.onnx.export`` (the dynamo exporter, onnxscript) with a dynamic
+    batch dimension."""
     import torch
 
     net = _TorchNet.make()

@@ -205,6 +205,28 @@ def test_symbolic_dims_need_a_size(models_dir: Path, converter) -> None:
     _check_against_onnxruntime(model, out, plan, feeds)
 
 
+def test_resize(models_dir: Path, converter) -> None:
+    """Resize (nearest, linear, cubic), which torch-mlir leaves unlowered, rewritten into
+    gathers: equal to ONNX Runtime."""
+    model, feeds = onnx_models.resize_graph(models_dir / "resize")
+    out = models_dir / "resize.out"
+    plan = converter.convert(model, out, "--batch-sizes", "1,2")
+    assert plan["ops"] == {"Resize": 3}
+    _check_against_onnxruntime(model, out, plan, feeds)
+
+
+def test_old_opset_upgraded(models_dir: Path, converter) -> None:
+    """Opset-11 ops without a torch-mlir pattern: the model is upgraded to opset 18 with
+    onnx.version_converter and converts; the plan says so."""
+    model, feeds = onnx_models.old_opset_graph(models_dir / "old_opset")
+    out = models_dir / "old_opset.out"
+    plan = converter.convert(model, out, "--batch-sizes", "1,3")
+    up = plan["opset_upgrade"]
+    assert up["from"] == 11 and up["to"] == 18
+    assert "Softmax" in up["why"] and "Unsqueeze" in up["why"]
+    _check_against_onnxruntime(model, out, plan, feeds)
+
+
 def test_config_pbtxt(helper_graph, models_dir: Path, converter) -> None:
     """Triton's config.pbtxt decides max_batch_size, the default batch sizes, and which outputs
     the programs return; its names, types and dims are checked against the model."""
@@ -271,6 +293,7 @@ def test_torch_onnx_export(models_dir: Path, converter) -> None:
     plan = converter.convert(model, out, "--batch-sizes", "1,2,5")
     assert [p["batch_size"] for p in plan["stablehlo"]["program"]] == [1, 2, 5]
     assert plan["input"][1] == {"name": "ids", "data_type": "TYPE_INT64", "dims": [6]}
+    assert "Resize" in plan["ops"]  # the bilinear upsampling
     _check_against_onnxruntime(model, out, plan, feeds)
     _check_weights(model, out, plan)
 
