@@ -464,8 +464,10 @@ def load_model(path: str | os.PathLike[str]) -> Any:
             f"{p}: not a readable ONNX model ({size} bytes: truncated or corrupt?): "
             f"protobuf: {e}"
         ) from None
-    except (OSError, ValueError) as e:
-        raise ConversionError(f"{p}: cannot load the ONNX model or its external data: {e}") from None
+    except Exception as e:  # OSError, onnx's ValidationError for missing external data, ...
+        raise ConversionError(
+            f"{p}: cannot load the ONNX model or its external data: {_first_lines(str(e), 3)}"
+        ) from None
     if not model.HasField("graph") or not model.graph.output:
         raise ConversionError(
             f"{p}: not a complete ONNX model ({size} bytes, no graph or no outputs: truncated "
@@ -750,6 +752,10 @@ def plan_layout(
     for k, v in sizes.items():
         if v < 1:
             raise ConversionError(f"{what}: --dim {k}={v}: sizes must be positive")
+    named = {d for t in inputs for d in (t.dims or []) if isinstance(d, str)}
+    for k in dim_sizes:
+        if k not in named:
+            notes.append(f"--dim {k}: no input has a dimension named `{k}`")
     return Layout(batched, max_bs, bss, sizes, inputs, outputs, notes)
 
 
@@ -1779,6 +1785,12 @@ def convert(
         except ConversionError as e:
             raise ConversionError(f"{p}{where}: {e}") from None
         _check_signature(p, layout, prep.lifted, low, bs)
+        if first is not None and _io(layout, low) != _io(layout, first):
+            raise ConversionError(
+                f"{p}{where}: the inputs and outputs after the batch dimension differ from "
+                f"those at batch size {layout.batch_sizes[0]}: {_io(layout, low)} vs "
+                f"{_io(layout, first)}"
+            )
         first = first or low
         name = f"model.b{bs}.{ext}" if bs is not None else f"model.{ext}"
         files[name] = low.data
@@ -1871,6 +1883,12 @@ def _check_signature(p: Path, layout: Layout, lifted: Lifted, low: Lowered, bs: 
                 f"{p}{where}: weight `{name}` is {dt}{dims} in the program, {w.dtype}{list(w.shape)} in the model"
             )
     if bs is not None:
+        for t, (dt, dims) in zip(layout.inputs, low.param_types):
+            if not dims or dims[0] != bs:
+                raise ConversionError(
+                    f"{p}{where}: input `{t.name}` is {dt}{dims} in the program: its first "
+                    f"dimension is not the batch ({bs})"
+                )
         for t, (dt, dims) in zip(layout.outputs, low.result_types):
             if not dims or dims[0] != bs:
                 raise ConversionError(
@@ -2051,7 +2069,8 @@ def _parse_dim(s: str) -> tuple[str, int]:
 def main(argv: Sequence[str] | None = None) -> int:
     """The command line (module docstring). Returns the exit status: 0 done (for ``--check``:
     every batch size converts), 1 an error or ops that do not convert (one line on stderr,
-    ``tpubox.onnx_convert: error: ...``), 2 a usage error (argparse's)."""
+    ``tpubox.onnx_convert: error: ...``; an unexpected exception too, its traceback only with
+    ``TPUBOX_ONNX_CONVERT_TRACEBACK=1``), 2 a usage error (argparse's)."""
     ap = argparse.ArgumentParser(
         prog=f"python -m {PROG}",
         description="Convert an ONNX model into a StableHLO model directory for tpubox serve "
@@ -2110,6 +2129,18 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     except ConversionError as e:
         print(f"{PROG}: error: {e}", file=sys.stderr)
+        return 1
+    except Exception as e:  # a bug: one line for the caller, the traceback on request
+        if os.environ.get("TPUBOX_ONNX_CONVERT_TRACEBACK"):
+            import traceback
+
+            traceback.print_exc()
+        print(
+            f"{PROG}: error: {args.model}: internal error of the converter: "
+            f"{type(e).__name__}: {_first_lines(str(e), 4)} (TPUBOX_ONNX_CONVERT_TRACEBACK=1 "
+            "prints the traceback)",
+            file=sys.stderr,
+        )
         return 1
     progs = ", ".join(p["file"] for p in plan["stablehlo"]["program"])
     print(

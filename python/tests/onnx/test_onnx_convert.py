@@ -381,6 +381,24 @@ def test_damaged_file(helper_graph, models_dir: Path, converter, damage: str) ->
     assert not (bad.parent / "out").exists()
 
 
+def test_external_data(helper_graph, models_dir: Path, converter) -> None:
+    """Weights in an external data file beside the model (as exporters write models over
+    2 GB): read and lifted as from the model itself; a missing file is named."""
+    src, out0, _, feeds = helper_graph
+    d = models_dir / "external"
+    d.mkdir(exist_ok=True)
+    m = onnx.load(str(src))
+    onnx.save(m, str(d / "model.onnx"), save_as_external_data=True, location="weights.bin", size_threshold=64)
+    assert (d / "weights.bin").is_file()
+    plan = converter.convert(d / "model.onnx", d / "out", "--batch-sizes", "2")
+    assert (d / "out" / "weights.safetensors").read_bytes() == (out0 / "weights.safetensors").read_bytes()
+    _check_against_onnxruntime(src, d / "out", plan, feeds)
+    (d / "weights.bin").rename(d / "elsewhere.bin")
+    r = converter.run(d / "model.onnx", "--out", d / "out2", ok=False)
+    assert r.returncode == 1
+    assert "cannot load the ONNX model or its external data" in r.stderr and "weights.bin" in r.stderr
+
+
 def test_usage_errors(helper_graph, converter) -> None:
     model = helper_graph[0]
     r = converter.run(model, ok=False)
