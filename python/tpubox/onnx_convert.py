@@ -115,7 +115,7 @@ Outputs in DIR:
          "weights": {"count": 9, "bytes": 4660, "inline_constants": 3},
          "ops": {"Conv": 1, "Relu": 2, ...},          # op type (domain.Op outside ONNX's) -> nodes
          "dims": {"sequence": 5},                     # symbolic dims given a size
-         "notes": [],                                 # e.g. batch sizes given for an unbatched model
+         "notes": [],                                 # e.g. batch sizes of an unbatched model
          "opset_upgrade": null,                       # or {"from": 11, "to": 18, "why": "..."}
          "seconds": {"load": 0.01, "lift": 0.0, "programs": {"1": 0.41, ...}, "total": 1.9}}
 
@@ -432,8 +432,7 @@ def _onnx() -> Any:
         import onnx
     except ImportError:
         raise ConversionError(
-            "the onnx package is missing: run the converter in the venv of "
-            "scripts/venvs/onnx.txt"
+            "the onnx package is missing: run the converter in the venv of scripts/venvs/onnx.txt"
         ) from None
     return onnx
 
@@ -461,8 +460,7 @@ def load_model(path: str | os.PathLike[str]) -> Any:
         model = onnx.load(str(p))
     except DecodeError as e:
         raise ConversionError(
-            f"{p}: not a readable ONNX model ({size} bytes: truncated or corrupt?): "
-            f"protobuf: {e}"
+            f"{p}: not a readable ONNX model ({size} bytes: truncated or corrupt?): protobuf: {e}"
         ) from None
     except Exception as e:  # OSError, onnx's ValidationError for missing external data, ...
         raise ConversionError(
@@ -643,8 +641,7 @@ def plan_layout(
         if pbtxt.inputs and len(pbtxt.inputs) != len(inputs):
             missing = [t.name for t in inputs if t.name not in {p.name for p in pbtxt.inputs}]
             raise ConversionError(
-                f"{what}: config.pbtxt does not declare the model's input(s) "
-                f"{', '.join(missing)}"
+                f"{what}: config.pbtxt does not declare the model's input(s) {', '.join(missing)}"
             )
         for pt in pbtxt.outputs:
             if pt.name not in by_name_out:
@@ -704,7 +701,7 @@ def plan_layout(
                     "a batch dimension; config.pbtxt's max_batch_size > 0 needs a dynamic one "
                     "(or set max_batch_size: 0)"
                 )
-        batch_params = {t.dims[0] for t in inputs if isinstance(t.dims[0], str)}  # type: ignore[index]
+        batch_params = {t.dims[0] for t in inputs if t.dims and isinstance(t.dims[0], str)}
         for p in batch_params:
             if p in sizes:
                 raise ConversionError(
@@ -715,7 +712,9 @@ def plan_layout(
         if batch_sizes:
             bss = sorted(set(int(b) for b in batch_sizes))
         elif max_bs:
-            bss = sorted({1 << i for i in range(max_bs.bit_length()) if 1 << i <= max_bs} | {max_bs})
+            bss = sorted(
+                {1 << i for i in range(max_bs.bit_length()) if 1 << i <= max_bs} | {max_bs}
+            )
         else:
             bss = list(DEFAULT_BATCH_SIZES)
         if bss[0] < 1:
@@ -803,7 +802,11 @@ def lift_weights(model: Any, inline_max_elements: int, keep_outputs: Sequence[st
     as_constant: set[str] = set()
     read: set[str] = set()
     for node in _all_nodes(g):
-        positions = _CONSTANT_OPERANDS.get(node.op_type, frozenset()) if node.domain in ("", "ai.onnx") else frozenset()
+        positions = (
+            _CONSTANT_OPERANDS.get(node.op_type, frozenset())
+            if node.domain in ("", "ai.onnx")
+            else frozenset()
+        )
         for j, name in enumerate(node.input):
             read.add(name)
             if j in positions:
@@ -825,7 +828,9 @@ def lift_weights(model: Any, inline_max_elements: int, keep_outputs: Sequence[st
             continue
         weights[init.name] = _to_array(numpy_helper, init)
         if init.name not in input_names:
-            new_inputs.append(helper.make_tensor_value_info(init.name, init.data_type, list(init.dims)))
+            new_inputs.append(
+                helper.make_tensor_value_info(init.name, init.data_type, list(init.dims))
+            )
     del g.initializer[:]
     g.initializer.extend(kept)
     # Constant nodes of the main graph holding a large tensor: lifted the same way.
@@ -890,7 +895,9 @@ def specialise(model: Any, layout: Layout, batch_size: int | None) -> Any:
     # dimension (the symbol of the inputs' batch dimension) and the sized symbols are set, as
     # ONNX shape inference leaves the declared shapes of some outputs (function ops such as
     # GroupNormalization) as they are; other symbolic dims are cleared for it to fill.
-    batch_syms = {t.dims[0] for t in layout.inputs if layout.batched and t.dims and isinstance(t.dims[0], str)}
+    batch_syms = {
+        t.dims[0] for t in layout.inputs if layout.batched and t.dims and isinstance(t.dims[0], str)
+    }
     del g.value_info[:]
     for vi in g.output:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
@@ -904,14 +911,20 @@ def specialise(model: Any, layout: Layout, batch_size: int | None) -> Any:
                 elif sym in layout.dim_sizes:
                     d.dim_value = layout.dim_sizes[sym]
     try:
-        m = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+        m = onnx.shape_inference.infer_shapes(
+            m, check_type=False, strict_mode=False, data_prop=True
+        )
     except Exception as e:  # InferenceError
         raise ConversionError(f"ONNX shape inference fails: {_first_lines(str(e), 4)}") from None
     if _rewrite_resizes(m):
         try:
-            m = onnx.shape_inference.infer_shapes(m, check_type=False, strict_mode=False, data_prop=True)
+            m = onnx.shape_inference.infer_shapes(
+                m, check_type=False, strict_mode=False, data_prop=True
+            )
         except Exception as e:
-            raise ConversionError(f"ONNX shape inference fails: {_first_lines(str(e), 4)}") from None
+            raise ConversionError(
+                f"ONNX shape inference fails: {_first_lines(str(e), 4)}"
+            ) from None
     return m
 
 
@@ -969,21 +982,26 @@ def _rewrite_resizes(model: Any) -> int:
         cur = node.input[0]
         rank = len(static[cur])
         dtype = _DTYPES[types[cur]][0]
-        steps = [(ax, taps) for ax, taps in plan]
-        for si, (axis, (idx, w)) in enumerate(steps):
+        for axis, (idx, w) in plan:
             base = f"{node.name}{_DERIVED}ax{axis}"
             terms = []
             for k in range(idx.shape[0]):
                 iname = f"{base}/idx{k}"
                 new_inits.append(numpy_helper.from_array(idx[k].astype(np.int64), iname))
                 gname = f"{base}/g{k}"
-                new_nodes.append(helper.make_node("Gather", [cur, iname], [gname], axis=axis, name=gname))
+                new_nodes.append(
+                    helper.make_node("Gather", [cur, iname], [gname], axis=axis, name=gname)
+                )
                 if w is None:
                     terms.append(gname)
                     continue
                 wname = f"{base}/w{k}"
                 shape = [idx.shape[1]] + [1] * (rank - 1 - axis)
-                arr = w[k].reshape(shape).astype(np.dtype(dtype) if dtype != "bfloat16" else np.float32)
+                arr = (
+                    w[k]
+                    .reshape(shape)
+                    .astype(np.dtype(dtype) if dtype != "bfloat16" else np.float32)
+                )
                 new_inits.append(numpy_helper.from_array(arr, wname))
                 if dtype == "bfloat16":  # (NumPy has no bfloat16: a float32 constant, cast)
                     cname = f"{wname}/cast"
@@ -1068,7 +1086,13 @@ def _resize_plan(
 
 
 def _resize_taps(
-    n_in: int, n_out: int, scale: Any, mode: str, ctm: str, nearest_mode: str, a: float,
+    n_in: int,
+    n_out: int,
+    scale: Any,
+    mode: str,
+    ctm: str,
+    nearest_mode: str,
+    a: float,
     exclude: bool,
 ) -> tuple[np.ndarray, np.ndarray | None] | None:
     """Indices [K, n_out] into the input axis and weights [K, n_out] (None for nearest) of a
@@ -1185,11 +1209,6 @@ def _node_names_of(loc: Any) -> list[str]:
     return [n.split(_DERIVED)[0] for n in _LOC_NAME.findall(str(loc))]
 
 
-def _op_name(op: Any) -> str:
-    o = op.operation if hasattr(op, "operation") else op
-    return str(o.name)
-
-
 def _ops(module: Any, pred: Any) -> list[Any]:
     """The operations of MODULE (walked in order) for which PRED(operation) holds."""
     from torch_mlir import ir
@@ -1271,7 +1290,6 @@ def _onnx_to_torch(
         _Unconverted: op types that did not convert (-> the nodes named by the failures).
         ConversionError: the pass failed with no op to blame.
     """
-    from torch_mlir import ir
     from torch_mlir.passmanager import PassManager
 
     failed: dict[str, list[str]] = {k: list(v) for k, v in (known or {}).items()}
@@ -1382,7 +1400,9 @@ def _to_stablehlo_constants(module: Any) -> None:
             attr = ir.DenseElementsAttr.get(arr, type=rt) if arr.dtype != np.bool_ else None
             if attr is None:
                 continue
-            new = ir.Operation.create("stablehlo.constant", results=[rt], attributes={"value": attr})
+            new = ir.Operation.create(
+                "stablehlo.constant", results=[rt], attributes={"value": attr}
+            )
         o.results[0].replace_all_uses_with(new.results[0])
         o.erase()
         if not list(src.results[0].uses):
@@ -1446,8 +1466,12 @@ def lower_model(
                     # before it stay applied) carry their nodes' locations.
                     left = _ops(
                         module,
-                        lambda o: o.name.startswith("torch.")
-                        and not o.name.startswith(("torch.constant.", "torch.prim.ListConstruct")),
+                        lambda o: (
+                            o.name.startswith("torch.")
+                            and not o.name.startswith(
+                                ("torch.constant.", "torch.prim.ListConstruct")
+                            )
+                        ),
                     )
                     for o in left:
                         for n in _node_names_of(o.location):
@@ -1541,7 +1565,9 @@ def _stablehlo_target() -> str:
     from torch_mlir._mlir_libs import _stablehlo as shlo
 
     return str(
-        shlo.get_version_from_compatibility_requirement(shlo.StablehloCompatibilityRequirement.WEEK_12)
+        shlo.get_version_from_compatibility_requirement(
+            shlo.StablehloCompatibilityRequirement.WEEK_12
+        )
     )
 
 
@@ -1558,7 +1584,11 @@ def write_safetensors(path: str | os.PathLike[str], tensors: dict[str, np.ndarra
     for name, a in tensors.items():
         st = next(v[2] for v in _DTYPES.values() if v[0] == a.dtype.name)
         nbytes = a.size * a.dtype.itemsize
-        header[name] = {"dtype": st, "shape": list(a.shape), "data_offsets": [offset, offset + nbytes]}
+        header[name] = {
+            "dtype": st,
+            "shape": list(a.shape),
+            "data_offsets": [offset, offset + nbytes],
+        }
         offset += nbytes
     h = json.dumps(header, separators=(",", ":")).encode()
     h += b" " * (-len(h) % 8)
@@ -1602,7 +1632,7 @@ def config_toml(plan: dict[str, Any]) -> str:
     s = plan["stablehlo"]
     lines += ["[tpubox.stablehlo]", f"weights = {_toml_str(s['weights'])}", "parameters = ["]
     for p in s["parameters"]:
-        (k, v), = p.items()
+        ((k, v),) = p.items()
         lines.append(f"  {{ {k} = {_toml_str(v)} }},")
     lines += ["]", "results = [" + ", ".join(_toml_str(r) for r in s["results"]) + "]", ""]
     for prog in s["program"]:
@@ -1687,7 +1717,9 @@ def _lower_one(
             seen.add(node.name)
         node_types = {n.name: op_type_name(n) for n in _all_nodes(up.graph)}
         try:
-            low = lower_model(specialise(up, prep.layout, bs), node_types, precision, fmt, target_version)
+            low = lower_model(
+                specialise(up, prep.layout, bs), node_types, precision, fmt, target_version
+            )
         except (_Unconverted, ConversionError):
             raise u from None
         prep.lifted.model = up
@@ -1730,7 +1762,8 @@ def _unconverted_error(path: Path, where: str, u: _Unconverted) -> ConversionErr
         for k in ops
     )
     return ConversionError(
-        f"{path}: ops that do not convert to StableHLO{where}: {shown} [{_first_lines(u.detail, 3)[:600]}]",
+        f"{path}: ops that do not convert to StableHLO{where}: {shown} "
+        f"[{_first_lines(u.detail, 3)[:600]}]",
         ops,
         nodes,
     )
@@ -1822,7 +1855,11 @@ def convert(
             "path": "torch-mlir-onnx-importer",
             **_versions(),
             "program_format": "vhlo-bytecode" if fmt == "bytecode" else "stablehlo-text",
-            **({"stablehlo_target": target_version or _stablehlo_target()} if fmt == "bytecode" else {}),
+            **(
+                {"stablehlo_target": target_version or _stablehlo_target()}
+                if fmt == "bytecode"
+                else {}
+            ),
             "precision": prec,
             "inline_max_elements": inline_max_elements,
         },
@@ -1877,10 +1914,11 @@ def _check_signature(p: Path, layout: Layout, lifted: Lifted, low: Lowered, bs: 
             f"{p}{where}: the lowered program has {len(low.param_types)} parameters and "
             f"{len(low.result_types)} results, expected {n_params} and {len(layout.outputs)}"
         )
-    for (dt, dims), (name, w) in zip(low.param_types[len(layout.inputs):], lifted.weights.items()):
+    for (dt, dims), (name, w) in zip(low.param_types[len(layout.inputs) :], lifted.weights.items()):
         if list(w.shape) != dims:
             raise ConversionError(
-                f"{p}{where}: weight `{name}` is {dt}{dims} in the program, {w.dtype}{list(w.shape)} in the model"
+                f"{p}{where}: weight `{name}` is {dt}{dims} in the program, "
+                f"{w.dtype}{list(w.shape)} in the model"
             )
     if bs is not None:
         for t, (dt, dims) in zip(layout.inputs, low.param_types):
@@ -1999,11 +2037,14 @@ def _check_text(report: dict[str, Any]) -> str:
     lines = [f"{report['file']}:"]
     mbs = report["max_batch_size"]
     lines.append(
-        f"  batch dimension: {'yes, max_batch_size ' + str(mbs) if report['batched'] else 'none (one program)'}"
+        "  batch dimension: "
+        + (f"yes, max_batch_size {mbs}" if report["batched"] else "none (one program)")
     )
     for kind in ("inputs", "outputs"):
         for t in report[kind]:
-            lines.append(f"  {kind[:-1]} {t['name']}: {t['data_type']} {_fmt_dims(t['dims'] or [])}")
+            lines.append(
+                f"  {kind[:-1]} {t['name']}: {t['data_type']} {_fmt_dims(t['dims'] or [])}"
+            )
     w = report["weights"]
     lines.append(
         f"  weights: {w['count']} lifted into weights.safetensors ({w['bytes']} bytes), "
@@ -2018,7 +2059,9 @@ def _check_text(report: dict[str, Any]) -> str:
         if v["converts"]:
             status.append(f"converts at {conv}" if report["batched"] else "converts")
         if v["fails"]:
-            status.append(f"does not convert at {fails}" if report["batched"] else "does not convert")
+            status.append(
+                f"does not convert at {fails}" if report["batched"] else "does not convert"
+            )
         if v["unchecked"]:
             unk = ", ".join("all" if b is None else str(b) for b in v["unchecked"])
             status.append(
@@ -2050,7 +2093,9 @@ def _parse_batch_sizes(s: str) -> list[int]:
     try:
         out = [int(x) for x in s.split(",") if x.strip()]
     except ValueError:
-        raise argparse.ArgumentTypeError(f"batch sizes are counts joined by commas, not {s!r}") from None
+        raise argparse.ArgumentTypeError(
+            f"batch sizes are counts joined by commas, not {s!r}"
+        ) from None
     if not out or any(b < 1 for b in out):
         raise argparse.ArgumentTypeError(f"batch sizes must be positive counts, not {s!r}")
     return out

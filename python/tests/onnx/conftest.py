@@ -59,7 +59,9 @@ class Converter:
             timeout=timeout,
         )
         if ok:
-            assert r.returncode == 0, f"onnx_convert {args} failed ({r.returncode}):\n{r.stderr[-4000:]}"
+            assert r.returncode == 0, (
+                f"onnx_convert {args} failed ({r.returncode}):\n{r.stderr[-4000:]}"
+            )
         return r
 
     def convert(self, model: Path, out: Path, *args: Any) -> dict[str, Any]:

@@ -47,14 +47,18 @@ def helper_graph(d: Path) -> tuple[Path, Feeds]:
     ]
     nodes = [
         # image branch: [N,3,8,8] -> conv(stride 2) [N,4,4,4] -> relu -> [N,64] -> gemm [N,16]
-        helper.make_node("Conv", ["img", "conv.w", "conv.b"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]),
+        helper.make_node(
+            "Conv", ["img", "conv.w", "conv.b"], ["c"], pads=[1, 1, 1, 1], strides=[2, 2]
+        ),
         helper.make_node("Relu", ["c"], ["cr"]),
         helper.make_node("Reshape", ["cr", "flat_shape"], ["flat"]),
         helper.make_node("Gemm", ["flat", "fc.w", "fc.b"], ["g"], transB=1, alpha=0.5),
         helper.make_node("Relu", ["g"], ["gr"], name="relu_gemm"),
         # token branch: ids [N,5] -> gather [N,5,16] -> layernorm -> matmul [N,5,16]
         helper.make_node("Gather", ["emb", "ids"], ["e"], axis=0),
-        helper.make_node("LayerNormalization", ["e", "ln.scale", "ln.bias"], ["ln"], axis=-1, epsilon=1e-5),
+        helper.make_node(
+            "LayerNormalization", ["e", "ln.scale", "ln.bias"], ["ln"], axis=-1, epsilon=1e-5
+        ),
         helper.make_node("MatMul", ["ln", "proj"], ["lp"]),
         # join: [N,1,16] ++ [N,5,16] -> [N,6,16]; scores [N,6,6] = x @ x^T; softmax
         helper.make_node("Unsqueeze", ["gr", "axis1"], ["gu"]),
@@ -261,12 +265,22 @@ def resize_graph(d: Path) -> tuple[Path, Feeds]:
     graph = helper.make_graph(
         [
             helper.make_node(
-                "Resize", ["img", "", "s2"], ["near"], mode="nearest",
-                coordinate_transformation_mode="asymmetric", nearest_mode="floor",
+                "Resize",
+                ["img", "", "s2"],
+                ["near"],
+                mode="nearest",
+                coordinate_transformation_mode="asymmetric",
+                nearest_mode="floor",
             ),
-            helper.make_node("Resize", ["img", "", "", "size"], ["lin"], mode="linear", axes=[2, 3]),
             helper.make_node(
-                "Resize", ["img", "", "s3"], ["cub"], mode="cubic", cubic_coeff_a=-0.5,
+                "Resize", ["img", "", "", "size"], ["lin"], mode="linear", axes=[2, 3]
+            ),
+            helper.make_node(
+                "Resize",
+                ["img", "", "s3"],
+                ["cub"],
+                mode="cubic",
+                cubic_coeff_a=-0.5,
                 exclude_outside=1,
             ),
         ],  # fmt: skip
@@ -288,7 +302,9 @@ def resize_graph(d: Path) -> tuple[Path, Feeds]:
     d.mkdir(parents=True, exist_ok=True)
     path = d / "model.onnx"
     onnx.save(model, path)
-    return path, lambda bs: {"img": _rng(700 + bs).standard_normal((bs, 3, 8, 8)).astype(np.float32)}
+    return path, lambda bs: {
+        "img": _rng(700 + bs).standard_normal((bs, 3, 8, 8)).astype(np.float32)
+    }
 
 
 class _TorchNet:
@@ -402,7 +418,11 @@ def tiny_bert(d: Path) -> tuple[Path, Feeds]:
         str(path),
         input_names=["input_ids", "attention_mask", "token_type_ids"],
         output_names=["last_hidden_state", "pooler_output"],
-        dynamic_shapes={"input_ids": {0: batch}, "attention_mask": {0: batch}, "token_type_ids": {0: batch}},
+        dynamic_shapes={
+            "input_ids": {0: batch},
+            "attention_mask": {0: batch},
+            "token_type_ids": {0: batch},
+        },
         dynamo=True,
         external_data=False,
         verbose=False,
@@ -473,4 +493,6 @@ def tiny_resnet(d: Path) -> tuple[Path, Feeds]:
         external_data=False,
         verbose=False,
     )
-    return path, lambda bs: {"pixel_values": _rng(400 + bs).standard_normal((bs, 3, 32, 32)).astype(np.float32)}
+    return path, lambda bs: {
+        "pixel_values": _rng(400 + bs).standard_normal((bs, 3, 32, 32)).astype(np.float32)
+    }

@@ -67,8 +67,9 @@ def runner() -> str:
     return "exec" if tpubox_bin() is not None else "jax"
 
 
-def run_program(model_dir: Path, plan: dict[str, Any], batch_size: int | None,
-                feeds: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
+def run_program(
+    model_dir: Path, plan: dict[str, Any], batch_size: int | None, feeds: dict[str, np.ndarray]
+) -> dict[str, np.ndarray]:
     """Runs the program of BATCH_SIZE (None: the only one) of the converted MODEL_DIR on
     FEEDS (input name -> array); returns output name -> array."""
     s = plan["stablehlo"]

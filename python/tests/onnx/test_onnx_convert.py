@@ -122,9 +122,7 @@ def test_helper_graph_plan(helper_graph) -> None:
     assert {p["weight"] for p in s["parameters"][2:]} == {
         "conv.w", "fc.w", "fc.b", "emb", "ln.scale", "ln.bias", "proj",
     }  # fmt: skip
-    assert s["program"] == [
-        {"batch_size": b, "file": f"model.b{b}.mlirbc"} for b in (1, 2, 4, 8)
-    ]
+    assert s["program"] == [{"batch_size": b, "file": f"model.b{b}.mlirbc"} for b in (1, 2, 4, 8)]
     assert plan["ops"] == {
         "Concat": 1, "Conv": 1, "Gather": 1, "Gemm": 1, "LayerNormalization": 1, "MatMul": 2,
         "Relu": 2, "Reshape": 1, "Softmax": 1, "Transpose": 1, "Unsqueeze": 1,
@@ -148,7 +146,10 @@ def test_helper_graph_check(helper_graph, converter) -> None:
     report = json.loads(r.stdout)
     assert report["ok"] and report["batched"] and report["max_batch_size"] == 4
     assert report["ops"]["LayerNormalization"] == {
-        "nodes": 1, "converts": [2, 4], "fails": [], "unchecked": []
+        "nodes": 1,
+        "converts": [2, 4],
+        "fails": [],
+        "unchecked": [],
     }
     assert set(report["batch_sizes"]) == {"2", "4"}
     assert report["inputs"][0] == {"name": "img", "data_type": "TYPE_FP32", "dims": ["N", 3, 8, 8]}
@@ -188,7 +189,9 @@ def test_static_graph_one_program(models_dir: Path, converter) -> None:
     assert plan["stablehlo"]["parameters"] == [{"input": "x"}, {"weight": "W"}]  # b: 5 elements
     assert any("no batch dimension" in n for n in plan["notes"])
     cfg = tomllib.loads((out / "config.toml").read_text())
-    assert cfg["max_batch_size"] == 0 and "batch_size" not in cfg["tpubox"]["stablehlo"]["program"][0]
+    assert (
+        cfg["max_batch_size"] == 0 and "batch_size" not in cfg["tpubox"]["stablehlo"]["program"][0]
+    )
     _check_against_onnxruntime(model, out, plan, feeds)
 
 
@@ -258,7 +261,9 @@ def test_config_pbtxt(helper_graph, models_dir: Path, converter) -> None:
     bad = models_dir / "bad.pbtxt"
     bad.write_text('max_batch_size: 8 input [{ name: "img" data_type: TYPE_FP16 dims: [3, 8, 8] }]')
     r = converter.run(model, "--out", models_dir / "bad.out", "--config-pbtxt", bad, ok=False)
-    assert r.returncode == 1 and "config.pbtxt does not declare the model's input(s) ids" in r.stderr
+    assert (
+        r.returncode == 1 and "config.pbtxt does not declare the model's input(s) ids" in r.stderr
+    )
     bad.write_text(
         'max_batch_size: 8 input [{ name: "img" data_type: TYPE_FP16 dims: [3, 8, 8] },'
         '{ name: "ids" data_type: TYPE_INT64 dims: [5] }]'
@@ -304,7 +309,11 @@ def test_tiny_bert(models_dir: Path, converter) -> None:
     out = models_dir / "tiny_bert.out"
     plan = converter.convert(model, out, "--batch-sizes", "1,3,4")
     assert plan["stablehlo"]["results"] == ["last_hidden_state", "pooler_output"]
-    assert plan["output"][0] == {"name": "last_hidden_state", "data_type": "TYPE_FP32", "dims": [8, 32]}
+    assert plan["output"][0] == {
+        "name": "last_hidden_state",
+        "data_type": "TYPE_FP32",
+        "dims": [8, 32],
+    }
     assert {"LayerNormalization", "MatMul", "Softmax", "Gather"} <= set(plan["ops"])
     _check_against_onnxruntime(model, out, plan, feeds)
     _check_weights(model, out, plan)
@@ -315,7 +324,9 @@ def test_tiny_resnet(models_dir: Path, converter) -> None:
     model, feeds = onnx_models.tiny_resnet(models_dir / "tiny_resnet")
     out = models_dir / "tiny_resnet.out"
     plan = converter.convert(model, out, "--batch-sizes", "1,2")
-    assert plan["output"] == [{"name": "pooler_output", "data_type": "TYPE_FP32", "dims": [16, 1, 1]}]
+    assert plan["output"] == [
+        {"name": "pooler_output", "data_type": "TYPE_FP32", "dims": [16, 1, 1]}
+    ]
     assert {"Conv", "MaxPool", "Relu"} <= set(plan["ops"])
     _check_against_onnxruntime(model, out, plan, feeds)
     _check_weights(model, out, plan)
@@ -388,15 +399,25 @@ def test_external_data(helper_graph, models_dir: Path, converter) -> None:
     d = models_dir / "external"
     d.mkdir(exist_ok=True)
     m = onnx.load(str(src))
-    onnx.save(m, str(d / "model.onnx"), save_as_external_data=True, location="weights.bin", size_threshold=64)
+    onnx.save(
+        m,
+        str(d / "model.onnx"),
+        save_as_external_data=True,
+        location="weights.bin",
+        size_threshold=64,
+    )
     assert (d / "weights.bin").is_file()
     plan = converter.convert(d / "model.onnx", d / "out", "--batch-sizes", "2")
-    assert (d / "out" / "weights.safetensors").read_bytes() == (out0 / "weights.safetensors").read_bytes()
+    assert (d / "out" / "weights.safetensors").read_bytes() == (
+        out0 / "weights.safetensors"
+    ).read_bytes()
     _check_against_onnxruntime(src, d / "out", plan, feeds)
     (d / "weights.bin").rename(d / "elsewhere.bin")
     r = converter.run(d / "model.onnx", "--out", d / "out2", ok=False)
     assert r.returncode == 1
-    assert "cannot load the ONNX model or its external data" in r.stderr and "weights.bin" in r.stderr
+    assert (
+        "cannot load the ONNX model or its external data" in r.stderr and "weights.bin" in r.stderr
+    )
 
 
 def test_usage_errors(helper_graph, converter) -> None:
@@ -423,6 +444,8 @@ def test_tpubox_model_check(helper_graph, models_dir: Path) -> None:
     if d.exists():
         shutil.rmtree(d)
     shutil.copytree(out, d)
-    r = subprocess.run([str(binary), "model", "check", str(d)], capture_output=True, text=True, timeout=300)
+    r = subprocess.run(
+        [str(binary), "model", "check", str(d)], capture_output=True, text=True, timeout=300
+    )
     assert r.returncode == 0, r.stdout + r.stderr
     assert "batch size 8" in r.stdout and r.stdout.rstrip().endswith("ok")
