@@ -1,12 +1,29 @@
 """tpubox.onnx_convert (issue 49): ONNX models converted into StableHLO model directories, each
 program's outputs equal to ONNX Runtime's on the same inputs (rtol 1e-4), the weights in
 weights.safetensors and not in the programs, and the failures named (ops that do not convert,
-truncated and corrupt files, configurations that do not fit). See conftest.py for the venvs.
+truncated and corrupt files, configurations that do not fit).
+
+The ONNX models are built offline (onnx_models.py) into one directory per run, converted by
+``python -m tpubox.onnx_convert`` in the converter's own venv (a helper process, as the daemon
+will run it), and the programs checked against ONNX Runtime on the CPU (programs.py: ``tpubox
+exec`` where the binary is built, JAX otherwise).
+
+Interpreters (``$CACHE`` is ``~/.cache/tpubox``):
+- this one (pytest, the model building, ONNX Runtime, JAX): ``$CACHE/venv-onnx-export``, made
+  from scripts/venvs/onnx-export.txt (torch, transformers, onnx, onnxscript, onnxruntime, jax):
+  ``$CACHE/venv-onnx-export/bin/python -m pytest python/tests/onnx -q`` (this directory's
+  pytest.ini makes it the rootdir: python/tests/conftest.py and its daemon are not loaded);
+- the converter's: ``TPUBOX_ONNX_PYTHON``, default ``$CACHE/venv-onnx/bin/python``, made from
+  scripts/venvs/onnx.txt (torch-mlir, onnx; no torch). ``python/`` is put on its PYTHONPATH.
+
+Where onnx or onnxruntime is missing (the venv of the other Python tests, which collects this
+directory too), the module is skipped.
 """
 
 from __future__ import annotations
 
 import json
+import os
 import re
 import shutil
 import subprocess
@@ -17,11 +34,67 @@ from typing import Any, Callable
 import numpy as np
 import pytest
 
-onnx = pytest.importorskip("onnx")
+# (onnx.helper, not onnx: from python/tests, this directory itself imports as a namespace
+# package `onnx` where the real one is missing.)
+pytest.importorskip("onnx.helper")
 ort = pytest.importorskip("onnxruntime")
+import onnx  # noqa: E402
 
 import onnx_models  # noqa: E402
 import programs  # noqa: E402
+
+REPO = Path(__file__).resolve().parents[3]
+CACHE = Path(os.environ.get("TPUBOX_CACHE_DIR") or Path.home() / ".cache" / "tpubox")
+
+
+def converter_python() -> Path:
+    p = Path(os.environ.get("TPUBOX_ONNX_PYTHON") or CACHE / "venv-onnx" / "bin" / "python")
+    if not p.exists():
+        pytest.exit(
+            f"{p} is missing: python3 -m venv {CACHE}/venv-onnx && {CACHE}/venv-onnx/bin/pip "
+            "install --only-binary :all: -r scripts/venvs/onnx.txt, or set TPUBOX_ONNX_PYTHON",
+            returncode=1,
+        )
+    return p
+
+
+class Converter:
+    """Runs ``python -m tpubox.onnx_convert`` in the converter's venv."""
+
+    def __init__(self, python: Path):
+        self.python = python
+
+    def run(self, *args: Any, ok: bool = True, timeout: float = 300) -> subprocess.CompletedProcess:
+        env = dict(os.environ)
+        env["PYTHONPATH"] = str(REPO / "python")
+        r = subprocess.run(
+            [str(self.python), "-m", "tpubox.onnx_convert", *map(str, args)],
+            capture_output=True,
+            text=True,
+            env=env,
+            timeout=timeout,
+        )
+        if ok:
+            assert r.returncode == 0, (
+                f"onnx_convert {args} failed ({r.returncode}):\n{r.stderr[-4000:]}"
+            )
+        return r
+
+    def convert(self, model: Path, out: Path, *args: Any) -> dict[str, Any]:
+        """Converts MODEL into OUT; returns plan.json."""
+        self.run(model, "--out", out, *args)
+        return json.loads((out / "plan.json").read_text())
+
+
+@pytest.fixture(scope="module")
+def converter() -> Converter:
+    return Converter(converter_python())
+
+
+@pytest.fixture(scope="module")
+def models_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("onnx-models")
+
 
 RTOL = 1e-4
 ATOL = 1e-5  # for outputs near zero (softmax tails, centred activations)
@@ -90,7 +163,7 @@ def _dense_constants(text: str) -> list[tuple[str, int]]:
 # Conversions (each model converted once per run).
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def helper_graph(models_dir: Path, converter) -> tuple[Path, Path, dict[str, Any], Any]:
     model, feeds = onnx_models.helper_graph(models_dir / "helper_graph")
     out = models_dir / "helper_graph.out"
