@@ -892,23 +892,24 @@ def specialise(model: Any, layout: Layout, batch_size: int | None) -> Any:
                 d.Clear()
                 d.dim_value = size
     # Shapes inferred for the symbolic sizes are stale: infer them again. The outputs' batch
-    # dimension (the symbol of the inputs' batch dimension) and the sized symbols are set, as
-    # ONNX shape inference leaves the declared shapes of some outputs (function ops such as
-    # GroupNormalization) as they are; other symbolic dims are cleared for it to fill.
-    batch_syms = {
-        t.dims[0] for t in layout.inputs if layout.batched and t.dims and isinstance(t.dims[0], str)
-    }
+    # dimension and sized symbols are set, as ONNX shape inference leaves the declared shapes of
+    # some outputs (function ops such as GroupNormalization) as they are, and torch-mlir takes
+    # them for the function's result types; other symbolic dims are cleared for it to fill.
     del g.value_info[:]
     for vi in g.output:
         if vi.type.HasField("tensor_type") and vi.type.tensor_type.HasField("shape"):
             for i, d in enumerate(vi.type.tensor_type.shape.dim):
+                if i == 0 and layout.batched:
+                    # (whatever was declared: exporters write the example's batch, or a
+                    # symbol of their own)
+                    d.Clear()
+                    d.dim_value = int(batch_size)  # type: ignore[arg-type]
+                    continue
                 if d.HasField("dim_value"):
                     continue
                 sym = d.dim_param if d.HasField("dim_param") else None
                 d.Clear()
-                if i == 0 and sym in batch_syms:
-                    d.dim_value = int(batch_size)  # type: ignore[arg-type]
-                elif sym in layout.dim_sizes:
+                if sym in layout.dim_sizes:
                     d.dim_value = layout.dim_sizes[sym]
     try:
         m = onnx.shape_inference.infer_shapes(
