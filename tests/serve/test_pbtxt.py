@@ -140,7 +140,7 @@ def test_defaults_and_overrides_in_protobufs_spellings(served):
     data = dtypes_data(shape=(4, 3), seed=5)
     assert http.get_model_config("dt")["max_batch_size"] == 4
     assert_flipped(http.infer("dt", http_inputs(data, binary=True)).as_numpy, data)
-    with pytest.raises(InferenceServerException, match="more than"):
+    with pytest.raises(InferenceServerException, match="the model takes 1 to 4"):
         http.infer("dt", http_inputs(dtypes_data(shape=(5, 3), seed=5), binary=True))
     try:
         # Protobuf's JSON: camelCase names, quoted numbers. The tpubox settings stay.

@@ -21,10 +21,18 @@ pub use tpubox_session_api::policy::DevicesField;
 pub struct TensorConfig {
     /// Name.
     pub name: String,
-    /// `TYPE_FP32`, `TYPE_STRING`, … (or the protocol's `FP32`, `BYTES`).
+    /// `TYPE_FP32`, `TYPE_STRING`, … (or the protocol's `FP32`, `BYTES`). Required: absent,
+    /// it reads as Triton's `TYPE_INVALID` (the enum's 0), and the load fails.
+    #[serde(default = "type_invalid")]
     pub data_type: String,
-    /// Dimensions without the batch dimension; -1 for any size.
+    /// Dimensions without the batch dimension; -1 for any size. Absent: none (a scalar per
+    /// batch item), as protobuf reads an empty list.
+    #[serde(default)]
     pub dims: Vec<i64>,
+}
+
+fn type_invalid() -> String {
+    "TYPE_INVALID".into()
 }
 
 /// `[[instance_group]]`.
@@ -124,12 +132,18 @@ pub struct ControlInput {
     pub control: Vec<Control>,
 }
 
+fn control_start() -> String {
+    "CONTROL_SEQUENCE_START".into()
+}
+
 /// One control of a [`ControlInput`].
 #[derive(Debug, Clone, Deserialize, PartialEq, Default)]
 #[serde(deny_unknown_fields)]
 pub struct Control {
     /// `CONTROL_SEQUENCE_START`, `CONTROL_SEQUENCE_END`, `CONTROL_SEQUENCE_READY` or
-    /// `CONTROL_SEQUENCE_CORRID`.
+    /// `CONTROL_SEQUENCE_CORRID`. Default `CONTROL_SEQUENCE_START`: the enum's 0, which
+    /// protobuf leaves out of the message ([`crate::triton_schema`]).
+    #[serde(default = "control_start")]
     pub kind: String,
     /// The false and true values as INT32 (a flag).
     #[serde(default)]
@@ -509,6 +523,9 @@ impl ModelConfig {
             _ => {}
         }
         for t in config.input.iter().chain(&config.output) {
+            if t.data_type == "TYPE_INVALID" {
+                bail!("{what}: `{}` has no data_type", t.name);
+            }
             if Datatype::from_name(&t.data_type).is_none() {
                 bail!(
                     "{what}: `{}` has unknown data_type `{}`",
