@@ -349,7 +349,9 @@ def _unshare() -> list[str] | str:
 def test_memory_growth(tmp_path, protocol):
     unshare = _unshare()
     if isinstance(unshare, str):
-        pytest.skip(f"memory_growth_test.py needs ports 8000/8001 of a network namespace: {unshare}")
+        pytest.skip(
+            f"memory_growth_test.py needs ports 8000/8001 of a network namespace: {unshare}"
+        )
     repo = make_repository(tmp_path, ["custom_identity_int32"])
     log = tmp_path / "serve.log"
     cmd = [
@@ -402,7 +404,9 @@ def _memory_growth_in_netns(binary: str, repo: str, log: str, protocol: str, rep
                 print(f"tpubox serve did not get ready (exit {server.poll()})", flush=True)
                 return 3
             time.sleep(0.2)
-        example = [sys.executable, str(EXAMPLES / "memory_growth_test.py"), "-i", protocol, "-r", reps]
+        example = [
+            sys.executable, str(EXAMPLES / "memory_growth_test.py"), "-i", protocol, "-r", reps,
+        ]  # fmt: skip
         print(f"$ {' '.join(example)}", flush=True)
         rc = subprocess.run(example, stdin=subprocess.DEVNULL, timeout=EXAMPLE_TIMEOUT).returncode
         print(f"exit {rc}", flush=True)
