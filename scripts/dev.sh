@@ -90,6 +90,8 @@ PYTHON_VENV="$CACHE/venv-python" # the tpubox Python client: python/tests, tests
 BENCH_VENV="$CACHE/venv-bench"   # the MiniLM benchmark's anchors (PyTorch, ONNX Runtime): bench only
 TORCH_VENV="$CACHE/venv-torch"   # PyTorch, transformers, torch-mlir: python/tests/pytorch (tpubox.torch)
 RAY_VENV="$CACHE/venv-ray"       # a pinned ray: tests/ray (tpubox.ray on a local loopback Ray cluster)
+ONNX_VENV="$CACHE/venv-onnx"     # the ONNX converter tpubox serve runs (torch-mlir, onnx; no torch)
+ONNX_EXPORT_VENV="$CACHE/venv-onnx-export" # ONNX models built by PyTorch and ONNX Runtime: python/tests/onnx
 
 # setup_venv DIR REQUIREMENTS: skipped while DIR's marker names this file's hash and this
 # python3; otherwise DIR is rebuilt from scratch (a venv is not relocatable: built in place).
@@ -117,6 +119,10 @@ setup_venvs() {
   setup_venv "$PYTHON_VENV" scripts/venvs/python.txt
   setup_venv "$TORCH_VENV" scripts/venvs/torch.txt
   setup_venv "$RAY_VENV" scripts/venvs/ray.txt
+  setup_venv "$ONNX_VENV" scripts/venvs/onnx.txt
+  setup_venv "$ONNX_EXPORT_VENV" scripts/venvs/onnx-export.txt
+  # tpubox serve runs `$ONNX_VENV/bin/python -m tpubox.onnx_convert` (crates/serve/src/onnx.rs).
+  install_python_client "$ONNX_VENV"
 }
 
 # Installs ./python (the tpubox client) into venv $1 (default $PYTHON_VENV) again, so that the
@@ -437,6 +443,11 @@ case "$cmd" in
     install_python_client "$TORCH_VENV"
     log "running the PyTorch backend tests (python/tests/pytorch, pytest)"
     "$TORCH_VENV/bin/python" -m pytest python/tests/pytorch -q -p no:cacheprovider
+    # ONNX models: the converter against ONNX Runtime, and Triton repositories of ONNX models
+    # served by tpubox serve (the converter's venv as the daemon's child).
+    install_python_client "$ONNX_VENV"
+    log "running the ONNX tests (python/tests/onnx, pytest)"
+    TPUBOX_ONNX_PYTHON="$ONNX_VENV/bin/python" "$ONNX_EXPORT_VENV/bin/python" -m pytest python/tests/onnx -q
     # tpubox.ray: the node actor that owns the daemon, sessions from Ray tasks (a local cluster
     # on loopback, started by the tests).
     install_python_client "$RAY_VENV"

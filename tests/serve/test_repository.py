@@ -81,6 +81,8 @@ def test_load_unknown(server, http):
     with pytest.raises(InferenceServerException) as e:
         http.load_model("no-such-model", headers=HH)
     assert e.value.status() == "400"
+    # Triton's words (its model-control examples look for "failed to load").
+    assert e.value.message() == "failed to load 'no-such-model', failed to poll from model repository"
     assert_error(request(server, "POST", "/v2/repository/models/no-such-model/load", {}, headers=HH), 400)
 
 
@@ -173,8 +175,11 @@ def test_load_with_a_config_override(server, http, grpc):
         resp = request(server, "POST", "/v2/repository/models/dtypes/load", {"parameters": {"config": {"max_batch_size": 1}}}, headers=HH)
         assert_error(resp, 400)
         assert resp.json()["error"].startswith("failed to load 'dtypes', "), resp
+        # Model files sent with the request: refused with Triton's status and words (its
+        # simple_grpc_model_control.py checks both).
         resp = request(server, "POST", "/v2/repository/models/dtypes/load", {"parameters": {"file:1/model.wasm": "AAAA"}}, headers=HH)
-        assert_error(resp, 400)
+        assert_error(resp, 500)
+        assert resp.json()["error"].startswith("failed to load 'dtypes', failed to poll from model repository: "), resp
         assert "not supported" in resp.json()["error"]
     finally:
         http.load_model("dtypes", headers=HH)

@@ -647,26 +647,12 @@ impl ModelConfig {
     pub fn component_path(&self, dir: &Path) -> Result<PathBuf> {
         let candidates: Vec<PathBuf> = match &self.tpubox.component {
             Some(p) => vec![dir.join(p)],
-            None => {
-                let file = self
-                    .default_model_filename
+            None => Self::model_file_candidates(
+                dir,
+                self.default_model_filename
                     .as_deref()
-                    .unwrap_or("model.wasm");
-                let mut versions: Vec<u64> = std::fs::read_dir(dir)
-                    .map(|entries| {
-                        entries
-                            .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
-                            .collect()
-                    })
-                    .unwrap_or_default();
-                versions.sort_unstable_by(|a, b| b.cmp(a));
-                if versions.is_empty() {
-                    versions.push(1);
-                }
-                std::iter::once(dir.join(file))
-                    .chain(versions.iter().map(|v| dir.join(v.to_string()).join(file)))
-                    .collect()
-            }
+                    .unwrap_or("model.wasm"),
+            ),
         };
         candidates
             .iter()
@@ -682,6 +668,26 @@ impl ModelConfig {
                         .join(" and ")
                 )
             })
+    }
+
+    /// Where a model file `file` may be, in the order looked at: `dir/file`, then
+    /// `dir/<version>/file` for each version directory (a directory named by a number), the
+    /// highest version first (`dir/1/file` when there is none).
+    pub fn model_file_candidates(dir: &Path, file: &str) -> Vec<PathBuf> {
+        let mut versions: Vec<u64> = std::fs::read_dir(dir)
+            .map(|entries| {
+                entries
+                    .filter_map(|e| e.ok()?.file_name().to_str()?.parse().ok())
+                    .collect()
+            })
+            .unwrap_or_default();
+        versions.sort_unstable_by(|a, b| b.cmp(a));
+        if versions.is_empty() {
+            versions.push(1);
+        }
+        std::iter::once(dir.join(file))
+            .chain(versions.iter().map(|v| dir.join(v.to_string()).join(file)))
+            .collect()
     }
 
     /// The directory granted to the guest at `/model`, resolved.

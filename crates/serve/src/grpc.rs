@@ -701,7 +701,7 @@ impl GrpcInferenceService for Service {
             .authorize_control(auth(&r).as_deref(), &r.get_ref().model_name)
             .map_err(status)?;
         let (model, params) = (&r.get_ref().model_name, &r.get_ref().parameters);
-        super::repository::check_load_parameters(params.keys().map(String::as_str))
+        super::repository::check_load_parameters(model, params.keys().map(String::as_str))
             .map_err(status)?;
         let config = match params
             .get("config")

@@ -36,6 +36,7 @@ pub mod grpc;
 pub mod instance;
 pub mod metrics;
 pub mod model;
+pub mod onnx;
 pub mod protocol;
 pub mod repository;
 pub mod rest;
@@ -737,6 +738,7 @@ pub async fn run(
         weights: Arc::clone(&weights),
         loaded_weights: Arc::new(std::sync::Mutex::new(BTreeMap::new())),
         metrics: Arc::clone(&metrics),
+        onnx: onnx::OnnxConverter::from_env(),
         exclusive_devices: {
             let access = Arc::clone(&access);
             Arc::new(move || access.exclusive_devices())

@@ -91,6 +91,8 @@ pub struct LoadContext {
     /// ([`crate::access::Access::exclusive_devices`]): a model's instances are not spread onto
     /// them. Asked at each load.
     pub exclusive_devices: Arc<dyn Fn() -> Vec<u32> + Send + Sync>,
+    /// How ONNX models are converted ([`super::onnx`]).
+    pub onnx: super::onnx::OnnxConverter,
 }
 
 /// A loaded model.
@@ -320,10 +322,17 @@ impl Model {
         dir: &Path,
         config_override: Option<&str>,
     ) -> Result<Arc<Model>> {
-        let config = match config_override {
+        let mut config = match config_override {
             Some(json) => ModelConfig::from_override(dir, json)?,
             None => ModelConfig::load(dir)?,
         };
+        // An ONNX model becomes a StableHLO model: converted (once per file and batch sizes,
+        // by the converter's process), then loaded as one.
+        if let Some(onnx) = super::onnx::onnx_file(&config, dir) {
+            let pbtxt = dir.join("config.pbtxt");
+            let pbtxt = (config_override.is_none() && pbtxt.is_file()).then_some(pbtxt);
+            super::onnx::prepare(&ctx.onnx, name, &onnx, pbtxt.as_deref(), &mut config).await?;
+        }
         if !config.ignored.is_empty() {
             tracing::warn!(
                 model = name,

@@ -84,17 +84,26 @@ impl Drop for CancelledLoad<'_> {
     }
 }
 
-/// Checks the parameters of a load request. Triton's `config` (a configuration sent with the
-/// request, [`Repository::load_with`]) is supported; its `file:…` parameters (model files sent
-/// with the request) are not: a model's files load from its directory.
+/// Checks the parameters of a load request of `model`. Triton's `config` (a configuration sent
+/// with the request, [`Repository::load_with`]) is supported; its `file:…` parameters (model
+/// files sent with the request) are not: a model's files load from its directory.
 ///
-/// Errors: bad request naming the parameter.
-pub fn check_load_parameters<'a>(keys: impl IntoIterator<Item = &'a str>) -> ServeResult<()> {
+/// Errors: a `file:` parameter, in Triton's words and with its status for a file parameter it
+/// cannot take (`failed to load 'm', failed to poll from model repository`, 500 / `INTERNAL`;
+/// Triton's own client example `simple_grpc_model_control.py` checks both), then why.
+pub fn check_load_parameters<'a>(
+    model: &str,
+    keys: impl IntoIterator<Item = &'a str>,
+) -> ServeResult<()> {
     for k in keys {
         if k.starts_with("file:") {
-            return Err(ServeError::bad_request(format!(
-                "load parameter `{k}` is not supported: a model's files load from its directory in the repository (a `config` override is)"
-            )));
+            let shown: String = k.chars().take(64).collect();
+            return Err(ServeError::new(
+                super::error::ServeErrorKind::Internal,
+                format!(
+                    "failed to load '{model}', failed to poll from model repository: load parameter `{shown}` is not supported: a model's files load from its directory in the repository (a `config` override is)"
+                ),
+            ));
         }
     }
     Ok(())
@@ -228,8 +237,9 @@ impl Repository {
     /// unloads of one model run one at a time, in the order they were asked for: concurrent
     /// reloads each replace the model the previous one loaded, so none is left running.
     ///
-    /// Errors: bad request for a name that cannot be a model directory; not found (as
-    /// [`unknown_model`]) when the directory or its configuration is missing; bad request, with
+    /// Errors: bad request for a name that cannot be a model directory; bad request in
+    /// Triton's words (`failed to load 'm', failed to poll from model repository`) when the
+    /// directory or its configuration is missing; bad request, with
     /// the reason, when loading fails (the model is then `UNAVAILABLE` with that reason, unless
     /// an earlier version of it is still serving).
     pub async fn load(&self, name: &str) -> ServeResult<()> {
@@ -256,7 +266,11 @@ impl Repository {
         };
         if !has_config {
             tracing::debug!(model = name, dir = %dir.display(), "load: no configuration file");
-            return Err(unknown_model(name));
+            // Triton's words for a model its repository does not have.
+            return Err(super::wording::failed_to_load(
+                name,
+                "failed to poll from model repository",
+            ));
         }
         let _change = self.change_lock(name).await;
         let serving = {

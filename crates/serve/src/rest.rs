@@ -615,7 +615,7 @@ async fn repository_load(
     if let Ok(v) = serde_json::from_slice::<Value>(&bytes)
         && let Some(p) = v.get("parameters").and_then(Value::as_object)
     {
-        super::repository::check_load_parameters(p.keys().map(String::as_str))?;
+        super::repository::check_load_parameters(&m, p.keys().map(String::as_str))?;
         config = match p.get("config") {
             None => None,
             Some(Value::String(c)) => Some(c.clone()),

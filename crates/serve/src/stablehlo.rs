@@ -709,10 +709,22 @@ pub async fn check_dir(device: &Arc<DeviceService>, dir: &Path) -> Result<CheckR
         .and_then(|n| n.to_str())
         .map(str::to_string)
         .context("the model directory has no UTF-8 name")?;
-    let config = ModelConfig::load(dir)?;
+    let mut config = ModelConfig::load(dir)?;
+    let mut report = CheckReport::default();
+    // An ONNX model: the converter explains it (its ops, which convert at which batch sizes),
+    // then it is converted (or found in the cache) and checked as the StableHLO model it is.
+    if let Some(onnx) = super::onnx::onnx_file(&config, dir) {
+        let converter = super::onnx::OnnxConverter::from_env();
+        let pbtxt = dir.join("config.pbtxt");
+        let pbtxt = pbtxt.is_file().then_some(pbtxt);
+        report
+            .lines
+            .extend(super::onnx::explain(&converter, &onnx, pbtxt.as_deref(), &config).await?);
+        super::onnx::prepare(&converter, &name, &onnx, pbtxt.as_deref(), &mut config).await?;
+    }
     if config.tpubox.stablehlo.is_none() {
         bail!(
-            "{}: not a StableHLO model (its config has no [tpubox.stablehlo] table); `tpubox model check` checks StableHLO models",
+            "{}: not a StableHLO model (its config has no [tpubox.stablehlo] table) nor an ONNX one (no model.onnx); `tpubox model check` checks those",
             dir.display()
         );
     }
@@ -720,7 +732,6 @@ pub async fn check_dir(device: &Arc<DeviceService>, dir: &Path) -> Result<CheckR
     let tenant = Tenant::new(format!("model:{name}"), config.tenant_limits());
     let session = Session::new(Arc::clone(device), Arc::default(), tenant);
     let exes = plan.compile(&session).await?;
-    let mut report = CheckReport::default();
     for (b, e) in plan.buckets.iter().zip(&exes) {
         let specs = |s: &[TensorSpec]| {
             s.iter()
