@@ -230,3 +230,20 @@ def test_converted_once_and_weights_outside_the_programs(served):
     assert all(p.stat().st_size * 4 < (bert / "weights.safetensors").stat().st_size for p in programs)
     cfg = http.get_model_config("bert")
     assert cfg["max_batch_size"] == 4 and cfg["backend"] == "stablehlo", cfg
+
+
+def test_model_check_explains_an_onnx_directory(served):
+    """`tpubox model check` on a Triton model directory of an ONNX model: the converter's
+    explanation (the ops, which convert at which batch sizes), then the converted programs
+    checked; a model with an op that does not convert fails, naming it."""
+    env = dict(os.environ, TPUBOX_ONNX_PYTHON=str(converter_python()),
+               TPUBOX_ONNX_PYTHONPATH=str(REPO / "python"), TPUBOX_ONNX_CACHE_DIR=str(served.cache))  # fmt: skip
+    r = subprocess.run([str(_binary()), "model", "check", str(served.repo / "graph")],
+                       capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert r.returncode == 0, r.stdout + r.stderr
+    for op in ("Conv", "Gemm", "LayerNormalization", "Gather"):
+        assert op in r.stdout, r.stdout
+    assert "batch size 8" in r.stdout and r.stdout.rstrip().endswith(": ok"), r.stdout
+    r = subprocess.run([str(_binary()), "model", "check", str(served.repo / "unknown_op")],
+                       capture_output=True, text=True, timeout=600, env=env)  # fmt: skip
+    assert r.returncode != 0 and "FancyNorm" in r.stderr, r.stdout + r.stderr
