@@ -465,6 +465,13 @@ impl ModelConfig {
         let mut config: ModelConfig = serde_json::from_value(Value::Object(value))
             .with_context(|| format!("parsing {what}"))?;
         config.ignored = n.ignored;
+        // A file name, as Triton takes it: a load's override must not reach out of the model
+        // directory through it.
+        if let Some(f) = &config.default_model_filename
+            && (f.is_empty() || f == "." || f == ".." || f.contains(['/', '\\', '\0']))
+        {
+            bail!("{what}: default_model_filename `{f}` must be a file name, without a directory");
+        }
         if let Some(name) = &config.name
             && name != dir_name
         {
@@ -909,6 +916,15 @@ max_device_mib = 16
             std::fs::write(m.join("config.toml"), typo).unwrap();
             let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
             assert!(e.contains("unrecognized field name"), "{typo}: {e}");
+        }
+        for bad in ["../x.wasm", "a/b.wasm", ".."] {
+            std::fs::write(
+                m.join("config.toml"),
+                format!("default_model_filename = {bad:?}"),
+            )
+            .unwrap();
+            let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());
+            assert!(e.contains("must be a file name"), "{bad}: {e}");
         }
         std::fs::write(m.join("config.toml"), "backend = \"stablehlo\"").unwrap();
         let e = format!("{:#}", ModelConfig::load(&m).unwrap_err());

@@ -142,6 +142,8 @@ def served(tmp_path_factory):
     place("graph", graph, GRAPH_PBTXT)
     bert, bert_feeds = onnx_models.tiny_bert(build / "bert")
     place("bert", bert, 'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n')
+    torchnet, torchnet_feeds = onnx_models.torch_exported(build / "torchnet")
+    place("torchnet", torchnet, 'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n')
     resnet, resnet_feeds = onnx_models.tiny_resnet(build / "resnet")
     place("resnet", resnet, 'backend: "onnxruntime"\nmax_batch_size: 2\n')
     place("unknown_op", onnx_models.unknown_op_graph(build / "unknown"), 'platform: "onnxruntime_onnx"\nmax_batch_size: 4\n')
@@ -149,7 +151,12 @@ def served(tmp_path_factory):
     data = (repo / "truncated" / "1" / "model.onnx").read_bytes()
     (repo / "truncated" / "1" / "model.onnx").write_bytes(data[: len(data) // 2])
     s = Served(root, repo).start()
-    s.feeds = {"graph": (graph, graph_feeds), "bert": (bert, bert_feeds), "resnet": (resnet, resnet_feeds)}
+    s.feeds = {
+        "graph": (graph, graph_feeds),
+        "torchnet": (torchnet, torchnet_feeds),
+        "bert": (bert, bert_feeds),
+        "resnet": (resnet, resnet_feeds),
+    }
     yield s
     s.stop()
 
@@ -172,7 +179,7 @@ def _infer(mod, client, model: str, feeds: dict[str, np.ndarray], outputs: list[
 
 def test_models_load_or_fail_alone(served):
     index = {m["name"]: m for m in httpclient.InferenceServerClient(served.http_url).get_model_repository_index()}
-    for m in ("graph", "bert", "resnet"):
+    for m in ("graph", "torchnet", "bert", "resnet"):
         assert index[m]["state"] == "READY", index[m]
     assert index["unknown_op"]["state"] == "UNAVAILABLE"
     assert "FancyNorm" in index["unknown_op"]["reason"], index["unknown_op"]
@@ -180,7 +187,7 @@ def test_models_load_or_fail_alone(served):
     assert "converting" in index["truncated"]["reason"], index["truncated"]
 
 
-@pytest.mark.parametrize("model,batch", [("graph", 3), ("bert", 2), ("resnet", 2)])
+@pytest.mark.parametrize("model,batch", [("graph", 3), ("torchnet", 3), ("bert", 2), ("resnet", 2)])
 @pytest.mark.parametrize("door", ["http", "grpc"])
 def test_outputs_equal_onnxruntime(served, model, batch, door):
     path, feeds_of = served.feeds[model]
@@ -219,7 +226,7 @@ def test_converted_once_and_weights_outside_the_programs(served):
     http.load_model("bert")  # a reload reads the cache
     assert served.log().count("ONNX model converted to StableHLO") == converted
     plans = list(served.cache.glob("*/plan.json"))
-    assert len(plans) == 3, plans  # graph, bert, resnet
+    assert len(plans) == 4, plans  # graph, torchnet, bert, resnet
     for plan in plans:
         weights = plan.parent / "weights.safetensors"
         assert list(plan.parent.glob("model.b*.mlirbc")) and weights.stat().st_size > 0
