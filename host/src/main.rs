@@ -142,13 +142,16 @@ enum Cmd {
     /// Serve the models of a repository over the Open Inference Protocol (KServe v2, as
     /// Triton speaks it): REST, gRPC and Prometheus metrics, until SIGTERM or Ctrl-C.
     ///
-    /// Each model is a directory `DIR/<model>/` with `config.toml` (or `config.json`; Triton's
-    /// field names: max_batch_size, input, output, instance_group, dynamic_batching, and a
-    /// [tpubox] section for the component, the files granted at /model, weights and limits)
+    /// Each model is a directory `DIR/<model>/` with `config.toml` (or `config.json`, or
+    /// Triton's `config.pbtxt` with a `tpubox.toml` beside it; Triton's field names:
+    /// max_batch_size, input, output, instance_group, dynamic_batching, and a [tpubox] section
+    /// for the component, the files granted at /model, weights and limits)
     /// and `model.wasm` (or `1/model.wasm`, or [tpubox] component), a component built for the
     /// `served-model` world of wit/model.wit; or, with a [tpubox.stablehlo] table, exported
     /// StableHLO programs (one per batch size) and weights.safetensors, run with no component
-    /// (`tpubox model check DIR` checks one). Models load in the background; readiness
+    /// (`tpubox model check DIR` checks one); or an ONNX model (model.onnx or 1/model.onnx),
+    /// converted to StableHLO at its first load by `python -m tpubox.onnx_convert` in
+    /// TPUBOX_ONNX_PYTHON (default ~/.cache/tpubox/venv-onnx/bin/python). Models load in the background; readiness
     /// (`/v2/health/ready`) is false until they have. With --tokens, requests need
     /// `Authorization: Bearer TOKEN` and are admitted per tenant (models, max_in_flight,
     /// max_requests_per_second, repository_control). SIGTERM makes readiness false and new
@@ -199,7 +202,8 @@ enum Cmd {
 #[derive(Subcommand)]
 enum ModelAction {
     /// Check a StableHLO model directory (config.toml with [tpubox.stablehlo], the programs,
-    /// weights.safetensors) as `tpubox serve` loads it: compile each program with the model's
+    /// weights.safetensors), or an ONNX one (model.onnx: first the converter's explanation of
+    /// its ops, then the converted model), as `tpubox serve` loads it: compile each program with the model's
     /// program policy and limits, and check its parameters and results against the weights
     /// and the declared inputs and outputs. Prints one line per program; on a problem, the
     /// message names the file and the parameter (missing or extra weight, dtype, shape or
