@@ -488,6 +488,9 @@ case "$cmd" in
     # The session API from the Python client: tiny-execute latency, 64 MiB transfers.
     install_python_client
     "$PYTHON_VENV/bin/python" python/bench/bench_session.py
+    # An ONNX model served from a Triton repository against ONNX Runtime in process.
+    TPUBOX_BIN="$TARGET/release/tpubox" TPUBOX_ONNX_PYTHON="$ONNX_VENV/bin/python" \
+      "$ONNX_EXPORT_VENV/bin/python" python/bench/bench_onnx_serve.py
     ;;
   fuzz)
     setup_system

@@ -1,7 +1,7 @@
 """An ONNX model served by `tpubox serve` against the same model in ONNX Runtime in process,
 throughput and latency at concurrency 1 and 16, in one run (issue 49; not run in CI).
 
-    TPUBOX_BIN=/tmp/tpubox-dev/tpubox TPUBOX_ONNX_PYTHON=$CACHE/venv-onnx/bin/python \\
+    TPUBOX_BIN=target/release/tpubox TPUBOX_ONNX_PYTHON=$CACHE/venv-onnx/bin/python \\
         $CACHE/venv-onnx-export/bin/python python/bench/bench_onnx_serve.py \\
         [--model bert|resnet] [--seconds 10] [--rounds 2] [--queue-delay-us 500]
 
@@ -21,8 +21,8 @@ downloaded) and exported by `torch.onnx.export` with a dynamic batch dimension:
 
 It is written as a Triton repository (`config.pbtxt` with `platform: "onnxruntime_onnx"`,
 `max_batch_size: 16`, `dynamic_batching { max_queue_delay_microseconds: D }`, one instance,
-and `1/model.onnx`) and served by `tpubox serve` (TPUBOX_BIN; else /tmp/tpubox-dev/tpubox if
-there, else `target/release/tpubox` of CARGO_TARGET_DIR) on loopback ports. Its load converts
+and `1/model.onnx`) and served by `tpubox serve` (TPUBOX_BIN; else `target/release/tpubox` of
+CARGO_TARGET_DIR) on loopback ports. Its load converts
 the model to StableHLO programs for batch sizes 1, 2, 4, 8 and 16 (cached by the file's hash
 under `--workdir`, so a second run does not convert again) and compiles them; that is not
 timed. Once the server is ready, tpubox's answers to a
@@ -239,13 +239,9 @@ def config_pbtxt(name: str, model: Path, delay_us: int) -> str:
 
 
 def tpubox_bin() -> Path:
-    """TPUBOX_BIN, else /tmp/tpubox-dev/tpubox if there, else the release build of
-    CARGO_TARGET_DIR (default target/)."""
+    """TPUBOX_BIN, else the release build of CARGO_TARGET_DIR (default target/)."""
     if os.environ.get("TPUBOX_BIN"):
         return Path(os.environ["TPUBOX_BIN"])
-    dev = Path("/tmp/tpubox-dev/tpubox")
-    if dev.exists():
-        return dev
     t = Path(os.environ.get("CARGO_TARGET_DIR") or "target")
     return (t if t.is_absolute() else REPO / t) / "release" / "tpubox"
 
