@@ -70,6 +70,7 @@ import contextlib
 import enum
 import functools
 import itertools
+import re
 import threading
 import time
 import weakref
@@ -697,6 +698,55 @@ def _set_precision(module: Any, p: Precision) -> None:
     module.operation.walk(visit)
 
 
+# torch-mlir writes every constant tensor of more than one element (a `torch.tensor([...])` of
+# the model's code, an index table) as `dense_resource<NAME>`, its bytes in the module's
+# `{-# dialect_resources: {builtin: {NAME: "0x<alignment><data>"}} #-}` block; the XLA
+# plugins read only `dense<...>` ("UNIMPLEMENTED: Only dense elements attr are supported").
+_RESOURCE_BLOCK = re.compile(
+    r"\s*\{-#\s*dialect_resources:\s*\{\s*builtin:\s*\{(?P<body>.*?)\}\s*\}\s*#-\}\s*$", re.S
+)
+_RESOURCE_ENTRY = re.compile(r'("(?:[^"\\]|\\.)*"|[^\s:,"]+)\s*:\s*"0x([0-9A-Fa-f]*)"')
+_RESOURCE_USE = re.compile(
+    r'dense_resource<("(?:[^"\\]|\\.)*"|[^>\s]+)>(?P<type>\s*:\s*tensor<(?P<dims>[^>]*)>)?'
+)
+
+
+def _dense_constants(text: str) -> str:
+    """TEXT (a module's asm) with every ``dense_resource<NAME>`` constant written as
+    ``dense<"0x...">`` (its bytes, little-endian as the blob holds them; booleans as a literal:
+    ``dense``'s hex form packs i1 into bits) and the resource block dropped once unused."""
+    block = _RESOURCE_BLOCK.search(text)
+    if block is None or "dense_resource<" not in text:
+        return text
+    blobs = {name: data[8:] for name, data in _RESOURCE_ENTRY.findall(block.group("body"))}
+    head = text[: block.start()]
+
+    def dense(m: Any) -> str:
+        data = blobs.get(m.group(1))
+        if data is None:
+            return m.group(0)
+        if not data:  # no elements
+            return f"dense<>{m.group('type') or ''}"
+        dims = m.group("dims")
+        if dims is not None and dims.split("x")[-1] == "i1":
+            shape = [int(d) for d in dims.split("x")[:-1]]
+            values = np.frombuffer(bytes.fromhex(data), np.uint8).astype(bool).reshape(shape)
+            literal = str(values.tolist()).replace("True", "true").replace("False", "false")
+            return f"dense<{literal}>{m.group('type')}"
+        return f'dense<"0x{data}">{m.group("type") or ""}'
+
+    head = _RESOURCE_USE.sub(dense, head)
+    if "dense_resource<" in head:
+        return head + text[block.start():]
+    return head + "\n"
+
+
+def _module_text(module: Any, p: Precision) -> str:
+    """MODULE's StableHLO text, every dot and convolution at precision P, constants dense."""
+    _set_precision(module, p)
+    return _dense_constants(module.operation.get_asm(enable_debug_info=False))
+
+
 class _Program:
     """One ATen-level FX graph lowered to StableHLO: its text per precision, its executables per
     session and precision, and how its inputs and outputs map to the program's."""
@@ -766,7 +816,7 @@ class _Program:
             self._to_lower = self._restricted(gm, prog_outs)
             if _lowering_cache.enabled():
                 self._digest = _lowering_cache.graph_digest(
-                    self._to_lower, (_Program, _set_precision)
+                    self._to_lower, (_Program, _set_precision, _module_text, _dense_constants)
                 )
             # The text at the precision in force now: from the lowering cache, else lowered
             # here (so that a graph torch-mlir cannot lower fails when Dynamo compiles it).
@@ -834,8 +884,7 @@ class _Program:
             if t is None:
                 module = self.module
                 with self.context_lock:
-                    _set_precision(module, p)
-                    t = module.operation.get_asm(enable_debug_info=False)
+                    t = _module_text(module, p)
                 if key is not None:
                     _lowering_cache.store(key, t, self.n_results)
             self._texts[p] = t
@@ -1144,22 +1193,58 @@ def _aot(
     )(gm, example_inputs)
 
 
+def _is_item(n: Any) -> bool:
+    return (n.op == "call_method" and n.target == "item") or (
+        n.op == "call_function"
+        and n.target in (torch.ops.aten._local_scalar_dense.default, torch.ops.aten.item.default)
+    )
+
+
+def _scalar_inputs(gm: torch.fx.GraphModule) -> set[int]:
+    """The indices of GM's placeholders that are Python numbers Dynamo did not specialize
+    (``specialize_float=False``: with ``dynamic=True``, a module's ``dropout.p``): a tensor
+    the graph reads only with ``.item()``."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    return {
+        i for i, n in enumerate(placeholders) if n.users and all(_is_item(u) for u in n.users)
+    }
+
+
+def _with_scalars(gm: torch.fx.GraphModule, values: Mapping[int, Any]) -> torch.fx.GraphModule:
+    """GM with the ``.item()`` of each placeholder of VALUES (index -> number) replaced by the
+    number: static programs are specialized on it, as on sizes (aot_autograd's fake mode of
+    concrete inputs has no shape environment for a data-dependent scalar)."""
+    placeholders = [n for n in gm.graph.nodes if n.op == "placeholder"]
+    fixed = {placeholders[i]: v for i, v in values.items()}
+    g = torch.fx.Graph()
+    env: dict[Any, Any] = {}
+    for n in gm.graph.nodes:
+        if _is_item(n) and n.args and n.args[0] in fixed:
+            env[n] = fixed[n.args[0]]
+            continue
+        env[n] = g.node_copy(n, lambda x: env[x])
+    return torch.fx.GraphModule(gm, g)
+
+
 class _Specialized:
     """A Dynamo graph with symbolic sizes, run as static programs: one per concrete signature
-    of its inputs, each traced by aot_autograd with those inputs."""
+    of its inputs (the values of the Python numbers Dynamo left unspecialized included), each
+    traced by aot_autograd with those inputs."""
 
     def __init__(self, gm: torch.fx.GraphModule, opts: _Options, weights: _Weights):
         self.gm = gm
         self.opts = opts
         self.weights = weights
+        self.scalars = _scalar_inputs(gm)
         self._lock = threading.Lock()
         self._by_sig: dict[tuple, Any] = {}
 
-    @staticmethod
-    def _signature(args: Sequence[Any]) -> tuple:
+    def _signature(self, args: Sequence[Any]) -> tuple:
         sig = []
-        for a in args:
-            if isinstance(a, torch.Tensor):
+        for i, a in enumerate(args):
+            if i in self.scalars and isinstance(a, torch.Tensor):
+                sig.append(("s", a.dtype, a.item()))
+            elif isinstance(a, torch.Tensor):
                 sig.append(("t", tuple(a.shape), tuple(a.stride()), a.dtype, a.requires_grad))
             else:
                 sig.append(("v", type(a).__name__, a))
@@ -1172,8 +1257,14 @@ class _Specialized:
         if fn is None:
             # Outside Dynamo's compile: a tracing context of its own, so that aot_autograd
             # fakes these concrete inputs in a fake mode of its own (static sizes).
+            gm = self.gm
+            if self.scalars:
+                values = {
+                    i: args[i].item() for i in self.scalars if isinstance(args[i], torch.Tensor)
+                }
+                gm = _with_scalars(gm, values)
             with torch._guards.tracing(None):
-                fn = _aot(self.gm, list(args), self.opts, self.weights)
+                fn = _aot(gm, list(args), self.opts, self.weights)
             _count("specializations")
             with self._lock:
                 self._by_sig[sig] = fn
@@ -1508,8 +1599,7 @@ def export(
         outs = outs if isinstance(outs, (tuple, list)) else [outs]
         out_vals = [o.meta["val"] for o in outs]
         with prog.context_lock:
-            _set_precision(prog.module, p)
-            text = prog.module.operation.get_asm(enable_debug_info=False)
+            text = _module_text(prog.module, p)
         programs.append((b, text, user_vals, out_vals))
     assert weight_names is not None
     out_names = list(output_names) if output_names is not None else [
