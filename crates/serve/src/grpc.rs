@@ -698,7 +698,7 @@ impl GrpcInferenceService for Service {
     ) -> Result<Response<RepositoryModelLoadResponse>, Status> {
         let tenant = self
             .server
-            .authorize_control(auth(&r).as_deref(), &r.get_ref().model_name)
+            .authorize_control(auth(&r).as_deref(), &r.get_ref().model_name, true)
             .map_err(status)?;
         let (model, params) = (&r.get_ref().model_name, &r.get_ref().parameters);
         super::repository::check_load_parameters(model, params.keys().map(String::as_str))
@@ -731,7 +731,7 @@ impl GrpcInferenceService for Service {
     ) -> Result<Response<RepositoryModelUnloadResponse>, Status> {
         let tenant = self
             .server
-            .authorize_control(auth(&r).as_deref(), &r.get_ref().model_name)
+            .authorize_control(auth(&r).as_deref(), &r.get_ref().model_name, false)
             .map_err(status)?;
         tracing::info!(model = %r.get_ref().model_name, %tenant, "unload requested");
         self.server

@@ -296,16 +296,19 @@ impl Server {
         Ok(())
     }
 
-    /// Admits a caller for loading or unloading `model`: it needs `repository_control` in the
-    /// tokens file and permission for the model (without a tokens file everyone has both).
+    /// Admits a caller for loading (`load`) or unloading `model`: it needs `repository_control`
+    /// in the tokens file and permission for the model (without a tokens file everyone has
+    /// both).
     ///
-    /// Errors: unauthenticated; forbidden without `repository_control`; not found
-    /// ([`repository::unknown_model`]) for a model the tenant may not call, as for one the
-    /// repository does not have.
+    /// Errors: unauthenticated; forbidden without `repository_control`; for a model the tenant
+    /// may not call, what the repository answers for one it does not have: a load's `failed
+    /// to load 'm', failed to poll from model repository`, an unload's not found
+    /// ([`repository::unknown_model`]).
     pub fn authorize_control(
         &self,
         authorization: Option<&str>,
         model: &str,
+        load: bool,
     ) -> ServeResult<String> {
         let t = self.access.identify(authorization)?;
         if !t.entry.repository_control {
@@ -318,7 +321,11 @@ impl Server {
             ));
         }
         if !t.may_call(model) {
-            return Err(repository::unknown_model(model));
+            return Err(if load {
+                repository::missing_for_load(model)
+            } else {
+                repository::unknown_model(model)
+            });
         }
         Ok(t.entry.name.clone())
     }

@@ -84,6 +84,16 @@ impl Drop for CancelledLoad<'_> {
     }
 }
 
+/// The answer to a load of a model the repository does not have, in Triton's words, as not
+/// found (HTTP 400, gRPC `NOT_FOUND`); also to a tenant's load of a model it may not call, so
+/// that it cannot tell the two apart.
+pub fn missing_for_load(name: &str) -> ServeError {
+    ServeError::new(
+        super::error::ServeErrorKind::NotFound,
+        format!("failed to load '{name}', failed to poll from model repository"),
+    )
+}
+
 /// Checks the parameters of a load request of `model`. Triton's `config` (a configuration sent
 /// with the request, [`Repository::load_with`]) is supported; its `file:…` parameters (model
 /// files sent with the request) are not: a model's files load from its directory.
@@ -266,11 +276,7 @@ impl Repository {
         };
         if !has_config {
             tracing::debug!(model = name, dir = %dir.display(), "load: no configuration file");
-            // Triton's words for a model its repository does not have.
-            return Err(super::wording::failed_to_load(
-                name,
-                "failed to poll from model repository",
-            ));
+            return Err(missing_for_load(name));
         }
         let _change = self.change_lock(name).await;
         let serving = {

@@ -609,7 +609,7 @@ async fn repository_load(
     Path(m): Path<String>,
     body: Body,
 ) -> R<Response> {
-    let tenant = s.authorize_control(auth(&headers), &m)?;
+    let tenant = s.authorize_control(auth(&headers), &m, true)?;
     let bytes = body_bytes(&s, &headers, body).await?;
     let mut config = None;
     if let Ok(v) = serde_json::from_slice::<Value>(&bytes)
@@ -634,7 +634,7 @@ async fn repository_load(
 }
 
 async fn repository_unload(State(s): S, headers: HeaderMap, Path(m): Path<String>) -> R<Response> {
-    let tenant = s.authorize_control(auth(&headers), &m)?;
+    let tenant = s.authorize_control(auth(&headers), &m, false)?;
     tracing::info!(model = %m, %tenant, "unload requested");
     s.repository.unload(&m).await?;
     Ok(StatusCode::OK.into_response())

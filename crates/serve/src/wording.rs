@@ -16,7 +16,7 @@
 //! | negative version | `invalid model version specified 'V' , version should be an integral value > 0` | bad request |
 //! | typed contents and raw contents | `contents field must not be specified when using raw_input_contents for 'I' for model 'M'` | bad request |
 //! | a load that fails (also an invalid config override) | `failed to load 'M', …` | bad request |
-//! | a load of a model the repository does not have | `failed to load 'M', failed to poll from model repository` | bad request |
+//! | a load of a model the repository does not have (or the tenant may not call) | `failed to load 'M', failed to poll from model repository` | not found |
 //! | a load with a `file:` parameter | `failed to load 'M', failed to poll from model repository: …` | internal (500 / `INTERNAL`, as Triton answers) |
 //! | a stateful model's request without a sequence id | `inference request to model 'M' must specify a non-zero or non-empty correlation ID` | bad request |
 //! | a unary inference (HTTP `infer`) to a decoupled model | `HTTP end point doesn't support models with decoupled transaction policy` | unsupported (501) |
