@@ -477,11 +477,8 @@ impl ModelConfig {
         {
             bail!("{what}: name `{name}` differs from the directory's name `{dir_name}`");
         }
-        if config.dynamic_batching.is_some() && config.sequence_batching.is_some() {
-            bail!(
-                "{what}: dynamic_batching and sequence_batching are exclusive (a stateful model batches through sequence_batching)"
-            );
-        }
+        // dynamic_batching and sequence_batching are one oneof of Triton's message: the text
+        // parser refuses both, normalize() checks JSON and TOML before protobuf would keep one.
         if config.model_transaction_policy.decoupled {
             if config.dynamic_batching.is_some() || config.sequence_batching.is_some() {
                 bail!(

@@ -522,16 +522,7 @@ impl Model {
     /// the model declares but the sequence control inputs the server fills, unless the
     /// configuration lists them in `input` too (Triton shows the configured inputs).
     pub fn client_inputs(&self) -> Vec<TensorDecl> {
-        let controls = control_inputs(&self.config);
-        self.metadata
-            .inputs
-            .iter()
-            .filter(|d| {
-                !controls.contains(&d.name.as_str())
-                    || self.config.input.iter().any(|c| c.name == d.name)
-            })
-            .cloned()
-            .collect()
+        without_controls(&self.config, &self.metadata.inputs)
     }
 
     /// The Triton JSON configuration.
@@ -875,15 +866,7 @@ fn names(ds: &[TensorDecl]) -> String {
 /// configurations name only in `sequence_batching.control_input` (its `simple_sequence`); a
 /// configuration that also lists them in `input` is taken as well.
 fn check_declared(config: &ModelConfig, m: &GuestMetadata) -> Result<()> {
-    let controls = control_inputs(config);
-    let declared_inputs: Vec<TensorDecl> = m
-        .inputs
-        .iter()
-        .filter(|d| {
-            !controls.contains(&d.name.as_str()) || config.input.iter().any(|c| c.name == d.name)
-        })
-        .cloned()
-        .collect();
+    let declared_inputs = without_controls(config, &m.inputs);
     for (what, cfg, decl) in [
         ("input", &config.input, &declared_inputs),
         ("output", &config.output, &m.outputs),
@@ -922,12 +905,20 @@ fn check_declared(config: &ModelConfig, m: &GuestMetadata) -> Result<()> {
     Ok(())
 }
 
-/// The names of the configuration's sequence control inputs (none without sequence batching).
-fn control_inputs(config: &ModelConfig) -> Vec<&str> {
-    config
+/// `inputs` without the configuration's sequence control inputs (the server fills them),
+/// except those the configuration also lists in `input`.
+fn without_controls(config: &ModelConfig, inputs: &[TensorDecl]) -> Vec<TensorDecl> {
+    let controls: Vec<&str> = config
         .sequence_batching
         .iter()
         .flat_map(|sb| sb.control_input.iter().map(|c| c.name.as_str()))
+        .collect();
+    inputs
+        .iter()
+        .filter(|d| {
+            !controls.contains(&d.name.as_str()) || config.input.iter().any(|c| c.name == d.name)
+        })
+        .cloned()
         .collect()
 }
 

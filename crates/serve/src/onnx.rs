@@ -161,6 +161,17 @@ fn joined(sizes: &[u32]) -> String {
         .join(",")
 }
 
+/// The last non-empty line of the converter's stderr: its own error
+/// (`tpubox.onnx_convert: error: …`), or `no message`.
+fn last_line(stderr: &[u8]) -> String {
+    String::from_utf8_lossy(stderr)
+        .lines()
+        .rev()
+        .find(|l| !l.trim().is_empty())
+        .unwrap_or("no message")
+        .to_string()
+}
+
 /// The converter's explanation of the ONNX model `onnx` (`--check`): the ops it uses, which
 /// convert at which batch sizes, which do not; one line each.
 ///
@@ -178,13 +189,7 @@ pub async fn explain(
     let stdout = String::from_utf8_lossy(&out.stdout);
     let lines: Vec<String> = stdout.lines().map(str::to_string).collect();
     if !out.status.success() {
-        let stderr = String::from_utf8_lossy(&out.stderr);
-        let last = stderr
-            .lines()
-            .rev()
-            .find(|l| !l.trim().is_empty())
-            .unwrap_or("");
-        bail!("{}\n{}", lines.join("\n"), last);
+        bail!("{}\n{}", lines.join("\n"), last_line(&out.stderr));
     }
     Ok(lines)
 }
@@ -257,13 +262,7 @@ pub async fn prepare(
         let started = std::time::Instant::now();
         let output = converter.run(cmd, onnx).await?;
         if !output.status.success() {
-            let stderr = String::from_utf8_lossy(&output.stderr);
-            // The converter's own error is its last line (`tpubox.onnx_convert: error: …`).
-            let last = stderr
-                .lines()
-                .rev()
-                .find(|l| !l.trim().is_empty())
-                .unwrap_or("no message");
+            let last = last_line(&output.stderr);
             bail!(
                 "converting {} to StableHLO: {}",
                 onnx.display(),

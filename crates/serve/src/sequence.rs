@@ -297,8 +297,7 @@ fn corrid_bytes(id: &SequenceId, d: Datatype) -> Vec<u8> {
             SequenceId::Text(t) => t.clone(),
         };
         let mut out = Vec::with_capacity(4 + text.len());
-        out.extend_from_slice(&(text.len() as u32).to_le_bytes());
-        out.extend_from_slice(text.as_bytes());
+        super::protocol::push_bytes_element(&mut out, text.as_bytes());
         return out;
     }
     let n = match id {

@@ -491,6 +491,17 @@ instance_group [ { count: 2 kind: KIND_CPU } ]
             "{e}"
         );
         let e = normalize(
+            "dynamic_batching { }\nsequence_batching { }",
+            Format::Pbtxt,
+            "c",
+        )
+        .unwrap_err()
+        .to_string();
+        assert!(
+            e.contains("already set for oneof 'scheduling_choice'"),
+            "{e}"
+        );
+        let e = normalize(
             "input [ { name: \"x\" optional: true } ]",
             Format::Pbtxt,
             "c",
