@@ -367,7 +367,6 @@ def build(model_type: str, head: str) -> Any:
     """The randomly initialised model of (MODEL_TYPE, HEAD) in f32, eval mode."""
     import torch
     import transformers
-
     from transformers.models.auto import modeling_auto
 
     auto = getattr(transformers, HEADS[head][0])
@@ -701,6 +700,8 @@ class _Forked:
     comes through, the file its output goes to."""
 
     def __init__(self, row: str, modes: list[str], address: str, token: str | None):
+        import signal
+
         self.row, self.modes, self.t0 = row, modes, time.monotonic()
         self.log = tempfile.NamedTemporaryFile(prefix="hf-zoo-row-", suffix=".log", delete=False)
         rfd, wfd = os.pipe()
@@ -708,6 +709,7 @@ class _Forked:
         if self.pid == 0:  # the child
             code = 0
             try:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL)
                 os.close(rfd)
                 os.dup2(self.log.fileno(), 1)
                 os.dup2(self.log.fileno(), 2)
@@ -941,6 +943,10 @@ def main(argv: list[str] | None = None) -> int:
         tenants = {"zoo": {"token": "zoo", "session": {"max_device_mib": 4096}}}
         daemon = Daemon(root, tenants).start()
         address, token = daemon.unix, "zoo"
+    import signal
+
+    # SIGTERM ends the run through its finally blocks (the daemon it started stops).
+    signal.signal(signal.SIGTERM, lambda *_: sys.exit(143))
     fork = not args.spawn and hasattr(os, "fork")
     if fork:
         preload(rows)
