@@ -39,7 +39,7 @@ import torch.distributed as dist
 from torch._C._distributed_c10d import _create_work_from_future
 from torch.futures import Future
 
-from . import torch_eager as _eager
+from .torch import eager as _eager
 from .errors import TpuboxError
 from .session import Session, connect
 

@@ -616,34 +616,37 @@ class Session:
             self._check_open()
         results, device = meta
         n = len(results)
+        # The daemon takes reserved numbers in increasing order: a launch is queued under the
+        # lock that reserved its numbers, so that launches from several threads (eager ops run
+        # by Hugging Face's loading threads) reach the socket in the order of their numbers.
         with self._reserve_lock:
             ids = self._out_handles(n)
-        queued = self._frees_for_call()
-        head = '{"executable":%d,"arguments":[%s],"launch":true,"out":[%s]' % (
-            exe.handle,
-            ",".join(arguments),
-            ",".join(map(str, ids)),
-        )
-        frees = (*free, *queued)
-        if frees:
-            head += ',"free":[%s]' % ",".join(map(str, frees))
-        if tail is not None:
-            head += ',"tail":%d' % len(tail)
-        try:
-            full = local.launch(
-                head,
+            queued = self._frees_for_call()
+            head = '{"executable":%d,"arguments":[%s],"launch":true,"out":[%s]' % (
                 exe.handle,
-                ids,
-                self._deadline(_DEFAULT),
-                tail,
-                self._window,
-                frees,
-                send_now,
+                ",".join(arguments),
+                ",".join(map(str, ids)),
             )
-        except TpuboxError as e:
-            if e.kind == "session-ended":
-                self._closed = True
-            raise
+            frees = (*free, *queued)
+            if frees:
+                head += ',"free":[%s]' % ",".join(map(str, frees))
+            if tail is not None:
+                head += ',"tail":%d' % len(tail)
+            try:
+                full = local.launch(
+                    head,
+                    exe.handle,
+                    ids,
+                    self._deadline(_DEFAULT),
+                    tail,
+                    self._window,
+                    frees,
+                    send_now,
+                )
+            except TpuboxError as e:
+                if e.kind == "session-ended":
+                    self._closed = True
+                raise
         if full:
             # A window of launches was answered and this one starts the next: wait for the
             # first launch of the window before the last (those before it ran, in order).

@@ -205,7 +205,7 @@ def test_compiled_optimizer_step_runs_as_one_program(dev, opt_name):
 def test_foreach_decompositions_match_pytorch():
     """The backend's decompositions of ATen's ``_foreach_*`` ops, run on CPU tensors, against
     PyTorch's own kernels: list, scalar, scalar-list and tensor overloads, in place and not."""
-    from tpubox.torch import _foreach_decompositions
+    from tpubox.torch._lowering import _foreach_decompositions
 
     table = _foreach_decompositions()
     aten = torch.ops.aten

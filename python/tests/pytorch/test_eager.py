@@ -1,4 +1,4 @@
-"""Eager tensors on the daemon (tpubox.torch.device(), tpubox.torch_eager) in TorchTPU's three
+"""Eager tensors on the daemon (tpubox.torch.device(), tpubox.torch.eager) in TorchTPU's three
 eager modes, against PyTorch on the CPU: op by op, a small training step (forward, backward,
 SGD with momentum), a mode switch in the middle of training, the CPU fallback and its warning.
 
@@ -22,7 +22,6 @@ from torch import nn
 
 import tpubox
 import tpubox.torch as tt
-from tpubox import torch_eager as te
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
@@ -272,7 +271,7 @@ def test_mode_switch_in_the_middle_of_training(dev):
 def test_cpu_fallback_warns_with_the_op_name(dev):
     x = torch.tensor([[0.0, 1.5, -2.0], [3.0, 0.0, 0.25]])
     d = x.to(dev)
-    te._WARNED.discard("aten.nonzero")
+    tt._lowering._WARNED.discard("aten.nonzero")
     for mode in (tt.EagerMode.DEFER_NEVER, tt.EagerMode.DEFER_AND_FUSE):
         with tt.set_eager_mode(mode):
             with pytest.warns(tt.CpuFallbackWarning, match=r"aten\.nonzero") if (

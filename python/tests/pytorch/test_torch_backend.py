@@ -467,6 +467,75 @@ def test_swin_constant_tensors_are_dense_and_match_eager(alice):
     assert texts and not any("dense_resource" in t or "{-#" in t for t in texts)
 
 
+class WithUnlowerableOps(nn.Module):
+    """Linear layers around ops torch-mlir does not lower (median over a dimension: no
+    lowering; erfinv: no StableHLO pattern), so the graph is partitioned."""
+
+    def __init__(self):
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 8)
+        self.fc3 = nn.Linear(8, 4)
+
+    def forward(self, x):
+        h = torch.tanh(self.fc1(x))
+        m = h.median(dim=1, keepdim=True).values  # aten.median.dim: runs on the CPU
+        h = self.fc2(h - m)
+        h = torch.erfinv(torch.tanh(h) * 0.5)  # aten.erfinv: on the CPU too
+        return self.fc3(F.gelu(h))
+
+
+def test_nodes_that_do_not_lower_run_on_the_cpu_and_the_rest_on_the_device(alice):
+    """A graph with nodes torch-mlir cannot lower is partitioned, as Dynamo backends do with
+    ops they do not support: the other nodes run as programs in the session, those nodes in
+    PyTorch on the CPU, named in a CpuFallbackWarning and in cpu_fallback_ops()."""
+    torch.manual_seed(0)
+    model = WithUnlowerableOps().eval()
+    x = torch.randn(6, 16)
+    with torch.no_grad():
+        want = model(x)
+    tt.reset_stats()
+    compiled = torch.compile(model, backend="tpubox", options={"session": alice})
+    before = executions(alice)
+    with pytest.warns(tt.CpuFallbackWarning) as caught, torch.no_grad():
+        tt.dynamo._LOWERS.clear()
+        tt._lowering._WARNED.difference_update({"aten.median.dim", "aten.erfinv"})
+        got = compiled(x)
+    close(got, want)
+    said = " ".join(str(w.message) for w in caught)
+    assert "aten.median.dim" in said and "erfinv" in said, said
+    assert {"aten.median.dim", "aten.erfinv"} <= set(tt.cpu_fallback_ops())
+    s = tt.stats()
+    assert s["partitioned_graphs"] == 1 and s["cpu_fallback_nodes"] >= 2, s
+    # fc1 (and tanh), fc2 (and the subtraction, tanh, the scale) and gelu with fc3: three
+    # programs, each run once.
+    assert executions(alice) - before == 3
+    assert s["compiles"] == 3
+
+    # Again: the same programs, nothing lowered or compiled.
+    x2 = torch.randn(6, 16)
+    with torch.no_grad():
+        close(compiled(x2), model(x2))
+    assert tt.stats()["compiles"] == 3
+
+
+def test_a_partitioned_graph_trains(alice):
+    """The forward and backward graphs of a model with an op that does not lower (erfinv;
+    its derivative lowers) are partitioned; an SGD step gives PyTorch's parameters."""
+    torch.manual_seed(0)
+    model = WithUnlowerableOps()
+    ref = copy.deepcopy(model)
+    x = torch.randn(6, 16)
+    compiled = torch.compile(model, backend="tpubox", options={"session": alice})
+    for m, run in ((ref, ref), (model, compiled)):
+        opt = torch.optim.SGD(m.parameters(), lr=0.1)
+        run(x).pow(2).mean().backward()
+        opt.step()
+    for (name, p), q in zip(model.named_parameters(), ref.parameters()):
+        close(p, q, rtol=1e-4, atol=1e-5)
+    assert "aten.erfinv" in tt.cpu_fallback_ops()
+
+
 def test_dense_resource_constants_are_rewritten_as_dense():
     """tpubox.torch._dense_constants: each blob's bytes (after the 4-byte alignment) as
     dense<"0x...">, booleans as a literal, no elements as dense<>; the text parses to the same
