@@ -536,6 +536,33 @@ def test_a_partitioned_graph_trains(alice):
     assert "aten.erfinv" in tt.cpu_fallback_ops()
 
 
+def test_negative_indices_count_from_the_end(alice):
+    """Advanced indexing with negative indices (a constant list, a tensor input, a write) gives
+    PyTorch's rows, compiled and on eager device tensors: torch-mlir's gather took them as they
+    were and XLA clamped them to row 0 (Falcon's multi-query heads, ``qkv[..., [-2], :]``, came
+    out wrong by the output's scale)."""
+
+    def read_const(x):
+        return x[..., [-2], :] * 2
+
+    def read_tensor(x, i):
+        return x[i] + 1
+
+    def write(x, i):
+        y = x.clone()
+        y[i] = -1.0
+        return y
+
+    x = torch.randn(3, 5, 4)
+    i = torch.tensor([-1, 0, -3])
+    for f, args in ((read_const, (x,)), (read_tensor, (x, i)), (write, (x, i))):
+        torch._dynamo.reset()
+        compiled = torch.compile(f, backend="tpubox", options={"session": alice})
+        close(compiled(*args), f(*args))
+        dev = tt.device(session=alice)
+        close(f(*(a.to(dev) for a in args)).cpu(), f(*args))
+
+
 def test_dense_resource_constants_are_rewritten_as_dense():
     """tpubox.torch._dense_constants: each blob's bytes (after the 4-byte alignment) as
     dense<"0x...">, booleans as a literal, no elements as dense<>; the text parses to the same

@@ -712,6 +712,54 @@ def _mlir_diagnostics(into: list[str]) -> Iterator[None]:
                     os.write(2, ("\n".join(rest) + "\n").encode())
 
 
+_INDEXING_OPS = ("index.Tensor", "index_put.default", "_unsafe_index.Tensor",
+                 "_unsafe_index_put.default", "index_put_.default")  # fmt: skip
+
+
+def _wrap_negative_indices(gm: torch.fx.GraphModule) -> None:
+    """Rewrites GM so that the integer index tensors of ``aten.index`` and ``aten.index_put``
+    (``x[..., [-2], :]``, ``x[idx] = v``) count from the end where negative, as PyTorch's
+    kernels do: each becomes ``where(i < 0, i + size, i)`` with the size of the dimension it
+    indexes. torch-mlir lowers them to a gather (scatter) that takes the index as it is, and
+    XLA clamps an index out of range, so a negative one read the first row (Falcon's multi-query
+    attention takes its key and value heads with ``[-2]`` and ``[-1]``)."""
+    targets = set()
+    for name in _INDEXING_OPS:
+        packet, overload = name.split(".")
+        op = getattr(getattr(torch.ops.aten, packet, None), overload, None)
+        if op is not None:
+            targets.add(op)
+    changed = False
+    for n in list(gm.graph.nodes):
+        if n.op != "call_function" or n.target not in targets or len(n.args) < 2:
+            continue
+        x, indices = n.args[0], n.args[1]
+        xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
+        if not isinstance(xv, torch.Tensor) or not isinstance(indices, (list, tuple)):
+            continue
+        new_indices = list(indices)
+        for d, i in enumerate(indices):
+            iv = i.meta.get("val") if isinstance(i, torch.fx.Node) else None
+            if not isinstance(iv, torch.Tensor) or iv.dtype in (torch.bool, torch.uint8):
+                continue
+            if iv.is_floating_point() or d >= xv.dim() or not isinstance(xv.shape[d], int):
+                continue
+            size = xv.shape[d]
+            with gm.graph.inserting_before(n):
+                neg = gm.graph.call_function(torch.ops.aten.lt.Scalar, (i, 0))
+                neg.meta["val"] = torch.ops.aten.lt.Scalar(iv, 0)
+                up = gm.graph.call_function(torch.ops.aten.add.Scalar, (i, size))
+                up.meta["val"] = torch.ops.aten.add.Scalar(iv, size)
+                w = gm.graph.call_function(torch.ops.aten.where.self, (neg, up, i))
+                w.meta["val"] = torch.ops.aten.where.self(neg.meta["val"], up.meta["val"], iv)
+            new_indices[d] = w
+            changed = True
+        if changed:
+            n.args = (x, list(new_indices), *n.args[2:])
+    if changed:
+        gm.recompile()
+
+
 class NotLowered(Unsupported):
     """torch-mlir could not lower a graph to StableHLO (the message says why), or its lowering
     holds a program the daemon's default policy refuses (a custom call)."""
@@ -784,9 +832,18 @@ class _Program:
         self.gm = gm
         if self.n_results:
             self._to_lower = self._restricted(gm, prog_outs)
+            _wrap_negative_indices(self._to_lower)
             if _lowering_cache.enabled():
                 self._digest = _lowering_cache.graph_digest(
-                    self._to_lower, (_Program, _set_precision, _module_text, _dense_constants, _empty_tensors)
+                    self._to_lower,
+                    (
+                        _Program,
+                        _set_precision,
+                        _module_text,
+                        _dense_constants,
+                        _empty_tensors,
+                        _wrap_negative_indices,
+                    ),
                 )
             # The text at the precision in force now: from the lowering cache, else lowered
             # here (so that a graph torch-mlir cannot lower fails when Dynamo compiles it).
