@@ -776,10 +776,19 @@ def run_forked(rows: list[str], modes: list[str], address: str, token: str | Non
     this process (after :func:`preload`), at most JOBS at once, each with at most
     ROW_MEMORY_BYTES of address space and TIMEOUT seconds, its output in a file whose end says
     why when it dies. As :func:`run_in_child`, without a new interpreter per row."""
-    import select
-
     todo = list(enumerate(rows))
     running: dict[int, tuple[int, _Forked]] = {}  # fd -> (index, child)
+    try:
+        yield from _forked_loop(todo, running, modes, address, token, timeout, jobs)
+    finally:  # the run stopped (SIGTERM, an error): its children with it
+        for _, c in running.values():
+            c.result("stopped")
+
+
+def _forked_loop(todo: list, running: dict, modes: list[str], address: str, token: str | None,
+                 timeout: float, jobs: int) -> Any:  # fmt: skip
+    import select
+
     while todo or running:
         while todo and len(running) < max(1, jobs):
             i, row = todo.pop(0)
@@ -963,6 +972,7 @@ def main(argv: list[str] | None = None) -> int:
     if fork:
         preload(rows)
     results: list[dict] = []
+    done: Any = None
     try:
         if fork:
             done = run_forked(rows, modes, address, token, args.timeout, args.jobs)
@@ -983,6 +993,8 @@ def main(argv: list[str] | None = None) -> int:
             if args.json:
                 Path(args.json).write_text(json.dumps(results, indent=1))
     finally:
+        if hasattr(done, "close"):
+            done.close()  # run_forked's children end with the run
         if daemon is not None:
             daemon.stop()
     print(report(results, modes))
