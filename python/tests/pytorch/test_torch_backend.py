@@ -563,6 +563,30 @@ def test_negative_indices_count_from_the_end(alice):
         close(f(*(a.to(dev) for a in args)).cpu(), f(*args))
 
 
+def test_a_write_into_an_open_ended_slice_from_a_broadcast(alice):
+    """DeepSeek-V3's key: ``k[..., n:].copy_(rot.expand(...))`` into a new tensor. Its
+    functional form is a ``slice_scatter`` ending at 2**63 - 1, which torch-mlir's lowering ran
+    out of memory on (the op fell back to the CPU, whose copy into the expanded layout
+    failed); compiled and on eager device tensors in both modes."""
+
+    def f(kv, rot):
+        k = kv.new_empty(2, 4, 8, 12)
+        k[..., :8].copy_(kv)
+        k[..., 8:].copy_(rot.expand(2, 4, 8, 4))
+        return k * 1
+
+    kv, rot = torch.randn(2, 4, 8, 8), torch.randn(2, 1, 8, 4)
+    want = f(kv, rot)
+    compiled = torch.compile(f, backend="tpubox", options={"session": alice})
+    close(compiled(kv, rot), want)
+    dev = tt.device(session=alice)
+    tt.reset_eager_stats()
+    for mode in ("DEFER_NEVER", "DEFER_AND_FUSE"):
+        with tt.set_eager_mode(mode):
+            close(f(kv.to(dev), rot.to(dev)).cpu(), want)
+    assert tt.cpu_fallback_ops() == []
+
+
 def test_dense_resource_constants_are_rewritten_as_dense():
     """tpubox.torch._dense_constants: each blob's bytes (after the 4-byte alignment) as
     dense<"0x...">, booleans as a literal, no elements as dense<>; the text parses to the same

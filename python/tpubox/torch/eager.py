@@ -1334,6 +1334,18 @@ def _histc_any_dtype(x: torch.Tensor, *args: Any, **kwargs: Any) -> torch.Tensor
 _HOST_FORMS: dict[Any, Callable[..., Any]] = {aten.histc.default: _histc_any_dtype}
 
 
+def _dense_layout(shape: Sequence[int], stride: Sequence[int]) -> bool:
+    """Whether no two elements of a tensor of SHAPE and STRIDE share memory (strides of
+    dimensions of more than one element distinct from 0 and not overlapping)."""
+    dims = sorted((s, n) for n, s in zip(shape, stride) if n > 1)
+    span = 1
+    for s, n in dims:
+        if s < span:
+            return False
+        span = s * n
+    return True
+
+
 def _cpu_fallback(func: Any, args: Sequence[Any], kwargs: dict, why: str) -> Any:
     mutated_ids, _ = _mutated(func, args, kwargs)
     flat, tree = tree_flatten((tuple(args), kwargs))
@@ -1356,7 +1368,9 @@ def _cpu_fallback(func: Any, args: Sequence[Any], kwargs: dict, why: str) -> Any
             else:
                 h = _to_host(x)
                 shape, stride, dtype = _spec_of(x)
-                if h.stride() != stride and len(shape) > 0:
+                if h.stride() != stride and len(shape) > 0 and _dense_layout(shape, stride):
+                    # The op sees the layout it would on the device (an expanded tensor, whose
+                    # elements share memory, keeps the dense one: its values are the same).
                     h = torch.empty_strided(shape, stride, dtype=dtype).copy_(h)
             host_of[id(h)] = x
             leaves.append(h)
