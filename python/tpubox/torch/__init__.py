@@ -7,7 +7,10 @@ ATen-level forward and backward graphs with the parameters and buffers lifted to
 of those is lowered to one StableHLO function by torch-mlir's FX importer, compiled through
 the session's :meth:`tpubox.Session.compile` (so every tier of the daemon's compile cache
 applies) and executed there. A training step (forward, backward, optimizer step) compiles too;
-graph breaks run in PyTorch, as Dynamo does with any backend.
+graph breaks run in PyTorch, as Dynamo does with any backend. A graph with nodes torch-mlir
+cannot lower (or lowers to a custom call the daemon refuses) is partitioned: its other nodes
+run as programs, those nodes in PyTorch on the CPU between them, each op named once in a
+:class:`CpuFallbackWarning` and listed by :func:`cpu_fallback_ops`.
 
 What travels, and what stays:
 
