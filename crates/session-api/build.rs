@@ -13,6 +13,8 @@ fn main() -> Result<(), Box<dyn std::error::Error>> {
         .build_server(true)
         // Tensor data and programs as `bytes::Bytes`: chunks are slices, not copies.
         .bytes(".tpubox.v1")
+        // Decode errors as INVALID_ARGUMENT (tonic's default codec answers INTERNAL).
+        .codec_path("crate::codec::Codec")
         .compile_fds(fds)?;
     Ok(())
 }

@@ -6,6 +6,7 @@
 
 use std::fmt;
 
+use tpubox_core::logsafe::{Clip, LINE_BYTES};
 use tracing_subscriber::field::RecordFields;
 use tracing_subscriber::fmt::FormatFields;
 use tracing_subscriber::fmt::format::{DefaultFields, Writer};
@@ -19,6 +20,11 @@ impl<'w> FormatFields<'w> for EscapedFields {
     fn format_fields<R: RecordFields>(&self, mut writer: Writer<'w>, fields: R) -> fmt::Result {
         let mut raw = String::new();
         FormatFields::format_fields(&self.0, Writer::new(&mut raw), fields)?;
+        // A backstop: client-controlled fields are clipped where they are logged
+        // (`tpubox_core::logsafe`); no line's fields exceed LINE_BYTES even where one was not.
+        if raw.len() > LINE_BYTES {
+            raw = Clip::with_max(&raw, LINE_BYTES).to_string();
+        }
         escape(&mut writer, &raw)
     }
 }

@@ -35,6 +35,7 @@ pub mod declared;
 pub mod device;
 pub mod error;
 pub mod exec;
+pub mod logsafe;
 pub mod mlir_text;
 pub mod npy;
 pub mod open;

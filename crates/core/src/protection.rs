@@ -62,6 +62,51 @@ pub fn triggered(protection: &'static str, door: &'static str, detail: std::fmt:
     );
 }
 
+/// Counts one trigger of `protection` caused by `peer` (a refusal the peer can repeat at will:
+/// a bad credential, a connection over a cap) and logs it at the rate
+/// [`crate::logsafe::RefusalLog`] allows per peer and protection: a flood from one peer costs
+/// a few lines, then one a second, and `suppressed K similar messages from PEER`
+/// ([`crate::logsafe::flush_suppressed`]). `detail` is cut to [`crate::logsafe::LINE_BYTES`]
+/// here and escaped by the log writer; fields a peer controls in it should be clipped by the
+/// caller ([`crate::logsafe::clip`]).
+pub fn triggered_by(
+    protection: &'static str,
+    door: &'static str,
+    peer: &dyn std::fmt::Display,
+    detail: std::fmt::Arguments<'_>,
+) {
+    {
+        let mut map = TRIGGERED.lock().unwrap_or_else(|p| p.into_inner());
+        let e = map.entry(protection).or_insert(Entry {
+            count: 0,
+            last_log: None,
+            unlogged: 0,
+        });
+        e.count = e.count.saturating_add(1);
+    }
+    let peer = peer.to_string();
+    let crate::logsafe::Verdict::Log { suppressed } =
+        crate::logsafe::admit_refusal(&peer, protection)
+    else {
+        return;
+    };
+    let detail = detail.to_string();
+    tracing::warn!(
+        protection,
+        door,
+        peer = %crate::logsafe::clip(&peer),
+        suppressed,
+        "protection triggered: {protection} on {door} from {}: {}{}",
+        crate::logsafe::clip(&peer),
+        crate::logsafe::Clip::with_max(&detail, crate::logsafe::LINE_BYTES / 4),
+        if suppressed > 0 {
+            format!(" (suppressed {suppressed} similar messages from this peer since its last line)")
+        } else {
+            String::new()
+        }
+    );
+}
+
 /// How often each protection has triggered since the process started, by name.
 pub fn counts() -> Vec<(&'static str, u64)> {
     TRIGGERED

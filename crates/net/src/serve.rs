@@ -18,10 +18,11 @@ use hyper::body::Incoming;
 use hyper_util::rt::{TokioExecutor, TokioIo, TokioTimer};
 use tokio::io::{AsyncRead, AsyncWrite, ReadBuf};
 use tokio::time::Instant;
-use tpubox_core::protection::triggered;
+use tpubox_core::logsafe::clip;
+use tpubox_core::protection::{triggered, triggered_by};
 
 use crate::accept::{Listener, Stream};
-use crate::limits::{Connections, DoorLimits, PUBLIC_BODY_BYTES};
+use crate::limits::{Connections, DoorLimits, PUBLIC_BODY_BYTES, Peer};
 
 /// What a door decides about a request from its head alone (method, path, headers), before
 /// any of its body is read.
@@ -102,9 +103,10 @@ pub async fn serve(
         let guard = match door.connections.admit(peer) {
             Ok(g) => g,
             Err(refused) => {
-                triggered(
+                triggered_by(
                     refused.protection(),
                     door.name,
+                    &peer,
                     format_args!(
                         "closed a connection from {peer} at once ({} open in all)",
                         door.connections.open()
@@ -124,7 +126,7 @@ pub async fn serve(
         tokio::spawn(async move {
             let accepted = Instant::now();
             if let Some(stream) = handshake(stream, &door, accepted).await {
-                connection(stream, &door, app, stop_rx, accepted).await;
+                connection(stream, &door, app, stop_rx, accepted, peer).await;
             }
             drop(guard);
             live_tx.send_modify(|n| *n -= 1);
@@ -206,6 +208,7 @@ async fn connection(
     app: axum::Router,
     mut stop: tokio::sync::watch::Receiver<bool>,
     accepted: Instant,
+    peer: Peer,
 ) {
     let state = Arc::new(ConnState {
         in_flight: AtomicUsize::new(0),
@@ -216,7 +219,7 @@ async fn connection(
         let (door, state) = (Arc::clone(door), Arc::clone(&state));
         hyper::service::service_fn(move |req: Request<Incoming>| {
             let (door, state, app) = (Arc::clone(&door), Arc::clone(&state), app.clone());
-            async move { Ok::<_, Infallible>(request(req, &door, &state, app).await) }
+            async move { Ok::<_, Infallible>(request(req, &door, &state, app, peer).await) }
         })
     };
     let l = &door.limits;
@@ -331,18 +334,20 @@ async fn request(
     door: &Door,
     state: &Arc<ConnState>,
     mut app: axum::Router,
+    peer: Peer,
 ) -> Response<Body> {
     let in_flight = InFlight::start(state);
     let (parts, body) = req.into_parts();
     let limit = match (door.admit)(&parts) {
         Admission::Refused(resp) => {
-            triggered(
+            triggered_by(
                 "unauthenticated",
                 door.name,
+                &peer,
                 format_args!(
                     "{} {}: refused before its body was read",
-                    parts.method,
-                    parts.uri.path()
+                    clip(parts.method.as_str()),
+                    clip(parts.uri.path())
                 ),
             );
             drop(body);

@@ -48,15 +48,27 @@ pub struct ServeError {
     pub limit: Option<&'static str>,
 }
 
+/// `message`, cut to [`tpubox_core::logsafe::LINE_BYTES`] with a marker if it is longer.
+fn bounded(message: String) -> String {
+    use tpubox_core::logsafe::{Clip, LINE_BYTES};
+    if message.len() <= LINE_BYTES {
+        message
+    } else {
+        Clip::with_max(&message, LINE_BYTES).to_string()
+    }
+}
+
 /// A result with a [`ServeError`].
 pub type ServeResult<T> = Result<T, ServeError>;
 
 impl ServeError {
-    /// An error of `kind`.
+    /// An error of `kind`. A message over [`tpubox_core::logsafe::LINE_BYTES`] is cut there
+    /// (a backstop: client-controlled names in it are clipped where it is written), so that no
+    /// answer echoes a huge request back.
     pub fn new(kind: ServeErrorKind, message: impl Into<String>) -> Self {
         ServeError {
             kind,
-            message: message.into(),
+            message: bounded(message.into()),
             limit: None,
         }
     }
@@ -70,7 +82,7 @@ impl ServeError {
     pub fn limited(limit: &'static str, message: impl Into<String>) -> Self {
         ServeError {
             kind: ServeErrorKind::TooManyRequests,
-            message: message.into(),
+            message: bounded(message.into()),
             limit: Some(limit),
         }
     }

@@ -29,6 +29,7 @@ pub use bounds::BoundedCodec;
 
 use inference::grpc_inference_service_server::{GrpcInferenceService, GrpcInferenceServiceServer};
 use inference::*;
+use tpubox_core::logsafe::clip;
 
 fn status(e: ServeError) -> Status {
     let code = match e.kind {
@@ -61,7 +62,8 @@ fn contents_bytes(name: &str, d: Datatype, c: &InferTensorContents) -> ServeResu
             for &x in &$src {
                 let v = <$t>::try_from(x).map_err(|_| {
                     ServeError::bad_request(format!(
-                        "input `{name}`: {x} is out of the range of {}",
+                        "input `{}`: {x} is out of the range of {}",
+                        clip(name),
                         d.name()
                     ))
                 })?;
@@ -93,7 +95,8 @@ fn contents_bytes(name: &str, d: Datatype, c: &InferTensorContents) -> ServeResu
             .for_each(|b| push_bytes_element(&mut out, b)),
         Datatype::Fp16 | Datatype::Bf16 => {
             return Err(ServeError::bad_request(format!(
-                "input `{name}`: {} data must come in raw_input_contents",
+                "input `{}`: {} data must come in raw_input_contents",
+                clip(name),
                 d.name()
             )));
         }
@@ -107,7 +110,10 @@ fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
     // them).
     let mut shm = Vec::with_capacity(r.inputs.len());
     for i in &r.inputs {
-        shm.push(shm_param(&format!("input `{}`", i.name), &i.parameters)?);
+        shm.push(shm_param(
+            &format!("input `{}`", clip(&i.name)),
+            &i.parameters,
+        )?);
     }
     let in_band = shm.iter().filter(|s| s.is_none()).count();
     // Triton checks that no input has typed contents when raw contents are used before it
@@ -136,13 +142,15 @@ fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
         let datatype = Datatype::from_protocol_name(&i.datatype).ok_or_else(|| {
             ServeError::bad_request(format!(
                 "input `{}`: unknown datatype `{}`",
-                i.name, i.datatype
+                clip(&i.name),
+                clip(&i.datatype)
             ))
         })?;
         if i.shape.len() > 16 || i.shape.iter().any(|&d| d < 0) {
             return Err(ServeError::bad_request(format!(
                 "input `{}`: shape {:?} must have at most 16 non-negative dimensions",
-                i.name, i.shape
+                clip(&i.name),
+                i.shape
             )));
         }
         if let Some(s) = shm {
@@ -164,7 +172,7 @@ fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
             (None, None) => {
                 return Err(ServeError::bad_request(format!(
                     "input `{}` has no data",
-                    i.name
+                    clip(&i.name)
                 )));
             }
         };
@@ -184,7 +192,7 @@ fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
             .outputs
             .into_iter()
             .map(|o| {
-                let shm = shm_param(&format!("output `{}`", o.name), &o.parameters)?;
+                let shm = shm_param(&format!("output `{}`", clip(&o.name)), &o.parameters)?;
                 Ok(RequestedOutput {
                     name: o.name,
                     binary: false,
@@ -526,7 +534,10 @@ impl GrpcInferenceService for Service {
                     Ok(Some(q)) => q,
                     Ok(None) => break,
                     Err(e) => {
-                        tracing::debug!("ModelStreamInfer: the client's stream failed: {e}");
+                        tracing::debug!(
+                            "ModelStreamInfer: the client's stream failed: {}",
+                            clip(&e.to_string())
+                        );
                         break;
                     }
                 };
@@ -716,7 +727,7 @@ impl GrpcInferenceService for Service {
                 )));
             }
         };
-        tracing::info!(model = %model, %tenant, config_override = config.is_some(), "load requested");
+        tracing::info!(model = %clip(model), %tenant, config_override = config.is_some(), "load requested");
         self.server
             .repository
             .load_with(model, config)
@@ -733,7 +744,7 @@ impl GrpcInferenceService for Service {
             .server
             .authorize_control(auth(&r).as_deref(), &r.get_ref().model_name, false)
             .map_err(status)?;
-        tracing::info!(model = %r.get_ref().model_name, %tenant, "unload requested");
+        tracing::info!(model = %clip(&r.get_ref().model_name), %tenant, "unload requested");
         self.server
             .repository
             .unload(&r.get_ref().model_name)

@@ -62,6 +62,7 @@ use self::model::{LoadContext, Model, VERSION};
 use self::protocol::{InferRequest, InferResponse};
 use self::repository::Repository;
 use tpubox_core::device::DeviceService;
+use tpubox_core::logsafe::clip;
 use tpubox_core::weights::WeightRegistry;
 use tpubox_session_api::registry::Registry;
 use tpubox_session_api::{SessionAccess, SessionApiConfig};
@@ -564,7 +565,7 @@ impl Server {
             offset,
             byte_size,
         )?;
-        tracing::debug!(tenant = %t.entry.name, region = name, key, offset, byte_size, "shared-memory region registered");
+        tracing::debug!(tenant = %t.entry.name, region = %clip(name), key = %clip(key), offset, byte_size, "shared-memory region registered");
         Ok(())
     }
 
@@ -764,6 +765,14 @@ pub async fn run(
         doors.tls.clone(),
     ));
     server.set_strict_readiness(config.strict_readiness);
+    // The refusals left out of the log (per peer, `tpubox_core::logsafe`), said every few seconds.
+    let flusher = tokio::spawn(async {
+        let mut every = tokio::time::interval(Duration::from_secs(2));
+        loop {
+            every.tick().await;
+            tpubox_core::logsafe::flush_suppressed();
+        }
+    });
     if config.repository.is_some()
         && let Ok(names) = server.repository.scan()
     {
@@ -963,6 +972,8 @@ pub async fn run(
             tracing::warn!("a listener ended with: {e:#}");
         }
     }
+    flusher.abort();
+    tpubox_core::logsafe::flush_suppressed();
     tracing::info!("stopped");
     Ok(())
 }

@@ -562,7 +562,7 @@ impl Model {
                 return Err(ServeError::bad_request(format!(
                     "model `{}` has no input `{}` (inputs: {})",
                     self.name,
-                    t.name,
+                    tpubox_core::logsafe::clip(&t.name),
                     names(&m.inputs)
                 )));
             }
@@ -572,7 +572,7 @@ impl Model {
                 return Err(ServeError::bad_request(format!(
                     "model `{}` has no output `{}` (outputs: {})",
                     self.name,
-                    o.name,
+                    tpubox_core::logsafe::clip(&o.name),
                     names(&m.outputs)
                 )));
             }

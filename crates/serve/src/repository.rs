@@ -9,6 +9,7 @@ use std::sync::{Arc, Mutex, RwLock};
 use super::config::CONFIG_FILES;
 use super::error::{ServeError, ServeErrorKind, ServeResult};
 use super::model::{LoadContext, Model};
+use tpubox_core::logsafe::clip;
 
 /// A model's state.
 #[derive(Clone)]
@@ -90,7 +91,10 @@ impl Drop for CancelledLoad<'_> {
 pub fn missing_for_load(name: &str) -> ServeError {
     ServeError::new(
         super::error::ServeErrorKind::NotFound,
-        format!("failed to load '{name}', failed to poll from model repository"),
+        format!(
+            "failed to load '{}', failed to poll from model repository",
+            clip(name)
+        ),
     )
 }
 
@@ -265,7 +269,8 @@ impl Repository {
     pub async fn load_with(&self, name: &str, config_override: Option<&str>) -> ServeResult<()> {
         if !valid_name(name) {
             return Err(ServeError::bad_request(format!(
-                "`{name}` is not a model name"
+                "`{}` is not a model name",
+                clip(name)
             )));
         }
         let dir = self.root.join(name);
@@ -275,7 +280,7 @@ impl Repository {
             CONFIG_FILES.iter().any(|f| dir.join(f).is_file())
         };
         if !has_config {
-            tracing::debug!(model = name, dir = %dir.display(), "load: no configuration file");
+            tracing::debug!(model = %clip(name), "load: no configuration file");
             return Err(missing_for_load(name));
         }
         let _change = self.change_lock(name).await;
@@ -311,7 +316,7 @@ impl Repository {
             }
             Err(e) => {
                 let reason = format!("{e:#}");
-                tracing::error!(model = name, "loading failed: {reason}");
+                tracing::error!(model = %clip(name), "loading failed: {reason}");
                 if !serving {
                     self.models
                         .write()

@@ -16,6 +16,7 @@ use super::error::{ServeError, ServeErrorKind, ServeResult};
 use super::model::{Model, VERSION};
 use super::protocol::{InferRequest, request_from_json, response_to_json};
 use super::{EXTENSIONS, SERVER_NAME, Server};
+use tpubox_core::logsafe::clip;
 
 /// The header that gives the JSON part's length in a binary-extension body.
 pub const HEADER_LENGTH: &str = "inference-header-content-length";
@@ -628,14 +629,14 @@ async fn repository_load(
             }
         };
     }
-    tracing::info!(model = %m, %tenant, config_override = config.is_some(), "load requested");
+    tracing::info!(model = %clip(&m), %tenant, config_override = config.is_some(), "load requested");
     s.repository.load_with(&m, config.as_deref()).await?;
     Ok(StatusCode::OK.into_response())
 }
 
 async fn repository_unload(State(s): S, headers: HeaderMap, Path(m): Path<String>) -> R<Response> {
     let tenant = s.authorize_control(auth(&headers), &m, false)?;
-    tracing::info!(model = %m, %tenant, "unload requested");
+    tracing::info!(model = %clip(&m), %tenant, "unload requested");
     s.repository.unload(&m).await?;
     Ok(StatusCode::OK.into_response())
 }
@@ -700,7 +701,7 @@ pub fn metrics_router(server: Arc<Server>) -> Router {
                     let admin = s.access.admit_admin(auth(&headers))?;
                     match s.admin_end_session(&id, &admin.entry.name) {
                         Ok(row) => {
-                            tracing::info!(session = %id, admin = %admin.entry.name, "session ended by an operator");
+                            tracing::info!(session = %clip(&id), admin = %admin.entry.name, "session ended by an operator");
                             R::Ok(axum::Json(json!({ "ended": row })).into_response())
                         }
                         Err(e) if e.kind == ServeErrorKind::NotFound => Ok((

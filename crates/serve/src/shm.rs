@@ -202,7 +202,10 @@ impl Regions {
             rustix::fs::Mode::empty(),
         )
         .map_err(|e| {
-            ServeError::bad_request(format!("Unable to open shared memory region: '{key}': {e}"))
+            ServeError::bad_request(format!(
+                "Unable to open shared memory region: '{}': {e}",
+                tpubox_core::logsafe::clip(key)
+            ))
         })?;
         let file = File::from(fd);
         let meta = file

@@ -24,12 +24,13 @@
 //! | a sequence's request before its start | `inference request for sequence N to model 'M' must specify the START flag on the first request of the sequence` | bad request |
 
 use super::error::{ServeError, ServeErrorKind};
+use tpubox_core::logsafe::clip;
 
 /// The model `name` does not exist, or the tenant may not call it (answered alike).
 pub fn unknown_model(name: &str) -> ServeError {
     ServeError::new(
         ServeErrorKind::NotFound,
-        format!("Request for unknown model: '{name}' is not found"),
+        format!("Request for unknown model: '{}' is not found", clip(name)),
     )
 }
 
@@ -37,7 +38,10 @@ pub fn unknown_model(name: &str) -> ServeError {
 pub fn unknown_version(name: &str, version: i64) -> ServeError {
     ServeError::new(
         ServeErrorKind::NotFound,
-        format!("Request for unknown model: '{name}' version {version} is not found"),
+        format!(
+            "Request for unknown model: '{}' version {version} is not found",
+            clip(name)
+        ),
     )
 }
 
@@ -50,12 +54,14 @@ pub fn parse_version(version: &str) -> Result<Option<i64>, ServeError> {
     }
     let v: i64 = version.trim().parse().map_err(|e| {
         ServeError::bad_request(format!(
-            "failed to get model version from specified version string '{version}' (details: {e}), version should be an integral value > 0"
+            "failed to get model version from specified version string '{}' (details: {e}), version should be an integral value > 0",
+            clip(version)
         ))
     })?;
     if v < 0 {
         return Err(ServeError::bad_request(format!(
-            "invalid model version specified '{version}' , version should be an integral value > 0"
+            "invalid model version specified '{}' , version should be an integral value > 0",
+            clip(version)
         )));
     }
     Ok(Some(v))
@@ -64,14 +70,17 @@ pub fn parse_version(version: &str) -> Result<Option<i64>, ServeError> {
 /// A gRPC input carries both typed `contents` and an entry of `raw_input_contents`.
 pub fn contents_with_raw(input: &str, model: &str) -> ServeError {
     ServeError::bad_request(format!(
-        "contents field must not be specified when using raw_input_contents for '{input}' for model '{model}'"
+        "contents field must not be specified when using raw_input_contents for '{}' for model '{}'",
+        clip(input),
+        clip(model)
     ))
 }
 
 /// A request to the stateful model `model` names no sequence (or sequence 0 / "").
 pub fn no_correlation_id(model: &str) -> ServeError {
     ServeError::bad_request(format!(
-        "inference request to model '{model}' must specify a non-zero or non-empty correlation ID"
+        "inference request to model '{}' must specify a non-zero or non-empty correlation ID",
+        clip(model)
     ))
 }
 
@@ -79,7 +88,9 @@ pub fn no_correlation_id(model: &str) -> ServeError {
 /// released: ended, idle too long).
 pub fn sequence_not_started(model: &str, id: &crate::protocol::SequenceId) -> ServeError {
     ServeError::bad_request(format!(
-        "inference request for sequence {id} to model '{model}' must specify the START flag on the first request of the sequence"
+        "inference request for sequence {} to model '{}' must specify the START flag on the first request of the sequence",
+        clip(&id.to_string()),
+        clip(model)
     ))
 }
 
@@ -102,19 +113,38 @@ pub fn decoupled_unary(door: UnaryDoor, model: &str) -> ServeError {
     ServeError::new(
         ServeErrorKind::Unsupported,
         format!(
-            "{what} doesn't support models with decoupled transaction policy (model '{model}': stream it with ModelStreamInfer or /v2/models/{model}/generate_stream)"
+            "{what} doesn't support models with decoupled transaction policy (model '{model}': stream it with ModelStreamInfer or /v2/models/{model}/generate_stream)",
+            model = clip(model)
         ),
     )
 }
 
 /// Loading the model `name` failed because of `reason`.
 pub fn failed_to_load(name: &str, reason: &str) -> ServeError {
-    ServeError::bad_request(format!("failed to load '{name}', {reason}"))
+    ServeError::bad_request(format!("failed to load '{}', {reason}", clip(name)))
 }
 
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn echoed_names_are_clipped() {
+        let name = "m".repeat(1 << 20);
+        let e = unknown_model(&name);
+        assert!(e.message.len() < 300, "{}", e.message.len());
+        assert!(e.message.contains("…[+1048448 bytes]"), "{}", e.message);
+        assert!(
+            unknown_model("dtypes").message == "Request for unknown model: 'dtypes' is not found"
+        );
+        assert!(
+            parse_version(&"x".repeat(1 << 20))
+                .unwrap_err()
+                .message
+                .len()
+                < 400
+        );
+    }
 
     #[test]
     fn versions() {

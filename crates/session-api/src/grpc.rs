@@ -565,8 +565,7 @@ impl SessionRpc for Service {
     ) -> Result<Response<TensorInfo>, Status> {
         let (s, _active) = self.session(req.metadata())?;
         let mut stream = req.into_inner();
-        let first = stream
-            .message()
+        let first = crate::codec::next(&mut stream)
             .await?
             .ok_or_else(|| invalid("PutTensor got no message; the first carries the spec"))?;
         let spec = first
@@ -597,7 +596,7 @@ impl SessionRpc for Service {
         }
         let mut received = first.data.len();
         let mut data = Received::One(first.data);
-        while let Some(m) = stream.message().await? {
+        while let Some(m) = crate::codec::next(&mut stream).await? {
             if m.spec.is_some() || m.device.is_some() {
                 return Err(invalid(
                     "only the first PutTensor message may carry the spec and device",
@@ -854,7 +853,7 @@ impl SessionRpc for Service {
     ) -> Result<Response<ShardedTensorInfo>, Status> {
         let (s, _active) = self.session(req.metadata())?;
         let mut stream = req.into_inner();
-        let first = stream.message().await?.ok_or_else(|| {
+        let first = crate::codec::next(&mut stream).await?.ok_or_else(|| {
             invalid("PutShardedTensor got no message; the first carries the header")
         })?;
         let spec = first.spec.clone().ok_or_else(|| {
@@ -888,7 +887,7 @@ impl SessionRpc for Service {
         }
         let mut data = first.data;
         let mut buf: Option<Vec<u8>> = None;
-        while let Some(m) = stream.message().await? {
+        while let Some(m) = crate::codec::next(&mut stream).await? {
             if m.spec.is_some() || !m.sharding.is_empty() || !m.devices.is_empty() {
                 return Err(invalid(
                     "only the first PutShardedTensor message may carry the header",
@@ -1118,7 +1117,7 @@ impl SessionRpc for Service {
         tracing::info!(
             session = %s.id,
             tenant = %s.tenant_name,
-            set = %r.name,
+            set = %tpubox_core::logsafe::clip(&r.name),
             version = set.version(),
             bytes = set.device_bytes(),
             "weights published"

@@ -417,7 +417,10 @@ pub async fn serve(listener: UnixListener, registry: Arc<Registry>, doors: tpubo
         tokio::spawn(async move {
             let _guard = guard;
             if let Err(e) = connection(stream, registry, header_timeout).await {
-                tracing::debug!("local socket connection ended: {e}");
+                tracing::debug!(
+                    "local socket connection ended: {}",
+                    tpubox_core::logsafe::clip(&e.to_string())
+                );
             }
         });
     }

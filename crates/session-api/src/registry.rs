@@ -1315,7 +1315,7 @@ impl Registry {
         tracing::info!(
             session = %id,
             tenant = %grant.tenant,
-            label = %live.label,
+            label = %tpubox_core::logsafe::clip(&live.label),
             "session opened"
         );
         Ok((live, token))
