@@ -632,6 +632,28 @@ def _mode_train(model: Any, ref: Any, x: dict, s: Any) -> dict[str, Any]:
     return r
 
 
+def _dynamo_fails(pristine: Any, x: dict, train: bool) -> bool:
+    """Whether ``torch.compile(model, backend="eager")`` (Dynamo with PyTorch's own backend,
+    no tpubox) fails on the model too (in train mode with a backward when TRAIN)."""
+    import torch
+
+    torch._dynamo.reset()
+    m = copy.deepcopy(pristine)
+    try:
+        if train:
+            m.train()
+            _no_dropout(m)
+            first_output(torch.compile(m, backend="eager")(**x)).float().pow(2).mean().backward()
+        else:
+            with torch.no_grad():
+                torch.compile(m.eval(), backend="eager")(**x)
+        return False
+    except Exception:
+        return True
+    finally:
+        torch._dynamo.reset()
+
+
 def run_row(row: str, modes: list[str], address: str, token: str | None) -> dict[str, Any]:
     """Runs ROW ("type/head") eager on the CPU, then in each of MODES on the daemon at ADDRESS;
     returns its result (``skipped`` when eager cannot build or run it, else one dict per mode:
@@ -678,6 +700,10 @@ def run_row(row: str, modes: list[str], address: str, token: str | None) -> dict
                     import tpubox.torch as tt
 
                     r["fallbacks"] = sorted(tt.cpu_fallback_ops())
+                elif _dynamo_fails(pristine, x, train=mode == "train"):
+                    # Not tpubox's: Dynamo cannot capture the model with any backend.
+                    r = {"skipped": "Dynamo fails with PyTorch's own backend='eager' too: "
+                         + r.get("error", "")}  # fmt: skip
             r["seconds"] = round(time.monotonic() - t, 1)
             out[mode] = r
     out["seconds"] = round(time.monotonic() - t0, 1)
@@ -925,7 +951,7 @@ def report(rows: list[dict], modes: list[str]) -> str:
     skipped_modes = [(r, m) for r in rows if "skipped" not in r for m in modes
                      if "skipped" in (r.get(m) or {})]  # fmt: skip
     if skipped or skipped_modes:
-        parts.append("Skipped at build (PyTorch eager cannot build or run them):")
+        parts.append("Skipped (PyTorch itself cannot build or run them, or Dynamo cannot capture them with any backend):")
         parts += [f"- {r['row']}: {r['skipped']}" for r in skipped]
         parts += [f"- {r['row']} {m}: {r[m]['skipped']}" for r, m in skipped_modes]
     return "\n".join(parts)
