@@ -24,6 +24,20 @@ struct Entry {
 
 static TRIGGERED: Mutex<BTreeMap<&'static str, Entry>> = Mutex::new(BTreeMap::new());
 
+/// `protection`'s entry in `map`, its count raised by one.
+fn counted<'m>(
+    map: &'m mut BTreeMap<&'static str, Entry>,
+    protection: &'static str,
+) -> &'m mut Entry {
+    let e = map.entry(protection).or_insert(Entry {
+        count: 0,
+        last_log: None,
+        unlogged: 0,
+    });
+    e.count = e.count.saturating_add(1);
+    e
+}
+
 /// Counts one trigger of `protection` and logs it (a `warn` line with `protection`, `door`
 /// and `detail` fields), at most once per [`LOG_INTERVAL`] per protection.
 ///
@@ -34,12 +48,7 @@ pub fn triggered(protection: &'static str, door: &'static str, detail: std::fmt:
     let now = Instant::now();
     let suppressed = {
         let mut map = TRIGGERED.lock().unwrap_or_else(|p| p.into_inner());
-        let e = map.entry(protection).or_insert(Entry {
-            count: 0,
-            last_log: None,
-            unlogged: 0,
-        });
-        e.count = e.count.saturating_add(1);
+        let e = counted(&mut map, protection);
         if e.last_log
             .is_some_and(|t| now.duration_since(t) < LOG_INTERVAL)
         {
@@ -75,15 +84,10 @@ pub fn triggered_by(
     peer: &dyn std::fmt::Display,
     detail: std::fmt::Arguments<'_>,
 ) {
-    {
-        let mut map = TRIGGERED.lock().unwrap_or_else(|p| p.into_inner());
-        let e = map.entry(protection).or_insert(Entry {
-            count: 0,
-            last_log: None,
-            unlogged: 0,
-        });
-        e.count = e.count.saturating_add(1);
-    }
+    counted(
+        &mut TRIGGERED.lock().unwrap_or_else(|p| p.into_inner()),
+        protection,
+    );
     let peer = peer.to_string();
     let crate::logsafe::Verdict::Log { suppressed } =
         crate::logsafe::admit_refusal(&peer, protection)

@@ -733,6 +733,7 @@ def _wrap_negative_indices(gm: torch.fx.GraphModule) -> None:
     for n in list(gm.graph.nodes):
         if n.op != "call_function" or n.target not in targets or len(n.args) < 2:
             continue
+        wrapped = False
         x, indices = n.args[0], n.args[1]
         xv = x.meta.get("val") if isinstance(x, torch.fx.Node) else None
         if not isinstance(xv, torch.Tensor) or not isinstance(indices, (list, tuple)):
@@ -753,9 +754,10 @@ def _wrap_negative_indices(gm: torch.fx.GraphModule) -> None:
                 w = gm.graph.call_function(torch.ops.aten.where.self, (neg, up, i))
                 w.meta["val"] = torch.ops.aten.where.self(neg.meta["val"], up.meta["val"], iv)
             new_indices[d] = w
-            changed = True
-        if changed:
+            wrapped = True
+        if wrapped:
             n.args = (x, list(new_indices), *n.args[2:])
+            changed = True
     if changed:
         gm.recompile()
 
