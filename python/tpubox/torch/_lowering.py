@@ -762,48 +762,6 @@ def _wrap_negative_indices(gm: torch.fx.GraphModule) -> None:
         gm.recompile()
 
 
-def _functional_copies(gm: torch.fx.GraphModule) -> None:
-    """Rewrites GM's functional copies (``aten.copy(dst, src)``, what functionalization makes
-    of ``dst.copy_(src)``: SRC broadcast to DST's shape in DST's dtype) as that broadcast and
-    conversion: torch-mlir's lowering of a copy from a broadcast source runs out of memory
-    (``std::bad_alloc``; DeepSeek-V3's ``key_states[..., n:].copy_(k_rot.expand(...))``)."""
-    changed = False
-    for n in list(gm.graph.nodes):
-        if n.op != "call_function" or n.target is not torch.ops.aten.copy.default:
-            continue
-        if len(n.args) < 2 or n.kwargs.get("non_blocking"):
-            continue
-        dst, src = n.args[0], n.args[1]
-        dv = dst.meta.get("val") if isinstance(dst, torch.fx.Node) else None
-        sv = src.meta.get("val") if isinstance(src, torch.fx.Node) else None
-        if not isinstance(dv, torch.Tensor) or not isinstance(sv, torch.Tensor):
-            continue
-        if any(not isinstance(d, int) for d in (*dv.shape, *sv.shape)):
-            continue
-        out, val = src, sv
-        with gm.graph.inserting_before(n):
-            if val.dtype != dv.dtype:
-                out = gm.graph.call_function(
-                    torch.ops.aten._to_copy.default, (out,), {"dtype": dv.dtype}
-                )
-                val = torch.ops.aten._to_copy.default(val, dtype=dv.dtype)
-                out.meta["val"] = val
-            if tuple(val.shape) != tuple(dv.shape):
-                out = gm.graph.call_function(
-                    torch.ops.aten.expand.default, (out, list(dv.shape))
-                )
-                val = torch.ops.aten.expand.default(val, list(dv.shape))
-                out.meta["val"] = val
-            if out is src:
-                out = gm.graph.call_function(torch.ops.aten.clone.default, (src,))
-                out.meta["val"] = torch.ops.aten.clone.default(sv)
-        n.replace_all_uses_with(out)
-        gm.graph.erase_node(n)
-        changed = True
-    if changed:
-        gm.recompile()
-
-
 def _slice_bounds(gm: torch.fx.GraphModule) -> None:
     """Writes the start and end of GM's ``aten.slice`` and ``aten.slice_scatter`` nodes as
     the indices they mean, within the dimension (``x[..., 8:]`` ends at ``2**63 - 1``; a
@@ -921,7 +879,6 @@ class _Program:
         if self.n_results:
             self._to_lower = self._restricted(gm, prog_outs)
             _wrap_negative_indices(self._to_lower)
-            _functional_copies(self._to_lower)
             _slice_bounds(self._to_lower)
             if _lowering_cache.enabled():
                 self._digest = _lowering_cache.graph_digest(
@@ -933,7 +890,6 @@ class _Program:
                         _dense_constants,
                         _empty_tensors,
                         _wrap_negative_indices,
-                        _functional_copies,
                         _slice_bounds,
                     ),
                 )
