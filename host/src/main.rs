@@ -249,13 +249,24 @@ struct ServeArgs {
     /// Largest request body (REST) or message (gRPC), in MiB.
     #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=4096))]
     max_request_mib: u64,
-    /// Connections open at once, all doors together (REST, gRPC, metrics, session API);
+    /// TCP connections open at once, all TCP doors together (REST, gRPC, metrics, session
+    /// API); when full, the oldest connection that has not authenticated is closed to make
+    /// room, and a new one is refused only when all have. With --max-local-connections,
     /// lowered to half the descriptor limit (`ulimit -n`) when that is smaller.
     #[arg(long, default_value_t = 1024, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     max_connections: u64,
-    /// Connections open at once from one peer address (all Unix-socket clients count as one).
+    /// Connections open at once on the Unix sockets (the session socket and its local
+    /// socket): a pool apart from TCP's, with the same rules.
+    #[arg(long, default_value_t = 512, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_local_connections: u64,
+    /// Connections that have not authenticated open at once from one peer address (all
+    /// Unix-socket clients count as one); the next closes the peer's oldest.
     #[arg(long, default_value_t = 128, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
     max_connections_per_peer: u64,
+    /// Authenticated connections one tenant may hold in each pool (TCP, Unix sockets), never
+    /// closed to make room; its connections beyond this are served but closable.
+    #[arg(long, default_value_t = 256, value_parser = clap::value_parser!(u64).range(1..=1_000_000))]
+    max_connections_per_tenant: u64,
     /// Longest a new connection may take to send its first complete request head (HTTP/1
     /// headers, or HTTP/2's preface and first HEADERS), in seconds; also each later HTTP/1
     /// request head.
@@ -460,6 +471,8 @@ async fn serve(args: ServeArgs) -> Result<bool> {
         doors: tpubox_net::DoorLimits {
             max_connections: args.max_connections as usize,
             max_connections_per_peer: args.max_connections_per_peer as usize,
+            max_local_connections: args.max_local_connections as usize,
+            max_connections_per_tenant: args.max_connections_per_tenant as usize,
             header_timeout: Duration::from_secs_f64(args.header_timeout_seconds),
             body_timeout: Duration::from_secs_f64(args.body_timeout_seconds),
             idle_timeout: Duration::from_secs_f64(args.idle_timeout_seconds),

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import fcntl
 import json
-import mmap
 import os
 import socket
 import struct
@@ -98,6 +97,9 @@ class LocalChannel:
         self._batched = 0
         # The first failure among the pipelined launches answered since it was last raised.
         self._deferred: TpuboxError | None = None
+        # Leases of memfds the daemon lent (a get's, a call's fetched results) that were
+        # copied out and closed: released with the next get or call.
+        self._release: list[int] = []
 
     def connect(self) -> None:
         """Connects. Raises ``OSError`` when the socket cannot be reached."""
@@ -421,11 +423,42 @@ class LocalChannel:
         finally:
             os.close(fd)
 
+    def _releases(self, fields: dict[str, Any]) -> None:
+        """Adds the leases to release to a get's or a call's FIELDS."""
+        if self._release:
+            rel, self._release = self._release, []
+            fields["release"] = rel
+
+    def _lent(self, info: dict[str, Any], fd: int, size: int) -> np.ndarray:
+        """The first SIZE bytes of memfd FD the daemon lent (lease ``info["lease"]``) copied
+        into a new array (one copy in the kernel, no map); the lease is released with the next
+        get or call. The daemon truncates a lent memfd when its lease ends, so no map of it
+        may outlive the lease: hence the copy (crates/session-api/src/local.rs)."""
+        out = np.empty(size, np.uint8)
+        view = memoryview(out)
+        done = 0
+        while done < size:
+            n = os.preadv(fd, [view[done:]], done)
+            if n <= 0:
+                raise error("internal", "a memfd the daemon sent is shorter than its reply says")
+            done += n
+        if "lease" in info:
+            self._release.append(int(info["lease"]))
+        return out
+
+    def release(self) -> None:
+        """Releases the leases not yet released (``op: release``), if any."""
+        if self._release:
+            rel, self._release = self._release, []
+            self.request("release", {"leases": rel}, None, None)
+
     def get(self, handle: int) -> tuple[dict[str, Any], np.ndarray]:
-        """Reads tensor ``handle``: its info and its bytes as a writable uint8 array (a private,
-        copy-on-write map of the sealed memfd the daemon sent: no copy is made; a tensor of up
-        to :data:`MAX_INLINE_BYTES` comes after the reply's JSON instead)."""
-        info, fd = self.request("get", {"handle": int(handle), "inline": True}, None, None)
+        """Reads tensor ``handle``: its info and its bytes as a new writable uint8 array (copied
+        from the memfd the daemon lent, whose lease is released with the next request; a
+        tensor of up to :data:`MAX_INLINE_BYTES` comes after the reply's JSON instead)."""
+        fields: dict[str, Any] = {"handle": int(handle), "inline": True}
+        self._releases(fields)
+        info, fd = self.request("get", fields, None, None)
         if info.get("inline"):
             if fd is not None:
                 os.close(fd)
@@ -434,14 +467,10 @@ class LocalChannel:
         if fd is None:
             raise error("internal", "the daemon's reply to a local get carried no memfd")
         try:
-            size = int(info["byte_size"])
-            if size == 0:
-                return dict(info), np.empty(0, np.uint8)
-            # (No MAP_POPULATE: on a private writable map it would copy every page up front.)
-            m = mmap.mmap(fd, size, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE)
+            out = self._lent(info, fd, int(info["byte_size"]))
         finally:
             os.close(fd)
-        return dict(info), np.frombuffer(m, np.uint8)
+        return dict(info), out
 
     def call(
         self, fields: dict[str, Any], inline: list[memoryview], timeout: float | None
@@ -450,12 +479,13 @@ class LocalChannel:
         ``arguments``, ``donate``, ``fetch``, ``keep``, ``free``; an inline argument is
         ``{"dtype", "dims"}``), INLINE the inline arguments' dense little-endian bytes in
         argument order (packed in one sealed memfd). Returns the reply and, per result, its
-        bytes as a writable uint8 array when it was fetched (views of one private,
-        copy-on-write map of the memfd the daemon sent), else None."""
+        bytes as a writable uint8 array when it was fetched (views of one array copied from the
+        memfd the daemon lent), else None."""
         fd = None
         tail: bytes | None = None
         fields = dict(fields)
         fields["inline"] = True
+        self._releases(fields)
         if inline:
             offsets, total = packed([len(b) for b in inline])
             if total <= MAX_INLINE_BYTES:
@@ -495,14 +525,7 @@ class LocalChannel:
             return reply, out
         try:
             ends = [int(r["offset"]) + int(r["byte_size"]) for r in results if "offset" in r]
-            total = max(ends, default=0)
-            if total == 0:
-                buf = np.empty(0, np.uint8)
-            else:
-                m = mmap.mmap(
-                    got, total, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ | mmap.PROT_WRITE
-                )
-                buf = np.frombuffer(m, np.uint8)
+            buf = self._lent(reply, got, max(ends, default=0))
         finally:
             os.close(got)
         for i, r in enumerate(results):

@@ -325,3 +325,100 @@ def test_slow_readers_hold_one_shared_copy(daemon, chunk_bytes, refused):
     rss = settle_rss(d, rss0)
     print(f"after the reads: RSS {rss:.0f} MiB")
     assert rss <= rss0 + 64, f"RSS {rss:.0f} MiB after the reads ended ({rss0:.0f} before)"
+
+
+# ---------------------------------------------------------------------------------------------
+# Memory the local socket lends (issue 51, item 2).
+
+
+def _local_get_keep(path, token: str, handle: int, release=()) -> tuple[dict, list[int]]:
+    """A local get whose memfd the caller keeps (as a hostile client would): the reply and the
+    descriptors it carried."""
+    header = {"op": "get", "token": token, "handle": handle}
+    if release:
+        header["release"] = list(release)
+    body = json.dumps(header).encode()
+    fds: list[int] = []
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as s:
+        s.settimeout(60)
+        s.connect(str(path))
+        s.sendall(struct.pack("<I", len(body)) + body)
+        data = b""
+        while len(data) < 4 or len(data) < 4 + struct.unpack("<I", data[:4])[0]:
+            more, got, _, _ = socket.recv_fds(s, 1 << 16, 1)
+            fds += got
+            if not more:
+                break
+            data += more
+    return json.loads(data[4:]), fds
+
+
+def _held_mib(fds: list[int]) -> float:
+    """The memory the memfds FDS hold now (allocated blocks), in MiB."""
+    return sum(os.fstat(fd).st_blocks * 512 for fd in fds) / MIB
+
+
+def test_memfds_a_client_keeps_are_bounded_by_its_transfer_pool(daemon):
+    """Was: 24 local gets of a 32 MiB tensor left 768 MiB of shared memory alive in the
+    client's memfds, for a tenant limited to 128 MiB. Now each lent memfd is charged to the
+    tenant's transfer pool (2 x 128 MiB) until released: a client that keeps every memfd gets
+    resource-exhausted once the pool is full; releasing leases (or ending the session) frees
+    the pages even though the client still holds the descriptors (the daemon truncates them)."""
+    d = daemon()
+    ch, stub, token = open_session(d)
+    data = os.urandom(32 * MIB)
+    info = put(stub, token, data)
+    kept: list[int] = []
+    leases: list[int] = []
+    refusals = []
+    try:
+        for _ in range(24):
+            r, fds = _local_get_keep(d.local_path, token, info.handle)
+            if "ok" in r:
+                assert len(fds) == 1
+                assert os.pread(fds[0], 64, 1000) == data[1000:1064]
+                leases.append(r["ok"]["lease"])
+                kept += fds
+            else:
+                assert not fds
+                refusals.append(r["error"])
+        held = _held_mib(kept)
+        print(f"24 gets of 32 MiB kept: {len(kept)} lent ({held:.0f} MiB held), {len(refusals)} refused")
+        assert 4 <= len(kept) <= 2 * ATTACKER_LIMIT_MIB // 32, len(kept)
+        assert held <= 2 * ATTACKER_LIMIT_MIB, held
+        assert refusals and all(e["kind"] == "resource-exhausted" for e in refusals), refusals[:2]
+        assert "max-device-bytes" in refusals[0]["message"]
+        # Releasing two leases frees their pages (the client still holds the descriptors)
+        # and makes room for another get.
+        r = local_request(d.local_path, {"op": "release", "token": token, "leases": leases[:2]})
+        assert r["ok"] == {"released": 2, "unknown": []}, r
+        assert _held_mib(kept[:2]) == 0 and os.fstat(kept[0]).st_size == 0
+        r, fds = _local_get_keep(d.local_path, token, info.handle, release=[leases[0]])
+        assert "ok" in r, r
+        kept += fds
+        # Ending the session frees every lent memfd, held or not.
+        stub.Close(pb.CloseRequest(), metadata=auth(token), timeout=30)
+        assert _held_mib(kept) == 0, _held_mib(kept)
+    finally:
+        for fd in kept:
+            os.close(fd)
+        ch.close()
+
+
+def test_python_client_holds_any_number_of_gets(daemon):
+    """The Python client copies each lent memfd into its own array and releases the lease
+    with its next request: 24 gets of a 32 MiB tensor, all kept, all succeed and are right,
+    and the tenant's transfers in flight come back to nothing."""
+    import numpy as np
+    import tpubox
+
+    d = daemon()
+    x = np.random.default_rng(1).standard_normal(8 * MIB).astype(np.float32)
+    with tpubox.connect(f"unix:{d.socket_path}", ATTACKER, label="holder") as s:
+        t = s.put(x)
+        got = [s.get(t) for _ in range(24)]
+        for g in got:
+            np.testing.assert_array_equal(g, x)
+        got[0][0] = 7.0  # the arrays are the client's own, writable
+        s.get(t)
+        assert s.usage().transfer_bytes <= 32 * MIB, s.usage()

@@ -2,8 +2,12 @@
 //! metrics, the session API on TCP and on its Unix socket) is served by [`serve()`], which
 //! applies, before anything else runs:
 //!
-//! - connection caps, per peer and in all, shared by every door ([`Connections`]); a
-//!   connection over a cap is accepted and closed at once, so the backlog never fills;
+//! - admission that favours work over idleness ([`Connections`]): two pools of connections
+//!   (TCP, and the Unix sockets), each capped; in each, connections that have not
+//!   authenticated are capped per peer and closed oldest first to make room, and a
+//!   tenant's authenticated connections (up to its share) are never closed to make room; a
+//!   new connection is refused (accepted and closed at once, so the backlog never fills)
+//!   only when its pool is full of authenticated connections;
 //! - accept errors (out of descriptors) back off instead of spinning ([`accept`]);
 //! - a header timeout (the first request head, HTTP/1 or HTTP/2, must arrive in full within
 //!   [`DoorLimits::header_timeout`]), a body timeout and an idle timeout;
@@ -31,7 +35,9 @@ pub mod serve;
 pub mod tls;
 
 pub use accept::{Listener, Stream, bind_tcp};
-pub use limits::{Connections, DoorLimits, PUBLIC_BODY_BYTES, Peer};
+pub use limits::{
+    Authenticated, ConnectionGuard, Connections, DoorLimits, Evicted, PUBLIC_BODY_BYTES, Peer,
+};
 pub use serve::{Admission, Admit, BodyError, Door, Windows, body_error, serve};
 pub use tls::{ClientCerts, Tls, TlsFiles};
 
@@ -65,8 +71,10 @@ impl Doors {
         if lowered {
             tracing::info!(
                 max_connections = limits.max_connections,
-                "at most {} connections at once, all doors together: half the process's descriptor limit (raise `ulimit -n` for more)",
-                limits.max_connections
+                max_local_connections = limits.max_local_connections,
+                "at most {} TCP and {} Unix-socket connections at once: half the process's descriptor limit (raise `ulimit -n` for more)",
+                limits.max_connections,
+                limits.max_local_connections
             );
         }
         Doors {

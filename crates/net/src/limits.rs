@@ -1,24 +1,40 @@
 //! What a door allows a connection ([`DoorLimits`]) and the connection caps every door shares
 //! ([`Connections`]).
 
-use std::collections::HashMap;
+use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
+
+use tokio::sync::Notify;
 
 /// The limits of the daemon's doors (REST, gRPC, metrics, and the session API on TCP and on
 /// its Unix socket). Every field has a `tpubox serve` flag (docs/SECURITY.md lists them).
 #[derive(Debug, Clone, PartialEq)]
 pub struct DoorLimits {
-    /// Connections open at once, all doors together (`--max-connections`, default 1024). A
-    /// connection over the cap is accepted and closed at once (protection
-    /// `connections-total`). Also capped at half the process's descriptor limit
-    /// ([`DoorLimits::effective`]).
+    /// TCP connections open at once, all TCP doors together (`--max-connections`, default
+    /// 1024): the TCP pool of [`Connections`]. When it is full, the oldest connection that
+    /// has not authenticated is closed to make room (protection `connections-total`); a new
+    /// connection is refused (accepted and closed at once) only when every connection of the
+    /// pool has authenticated. Lowered with [`DoorLimits::max_local_connections`] to half the
+    /// process's descriptor limit ([`DoorLimits::effective`]).
     pub max_connections: usize,
-    /// Connections open at once from one peer address (a Unix-socket peer counts as one
-    /// address), all doors together (`--max-connections-per-peer`, default 128; protection
-    /// `connections-per-peer`).
+    /// Connections open at once on the Unix sockets (the session API's socket and its local
+    /// socket together; `--max-local-connections`, default 512): a pool apart from TCP's,
+    /// with the same rules, so that no TCP flood can take a local client's place.
+    pub max_local_connections: usize,
+    /// Connections that have not authenticated open at once from one peer address, per pool
+    /// (every Unix-socket client is one peer) (`--max-connections-per-peer`, default 128).
+    /// A peer's next one closes its oldest (protection `connections-per-peer`). Authenticated
+    /// connections do not count here: behind one proxy or NAT, or on one Ray node, every
+    /// client is the same peer.
     pub max_connections_per_peer: usize,
+    /// Authenticated connections one tenant may hold per pool (`--max-connections-per-tenant`,
+    /// default 256): a connection becomes its tenant's with its first request whose
+    /// credential a door accepts, and from then on is never closed to make room. A tenant's
+    /// connections beyond this share stay anonymous (served, but closable to make room;
+    /// protection `connections-per-tenant`).
+    pub max_connections_per_tenant: usize,
     /// How long a new connection may take to send its first complete request head: the
     /// HTTP/1 request line and headers, or the HTTP/2 preface, settings and first HEADERS
     /// (`--header-timeout-seconds`, default 10 s; protection `header-timeout`). For later
@@ -47,7 +63,9 @@ impl Default for DoorLimits {
     fn default() -> Self {
         DoorLimits {
             max_connections: 1024,
+            max_local_connections: 512,
             max_connections_per_peer: 128,
+            max_connections_per_tenant: 256,
             header_timeout: Duration::from_secs(10),
             body_timeout: Duration::from_secs(60),
             idle_timeout: Duration::from_secs(120),
@@ -58,21 +76,31 @@ impl Default for DoorLimits {
 }
 
 impl DoorLimits {
-    /// These limits with `max_connections` lowered to half the process's soft descriptor
-    /// limit (`RLIMIT_NOFILE`), so that connections alone can never exhaust the descriptors
-    /// that sessions, the compile cache and plugins need. Returns the limits and whether the
-    /// cap was lowered.
+    /// These limits with `max_connections` and `max_local_connections` lowered in
+    /// proportion so that together they are at most half the process's soft descriptor limit
+    /// (`RLIMIT_NOFILE`), so that connections alone can never exhaust the descriptors that
+    /// sessions, the compile cache and plugins need. Returns the limits and whether a cap was
+    /// lowered.
     pub fn effective(&self) -> (DoorLimits, bool) {
-        let mut l = self.clone();
         let soft = rustix::process::getrlimit(rustix::process::Resource::Nofile)
             .current
             .unwrap_or(u64::MAX);
-        let cap = usize::try_from(soft / 2).unwrap_or(usize::MAX).max(1);
-        let lowered = cap < l.max_connections;
+        self.within(usize::try_from(soft / 2).unwrap_or(usize::MAX).max(2))
+    }
+
+    /// [`DoorLimits::effective`] for a budget of `budget` descriptors.
+    fn within(&self, budget: usize) -> (DoorLimits, bool) {
+        let mut l = self.clone();
+        let want = l.max_connections.saturating_add(l.max_local_connections);
+        let lowered = want > budget;
         if lowered {
-            l.max_connections = cap;
+            let tcp = (l.max_connections as u128 * budget as u128 / want as u128) as usize;
+            l.max_connections = tcp.max(1);
+            l.max_local_connections = budget.saturating_sub(l.max_connections).max(1);
         }
-        l.max_connections_per_peer = l.max_connections_per_peer.min(l.max_connections);
+        l.max_connections_per_peer = l
+            .max_connections_per_peer
+            .min(l.max_connections.max(l.max_local_connections));
         (l, lowered)
     }
 }
@@ -95,27 +123,112 @@ impl std::fmt::Display for Peer {
     }
 }
 
-#[derive(Default)]
-struct Counts {
-    total: usize,
-    per_peer: HashMap<Peer, usize>,
+/// One open connection's place in its pool.
+struct Record {
+    peer: Peer,
+    /// `None` while the connection has not authenticated (it may be closed to make room);
+    /// else the tenant it is counted for.
+    tenant: Option<Arc<str>>,
+    /// Woken when the connection is closed to make room ([`ConnectionGuard::evicted`]).
+    wake: Arc<Notify>,
 }
 
-/// The connections open on all doors, counted against [`DoorLimits::max_connections`] and
-/// [`DoorLimits::max_connections_per_peer`]. One per daemon, shared by every door.
+/// The connections of one transport (TCP, or the Unix sockets).
+struct Pool {
+    cap: usize,
+    records: HashMap<u64, Record>,
+    /// The connections that have not authenticated, oldest (smallest id) first.
+    anonymous: BTreeSet<u64>,
+    /// The same, by peer.
+    anonymous_by_peer: HashMap<Peer, BTreeSet<u64>>,
+    /// Authenticated connections per tenant.
+    per_tenant: HashMap<Arc<str>, usize>,
+}
+
+impl Pool {
+    fn new(cap: usize) -> Self {
+        Pool {
+            cap,
+            records: HashMap::new(),
+            anonymous: BTreeSet::new(),
+            anonymous_by_peer: HashMap::new(),
+            per_tenant: HashMap::new(),
+        }
+    }
+
+    fn forget_anonymous(&mut self, id: u64, peer: Peer) {
+        self.anonymous.remove(&id);
+        if let Some(ids) = self.anonymous_by_peer.get_mut(&peer) {
+            ids.remove(&id);
+            if ids.is_empty() {
+                self.anonymous_by_peer.remove(&peer);
+            }
+        }
+    }
+
+    /// Removes connection `id`'s record and gives its place back; its record, if it had one.
+    fn remove(&mut self, id: u64) -> Option<Record> {
+        let r = self.records.remove(&id)?;
+        match &r.tenant {
+            None => self.forget_anonymous(id, r.peer),
+            Some(t) => {
+                if let Some(n) = self.per_tenant.get_mut(t) {
+                    *n -= 1;
+                    if *n == 0 {
+                        self.per_tenant.remove(t);
+                    }
+                }
+            }
+        }
+        Some(r)
+    }
+
+    /// Closes connection `id` (one that has not authenticated) to make room.
+    fn evict(&mut self, id: u64) -> Option<Peer> {
+        let r = self.remove(id)?;
+        r.wake.notify_one();
+        Some(r.peer)
+    }
+}
+
+struct Pools {
+    next_id: u64,
+    tcp: Pool,
+    unix: Pool,
+}
+
+impl Pools {
+    fn of(&mut self, peer: Peer) -> &mut Pool {
+        match peer {
+            Peer::Ip(_) => &mut self.tcp,
+            Peer::Unix => &mut self.unix,
+        }
+    }
+}
+
+/// The connections open on all doors, in two pools: TCP ([`DoorLimits::max_connections`])
+/// and the Unix sockets ([`DoorLimits::max_local_connections`]). In each, a connection
+/// starts *anonymous* and becomes *authenticated* with its first request whose credential
+/// the door accepts ([`ConnectionGuard::authenticate`]), counted for that tenant up to
+/// [`DoorLimits::max_connections_per_tenant`]. Room is made by closing anonymous
+/// connections, oldest first: a peer's [`DoorLimits::max_connections_per_peer`]-th anonymous
+/// connection closes that peer's oldest anonymous one, and a full pool closes its oldest
+/// anonymous one; a new connection is refused only when its pool is full of authenticated
+/// ones. So a flood of connections that never authenticate, from any address (the tenant's
+/// own included), closes only connections of its kind, and never one a tenant has
+/// authenticated within its share. One per daemon, shared by every door.
 pub struct Connections {
-    max_total: usize,
     max_per_peer: usize,
-    counts: Mutex<Counts>,
+    max_per_tenant: usize,
+    pools: Mutex<Pools>,
 }
 
 /// Why a connection was refused.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub enum Refused {
-    /// [`DoorLimits::max_connections`] connections are open.
+    /// Its pool ([`DoorLimits::max_connections`] or [`DoorLimits::max_local_connections`])
+    /// is full of authenticated connections.
     Total,
-    /// [`DoorLimits::max_connections_per_peer`] connections from this peer are open.
-    PerPeer,
 }
 
 impl Refused {
@@ -123,63 +236,183 @@ impl Refused {
     pub fn protection(self) -> &'static str {
         match self {
             Refused::Total => "connections-total",
-            Refused::PerPeer => "connections-per-peer",
         }
     }
+}
+
+/// An anonymous connection closed to make room for a new one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Evicted {
+    /// Its peer.
+    pub peer: Peer,
+    /// Which cap made the room: `"connections-per-peer"` (the new connection's peer had
+    /// [`DoorLimits::max_connections_per_peer`] anonymous ones) or `"connections-total"`
+    /// (the pool was full).
+    pub protection: &'static str,
 }
 
 impl Connections {
     /// Counters for `limits`'s caps.
     pub fn new(limits: &DoorLimits) -> Arc<Self> {
         Arc::new(Connections {
-            max_total: limits.max_connections,
-            max_per_peer: limits.max_connections_per_peer,
-            counts: Mutex::new(Counts::default()),
+            max_per_peer: limits.max_connections_per_peer.max(1),
+            max_per_tenant: limits.max_connections_per_tenant,
+            pools: Mutex::new(Pools {
+                next_id: 0,
+                tcp: Pool::new(limits.max_connections.max(1)),
+                unix: Pool::new(limits.max_local_connections.max(1)),
+            }),
         })
     }
 
-    /// Counts a connection from `peer` until the returned guard drops.
+    fn lock(&self) -> std::sync::MutexGuard<'_, Pools> {
+        self.pools.lock().unwrap_or_else(|p| p.into_inner())
+    }
+
+    /// Counts a new (anonymous) connection from `peer` until the returned guard drops, with
+    /// the anonymous connections closed to make room for it (at most two: one of its peer's,
+    /// one of its pool's).
     ///
-    /// Errors: [`Refused`] when a cap is reached (nothing is counted then).
-    pub fn admit(self: &Arc<Self>, peer: Peer) -> Result<ConnectionGuard, Refused> {
-        let mut c = self.counts.lock().unwrap_or_else(|p| p.into_inner());
-        if c.total >= self.max_total {
+    /// Errors: [`Refused::Total`] when its pool is full of authenticated connections (nothing
+    /// is counted or closed then).
+    pub fn admit(
+        self: &Arc<Self>,
+        peer: Peer,
+    ) -> Result<(Arc<ConnectionGuard>, Vec<Evicted>), Refused> {
+        let max_per_peer = self.max_per_peer;
+        let mut pools = self.lock();
+        let id = pools.next_id;
+        let pool = pools.of(peer);
+        let anonymous = pool.anonymous.len();
+        if pool.records.len() >= pool.cap && anonymous == 0 {
             return Err(Refused::Total);
         }
-        let n = c.per_peer.get(&peer).copied().unwrap_or(0);
-        if n >= self.max_per_peer {
-            return Err(Refused::PerPeer);
+        let mut evicted = Vec::new();
+        let peers_oldest = pool
+            .anonymous_by_peer
+            .get(&peer)
+            .filter(|ids| ids.len() >= max_per_peer)
+            .and_then(|ids| ids.first().copied());
+        if let Some(old) = peers_oldest
+            && let Some(p) = pool.evict(old)
+        {
+            evicted.push(Evicted {
+                peer: p,
+                protection: "connections-per-peer",
+            });
         }
-        c.total += 1;
-        c.per_peer.insert(peer, n + 1);
-        Ok(ConnectionGuard {
-            owner: Arc::clone(self),
-            peer,
-        })
+        if pool.records.len() >= pool.cap
+            && let Some(old) = pool.anonymous.first().copied()
+            && let Some(p) = pool.evict(old)
+        {
+            evicted.push(Evicted {
+                peer: p,
+                protection: "connections-total",
+            });
+        }
+        let wake = Arc::new(Notify::new());
+        pool.records.insert(
+            id,
+            Record {
+                peer,
+                tenant: None,
+                wake: Arc::clone(&wake),
+            },
+        );
+        pool.anonymous.insert(id);
+        pool.anonymous_by_peer.entry(peer).or_default().insert(id);
+        pools.next_id += 1;
+        Ok((
+            Arc::new(ConnectionGuard {
+                owner: Arc::clone(self),
+                id,
+                peer,
+                wake,
+            }),
+            evicted,
+        ))
     }
 
-    /// Connections open now, all doors together.
+    /// Connections open now, both pools together.
     pub fn open(&self) -> usize {
-        self.counts.lock().unwrap_or_else(|p| p.into_inner()).total
+        let p = self.lock();
+        p.tcp.records.len() + p.unix.records.len()
     }
+
+    /// Connections open now that have not authenticated, both pools together.
+    pub fn anonymous(&self) -> usize {
+        let p = self.lock();
+        p.tcp.anonymous.len() + p.unix.anonymous.len()
+    }
+}
+
+/// What [`ConnectionGuard::authenticate`] did.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum Authenticated {
+    /// The connection is now counted for the tenant: it is never closed to make room.
+    Now,
+    /// It already was (for this tenant or another).
+    Already,
+    /// The tenant has [`DoorLimits::max_connections_per_tenant`] authenticated connections
+    /// in this pool: this one stays anonymous (served, but it may be closed to make room).
+    OverShare,
+    /// The connection was closed to make room before its request was admitted.
+    Evicted,
 }
 
 /// One admitted connection; dropping it gives its place back.
 pub struct ConnectionGuard {
     owner: Arc<Connections>,
+    id: u64,
     peer: Peer,
+    wake: Arc<Notify>,
+}
+
+impl ConnectionGuard {
+    /// Counts this connection as `tenant`'s from now on (a door calls it when a request's
+    /// credential was accepted), unless the tenant's share of the pool is full.
+    pub fn authenticate(&self, tenant: &str) -> Authenticated {
+        let max_per_tenant = self.owner.max_per_tenant;
+        let mut pools = self.owner.lock();
+        let pool = pools.of(self.peer);
+        let Some(r) = pool.records.get(&self.id) else {
+            return Authenticated::Evicted;
+        };
+        if r.tenant.is_some() {
+            return Authenticated::Already;
+        }
+        let held = pool.per_tenant.get(tenant).copied().unwrap_or(0);
+        if held >= max_per_tenant {
+            return Authenticated::OverShare;
+        }
+        let key: Arc<str> = match pool.per_tenant.get_key_value(tenant) {
+            Some((k, _)) => Arc::clone(k),
+            None => Arc::from(tenant),
+        };
+        pool.per_tenant.insert(Arc::clone(&key), held + 1);
+        pool.forget_anonymous(self.id, self.peer);
+        if let Some(r) = pool.records.get_mut(&self.id) {
+            r.tenant = Some(key);
+        }
+        Authenticated::Now
+    }
+
+    /// Resolves when the connection was closed to make room (never, once it authenticated):
+    /// its driver then drops it.
+    pub async fn evicted(&self) {
+        self.wake.notified().await;
+    }
+
+    /// Its peer.
+    pub fn peer(&self) -> Peer {
+        self.peer
+    }
 }
 
 impl Drop for ConnectionGuard {
     fn drop(&mut self) {
-        let mut c = self.owner.counts.lock().unwrap_or_else(|p| p.into_inner());
-        c.total = c.total.saturating_sub(1);
-        if let Some(n) = c.per_peer.get_mut(&self.peer) {
-            *n -= 1;
-            if *n == 0 {
-                c.per_peer.remove(&self.peer);
-            }
-        }
+        let mut pools = self.owner.lock();
+        pools.of(self.peer).remove(self.id);
     }
 }
 
@@ -187,24 +420,109 @@ impl Drop for ConnectionGuard {
 mod tests {
     use super::*;
 
+    fn limits(total: usize, per_peer: usize, per_tenant: usize) -> DoorLimits {
+        DoorLimits {
+            max_connections: total,
+            max_local_connections: 2,
+            max_connections_per_peer: per_peer,
+            max_connections_per_tenant: per_tenant,
+            ..DoorLimits::default()
+        }
+    }
+
     #[test]
-    fn caps_total_and_per_peer_and_gives_places_back() {
-        let limits = DoorLimits {
-            max_connections: 3,
-            max_connections_per_peer: 2,
+    fn the_descriptor_budget_lowers_both_pools_in_proportion() {
+        let l = DoorLimits {
+            max_connections: 1024,
+            max_local_connections: 512,
             ..DoorLimits::default()
         };
-        let c = Connections::new(&limits);
+        let (e, lowered) = l.within(768);
+        assert!(lowered);
+        assert_eq!((e.max_connections, e.max_local_connections), (512, 256));
+        assert_eq!(l.within(4096), (l.clone(), false));
+    }
+
+    #[test]
+    fn anonymous_connections_make_room_oldest_first() {
+        let c = Connections::new(&limits(3, 2, 8));
         let a = Peer::Ip([10, 0, 0, 1].into());
         let b = Peer::Ip([10, 0, 0, 2].into());
-        let a1 = c.admit(a).unwrap();
-        let _a2 = c.admit(a).unwrap();
-        assert_eq!(c.admit(a).err(), Some(Refused::PerPeer));
-        let _b1 = c.admit(b).unwrap();
-        assert_eq!(c.admit(Peer::Unix).err(), Some(Refused::Total));
+        let (a1, e) = c.admit(a).unwrap();
+        assert!(e.is_empty());
+        let (a2, _) = c.admit(a).unwrap();
+        // A's third anonymous connection closes A's oldest.
+        let (a3, e) = c.admit(a).unwrap();
+        assert_eq!(
+            e,
+            vec![Evicted {
+                peer: a,
+                protection: "connections-per-peer"
+            }]
+        );
+        assert_eq!(a1.authenticate("t"), Authenticated::Evicted);
+        assert_eq!(c.open(), 2);
         drop(a1);
         assert_eq!(c.open(), 2);
-        let _u = c.admit(Peer::Unix).unwrap();
-        assert_eq!(c.admit(b).err(), Some(Refused::Total));
+        let (_b1, e) = c.admit(b).unwrap();
+        assert!(e.is_empty());
+        // The pool is full: B's second closes the oldest anonymous one of all (a2).
+        let (_b2, e) = c.admit(b).unwrap();
+        assert_eq!(e[0].peer, a);
+        assert_eq!(e[0].protection, "connections-total");
+        assert_eq!(a2.authenticate("t"), Authenticated::Evicted);
+        assert_eq!(a3.authenticate("t"), Authenticated::Now);
+        assert_eq!(c.open(), 3);
+        assert_eq!(c.anonymous(), 2);
+    }
+
+    #[test]
+    fn authenticated_connections_are_never_closed_and_shares_are_capped() {
+        let c = Connections::new(&limits(3, 8, 2));
+        let a = Peer::Ip([10, 0, 0, 1].into());
+        let (t1, _) = c.admit(a).unwrap();
+        let (t2, _) = c.admit(a).unwrap();
+        let (t3, _) = c.admit(a).unwrap();
+        assert_eq!(t1.authenticate("t"), Authenticated::Now);
+        assert_eq!(t1.authenticate("u"), Authenticated::Already);
+        assert_eq!(t2.authenticate("t"), Authenticated::Now);
+        // The tenant's share is 2: the third stays anonymous, and is what makes room.
+        assert_eq!(t3.authenticate("t"), Authenticated::OverShare);
+        let (flood, e) = c.admit(a).unwrap();
+        assert_eq!(e.len(), 1);
+        assert_eq!(t3.authenticate("u"), Authenticated::Evicted);
+        assert_eq!(flood.authenticate("u"), Authenticated::Now);
+        // Full of authenticated connections: a new one is refused.
+        assert_eq!(c.admit(a).err(), Some(Refused::Total));
+        drop(t1);
+        assert!(c.admit(a).is_ok());
+    }
+
+    #[test]
+    fn unix_sockets_have_a_pool_of_their_own() {
+        let c = Connections::new(&limits(1, 8, 8));
+        let (tcp, _) = c.admit(Peer::Ip([10, 0, 0, 1].into())).unwrap();
+        assert_eq!(tcp.authenticate("t"), Authenticated::Now);
+        assert_eq!(
+            c.admit(Peer::Ip([10, 0, 0, 2].into())).err(),
+            Some(Refused::Total)
+        );
+        let (u1, _) = c.admit(Peer::Unix).unwrap();
+        let (_u2, e) = c.admit(Peer::Unix).unwrap();
+        assert!(e.is_empty());
+        let (_u3, e) = c.admit(Peer::Unix).unwrap();
+        assert_eq!(e.len(), 1);
+        assert_eq!(u1.authenticate("t"), Authenticated::Evicted);
+    }
+
+    #[tokio::test]
+    async fn an_evicted_connection_is_woken() {
+        let c = Connections::new(&limits(1, 8, 8));
+        let (old, _) = c.admit(Peer::Ip([10, 0, 0, 1].into())).unwrap();
+        let (_new, e) = c.admit(Peer::Ip([10, 0, 0, 2].into())).unwrap();
+        assert_eq!(e.len(), 1);
+        tokio::time::timeout(std::time::Duration::from_secs(5), old.evicted())
+            .await
+            .expect("woken");
     }
 }

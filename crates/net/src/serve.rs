@@ -22,14 +22,19 @@ use tpubox_core::logsafe::clip;
 use tpubox_core::protection::{triggered, triggered_by};
 
 use crate::accept::{Listener, Stream};
-use crate::limits::{Connections, DoorLimits, PUBLIC_BODY_BYTES, Peer};
+use crate::limits::{
+    Authenticated, ConnectionGuard, Connections, DoorLimits, PUBLIC_BODY_BYTES, Peer,
+};
 
 /// What a door decides about a request from its head alone (method, path, headers), before
 /// any of its body is read.
 pub enum Admission {
-    /// The caller presented a valid credential: the request goes on, its body bounded by the
-    /// body timeout (and by the handler's own size limits).
-    Authenticated,
+    /// The caller presented a valid credential of the tenant named here: the request goes
+    /// on, its body bounded by the body timeout (and by the handler's own size limits), and
+    /// its connection is counted as that tenant's from now on
+    /// ([`ConnectionGuard::authenticate`](crate::ConnectionGuard::authenticate)); an empty
+    /// name admits the request without counting the connection for anyone.
+    Authenticated(String),
     /// A request the door serves to anyone (health probes): its body is capped at
     /// [`PUBLIC_BODY_BYTES`].
     Public,
@@ -101,14 +106,17 @@ pub async fn serve(
             s = listener.accept(door.name) => s,
         };
         let guard = match door.connections.admit(peer) {
-            Ok(g) => g,
+            Ok((g, evicted)) => {
+                log_evicted(door.name, peer, &evicted, &door.connections);
+                g
+            }
             Err(refused) => {
                 triggered_by(
                     refused.protection(),
                     door.name,
                     &peer,
                     format_args!(
-                        "closed a connection from {peer} at once ({} open in all)",
+                        "closed a connection from {peer} at once: its pool is full of authenticated connections ({} open in all)",
                         door.connections.open()
                     ),
                 );
@@ -125,8 +133,16 @@ pub async fn serve(
         );
         tokio::spawn(async move {
             let accepted = Instant::now();
-            if let Some(stream) = handshake(stream, &door, accepted).await {
-                connection(stream, &door, app, stop_rx, accepted, peer).await;
+            let work = async {
+                if let Some(stream) = handshake(stream, &door, accepted).await {
+                    connection(stream, &door, app, stop_rx, accepted, &guard).await;
+                }
+            };
+            // A connection closed to make room (it had not authenticated) is dropped here,
+            // whatever it was doing.
+            tokio::select! {
+                _ = work => {}
+                _ = guard.evicted() => {}
             }
             drop(guard);
             live_tx.send_modify(|n| *n -= 1);
@@ -135,6 +151,29 @@ pub async fn serve(
     let _ = stop_tx.send(true);
     let _ = live_rx.wait_for(|n| *n == 0).await;
     Ok(())
+}
+
+/// Logs the anonymous connections closed to make room for one from `peer` (rate-limited per
+/// peer by [`triggered_by`]).
+pub fn log_evicted(
+    door: &'static str,
+    peer: Peer,
+    evicted: &[crate::limits::Evicted],
+    connections: &Connections,
+) {
+    for e in evicted {
+        triggered_by(
+            e.protection,
+            door,
+            &e.peer,
+            format_args!(
+                "closed the oldest connection from {} that had not authenticated, to make room for one from {peer} ({} open in all, {} of them not authenticated)",
+                e.peer,
+                connections.open(),
+                connections.anonymous()
+            ),
+        );
+    }
 }
 
 /// A TCP connection of a door with TLS, after its handshake; any other connection as it is.
@@ -208,7 +247,7 @@ async fn connection(
     app: axum::Router,
     mut stop: tokio::sync::watch::Receiver<bool>,
     accepted: Instant,
-    peer: Peer,
+    guard: &Arc<ConnectionGuard>,
 ) {
     let state = Arc::new(ConnState {
         in_flight: AtomicUsize::new(0),
@@ -216,10 +255,15 @@ async fn connection(
         idle_since: Mutex::new(accepted),
     });
     let svc = {
-        let (door, state) = (Arc::clone(door), Arc::clone(&state));
+        let (door, state, guard) = (Arc::clone(door), Arc::clone(&state), Arc::clone(guard));
         hyper::service::service_fn(move |req: Request<Incoming>| {
-            let (door, state, app) = (Arc::clone(&door), Arc::clone(&state), app.clone());
-            async move { Ok::<_, Infallible>(request(req, &door, &state, app, peer).await) }
+            let (door, state, app, guard) = (
+                Arc::clone(&door),
+                Arc::clone(&state),
+                app.clone(),
+                Arc::clone(&guard),
+            );
+            async move { Ok::<_, Infallible>(request(req, &door, &state, app, &guard).await) }
         })
     };
     let l = &door.limits;
@@ -334,8 +378,9 @@ async fn request(
     door: &Door,
     state: &Arc<ConnState>,
     mut app: axum::Router,
-    peer: Peer,
+    guard: &ConnectionGuard,
 ) -> Response<Body> {
+    let peer = guard.peer();
     let in_flight = InFlight::start(state);
     let (parts, body) = req.into_parts();
     let limit = match (door.admit)(&parts) {
@@ -370,7 +415,20 @@ async fn request(
             }
             Some(PUBLIC_BODY_BYTES)
         }
-        Admission::Authenticated => None,
+        Admission::Authenticated(tenant) => {
+            if !tenant.is_empty() && guard.authenticate(&tenant) == Authenticated::OverShare {
+                triggered_by(
+                    "connections-per-tenant",
+                    door.name,
+                    &peer,
+                    format_args!(
+                        "tenant {} holds its share of authenticated connections (--max-connections-per-tenant); this one from {peer} stays closable to make room",
+                        clip(&tenant)
+                    ),
+                );
+            }
+            None
+        }
     };
     let deadline = if door.long_lived.contains(&parts.uri.path()) {
         None

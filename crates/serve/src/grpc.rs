@@ -959,7 +959,7 @@ pub fn admit(server: Arc<Server>) -> tpubox_net::Admit {
             .get("authorization")
             .and_then(|v| v.to_str().ok());
         match server.authenticate(authorization) {
-            Ok(()) => tpubox_net::Admission::Authenticated,
+            Ok(tenant) => tpubox_net::Admission::Authenticated(tenant),
             Err(e) => tpubox_net::Admission::Refused(status(e).into_http()),
         }
     })

@@ -280,9 +280,13 @@ impl Server {
     /// Admits a caller for a non-inference call that names no model (metadata, repository,
     /// statistics).
     ///
+    /// Returns the tenant's name.
+    ///
     /// Errors: unauthenticated.
-    pub fn authenticate(&self, authorization: Option<&str>) -> ServeResult<()> {
-        self.access.identify(authorization).map(|_| ())
+    pub fn authenticate(&self, authorization: Option<&str>) -> ServeResult<String> {
+        self.access
+            .identify(authorization)
+            .map(|t| t.entry.name.clone())
     }
 
     /// Admits a caller for `model` (its metadata, config, stats, readiness).

@@ -651,7 +651,7 @@ pub fn admit(server: Arc<Server>) -> tpubox_net::Admit {
             return tpubox_net::Admission::Public;
         }
         match server.authenticate(auth(&parts.headers)) {
-            Ok(()) => tpubox_net::Admission::Authenticated,
+            Ok(tenant) => tpubox_net::Admission::Authenticated(tenant),
             Err(e) => tpubox_net::Admission::Refused(ErrorResponse(e).into_response()),
         }
     })

@@ -264,12 +264,14 @@ pub fn admit(registry: Arc<Registry>, access: Arc<dyn SessionAccess>) -> tpubox_
         let path = parts.uri.path();
         let r = if path == "/tpubox.v1.Session/Open" || path == "/tpubox.v1.Session/TenantUsage" {
             match access.grant(token) {
-                Ok(_) | Err(registry::AccessError::Device(_)) => Ok(()),
+                Ok(g) => Ok(g.tenant),
+                // The tenant is known; the call itself answers what went wrong.
+                Err(registry::AccessError::Device(_)) => Ok(String::new()),
                 Err(e) => Err(e),
             }
         } else {
             match token {
-                Some(t) => registry.get(t).map(|_| ()),
+                Some(t) => registry.get(t).map(|(s, _)| s.tenant_name.clone()),
                 None => Err(registry::AccessError::Unauthenticated(
                     "this call needs the session token: `authorization: Bearer SESSION_TOKEN`"
                         .into(),
@@ -277,10 +279,11 @@ pub fn admit(registry: Arc<Registry>, access: Arc<dyn SessionAccess>) -> tpubox_
             }
         };
         match r {
-            Ok(()) => tpubox_net::Admission::Authenticated,
-            // Closing a session that ended is not an error (`closed: false`).
+            Ok(tenant) => tpubox_net::Admission::Authenticated(tenant),
+            // Closing a session that ended is not an error (`closed: false`); the connection
+            // is not counted for anyone.
             Err(registry::AccessError::Ended(_)) if path == "/tpubox.v1.Session/Close" => {
-                tpubox_net::Admission::Authenticated
+                tpubox_net::Admission::Authenticated(String::new())
             }
             Err(e) => tpubox_net::Admission::Refused(grpc::access_status(e).into_http()),
         }

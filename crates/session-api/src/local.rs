@@ -11,8 +11,12 @@
 //!   one memfd (`memfd_create(2)`) whose first bytes are the tensor (dense, row-major,
 //!   little-endian, as `PutTensor` takes it), sealed with `F_SEAL_WRITE | F_SEAL_SHRINK`
 //!   → `{"ok": TENSOR_INFO}`;
-//! - `{"op": "get", "token": SESSION_TOKEN, "handle": N}` → `{"ok": TENSOR_INFO}` with one
-//!   memfd holding the tensor's bytes, sealed against writing, growing and shrinking;
+//! - `{"op": "get", "token": SESSION_TOKEN, "handle": N, "release": [L, ..]}` →
+//!   `{"ok": TENSOR_INFO}` with one memfd holding the tensor's bytes and, in the info,
+//!   `"lease": L`: the memfd is *lent* (see below); `release` (optional) ends earlier leases
+//!   first;
+//! - `{"op": "release", "token": SESSION_TOKEN, "leases": [L, ..]}` →
+//!   `{"ok": {"released": N, "unknown": [..]}}`: ends those leases;
 //! - `{"op": "execute", "token": SESSION_TOKEN, "executable": E, "arguments": [..],
 //!   "donate": [..]}` → `{"ok": {"results": [TENSOR_INFO, ..]}}`, as `Execute`;
 //! - `{"op": "free", "token": SESSION_TOKEN, "tensors": [..], "executables": [..]}` →
@@ -25,8 +29,9 @@
 //!   multiple of [`PACK_ALIGN`] (64) bytes after the previous one's end (the first at 0) →
 //!   `{"ok": {"results": [RESULT, ..], "freed": N, "unknown": [..]}}`, where `RESULT` is a
 //!   `TENSOR_INFO` (`handle` 0 when the result was not kept) with an `"offset"` when it was
-//!   fetched: the reply then carries one sealed memfd with the fetched results packed the same
-//!   way, and `offset` says where each starts, and `launch_id` the launch's id. With
+//!   fetched: the reply then carries one lent memfd (`"lease": L`) with the fetched results
+//!   packed the same way, and `offset` says where each starts, and `launch_id` the launch's
+//!   id; a call's `release` ends earlier leases first, as a get's. With
 //!   `"launch": true` the call launches without waiting (as `Call`'s `launch`: no `fetch`, every
 //!   result a pending handle);
 //! - `{"op": "wait", "token": SESSION_TOKEN, "tensors": [..], "all": false}` → `{"ok": {}}`,
@@ -53,6 +58,20 @@
 //!   rank's same
 //!   collective ran ([`tpubox_core::collective`]; the request waits for the other ranks, at
 //!   most the group's timeout);
+//!
+//! **Lent memfds.** A memfd the daemon sends (a get's, a call's fetched results) is charged
+//! to the tenant's transfer pool (`2 × max-device-bytes`, [`tpubox_core::tenant::Tenant::charge_transfer`])
+//! before it is made, and stays charged until its lease ends: the client releases it (op
+//! `release`, or a get's or call's `release`), or the session ends. When a lease ends the
+//! daemon truncates the memfd to nothing, which frees its pages even if the client still
+//! holds a descriptor or a map of it (touching such a map then raises `SIGBUS`): the memfd is
+//! sealed against writing and growing, and its seals are sealed, but it is not sealed against
+//! shrinking, so the client cannot stop that. So however many memfds a client keeps, what the
+//! daemon has lent it is at most its transfer pool, in the tenant's usage, the daemon's
+//! memory cgroup and the system's shared memory alike; a get or call over it is refused
+//! (`resource-exhausted` naming `max-device-bytes`) until leases are released. The Python
+//! client copies a lent memfd into its own array (one `preadv`) and releases the lease with
+//! its next request, so its arrays never depend on a lease.
 //!
 //! Small tensors travel in the messages themselves: a put or a call may carry up to
 //! [`MAX_INLINE_BYTES`] after its header (`"tail": N`, the put's tensor or the call's inline
@@ -148,6 +167,12 @@ enum LocalRequest {
         handle: u64,
         #[serde(default)]
         inline: bool,
+        #[serde(default)]
+        release: Vec<u64>,
+    },
+    Release {
+        token: String,
+        leases: Vec<u64>,
     },
     Reserve {
         token: String,
@@ -187,6 +212,8 @@ enum LocalRequest {
         tail: usize,
         #[serde(default)]
         inline: bool,
+        #[serde(default)]
+        release: Vec<u64>,
     },
     #[serde(rename = "group_create")]
     GroupCreate {
@@ -239,6 +266,7 @@ impl LocalRequest {
         match self {
             LocalRequest::Put { .. } => "put",
             LocalRequest::Get { .. } => "get",
+            LocalRequest::Release { .. } => "release",
             LocalRequest::Reserve { .. } => "reserve",
             LocalRequest::Execute { .. } => "execute",
             LocalRequest::Free { .. } => "free",
@@ -247,6 +275,25 @@ impl LocalRequest {
             LocalRequest::GroupCreate { .. } => "group_create",
             LocalRequest::GroupJoin { .. } => "group_join",
             LocalRequest::Collective { .. } => "collective",
+        }
+    }
+}
+
+impl LocalRequest {
+    /// The session token it carries.
+    fn token(&self) -> &str {
+        match self {
+            LocalRequest::Put { token, .. }
+            | LocalRequest::Get { token, .. }
+            | LocalRequest::Release { token, .. }
+            | LocalRequest::Reserve { token, .. }
+            | LocalRequest::Execute { token, .. }
+            | LocalRequest::Free { token, .. }
+            | LocalRequest::Call { token, .. }
+            | LocalRequest::GroupCreate { token, .. }
+            | LocalRequest::GroupJoin { token, .. }
+            | LocalRequest::Collective { token, .. }
+            | LocalRequest::Wait { token, .. } => token,
         }
     }
 }
@@ -297,7 +344,13 @@ fn packed(sizes: &[usize]) -> Result<(Vec<usize>, usize), Failure> {
     Ok((offsets, end))
 }
 
-/// A new memfd holding `parts` at `offsets`, sealed against writing, growing and shrinking.
+/// What a lent memfd is called in the tenant's transfer-pool refusals.
+const LENT_MEMFD: &str =
+    "a memfd lent to the client (released with `release`, or when the session ends)";
+
+/// A new memfd holding `parts` at `offsets`, sealed against writing and growing, and its
+/// seals sealed; not against shrinking, so that the daemon can truncate it when the lease
+/// ends whatever the client does ([`LiveSession::lend`](super::registry::LiveSession::lend)).
 fn sealed_copy(parts: &[&[u8]], offsets: &[usize], len: usize) -> std::io::Result<OwnedFd> {
     use rustix::fs::{MemfdFlags, SealFlags};
     let fd = rustix::fs::memfd_create(
@@ -310,10 +363,7 @@ fn sealed_copy(parts: &[&[u8]], offsets: &[usize], len: usize) -> std::io::Resul
         file.write_all_at(p, at as u64)?;
     }
     let fd = OwnedFd::from(file);
-    rustix::fs::fcntl_add_seals(
-        &fd,
-        SealFlags::WRITE | SealFlags::GROW | SealFlags::SHRINK | SealFlags::SEAL,
-    )?;
+    rustix::fs::fcntl_add_seals(&fd, SealFlags::WRITE | SealFlags::GROW | SealFlags::SEAL)?;
     Ok(fd)
 }
 
@@ -400,13 +450,16 @@ pub async fn serve(listener: UnixListener, registry: Arc<Registry>, doors: tpubo
             continue;
         };
         let guard = match doors.connections.admit(peer) {
-            Ok(g) => g,
+            Ok((g, evicted)) => {
+                tpubox_net::serve::log_evicted(DOOR, peer, &evicted, &doors.connections);
+                g
+            }
             Err(refused) => {
                 tpubox_core::protection::triggered(
                     refused.protection(),
                     DOOR,
                     format_args!(
-                        "closed a local-socket connection at once ({} open in all)",
+                        "closed a local-socket connection at once: the Unix sockets' pool is full of authenticated connections ({} open in all)",
                         doors.connections.open()
                     ),
                 );
@@ -415,8 +468,12 @@ pub async fn serve(listener: UnixListener, registry: Arc<Registry>, doors: tpubo
         };
         let registry = Arc::clone(&registry);
         tokio::spawn(async move {
-            let _guard = guard;
-            if let Err(e) = connection(stream, registry, header_timeout).await {
+            // A connection closed to make room (it had not authenticated) is dropped here.
+            let r = tokio::select! {
+                r = connection(stream, registry, header_timeout, &guard) => r,
+                _ = guard.evicted() => Ok(()),
+            };
+            if let Err(e) = r {
                 tracing::debug!(
                     "local socket connection ended: {}",
                     tpubox_core::logsafe::clip(&e.to_string())
@@ -567,7 +624,11 @@ async fn connection(
     stream: UnixStream,
     registry: Arc<Registry>,
     header_timeout_after: Duration,
+    guard: &tpubox_net::ConnectionGuard,
 ) -> std::io::Result<()> {
+    // Whether the connection is counted for its session's tenant (from its first request
+    // with a live session's token): from then on it is never closed to make room.
+    let mut counted = false;
     // Whether a request of this connection succeeded: until then, the connection may wait at
     // most the header timeout for its first request.
     let mut served = false;
@@ -638,6 +699,15 @@ async fn connection(
             timeout: header_timeout_after,
             broken: false,
         };
+        if !counted
+            && let Ok(req) = &req
+            && let Ok((s, _)) = registry.get(req.token())
+        {
+            counted = !matches!(
+                guard.authenticate(&s.tenant_name),
+                tpubox_net::Authenticated::OverShare
+            );
+        }
         let r = match req {
             Ok(req) => handle(req, fds, &registry, &mut tail).await,
             Err(e) => Err(invalid(format!("a malformed local-socket request: {e}"))),
@@ -842,8 +912,12 @@ async fn handle(
             out,
             tail: declared,
             inline,
+            release,
         } => {
             let (s, _active) = registry.get(&token)?;
+            if !release.is_empty() {
+                s.release(&release)?;
+            }
             let mut args = Vec::with_capacity(arguments.len());
             for (i, a) in arguments.into_iter().enumerate() {
                 args.push(match a {
@@ -988,6 +1062,8 @@ async fn handle(
                 drop(out);
                 return Ok((reply, None, bytes));
             }
+            // Charged before the memfd is made, until the client releases it.
+            let charge = s.tenant().charge_transfer(total as u64, LENT_MEMFD)?;
             let write = move || {
                 let parts: Vec<&[u8]> = out
                     .results
@@ -1011,6 +1087,8 @@ async fn handle(
                     format!("a memfd for the fetched results: {e}"),
                 )
             })?;
+            let mut reply = reply;
+            reply["lease"] = json!(s.lend(&fd, charge)?);
             Ok((reply, Some(fd), Vec::new()))
         }
         LocalRequest::Wait {
@@ -1072,13 +1150,27 @@ async fn handle(
                 Vec::new(),
             ))
         }
+        LocalRequest::Release { token, leases } => {
+            no_fds(&fds)?;
+            let (s, _active) = registry.get(&token)?;
+            let (released, unknown) = s.release(&leases)?;
+            Ok((
+                json!({"released": released, "unknown": unknown}),
+                None,
+                Vec::new(),
+            ))
+        }
         LocalRequest::Get {
             token,
             handle,
             inline,
+            release,
         } => {
             no_fds(&fds)?;
             let (s, _active) = registry.get(&token)?;
+            if !release.is_empty() {
+                s.release(&release)?;
+            }
             let t = s.tensor(handle)?;
             // The host copy is shared with concurrent reads of this handle and charged to the
             // tenant until the memfd (or the reply) is written.
@@ -1088,30 +1180,21 @@ async fn handle(
                 v["inline"] = json!(true);
                 return Ok((v, None, bytes.bytes().to_vec()));
             }
-            let fd = tokio::task::spawn_blocking(move || -> std::io::Result<OwnedFd> {
-                use rustix::fs::{MemfdFlags, SealFlags};
-                let fd = rustix::fs::memfd_create(
-                    "tpubox-tensor",
-                    MemfdFlags::CLOEXEC | MemfdFlags::ALLOW_SEALING,
-                )?;
-                let file = std::fs::File::from(fd);
-                file.write_all_at(bytes.bytes(), 0)?;
-                let fd = OwnedFd::from(file);
-                rustix::fs::fcntl_add_seals(
-                    &fd,
-                    SealFlags::WRITE | SealFlags::GROW | SealFlags::SHRINK | SealFlags::SEAL,
-                )?;
-                Ok(fd)
-            })
-            .await
-            .map_err(|e| Failure(ErrorKind::Internal.as_str(), e.to_string()))?
-            .map_err(|e| {
-                Failure(
-                    ErrorKind::Internal.as_str(),
-                    format!("a memfd for the tensor: {e}"),
-                )
-            })?;
-            Ok((info(handle, &t), Some(fd), Vec::new()))
+            // Charged before the memfd is made, until the client releases it.
+            let len = bytes.bytes().len();
+            let charge = s.tenant().charge_transfer(len as u64, LENT_MEMFD)?;
+            let fd = tokio::task::spawn_blocking(move || sealed_copy(&[bytes.bytes()], &[0], len))
+                .await
+                .map_err(|e| Failure(ErrorKind::Internal.as_str(), e.to_string()))?
+                .map_err(|e| {
+                    Failure(
+                        ErrorKind::Internal.as_str(),
+                        format!("a memfd for the tensor: {e}"),
+                    )
+                })?;
+            let mut v = info(handle, &t);
+            v["lease"] = json!(s.lend(&fd, charge)?);
+            Ok((v, Some(fd), Vec::new()))
         }
     }
 }

@@ -58,6 +58,32 @@ struct Tables {
     /// The handle numbers this session reserved and has not used yet, `next..end`
     /// ([`LiveSession::reserve_handles`]).
     reserved: std::ops::Range<u64>,
+    /// The memfds lent to the session's local-socket clients, by lease number
+    /// ([`LiveSession::lend`]).
+    lent: HashMap<u64, LentMemfd>,
+    /// The next lease number.
+    next_lease: u64,
+}
+
+/// A memfd the daemon lent a local-socket client (a `get`'s tensor, a `call`'s fetched
+/// results), with the daemon's own descriptor of it and the charge of its bytes to the
+/// tenant's transfer pool. Dropping it (the client released it, or the session ended)
+/// truncates the memfd to nothing, which frees its pages whether or not the client still
+/// holds a descriptor or a map of it (the client's map then faults with `SIGBUS`): so what
+/// the daemon lends is bounded by the tenant's limits for as long as it is lent, without
+/// trusting the client to give it back. The memfd is sealed against writing and growing,
+/// and with `F_SEAL_SEAL`, but not against shrinking, so that the client cannot add that seal.
+#[derive(Debug)]
+struct LentMemfd {
+    fd: std::os::fd::OwnedFd,
+    charge: Charge,
+}
+
+impl Drop for LentMemfd {
+    fn drop(&mut self) {
+        // Frees the pages (shmem truncation unmaps them from every process's map too).
+        let _ = rustix::fs::ftruncate(&self.fd, 0);
+    }
 }
 
 #[derive(Debug)]
@@ -144,6 +170,68 @@ impl LiveSession {
                 &self.ended_reason().unwrap_or_else(|| "closed".into()),
             )),
         }
+    }
+
+    /// Lends `fd` (a sealed memfd, see [`LentMemfd`]'s rules) to the session's client until it
+    /// is released ([`release`](Self::release)) or the session ends; `charge` is the charge
+    /// of its bytes to the tenant's transfer pool, taken before the memfd was made. Returns
+    /// the lease number.
+    ///
+    /// Errors: [`AccessError::Ended`] (the memfd is truncated then); `internal` when the
+    /// descriptor cannot be duplicated.
+    pub fn lend(&self, fd: &std::os::fd::OwnedFd, charge: Charge) -> AccessResult<u64> {
+        let own = fd.try_clone().map_err(|e| {
+            DeviceError::new(
+                ErrorKind::Internal,
+                format!("duplicating a lent memfd: {e}"),
+            )
+        })?;
+        let lent = LentMemfd { fd: own, charge };
+        self.with_tables(move |t| {
+            t.next_lease += 1;
+            let n = t.next_lease;
+            t.lent.insert(n, lent);
+            n
+        })
+    }
+
+    /// Ends the leases `leases` ([`lend`](Self::lend)): each memfd is truncated and its
+    /// charge returned. Returns how many were released and the numbers this session did not
+    /// have (released already, or never lent).
+    ///
+    /// Errors: [`AccessError::Ended`].
+    pub fn release(&self, leases: &[u64]) -> AccessResult<(u64, Vec<u64>)> {
+        let (gone, unknown) = self.with_tables(|t| {
+            let mut gone = Vec::with_capacity(leases.len().min(1024));
+            let mut unknown = Vec::new();
+            for l in leases {
+                match t.lent.remove(l) {
+                    Some(m) => gone.push(m),
+                    None => unknown.push(*l),
+                }
+            }
+            (gone, unknown)
+        })?;
+        // Truncated outside the tables' lock.
+        let n = gone.len() as u64;
+        drop(gone);
+        Ok((n, unknown))
+    }
+
+    /// How many memfds are lent now, and their bytes in all (as charged).
+    pub fn lent(&self) -> (u64, u64) {
+        self.with_tables(|t| {
+            let bytes = t
+                .lent
+                .values()
+                .map(|m| match m.charge.kind() {
+                    tpubox_core::tenant::ChargeKind::Transfer(b) => b,
+                    _ => 0,
+                })
+                .sum();
+            (t.lent.len() as u64, bytes)
+        })
+        .unwrap_or((0, 0))
     }
 
     /// Adds a tensor; returns its handle number and the handle. After the session ended the

@@ -1,0 +1,344 @@
+"""Admission that favours work over idleness (issue 51, item 1): floods of connections that
+never authenticate, from the tenant's own address, do not refuse the tenant (docs/SECURITY.md,
+"Connections: who keeps a place under a flood").
+
+Was: with 1,700 idle connections, 250 slow-loris connections or 20,000 idle connections held
+by one client, an authenticated tenant's requests and session calls were refused (broken pipe,
+UNAVAILABLE) until the flood ended: the connection caps were shared first-come by strangers and
+tenants, and behind one proxy, one NAT or on one Ray node every client is the same peer.
+
+Now connections that have not authenticated are capped per peer and closed oldest first to
+make room, tenants' authenticated connections are never closed to make room, and the Unix
+sockets have a pool apart from TCP's. Each test floods from 127.0.0.1, the probe tenant's own
+address, while three probes run: a REST inference on a new connection each time (the hardest
+case: every request needs a new place), a gRPC inference on one channel (tritonclient), and a
+session on the Unix socket (put, call, get through the local socket). No probe request may
+fail, and each probe's p99 must stay within 2x of its own baseline without the flood.
+"""
+
+from __future__ import annotations
+
+import os
+import resource
+import socket
+import subprocess
+import sys
+import textwrap
+import threading
+import time
+
+import numpy as np
+import pytest
+import tritonclient.grpc as grpcclient
+
+from hardening_util import PROBE, Prober, baseline_p99, p99, probe_infer
+
+# Small pools, so that the floods fill them: 256 TCP places, 128 on the Unix sockets, 32
+# unauthenticated connections per peer. Header timeout 10 s (the default): idle connections
+# stay until they are closed to make room.
+CAPS = (
+    "--max-connections", "256",
+    "--max-local-connections", "128",
+    "--max-connections-per-peer", "32",
+)  # fmt: skip
+
+FACTOR = 2.0
+FLOOR = 0.05
+
+
+def _raise_own_nofile(n: int = 19000) -> None:
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (min(max(soft, n), hard), hard))
+
+
+class _GrpcProbe:
+    """A tritonclient gRPC inference of the dtypes model on one channel (kept open)."""
+
+    def __init__(self, d):
+        self.client = grpcclient.InferenceServerClient(f"{d.host}:{d.grpc_port}")
+        x = np.arange(4, dtype=np.float32).reshape(1, 4)
+        self.inp = grpcclient.InferInput("INPUT_FP32", [1, 4], "FP32")
+        self.inp.set_data_from_numpy(x)
+        # The dtypes model (examples/serve-dtypes) reverses its input along the last axis.
+        self.want = x[:, ::-1]
+
+    def __call__(self, d) -> float:
+        t = time.perf_counter()
+        r = self.client.infer(
+            "dtypes",
+            [self.inp],
+            outputs=[grpcclient.InferRequestedOutput("OUTPUT_FP32")],
+            headers={"authorization": f"Bearer {PROBE}"},
+        )
+        dt = time.perf_counter() - t
+        np.testing.assert_array_equal(r.as_numpy("OUTPUT_FP32"), self.want)
+        return dt
+
+
+class _SessionProbe:
+    """A session of the probe tenant on the Unix socket: a put and a get of a 256 KiB tensor
+    (through memfds on the local socket) each time."""
+
+    def __init__(self, d):
+        import tpubox
+
+        self.s = tpubox.connect(f"unix:{d.socket_path}", PROBE, label="probe")
+        self.x = np.random.default_rng(0).standard_normal(64 << 10).astype(np.float32)
+
+    def __call__(self, d) -> float:
+        t = time.perf_counter()
+        h = self.s.put(self.x)
+        got = self.s.get(h)
+        h.free()
+        dt = time.perf_counter() - t
+        np.testing.assert_array_equal(got, self.x)
+        return dt
+
+    def close(self):
+        self.s.close()
+
+
+def _probes(d):
+    grpc_probe = _GrpcProbe(d)
+    sess_probe = _SessionProbe(d)
+    calls = {"rest": probe_infer, "grpc": grpc_probe, "session": sess_probe}
+    base = {k: baseline_p99(d, n=40, call=c) for k, c in calls.items()}
+    return calls, base, sess_probe
+
+
+def _check(calls_base, probers):
+    calls, base = calls_base
+    report = []
+    failures = []
+    for k, pr in probers.items():
+        got = p99(pr.samples) if pr.samples else float("inf")
+        limit = FACTOR * max(base[k], FLOOR)
+        report.append(f"{k}: {len(pr.samples)} calls, p99 {got * 1e3:.1f} ms (baseline {base[k] * 1e3:.1f} ms)")
+        if pr.errors:
+            failures.append(f"{k} failed under the flood: {pr.errors[:3]}")
+        if len(pr.samples) < 10:
+            failures.append(f"{k} ran only {len(pr.samples)} times")
+        elif got > limit:
+            failures.append(f"{k}: p99 {got * 1e3:.1f} ms > {limit * 1e3:.1f} ms")
+    print("; ".join(report))
+    assert not failures, failures
+
+
+def _run_probes_during(d, calls, attack, seconds: float = 6.0):
+    probers = {k: Prober(d, call=c, pause=0.01) for k, c in calls.items()}
+    for p in probers.values():
+        p.__enter__()
+    try:
+        attack()
+        time.sleep(seconds)
+    finally:
+        for p in probers.values():
+            p.__exit__(None, None, None)
+    return probers
+
+
+def test_idle_flood_from_the_tenants_address_refuses_none_of_its_requests(daemon):
+    """1,700 idle connections from 127.0.0.1 on every door (REST, gRPC, metrics, the session
+    API on TCP, its Unix socket and its local socket): the pools hold 256 + 128 places, so
+    most of the flood is closed to make room, and none of the probe's requests is."""
+    _raise_own_nofile()
+    d = daemon(extra_args=CAPS)
+    calls, base, sess = _probes(d)
+    flood: list[socket.socket] = []
+
+    def attack():
+        doors = [d.http_port, d.grpc_port, d.metrics_port, d.session_port, "unix", "local"]
+        for i in range(1700):
+            door = doors[i % len(doors)]
+            try:
+                if door == "unix" or door == "local":
+                    s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                    s.connect(str(d.socket_path if door == "unix" else d.local_path))
+                else:
+                    s = socket.create_connection((d.host, door))
+                flood.append(s)
+            except OSError:
+                pass
+
+    try:
+        probers = _run_probes_during(d, calls, attack)
+        open_now = sum(1 for s in flood if _open(s))
+    finally:
+        for s in flood:
+            s.close()
+        sess.close()
+    _check((calls, base), probers)
+    assert open_now <= 256 + 128, f"{open_now} flood connections still open"
+    assert d.protection_count("connections-per-peer") + d.protection_count("connections-total") > 0
+
+
+def _open(s: socket.socket) -> bool:
+    """Whether the daemon has not closed S (nothing is ever sent on it)."""
+    s.setblocking(False)
+    try:
+        return s.recv(1) != b""
+    except BlockingIOError:
+        return True
+    except OSError:
+        return False
+
+
+def _trickle(socks, data: bytes, stop: threading.Event, every: float) -> None:
+    i = 0
+    while not stop.is_set() and socks:
+        for s in list(socks):
+            try:
+                s.send(data[i % len(data) : i % len(data) + 1])
+            except OSError:
+                socks.remove(s)
+        i += 1
+        stop.wait(every)
+
+
+def test_slowloris_from_the_tenants_address_refuses_none_of_its_requests(daemon):
+    """250 slow-loris connections from 127.0.0.1 (a byte of a request head every 0.5 s, on
+    REST, gRPC's preface and the local socket's header), reopened as they are closed."""
+    _raise_own_nofile()
+    d = daemon(extra_args=CAPS)
+    calls, base, sess = _probes(d)
+    stop = threading.Event()
+    socks: list[socket.socket] = []
+    heads = {
+        "rest": b"GET /v2/models/dtypes HTTP/1.1\r\nHost: x\r\n" * 20,
+        "grpc": b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" * 20,
+        "local": b"\x00\x01\x00\x00" + b"{" * 500,
+    }
+
+    def opener():
+        kinds = list(heads)
+        i = 0
+        while not stop.is_set():
+            live = [s for s in socks if s.fileno() >= 0]
+            if len(live) < 250:
+                kind = kinds[i % 3]
+                i += 1
+                try:
+                    if kind == "local":
+                        s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                        s.connect(str(d.local_path))
+                    else:
+                        s = socket.create_connection((d.host, d.http_port if kind == "rest" else d.grpc_port))
+                    s._kind = kind  # type: ignore[attr-defined]
+                    socks.append(s)
+                except OSError:
+                    pass
+            else:
+                stop.wait(0.05)
+
+    def trickler():
+        n = 0
+        while not stop.is_set():
+            for s in list(socks):
+                try:
+                    data = heads[s._kind]  # type: ignore[attr-defined]
+                    s.send(data[n % len(data) : n % len(data) + 1])
+                except OSError:
+                    s.close()
+                    socks.remove(s)
+            n += 1
+            stop.wait(0.5)
+
+    threads = [threading.Thread(target=opener, daemon=True), threading.Thread(target=trickler, daemon=True)]
+    try:
+        probers = _run_probes_during(d, calls, lambda: [t.start() for t in threads], seconds=8.0)
+    finally:
+        stop.set()
+        for t in threads:
+            t.join(timeout=10)
+        for s in socks:
+            s.close()
+        sess.close()
+    _check((calls, base), probers)
+
+
+FLOODER = textwrap.dedent(
+    """
+    import resource, socket, sys, time
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+    host, ports, n = sys.argv[1], [int(p) for p in sys.argv[2].split(",")], int(sys.argv[3])
+    held = []
+    for i in range(n):
+        try:
+            held.append(socket.create_connection((host, ports[i % len(ports)]), timeout=5))
+        except OSError:
+            pass
+    print(len(held), flush=True)
+    sys.stdin.read()
+    """
+)
+
+
+def test_twenty_thousand_connections_from_one_client_refuse_none_of_its_requests(daemon):
+    """20,000 connections from 127.0.0.1 (two flooding processes of 10,000, as one client
+    behind a NAT would), opened while the probes run and then held: the daemon keeps at most
+    its per-peer cap of them and the probes are all served."""
+    _raise_own_nofile()
+    d = daemon(extra_args=CAPS)
+    calls, base, sess = _probes(d)
+    procs: list[subprocess.Popen] = []
+    opened: list[int] = []
+
+    def attack():
+        ports = f"{d.http_port},{d.grpc_port},{d.session_port}"
+        for _ in range(2):
+            procs.append(
+                subprocess.Popen(
+                    [sys.executable, "-c", FLOODER, d.host, ports, "10000"],
+                    stdin=subprocess.PIPE,
+                    stdout=subprocess.PIPE,
+                    text=True,
+                )
+            )
+
+    try:
+        probers = _run_probes_during(d, calls, attack, seconds=2.0)
+        # Keep probing while the flood is held, until both flooders have opened everything.
+        more = {k: Prober(d, call=c, pause=0.01) for k, c in calls.items()}
+        for p in more.values():
+            p.__enter__()
+        try:
+            for p in procs:
+                opened.append(int(p.stdout.readline() or 0))
+            time.sleep(3.0)
+            fds = d.open_fds()
+        finally:
+            for p in more.values():
+                p.__exit__(None, None, None)
+        for k in probers:
+            probers[k].samples += more[k].samples
+            probers[k].errors += more[k].errors
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+        sess.close()
+    print(f"flooders opened {opened} connections; the daemon held {fds} descriptors")
+    assert sum(opened) >= 15000, opened
+    _check((calls, base), probers)
+    assert fds < 256 + 128 + 200, f"the daemon holds {fds} descriptors"
+
+
+@pytest.mark.parametrize("share", [2])
+def test_a_tenants_share_beyond_its_cap_stays_closable(daemon, share):
+    """--max-connections-per-tenant 2: a tenant's third authenticated connection is served
+    but counts as anonymous (protection `connections-per-tenant`)."""
+    d = daemon(extra_args=CAPS + ("--max-connections-per-tenant", str(share)))
+    import http.client
+
+    conns = [http.client.HTTPConnection(d.host, d.http_port, timeout=10) for _ in range(3)]
+    try:
+        for c in conns:
+            c.request("GET", "/v2/models/dtypes", headers={"Authorization": f"Bearer {PROBE}"})
+            r = c.getresponse()
+            r.read()
+            assert r.status == 200
+    finally:
+        for c in conns:
+            c.close()
+    assert d.protection_count("connections-per-tenant") >= 1
