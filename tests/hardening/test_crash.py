@@ -16,8 +16,8 @@ ports, socket and directories, again and again. After every restart:
   NumPy. A client call that was in flight when the daemon died fails with a connection error
   of an expected kind; a call started after the restart does not fail.
 
-TPUBOX_CRASH_KILLS sets the number of kills (default 12 here; 50 for the long run of the
-issue's acceptance), TPUBOX_CRASH_SEED the seed of the kill moments and the damage (default:
+TPUBOX_CRASH_KILLS sets the number of kills (default 50, the issue's acceptance: about 100 s
+on 2 busy cores), TPUBOX_CRASH_SEED the seed of the kill moments and the damage (default:
 random, printed). TPUBOX_CRASH_REPORT names a JSON file the counts are written to.
 """
 
@@ -45,7 +45,7 @@ import pytest
 
 from hardening_util import OPS, PROBE, REPO, Daemon, bearer, request
 
-KILLS = int(os.environ.get("TPUBOX_CRASH_KILLS", "12"))
+KILLS = int(os.environ.get("TPUBOX_CRASH_KILLS", "50"))
 SEED = int(os.environ.get("TPUBOX_CRASH_SEED") or random.SystemRandom().randrange(1 << 32))
 INJECT_EVERY = 4
 # A client must be served again within this long after the daemon reports ready.
@@ -576,6 +576,8 @@ def test_sigkill_under_load_leaves_a_consistent_daemon(tmp_path):
         while not all(c.ok[life.epoch] >= 2 for c in clients) and time.monotonic() < deadline:
             time.sleep(0.05)
         assert all(c.ok[life.epoch] >= 2 for c in clients), [(c.name, c.ok[life.epoch]) for c in clients]
+        # (Before the stop: stopping kills the compile workers, whose dumps the next start sweeps.)
+        assert stale_temporaries(temp_dirs, started) == []
     finally:
         life.stop.set()
         for c in clients:
@@ -604,7 +606,7 @@ def test_sigkill_under_load_leaves_a_consistent_daemon(tmp_path):
     assert not errors, f"calls failed while a daemon served: {errors[:10]}"
     assert set(window) <= WINDOW_KINDS, f"unexpected errors of calls a kill cut: {window}"
     assert not [p for p in entries if entry_problem(p)]
-    assert stale_temporaries(temp_dirs, started) == []
+    assert stale_temporaries(temp_dirs[:1], started) == []
 
 
 def compile_kept_one(d: CrashDaemon, c: float, n: int) -> str:

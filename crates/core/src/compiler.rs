@@ -219,8 +219,11 @@ fn compile_budgeted(
         )
     };
     sweep_stale_dumps();
-    let dump = crate::cache::atomic::LockedTempDir::new(&std::env::temp_dir(), DUMP_PREFIX)
-        .map_err(|e| io("make a directory for the compiler's dump", e))?;
+    let dump = crate::cache::atomic::LockedTempDir::new(
+        &std::env::temp_dir(),
+        &format!("{DUMP_PREFIX}{}-", std::process::id()),
+    )
+    .map_err(|e| io("make a directory for the compiler's dump", e))?;
     let dumping = options
         .clone()
         .dump_hlo_to(Some(dump.path().to_string_lossy().into_owned()));
@@ -1176,6 +1179,7 @@ async fn run_in_worker(
                 }));
             }
             let stderr = stderr.await.unwrap_or_default();
+            remove_dump_of(pid);
             Some(Err(worker_died(status, &stderr, limits, program_bytes)))
         }
         End::Exited(_, Err(e)) => Some(Err(internal(format!(
@@ -1183,6 +1187,7 @@ async fn run_in_worker(
         )))),
         End::Resident(rss) => {
             let _ = child.kill().await;
+            remove_dump_of(pid);
             bump(&counters.resident_kills);
             crate::protection::triggered(
                 "compile-resident",
@@ -1205,6 +1210,7 @@ async fn run_in_worker(
         }
         End::Timeout => {
             let _ = child.kill().await;
+            remove_dump_of(pid);
             Some(Err(DeviceError::new(
                 ErrorKind::ResourceExhausted,
                 format!(
@@ -1215,6 +1221,7 @@ async fn run_in_worker(
         }
         End::Cancelled => {
             let _ = child.kill().await;
+            remove_dump_of(pid);
             None
         }
     }
@@ -1363,6 +1370,19 @@ fn sweep_stale_dumps() {
     SWEEP.call_once(|| {
         crate::cache::atomic::remove_stale(&std::env::temp_dir(), DUMP_PREFIX);
     });
+}
+
+/// Removes the compiler dump a worker that did not finish (killed, crashed) left: its dumps
+/// are named after its process id. Call it once the worker was reaped (its lock is gone).
+fn remove_dump_of(pid: Option<u32>) {
+    if let Some(pid) = pid {
+        tokio::task::spawn_blocking(move || {
+            crate::cache::atomic::remove_stale(
+                &std::env::temp_dir(),
+                &format!("{DUMP_PREFIX}{pid}-"),
+            )
+        });
+    }
 }
 
 /// Exit status of a worker that could not do its job (bad input, a plugin or client that
