@@ -213,7 +213,10 @@ class Daemon:
                 stderr=subprocess.STDOUT,
                 cwd=self.root,
                 env=env,
-                preexec_fn=limits,
+                # Only when needed: Python code between fork and exec in a process whose gRPC
+                # threads are busy (test_crash.py restarts a daemon under load) can abort the
+                # child (gRPC's fork handlers); without it Popen uses vfork.
+                preexec_fn=limits if nofile is not None else None,
             )
         deadline = time.monotonic() + READY_TIMEOUT
         while True:

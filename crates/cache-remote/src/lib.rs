@@ -57,6 +57,44 @@ impl RemoteStore for RemoteCache {
 /// Suffix of tier-3 object names.
 pub const OBJECT_SUFFIX: &str = ".tpbx";
 
+/// Age past which [`RemoteCache::open`] removes an unfinished upload of a `file://` store.
+pub const STALE_UPLOAD: std::time::Duration = std::time::Duration::from_secs(3600);
+
+/// Removes the staging files that uploads to a `file://` store left in its directory `dir`
+/// when their process was killed (`object_store` writes `<key>.tpbx#<n>` and renames it into
+/// place, so an object is whole or absent), once older than `older_than`; returns how many.
+/// Those uploads take no lock, so another live process's upload can be told from a dead one
+/// by age only; one upload of an entry takes seconds at most.
+pub fn remove_stale_uploads(dir: &std::path::Path, older_than: std::time::Duration) -> usize {
+    let Ok(rd) = std::fs::read_dir(dir) else {
+        return 0;
+    };
+    let now = std::time::SystemTime::now();
+    let mut removed = 0;
+    for e in rd.filter_map(|e| e.ok()) {
+        let name = e.file_name();
+        let name = name.to_string_lossy();
+        let staged = name
+            .split_once(&format!("{OBJECT_SUFFIX}#"))
+            .is_some_and(|(key, n)| {
+                CacheKey::from_hex(key).is_some()
+                    && !n.is_empty()
+                    && n.bytes().all(|b| b.is_ascii_digit())
+            });
+        let old = e
+            .metadata()
+            .ok()
+            .filter(|m| m.is_file())
+            .and_then(|m| m.modified().ok())
+            .and_then(|t| now.duration_since(t).ok())
+            .is_some_and(|age| age >= older_than);
+        if staged && old && std::fs::remove_file(e.path()).is_ok() {
+            removed += 1;
+        }
+    }
+    removed
+}
+
 /// A handle on the remote tier. Cheap to clone.
 #[derive(Clone)]
 pub struct RemoteCache {
@@ -122,6 +160,11 @@ impl RemoteCache {
             .collect();
         let (store, prefix) =
             object_store::parse_url_opts(&parsed, options).map_err(|e| bad(e.to_string()))?;
+        if parsed.scheme() == "file"
+            && let Ok(dir) = parsed.to_file_path()
+        {
+            remove_stale_uploads(&dir, STALE_UPLOAD);
+        }
         Ok(RemoteCache {
             store: Arc::from(store),
             prefix,
@@ -265,6 +308,31 @@ mod tests {
         assert!(matches!(r.get(&key).await, Err(CacheError::Corrupt { .. })));
         assert_eq!(r.clear().await.unwrap(), 2);
         assert_eq!(r.usage().await.unwrap(), RemoteUsage::default());
+    }
+
+    #[test]
+    fn stale_staged_uploads_are_removed_when_a_file_store_opens() {
+        let dir = tempfile::tempdir().unwrap();
+        let key = CacheKey([9; 32]);
+        let staged = dir.path().join(format!("{key}{OBJECT_SUFFIX}#3"));
+        let other = dir.path().join("notes#3");
+        std::fs::write(&staged, b"half").unwrap();
+        std::fs::write(&other, b"mine").unwrap();
+        // Young: maybe another process's upload in progress.
+        assert_eq!(remove_stale_uploads(dir.path(), STALE_UPLOAD), 0);
+        let old = std::time::SystemTime::now() - 2 * STALE_UPLOAD;
+        for p in [&staged, &other] {
+            std::fs::File::options()
+                .append(true)
+                .open(p)
+                .unwrap()
+                .set_modified(old)
+                .unwrap();
+        }
+        let url = format!("file://{}", dir.path().display());
+        RemoteCache::open_with(&url, std::iter::empty::<(&str, &str)>()).unwrap();
+        assert!(!staged.exists());
+        assert!(other.exists(), "only staged uploads of entries are removed");
     }
 
     #[test]

@@ -218,10 +218,12 @@ fn compile_budgeted(
             format!("the loop budget cannot {what}: {e}"),
         )
     };
-    let dump = tempfile::Builder::new()
-        .prefix("tpubox-hlo-")
-        .tempdir()
-        .map_err(|e| io("make a directory for the compiler's dump", e))?;
+    sweep_stale_dumps();
+    let dump = crate::cache::atomic::LockedTempDir::new(
+        &std::env::temp_dir(),
+        &format!("{DUMP_PREFIX}{}-", std::process::id()),
+    )
+    .map_err(|e| io("make a directory for the compiler's dump", e))?;
     let dumping = options
         .clone()
         .dump_hlo_to(Some(dump.path().to_string_lossy().into_owned()));
@@ -894,6 +896,7 @@ impl WorkerPool {
             idle: Mutex::new(VecDeque::new()),
             starting: AtomicUsize::new(0),
         });
+        sweep_stale_dumps();
         let runtime = tokio::runtime::Builder::new_current_thread()
             .enable_all()
             .build()?;
@@ -973,6 +976,7 @@ async fn spawn_worker(shared: &PoolShared, ahead: bool) -> std::io::Result<Idle>
     use tokio::io::{AsyncBufReadExt, AsyncReadExt, AsyncWriteExt};
     let mut child = tokio::process::Command::new(&shared.worker)
         .arg("compile-worker")
+        .env(PARENT_ENV, std::process::id().to_string())
         .stdin(std::process::Stdio::piped())
         .stdout(std::process::Stdio::piped())
         .stderr(std::process::Stdio::piped())
@@ -1175,6 +1179,7 @@ async fn run_in_worker(
                 }));
             }
             let stderr = stderr.await.unwrap_or_default();
+            remove_dump_of(pid);
             Some(Err(worker_died(status, &stderr, limits, program_bytes)))
         }
         End::Exited(_, Err(e)) => Some(Err(internal(format!(
@@ -1182,6 +1187,7 @@ async fn run_in_worker(
         )))),
         End::Resident(rss) => {
             let _ = child.kill().await;
+            remove_dump_of(pid);
             bump(&counters.resident_kills);
             crate::protection::triggered(
                 "compile-resident",
@@ -1204,6 +1210,7 @@ async fn run_in_worker(
         }
         End::Timeout => {
             let _ = child.kill().await;
+            remove_dump_of(pid);
             Some(Err(DeviceError::new(
                 ErrorKind::ResourceExhausted,
                 format!(
@@ -1214,6 +1221,7 @@ async fn run_in_worker(
         }
         End::Cancelled => {
             let _ = child.kill().await;
+            remove_dump_of(pid);
             None
         }
     }
@@ -1349,12 +1357,65 @@ fn parse_response(stdout: &[u8]) -> Result<DeviceResult<Entry>, String> {
     }
 }
 
+/// Prefix of the temporary directories the compiler dumps a module into for the loop budget.
+const DUMP_PREFIX: &str = "tpubox-hlo-";
+
+/// Removes, once per process, the compiler dumps in the temporary directory that compiles
+/// killed with their process left (a worker past its resident cap or wall-clock limit, a
+/// worker or host killed with the host): each dump directory is locked while its compile
+/// lives ([`crate::cache::atomic::LockedTempDir`]), so another live process's is left alone.
+/// Called by a host as its worker pool starts and by every process before its first dump.
+fn sweep_stale_dumps() {
+    static SWEEP: std::sync::Once = std::sync::Once::new();
+    SWEEP.call_once(|| {
+        crate::cache::atomic::remove_stale(&std::env::temp_dir(), DUMP_PREFIX);
+    });
+}
+
+/// Removes the compiler dump a worker that did not finish (killed, crashed) left: its dumps
+/// are named after its process id. Call it once the worker was reaped (its lock is gone).
+fn remove_dump_of(pid: Option<u32>) {
+    if let Some(pid) = pid {
+        tokio::task::spawn_blocking(move || {
+            crate::cache::atomic::remove_stale(
+                &std::env::temp_dir(),
+                &format!("{DUMP_PREFIX}{pid}-"),
+            )
+        });
+    }
+}
+
 /// Exit status of a worker that could not do its job (bad input, a plugin or client that
 /// fails, a closed pipe).
 const WORKER_FAILED: i32 = 2;
 
-/// `tpubox compile-worker`: reads its `Setup` from stdin, sets its limits, loads the plugin and
-/// creates its client, says `ready`; then reads one `Request` and program, compiles it, writes
+/// The environment variable that gives a worker its host's process id.
+const PARENT_ENV: &str = "TPUBOX_COMPILE_WORKER_PARENT";
+
+/// Makes this worker die with its host: the kernel sends it SIGKILL when the host's thread that
+/// started it ends (the pool's own thread, which lives as long as the pool, or the whole host,
+/// killed by SIGKILL included), so no worker outlives a killed daemon compiling an orphaned
+/// program for up to `max-compile-seconds`. A host that died before this ran is seen by the
+/// parent process id that no longer matches [`PARENT_ENV`].
+///
+/// Errors: the host is already gone; the kernel refused the death signal.
+fn die_with_host() -> Result<(), String> {
+    #[cfg(target_os = "linux")]
+    rustix::process::set_parent_process_death_signal(Some(rustix::process::Signal::KILL))
+        .map_err(|e| format!("prctl(PR_SET_PDEATHSIG): {e}"))?;
+    let host = std::env::var(PARENT_ENV)
+        .ok()
+        .and_then(|v| v.parse::<u32>().ok());
+    match host {
+        Some(pid) if std::os::unix::process::parent_id() != pid => Err(format!(
+            "the host (process {pid}) that started this worker is gone"
+        )),
+        _ => Ok(()),
+    }
+}
+
+/// `tpubox compile-worker`: arranges to die with its host, reads its `Setup` from stdin, sets
+/// its limits, loads the plugin and creates its client, says `ready`; then reads one `Request` and program, compiles it, writes
 /// one `Response` (and the serialized executable) to stdout and exits: a worker compiles one
 /// program only. Returns the process exit status: 0 when it answered (even with a compile
 /// error), 2 when it could not.
@@ -1378,6 +1439,7 @@ fn read_json_line<T: serde::de::DeserializeOwned>(what: &str) -> Result<T, Strin
 }
 
 fn serve_one() -> Result<(), String> {
+    die_with_host()?;
     let setup: Setup = read_json_line("setup")?;
     set_limits(&setup)?;
     let stack = setup.stack_bytes;

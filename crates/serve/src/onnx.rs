@@ -10,7 +10,10 @@
 //! [`OnnxConverter::timeout`] or writes something broken fails that model's load alone. Its
 //! output is cached under [`OnnxConverter::cache_dir`], keyed by the SHA-256 of the ONNX file,
 //! the configuration the converter read and the batch sizes, so a model converts once per
-//! file and batch sizes; a later load (or a restart) reads the cache.
+//! file and batch sizes; a later load (or a restart) reads the cache. A conversion is written
+//! into a locked `.converting-…` directory and renamed into place when the converter succeeded,
+//! so a daemon killed mid-conversion leaves no half-converted model, only that directory, which
+//! the next conversion removes (`tpubox_core::cache::atomic`).
 
 use std::path::{Path, PathBuf};
 use std::time::Duration;
@@ -18,8 +21,12 @@ use std::time::Duration;
 use anyhow::{Context, Result, bail};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
+use tpubox_core::cache::atomic;
 
 use super::config::{ModelConfig, StablehloSection, TensorConfig};
+
+/// Prefix of the directories conversions are written into before they are renamed into place.
+const CONVERTING_PREFIX: &str = ".converting-";
 
 /// Where the converter runs and where its output is kept.
 #[derive(Debug, Clone)]
@@ -254,9 +261,10 @@ pub async fn prepare(
         tokio::fs::create_dir_all(&converter.cache_dir)
             .await
             .with_context(|| format!("creating {}", converter.cache_dir.display()))?;
-        let tmp = tempfile::Builder::new()
-            .prefix(".converting-")
-            .tempdir_in(&converter.cache_dir)?;
+        // A load killed while converting left its locked directory behind; the lock died
+        // with it, and only such directories are removed (not another live conversion's).
+        atomic::remove_stale(&converter.cache_dir, CONVERTING_PREFIX);
+        let tmp = atomic::LockedTempDir::new(&converter.cache_dir, CONVERTING_PREFIX)?;
         let mut cmd = converter.command(onnx, &sizes, pbtxt)?;
         cmd.arg("--out").arg(tmp.path());
         let started = std::time::Instant::now();
@@ -277,10 +285,8 @@ pub async fn prepare(
             cache = %out.display(),
             "ONNX model converted to StableHLO"
         );
-        let tmp = tmp.keep();
-        if let Err(e) = std::fs::rename(&tmp, &out) {
+        if let Err(e) = tmp.persist(&out) {
             // Another load converted the same file meanwhile: keep its output.
-            let _ = std::fs::remove_dir_all(&tmp);
             if !out.join("plan.json").is_file() {
                 return Err(e)
                     .with_context(|| format!("moving the conversion to {}", out.display()));

@@ -14,20 +14,23 @@
 //! | M | metadata (JSON: parameter and result specs, fingerprint, compile time) |
 //! | N | the serialized executable (`PJRT_Executable_Serialize`) |
 //!
-//! Writes go to a temporary file in the same directory and are renamed into place, so readers in
-//! other processes see either no entry or a whole one; two writers of one key both leave a
-//! valid entry. Every read checks magic, version, key, lengths and checksum; an entry that fails
-//! is reported, removed and treated as a miss — never loaded. Reads refresh the file's
-//! modification time, which orders eviction (least recently used first) when the directory
-//! exceeds its byte cap.
+//! Writes go to a locked temporary file in the same directory (`.tmp-…`), are flushed to the
+//! disk and renamed into place ([`super::atomic::write`]), so readers in other processes see
+//! either no entry or a whole one, even when the writer is killed (SIGKILL) in the middle; two
+//! writers of one key both leave a valid entry. A killed writer leaves only its temporary file,
+//! which the next process to open the directory read-write removes ([`DiskCache::new`]; a
+//! temporary another live process is writing is locked and left alone). Every read checks
+//! magic, version, key, lengths and checksum; an entry that fails is reported, removed and
+//! treated as a miss — never loaded. Reads refresh the file's modification time, which orders
+//! eviction (least recently used first) when the directory exceeds its byte cap.
 
-use std::io::Write;
 use std::path::{Path, PathBuf};
 use std::time::SystemTime;
 
 use serde::{Deserialize, Serialize};
 use sha2::{Digest, Sha256};
 
+use super::atomic::{self, TEMP_PREFIX};
 use super::error::{CacheError, CacheResult};
 use super::key::{CACHE_FORMAT_VERSION, CacheKey};
 
@@ -68,7 +71,7 @@ pub struct DiskUsage {
 }
 
 /// Hit and miss counters of a cache directory, summed over every process that used it
-/// (kept in `stats.json` in the directory, updated under a file lock).
+/// (kept in `stats.json` in the directory, replaced atomically under a lock on `stats.lock`).
 #[derive(Debug, Clone, Copy, Default, PartialEq, Serialize, Deserialize)]
 pub struct DiskCounters {
     /// Lookups answered from the directory.
@@ -163,12 +166,18 @@ fn verify(key: &CacheKey, bytes: &[u8]) -> Result<Entry, String> {
 
 impl DiskCache {
     /// A cache in `dir` (created if missing unless `read_only`), evicting least recently used
-    /// entries above `max_bytes`.
+    /// entries above `max_bytes`. Unless `read_only`, removes the temporary files that writers
+    /// killed in the middle of a write left in `dir` (those no live process holds locked; see
+    /// [`super::atomic`]).
     ///
     /// Errors: the directory cannot be created.
     pub fn new(dir: &Path, max_bytes: u64, read_only: bool) -> CacheResult<Self> {
         if !read_only {
             std::fs::create_dir_all(dir).map_err(|e| CacheError::io(dir, e))?;
+            let n = atomic::remove_stale(dir, TEMP_PREFIX);
+            if n > 0 {
+                tracing::info!(target: "tpubox::cache", dir = %dir.display(), removed = n, "removed temporary files that interrupted writes left");
+            }
         }
         Ok(DiskCache {
             dir: dir.to_path_buf(),
@@ -232,16 +241,8 @@ impl DiskCache {
             return Ok(());
         }
         let bytes = encode(key, entry);
-        let io = |e| CacheError::io(&self.dir, e);
-        let mut tmp = tempfile::Builder::new()
-            .prefix(".tmp-")
-            .tempfile_in(&self.dir)
-            .map_err(io)?;
-        tmp.write_all(&bytes).map_err(io)?;
-        tmp.as_file().sync_data().map_err(io)?;
         let path = self.path(key);
-        tmp.persist(&path)
-            .map_err(|e| CacheError::io(&path, e.error))?;
+        atomic::write(&path, &bytes, true).map_err(|e| CacheError::io(&path, e))?;
         self.prune(self.max_bytes);
         Ok(())
     }
@@ -271,36 +272,31 @@ impl DiskCache {
             .unwrap_or_default()
     }
 
-    /// Adds `delta` to the shared counters (read-modify-write under an exclusive file lock).
-    /// Best effort: does nothing in read-only mode or when the file cannot be locked.
+    /// Adds `delta` to the shared counters: read-modify-write under an exclusive lock on
+    /// `stats.lock`, `stats.json` replaced atomically (not flushed to the disk: counters are
+    /// worth no `fsync` per lookup). Best effort: does nothing in read-only mode or when the
+    /// lock cannot be taken.
     pub fn record(&self, delta: DiskCounters) {
         if self.read_only {
             return;
         }
-        let path = self.dir.join("stats.json");
-        let Ok(mut f) = std::fs::File::options()
-            .read(true)
+        let Ok(lock) = std::fs::File::options()
             .write(true)
             .create(true)
             .truncate(false)
-            .open(&path)
+            .open(self.dir.join("stats.lock"))
         else {
             return;
         };
-        if f.lock().is_err() {
+        if lock.lock().is_err() {
             return;
         }
-        let mut buf = Vec::new();
-        let _ = std::io::Read::read_to_end(&mut f, &mut buf);
-        let mut c: DiskCounters = serde_json::from_slice(&buf).unwrap_or_default();
+        let mut c = self.counters();
         c.hits += delta.hits;
         c.misses += delta.misses;
         c.compile_ms_saved += delta.compile_ms_saved;
         let out = serde_json::to_vec(&c).expect("counters serialize");
-        use std::io::{Seek, SeekFrom};
-        if f.set_len(0).is_ok() && f.seek(SeekFrom::Start(0)).is_ok() {
-            let _ = f.write_all(&out);
-        }
+        let _ = atomic::write(&self.dir.join("stats.json"), &out, false);
     }
 
     /// Number and total size of the entries.
@@ -335,24 +331,21 @@ impl DiskCache {
         removed
     }
 
-    /// Removes every entry (and stray temporary files); returns how many entries were removed.
-    /// Removal failures are skipped.
+    /// Removes every entry (and the temporary files of interrupted writes; not those another
+    /// process is writing now); returns how many entries were removed. Removal failures are
+    /// skipped.
     pub fn clear(&self) -> u64 {
         let mut n = 0;
         if let Ok(rd) = std::fs::read_dir(&self.dir) {
             for e in rd.filter_map(|e| e.ok()) {
                 let p = e.path();
-                let is_entry = p.extension().is_some_and(|x| x == ENTRY_EXT);
-                let is_tmp = e.file_name().to_string_lossy().starts_with(".tmp-");
-                if !is_entry && !is_tmp {
-                    continue;
-                }
-                let removed = std::fs::remove_file(&p).is_ok();
-                if removed && is_entry {
+                if p.extension().is_some_and(|x| x == ENTRY_EXT) && std::fs::remove_file(&p).is_ok()
+                {
                     n += 1;
                 }
             }
         }
+        atomic::remove_stale(&self.dir, TEMP_PREFIX);
         n
     }
 }
@@ -438,6 +431,51 @@ mod tests {
         assert_eq!(small.usage().entries, 2);
         assert_eq!(small.clear(), 2);
         assert_eq!(small.usage(), DiskUsage::default());
+    }
+
+    #[test]
+    fn opening_removes_temporaries_of_killed_writers_only() {
+        let dir = tempfile::tempdir().unwrap();
+        let c = DiskCache::new(dir.path(), 1 << 20, false).unwrap();
+        let k = CacheKey([6; 32]);
+        c.put(&k, &entry()).unwrap();
+        // A writer killed after writing half an entry, and one writing now (it holds the lock).
+        let half = encode(&k, &entry());
+        std::fs::write(dir.path().join(".tmp-killed"), &half[..half.len() / 2]).unwrap();
+        let live = tempfile::Builder::new()
+            .prefix(TEMP_PREFIX)
+            .tempfile_in(dir.path())
+            .unwrap();
+        live.as_file().lock().unwrap();
+        // A read-only opener removes nothing.
+        DiskCache::new(dir.path(), 1 << 20, true).unwrap();
+        assert!(dir.path().join(".tmp-killed").exists());
+        let again = DiskCache::new(dir.path(), 1 << 20, false).unwrap();
+        assert!(!dir.path().join(".tmp-killed").exists());
+        assert!(
+            live.path().exists(),
+            "a live writer's temporary is left alone"
+        );
+        assert_eq!(again.get(&k).unwrap(), Some(entry()));
+        assert_eq!(again.usage().entries, 1);
+        // Counters survive as whole files too.
+        again.record(DiskCounters {
+            hits: 2,
+            misses: 1,
+            compile_ms_saved: 3.5,
+        });
+        again.record(DiskCounters {
+            hits: 1,
+            ..DiskCounters::default()
+        });
+        let counters = again.counters();
+        assert_eq!((counters.hits, counters.misses), (3, 1));
+        let left: Vec<String> = std::fs::read_dir(dir.path())
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .filter(|n| n.starts_with(TEMP_PREFIX))
+            .collect();
+        assert_eq!(left.len(), 1, "only the live writer's: {left:?}");
     }
 
     #[test]

@@ -126,7 +126,8 @@ pub fn compiler_env() -> String {
 /// SHA-256 of a file, hex, remembered across processes in
 /// `<cache root>/file-hashes/` under a name derived from the file's path, inode, size and
 /// modification time (so a replaced or rewritten file is hashed again). Hashing a 200 MB plugin
-/// takes about half a second; a memoized lookup, microseconds.
+/// takes about half a second; a memoized lookup, microseconds. Memos are written atomically
+/// ([`super::atomic::write`]), so a process killed while writing one leaves no torn memo.
 ///
 /// Errors: the file cannot be read.
 pub fn file_sha256_memoized(path: &Path) -> std::io::Result<String> {
@@ -155,12 +156,11 @@ pub fn file_sha256_memoized(path: &Path) -> std::io::Result<String> {
     if let Some(m) = &memo
         && let Some(dir) = m.parent()
         && std::fs::create_dir_all(dir).is_ok()
-        && let Ok(mut tmp) = tempfile::NamedTempFile::new_in(dir)
     {
-        use std::io::Write;
-        if tmp.write_all(digest.as_bytes()).is_ok() {
-            let _ = tmp.persist(m);
-        }
+        // Whole or not at all, even when this process is killed; a killed writer's temporary
+        // is removed by the next one.
+        super::atomic::remove_stale(dir, super::atomic::TEMP_PREFIX);
+        let _ = super::atomic::write(m, digest.as_bytes(), true);
     }
     Ok(digest)
 }

@@ -14,6 +14,7 @@
 //! logged (target `tpubox::cache`, level info) with its key, so `TPUBOX_LOG=tpubox::cache=info`
 //! shows why a program recompiled.
 
+pub mod atomic;
 pub mod disk;
 pub mod error;
 pub mod key;
