@@ -7,7 +7,7 @@
 #   bash scripts/dev.sh bench   # set up, then run the benchmarks (prints tables)
 #   bash scripts/dev.sh polyglot  # only the C/Python/JavaScript guest tools and guests
 #   bash scripts/dev.sh python-proto  # regenerate python/tpubox/_proto from host/proto (pinned grpcio-tools)
-#   bash scripts/dev.sh fuzz [SECONDS] [TARGET]  # fuzz TARGET (wit_calls: WIT host calls; programs: generated StableHLO); default 600 s, wit_calls
+#   bash scripts/dev.sh fuzz [SECONDS] [TARGET]  # fuzz TARGET (wit_calls: WIT host calls; programs: generated StableHLO; doors: request decoding); default 600 s, wit_calls
 # Everything downloaded goes under ${TPUBOX_CACHE_DIR:-~/.cache/tpubox}; nothing under the repo
 # except cargo's target/.
 set -euo pipefail
@@ -367,7 +367,8 @@ setup() {
 }
 
 # Fuzzes TARGET (default wit_calls: the WIT host calls; programs: structure-aware StableHLO
-# programs, see fuzz/README.md) for SECONDS. cargo-fuzz wants nightly; RUSTC_BOOTSTRAP=1 lets the
+# programs; doors: the session API's and inference doors' request decoding, see
+# fuzz/README.md) for SECONDS. cargo-fuzz wants nightly; RUSTC_BOOTSTRAP=1 lets the
 # stable toolchain take its flags. No sanitizer: the host is safe Rust and the plugin is not
 # instrumented, so ASan would only cost speed. Its own target dir, because its flags differ from
 # the workspace's. Fork mode keeps fuzzing past a crash; crash inputs land in
@@ -376,15 +377,16 @@ setup() {
 CARGO_FUZZ_VER="0.13.2"
 fuzz() {
   local seconds="${1:-600}" target="${2:-wit_calls}"
-  case "$target" in wit_calls|programs) ;; *) log "unknown fuzz target $target (wit_calls, programs)"; return 2 ;; esac
+  case "$target" in wit_calls|programs|doors) ;; *) log "unknown fuzz target $target (wit_calls, programs, doors)"; return 2 ;; esac
   setup_header
-  "$TARGET/release/tpubox" setup cpu >/dev/null
+  # The doors target decodes requests only: no plugin, no compile worker.
+  [ "$target" = doors ] || "$TARGET/release/tpubox" setup cpu >/dev/null
   install_cargo_tool cargo-fuzz "$CARGO_FUZZ_VER" "$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER" cargo-fuzz
   mkdir -p "fuzz/corpus/$target"
   log "fuzzing $target for $seconds s (corpus fuzz/corpus/$target, regressions fuzz/regressions/$target)"
   local fuzz_env=(RUSTC_BOOTSTRAP=1 CARGO_TARGET_DIR="${FUZZ_TARGET_DIR:-$TARGET/fuzz}"
     PATH="$TOOLS/cargo-fuzz-$CARGO_FUZZ_VER/bin:$PATH"
-    TPUBOX_COMPILE_WORKER="$(cd "$TARGET/release" && pwd)/tpubox")
+    TPUBOX_COMPILE_WORKER="$( [ "$target" = doors ] || { cd "$TARGET/release" && pwd; } )/tpubox")
   # Regression inputs first: each once crashed the target and must pass now.
   # Stored as hex text (no binaries in git); decoded into the target dir before replay.
   local regdir="${FUZZ_TARGET_DIR:-$TARGET/fuzz}/regressions/$target"

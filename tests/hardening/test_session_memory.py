@@ -415,7 +415,7 @@ def test_python_client_holds_any_number_of_gets(daemon):
     d = daemon()
     x = np.random.default_rng(1).standard_normal(8 * MIB).astype(np.float32)
     with tpubox.connect(f"unix:{d.socket_path}", ATTACKER, label="holder") as s:
-        t = s.put(x)
+        t = s.tensor(x)
         got = [s.get(t) for _ in range(24)]
         for g in got:
             np.testing.assert_array_equal(g, x)

@@ -862,22 +862,7 @@ impl Session {
     /// held yet is counted: the charge at [`tensor_from_bytes`](Self::tensor_from_bytes)
     /// does that).
     pub fn admit_tensor(&self, ty: PrimitiveType, dims: &[u64]) -> DeviceResult<usize> {
-        let idims = dims_from_u64(dims)?;
-        let bytes = crate::types::checked_byte_size(ty, &idims).ok_or_else(|| {
-            DeviceError::invalid(format!(
-                "a {ty} tensor of dims {dims:?} has more bytes than this host can address"
-            ))
-        })?;
-        let limit = self.tenant.limits().max_device_bytes;
-        if bytes as u64 > limit {
-            return Err(DeviceError::new(
-                ErrorKind::ResourceExhausted,
-                format!(
-                    "a tensor of {bytes} bytes is larger than this session may hold, {limit} bytes (limit max-device-bytes)"
-                ),
-            ));
-        }
-        Ok(bytes)
+        admit_dims(ty, dims, self.tenant.limits().max_device_bytes)
     }
 
     /// Admits an upload a client is about to send ([`admit_tensor`](Self::admit_tensor)) and
@@ -2143,6 +2128,34 @@ fn check_declared_partitions(code: &[u8], settings: &CompileSettings) -> DeviceR
 /// host's devices is far shorter): 64 KiB.
 pub const MAX_SHARDING_TEXT: usize = 64 << 10;
 
+/// Most devices a sharding a client or guest sends may name (a host has far fewer; without
+/// this bound an iota tile assignment of a few bytes lists up to 2^20).
+pub const MAX_SHARDING_DEVICES: i64 = 4096;
+
+/// The dense size of a `ty` tensor of `dims` (as a client sends them) that a session allowed
+/// `max_device_bytes` may hold: what [`Session::admit_tensor`] checks, without a session.
+///
+/// Errors: `invalid-argument` for a rank above [`crate::types::MAX_RANK`], a dim above
+/// `i64::MAX` or a size this host cannot address; `resource-exhausted` naming
+/// `max-device-bytes` for a tensor larger than the limit.
+pub fn admit_dims(ty: PrimitiveType, dims: &[u64], max_device_bytes: u64) -> DeviceResult<usize> {
+    let idims = dims_from_u64(dims)?;
+    let bytes = crate::types::checked_byte_size(ty, &idims).ok_or_else(|| {
+        DeviceError::invalid(format!(
+            "a {ty} tensor of dims {dims:?} has more bytes than this host can address"
+        ))
+    })?;
+    if bytes as u64 > max_device_bytes {
+        return Err(DeviceError::new(
+            ErrorKind::ResourceExhausted,
+            format!(
+                "a tensor of {bytes} bytes is larger than this session may hold, {max_device_bytes} bytes (limit max-device-bytes)"
+            ),
+        ));
+    }
+    Ok(bytes)
+}
+
 /// Parses a sharding a client or guest sent, in XLA's text form (`HloSharding::ToString`:
 /// `{replicated}`, `{devices=[4,1]<=[4]}`, ...). Only the forms an array can have are taken:
 /// braces nest at most twice (`{devices=[2,2]0,1,2,3 last_tile_dims={manual}}`), so a hostile
@@ -2172,7 +2185,7 @@ pub fn parse_sharding(text: &str) -> DeviceResult<pjrt::HloSharding> {
             _ => {}
         }
     }
-    text.parse::<pjrt::HloSharding>().map_err(|e| {
+    pjrt::HloSharding::parse_bounded(text, MAX_SHARDING_DEVICES).map_err(|e| {
         let shown: String = text.chars().take(200).collect();
         DeviceError::invalid(format!(
             "`{shown}` is not a sharding in XLA's text form: {}",

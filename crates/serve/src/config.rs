@@ -457,7 +457,7 @@ impl ModelConfig {
 
     /// The configuration of the model directory `dir_name` from its normalized form, checked;
     /// `what` names its source in errors.
-    fn build(dir_name: &str, n: Normalized, what: &str) -> Result<Self> {
+    pub(crate) fn build(dir_name: &str, n: Normalized, what: &str) -> Result<Self> {
         let mut value = n.triton;
         if let Some(t) = n.tpubox {
             value.insert("tpubox".into(), t);

@@ -36,8 +36,9 @@ pub fn request(model: &Model, body: &Value) -> ServeResult<InferRequest> {
         }
         let Some(d) = model.metadata.inputs.iter().find(|d| d.name == *k) else {
             return Err(ServeError::bad_request(format!(
-                "model '{}' has no input `{k}` (a generate request's keys are input names)",
-                model.name
+                "model '{}' has no input `{}` (a generate request's keys are input names)",
+                model.name,
+                tpubox_core::logsafe::clip(k)
             )));
         };
         let n = count(v);

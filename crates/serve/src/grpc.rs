@@ -31,7 +31,7 @@ use inference::grpc_inference_service_server::{GrpcInferenceService, GrpcInferen
 use inference::*;
 use tpubox_core::logsafe::clip;
 
-fn status(e: ServeError) -> Status {
+pub(crate) fn status(e: ServeError) -> Status {
     let code = match e.kind {
         ServeErrorKind::BadRequest => tonic::Code::InvalidArgument,
         ServeErrorKind::NotFound => tonic::Code::NotFound,
@@ -104,7 +104,11 @@ fn contents_bytes(name: &str, d: Datatype, c: &InferTensorContents) -> ServeResu
     Ok(out)
 }
 
-fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
+/// A `ModelInfer` request as [`InferRequest`]: parameters, shared-memory inputs and outputs,
+/// typed contents or raw bytes, each input checked against its shape.
+///
+/// Errors: bad request for anything the protocol does not allow.
+pub(crate) fn decode_request(r: ModelInferRequest) -> ServeResult<InferRequest> {
     let sequence = sequence_param(&r.parameters)?;
     // Inputs in shared memory take no entry of raw_input_contents (as Triton's clients send
     // them).
@@ -939,7 +943,13 @@ pub async fn serve_grpc(
         .max_encoding_message_size(1 << 30);
     let app = tonic::service::Routes::new(svc)
         .prepare()
-        .into_axum_router();
+        .into_axum_router()
+        // A broken gRPC framing is the client's error (tonic would answer INTERNAL).
+        .layer(axum::middleware::map_request(
+            |req: axum::extract::Request| async move {
+                tpubox_session_api::codec::framed_request(req, &["/ModelStreamInfer"])
+            },
+        ));
     tpubox_net::serve(door, tpubox_net::Listener::Tcp(listener), app, stop).await
 }
 

@@ -31,6 +31,8 @@ pub mod admin;
 pub mod batcher;
 pub mod config;
 pub mod error;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod generate;
 pub mod grpc;
 pub mod instance;

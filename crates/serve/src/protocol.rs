@@ -8,6 +8,7 @@
 //! extension and gRPC's `raw_input_contents` carry `BYTES`.
 
 use serde_json::{Value, json};
+use tpubox_core::logsafe::clip;
 
 use super::error::{ServeError, ServeResult};
 
@@ -154,7 +155,8 @@ impl Tensor {
         let n = element_count(&self.shape).ok_or_else(|| {
             ServeError::bad_request(format!(
                 "input `{}`: shape {:?} overflows",
-                self.name, self.shape
+                clip(&self.name),
+                self.shape
             ))
         })?;
         match self.datatype.element_size() {
@@ -163,7 +165,7 @@ impl Tensor {
                 if want != Some(self.data.len() as u64) {
                     return Err(ServeError::bad_request(format!(
                         "tensor `{}`: {} bytes of data, but shape {:?} of {} needs {}",
-                        self.name,
+                        clip(&self.name),
                         self.data.len(),
                         self.shape,
                         self.datatype.name(),
@@ -173,18 +175,19 @@ impl Tensor {
                 if self.datatype == Datatype::Bool && self.data.iter().any(|&b| b > 1) {
                     return Err(ServeError::bad_request(format!(
                         "tensor `{}`: BOOL elements must be 0 or 1",
-                        self.name
+                        clip(&self.name)
                     )));
                 }
             }
             None => {
-                let count = bytes_element_count(&self.data)
-                    .map_err(|e| ServeError::bad_request(format!("tensor `{}`: {e}", self.name)))?
-                    as u64;
+                let count = bytes_element_count(&self.data).map_err(|e| {
+                    ServeError::bad_request(format!("tensor `{}`: {e}", clip(&self.name)))
+                })? as u64;
                 if count != n {
                     return Err(ServeError::bad_request(format!(
                         "tensor `{}`: {count} BYTES elements, but shape {:?} needs {n}",
-                        self.name, self.shape
+                        clip(&self.name),
+                        self.shape
                     )));
                 }
             }
@@ -412,7 +415,8 @@ pub fn data_from_json(name: &str, datatype: Datatype, data: &Value) -> ServeResu
     flatten(data, &mut items, 0)?;
     let bad = |i: usize, what: &str| {
         ServeError::bad_request(format!(
-            "input `{name}`: element {i} is not {what} ({} data)",
+            "input `{}`: element {i} is not {what} ({} data)",
+            clip(name),
             datatype.name()
         ))
     };

@@ -115,7 +115,8 @@ pub fn check_load_parameters<'a>(
             return Err(ServeError::new(
                 super::error::ServeErrorKind::Internal,
                 format!(
-                    "failed to load '{model}', failed to poll from model repository: load parameter `{shown}` is not supported: a model's files load from its directory in the repository (a `config` override is)"
+                    "failed to load '{}', failed to poll from model repository: load parameter `{shown}` is not supported: a model's files load from its directory in the repository (a `config` override is)",
+                    clip(model)
                 ),
             ));
         }
@@ -385,5 +386,29 @@ impl Repository {
         for n in ready {
             let _ = self.unload(&n).await;
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A `file:` load parameter is refused in Triton's words, and a model name of any length
+    /// is clipped in them (the fuzz target `doors` sent one of 24 KiB, which took the whole
+    /// message past the 16 KiB backstop).
+    #[test]
+    fn a_file_parameter_is_refused_naming_the_model_clipped() {
+        let long = "m".repeat(24 << 10);
+        let e = check_load_parameters(&long, ["config", "file:1/model.onnx"]).unwrap_err();
+        assert_eq!(e.kind, super::super::error::ServeErrorKind::Internal);
+        assert!(e.message.len() < 1024, "{} bytes", e.message.len());
+        assert!(
+            e.message.contains(
+                "failed to poll from model repository: load parameter `file:1/model.onnx`"
+            ),
+            "{}",
+            e.message
+        );
+        check_load_parameters(&long, ["config"]).unwrap();
     }
 }

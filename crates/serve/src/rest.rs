@@ -387,7 +387,10 @@ async fn body_bytes(s: &Server, headers: &HeaderMap, body: Body) -> ServeResult<
 
 /// Splits a body into the JSON header and the binary data after it, as the binary tensor
 /// extension's `Inference-Header-Content-Length` says.
-fn split_body<'a>(headers: &HeaderMap, body: &'a [u8]) -> ServeResult<(&'a [u8], &'a [u8])> {
+pub(crate) fn split_body<'a>(
+    headers: &HeaderMap,
+    body: &'a [u8],
+) -> ServeResult<(&'a [u8], &'a [u8])> {
     match headers.get(HEADER_LENGTH) {
         None => Ok((body, &[])),
         Some(v) => {

@@ -85,7 +85,7 @@ pub(crate) fn access_status(e: AccessError) -> Status {
     }
 }
 
-fn invalid(message: impl Into<String>) -> Status {
+pub(crate) fn invalid(message: impl Into<String>) -> Status {
     device_status(DeviceError::invalid(message))
 }
 
@@ -101,7 +101,7 @@ fn bearer(md: &MetadataMap) -> Option<String> {
 }
 
 /// Converts a wire dtype to an XLA primitive type.
-fn primitive(dtype: i32) -> Result<PrimitiveType, Status> {
+pub(crate) fn primitive(dtype: i32) -> Result<PrimitiveType, Status> {
     use PrimitiveType as P;
     Ok(match DType::try_from(dtype) {
         Ok(DType::Pred) => P::Pred,
@@ -173,7 +173,7 @@ pub use tpubox_core::session::MAX_SHARDING_TEXT;
 /// Parses a sharding a client sent: [`tpubox_core::session::parse_sharding`].
 ///
 /// Errors: `INVALID_ARGUMENT` as that says.
-fn parse_sharding(text: &str) -> Result<pjrt::HloSharding, Status> {
+pub(crate) fn parse_sharding(text: &str) -> Result<pjrt::HloSharding, Status> {
     tpubox_core::session::parse_sharding(text).map_err(device_status)
 }
 
@@ -258,7 +258,7 @@ fn wire_limits(t: &TenantLimits, idle: Duration) -> Limits {
     }
 }
 
-fn requested(l: Option<Limits>) -> RequestedLimits {
+pub(crate) fn requested(l: Option<Limits>) -> RequestedLimits {
     let Some(l) = l else {
         return RequestedLimits::default();
     };
@@ -276,6 +276,242 @@ fn requested(l: Option<Limits>) -> RequestedLimits {
         idle_timeout_seconds: nzf(l.idle_timeout_seconds),
         max_pending_launches: nz(l.max_pending_launches),
     }
+}
+
+/// The chunk size of a `GetTensor` or `GetShardedTensor` stream for the `chunk_bytes` a
+/// client asked (0: the default), raised or lowered into [`MIN_CHUNK_BYTES`]..=[`MAX_CHUNK_BYTES`].
+pub(crate) fn chunk_bytes(asked: u64) -> usize {
+    match asked {
+        0 => DEFAULT_CHUNK_BYTES,
+        n => (n.min(MAX_CHUNK_BYTES as u64) as usize).max(MIN_CHUNK_BYTES),
+    }
+}
+
+/// The format of a `CompileRequest`'s program: as the client said, or for `FORMAT_AUTO` by
+/// the MLIR bytecode magic.
+///
+/// Errors: `INVALID_ARGUMENT` for a format the proto does not define.
+pub(crate) fn program_format(format: i32, program: &[u8]) -> Result<ProgramFormat, Status> {
+    Ok(match compile_request::Format::try_from(format) {
+        Ok(compile_request::Format::MlirText) => ProgramFormat::MlirText,
+        Ok(compile_request::Format::MlirBytecode) => ProgramFormat::MlirBytecode,
+        Ok(compile_request::Format::Auto) => {
+            if program.starts_with(MLIR_BYTECODE_MAGIC) {
+                ProgramFormat::MlirBytecode
+            } else {
+                ProgramFormat::MlirText
+            }
+        }
+        Err(_) => return Err(invalid(format!("unknown program format {format}"))),
+    })
+}
+
+/// A `CompileRequest`'s `optimization_level` (empty: the plugin's default).
+///
+/// Errors: `INVALID_ARGUMENT` for a name other than `O0`..`O3`.
+pub(crate) fn optimization_level(
+    name: &str,
+) -> Result<Option<tpubox_core::OptimizationLevel>, Status> {
+    match name {
+        "" => Ok(None),
+        name => name
+            .parse::<tpubox_core::OptimizationLevel>()
+            .map(Some)
+            .map_err(|e| invalid(e.message)),
+    }
+}
+
+/// The element type and dims of the first message of a `PutTensor` stream.
+///
+/// Errors: `INVALID_ARGUMENT` for no spec or a dtype tpubox does not support.
+pub(crate) fn put_header(first: &PutTensorChunk) -> Result<(PrimitiveType, Vec<u64>), Status> {
+    let spec = first
+        .spec
+        .as_ref()
+        .ok_or_else(|| invalid("the first PutTensor message must carry the tensor spec"))?;
+    Ok((primitive(spec.dtype)?, spec.dims.clone()))
+}
+
+/// Checks a later message of a `PutTensor` stream.
+///
+/// Errors: `INVALID_ARGUMENT` for one that carries a spec or a device.
+pub(crate) fn put_more(m: &PutTensorChunk) -> Result<(), Status> {
+    if m.spec.is_some() || m.device.is_some() {
+        return Err(invalid(
+            "only the first PutTensor message may carry the spec and device",
+        ));
+    }
+    Ok(())
+}
+
+/// The global spec, element type and sharding of the first message of a `PutShardedTensor`
+/// stream, on a host of `host_devices` devices.
+///
+/// Errors: `INVALID_ARGUMENT` for no spec, an unsupported dtype, no devices or more than the
+/// host has, a sharding that does not parse.
+pub(crate) fn put_sharded_header(
+    first: &PutShardedChunk,
+    host_devices: usize,
+) -> Result<(v1::TensorSpec, PrimitiveType, pjrt::HloSharding), Status> {
+    let spec = first
+        .spec
+        .clone()
+        .ok_or_else(|| invalid("the first PutShardedTensor message must carry the global spec"))?;
+    let ty = primitive(spec.dtype)?;
+    if first.devices.is_empty() || first.devices.len() > host_devices {
+        return Err(invalid(format!(
+            "a sharded array is on 1 to {host_devices} devices of this host, not {}",
+            first.devices.len()
+        )));
+    }
+    let sharding = parse_sharding(&first.sharding)?;
+    Ok((spec, ty, sharding))
+}
+
+/// Checks a later message of a `PutShardedTensor` stream.
+///
+/// Errors: `INVALID_ARGUMENT` for one that carries any of the header's fields.
+pub(crate) fn put_sharded_more(m: &PutShardedChunk) -> Result<(), Status> {
+    if m.spec.is_some() || !m.sharding.is_empty() || !m.devices.is_empty() {
+        return Err(invalid(
+            "only the first PutShardedTensor message may carry the header",
+        ));
+    }
+    Ok(())
+}
+
+/// The data of an upload stream (`PutTensor`, `PutShardedTensor`) as its messages arrive: a
+/// first message holding all of it is kept as it came, without another copy; later chunks go
+/// into one buffer of the admitted size. It never holds more than that size.
+pub(crate) struct Upload {
+    expected: usize,
+    first: Bytes,
+    buf: Option<Vec<u8>>,
+}
+
+impl Upload {
+    /// Starts with the first message's data; `expected` is the admitted (dense) size.
+    ///
+    /// Errors: `too_much` when the data is longer than `expected`.
+    pub(crate) fn new(
+        first: Bytes,
+        expected: usize,
+        too_much: &dyn Fn() -> Status,
+    ) -> Result<Self, Status> {
+        if first.len() > expected {
+            return Err(too_much());
+        }
+        Ok(Upload {
+            expected,
+            first,
+            buf: None,
+        })
+    }
+
+    /// Appends a later message's data.
+    ///
+    /// Errors: `too_much` when the stream would carry more than the expected size.
+    pub(crate) fn push(
+        &mut self,
+        data: &[u8],
+        too_much: &dyn Fn() -> Status,
+    ) -> Result<(), Status> {
+        if data.is_empty() {
+            return Ok(());
+        }
+        if self.len().saturating_add(data.len()) > self.expected {
+            return Err(too_much());
+        }
+        let (first, expected) = (&self.first, self.expected);
+        let v = self.buf.get_or_insert_with(|| {
+            let mut v = Vec::with_capacity(expected);
+            v.extend_from_slice(first);
+            v
+        });
+        v.extend_from_slice(data);
+        Ok(())
+    }
+
+    /// The bytes received so far.
+    pub(crate) fn len(&self) -> usize {
+        self.buf.as_ref().map_or(self.first.len(), Vec::len)
+    }
+
+    /// The data received so far.
+    pub(crate) fn bytes(&self) -> &[u8] {
+        self.buf.as_deref().unwrap_or(&self.first)
+    }
+}
+
+/// The arguments of a `CallRequest` as the session layer takes them, and the inline tensors'
+/// data in argument order.
+///
+/// Errors: `INVALID_ARGUMENT` for an empty argument, an inline tensor without a spec or with
+/// an unsupported dtype.
+pub(crate) fn call_arguments(
+    arguments: Vec<CallArgument>,
+) -> Result<(Vec<CallArg>, Vec<Bytes>), Status> {
+    let mut out = Vec::with_capacity(arguments.len());
+    let mut inline = Vec::new();
+    for (i, a) in arguments.into_iter().enumerate() {
+        out.push(match a.argument {
+            Some(call_argument::Argument::Handle(h)) => CallArg::Handle(h),
+            Some(call_argument::Argument::Tensor(t)) => {
+                let spec = t.spec.ok_or_else(|| {
+                    invalid(format!("argument {i}: an inline tensor needs its spec"))
+                })?;
+                inline.push(t.data);
+                CallArg::Inline {
+                    ty: primitive(spec.dtype)
+                        .map_err(|e| invalid(format!("argument {i}: {}", e.message())))?,
+                    dims: spec.dims,
+                    device: t.device,
+                }
+            }
+            None => {
+                return Err(invalid(format!(
+                    "argument {i} is empty: a handle or an inline tensor"
+                )));
+            }
+        });
+    }
+    Ok((out, inline))
+}
+
+/// The arguments of a `CallShardedRequest` as the session layer takes them, and the inline
+/// global arrays' data in argument order.
+///
+/// Errors: `INVALID_ARGUMENT` for an empty argument, an inline array without a spec or with
+/// an unsupported dtype.
+pub(crate) fn sharded_arguments(
+    arguments: Vec<ShardedArgument>,
+) -> Result<(Vec<ShardedCallArg>, Vec<Bytes>), Status> {
+    let mut out = Vec::with_capacity(arguments.len());
+    let mut inline = Vec::new();
+    for (i, a) in arguments.into_iter().enumerate() {
+        out.push(match a.argument {
+            Some(sharded_argument::Argument::Shards(h)) => ShardedCallArg::Shards(h.handles),
+            Some(sharded_argument::Argument::Array(t)) => {
+                let spec = t.spec.ok_or_else(|| {
+                    invalid(format!(
+                        "argument {i}: an inline global array needs its spec"
+                    ))
+                })?;
+                inline.push(t.data);
+                ShardedCallArg::Inline {
+                    ty: primitive(spec.dtype)
+                        .map_err(|e| invalid(format!("argument {i}: {}", e.message())))?,
+                    dims: spec.dims,
+                }
+            }
+            None => {
+                return Err(invalid(format!(
+                    "argument {i} is empty: shard handles or an inline global array"
+                )));
+            }
+        });
+    }
+    Ok((out, inline))
 }
 
 fn wire_usage(u: &TenantUsage, published: PublishedUsage) -> UsageResponse {
@@ -437,7 +673,18 @@ impl Service {
     }
 }
 
-fn valid_component_name(n: &str) -> bool {
+/// The deadline of a guest run: the `timeout_seconds` a client asked (0, negative or not
+/// finite: none), never above the session's `limit`.
+pub(crate) fn run_deadline(timeout_seconds: f64, limit: Option<Duration>) -> Option<Duration> {
+    if timeout_seconds > 0.0 && timeout_seconds.is_finite() {
+        let want = Duration::from_secs_f64(timeout_seconds.min(1e9));
+        Some(limit.map_or(want, |l| l.min(want)))
+    } else {
+        limit
+    }
+}
+
+pub(crate) fn valid_component_name(n: &str) -> bool {
     !n.is_empty()
         && n.len() <= 128
         && !n.starts_with('.')
@@ -568,67 +815,29 @@ impl SessionRpc for Service {
         let first = crate::codec::next(&mut stream)
             .await?
             .ok_or_else(|| invalid("PutTensor got no message; the first carries the spec"))?;
-        let spec = first
-            .spec
-            .ok_or_else(|| invalid("the first PutTensor message must carry the tensor spec"))?;
-        let ty = primitive(spec.dtype)?;
+        let (ty, dims) = put_header(&first)?;
         // Refuse what can never fit before reading (and buffering) the data, and charge the
         // declared size to the tenant while the upload is in flight: the charge is returned
         // when this call ends (done, failed, or dropped because the client went away).
         let (expected, _upload) = s
             .session()
-            .admit_upload(ty, &spec.dims, "this PutTensor upload")
+            .admit_upload(ty, &dims, "this PutTensor upload")
             .map_err(device_status)?;
         let too_much = || {
             invalid(format!(
-                "PutTensor sent more than the {expected} bytes a {ty} tensor of dims {:?} holds",
-                spec.dims
+                "PutTensor sent more than the {expected} bytes a {ty} tensor of dims {dims:?} holds"
             ))
         };
         // One message with all the data (the common case below the message limit) is used as
         // it arrived, without another copy; later chunks are appended to a buffer.
-        enum Received {
-            One(Bytes),
-            Many(Vec<u8>),
-        }
-        if first.data.len() > expected {
-            return Err(too_much());
-        }
-        let mut received = first.data.len();
-        let mut data = Received::One(first.data);
+        let device = first.device;
+        let mut data = Upload::new(first.data, expected, &too_much)?;
         while let Some(m) = crate::codec::next(&mut stream).await? {
-            if m.spec.is_some() || m.device.is_some() {
-                return Err(invalid(
-                    "only the first PutTensor message may carry the spec and device",
-                ));
-            }
-            if m.data.is_empty() {
-                continue;
-            }
-            received += m.data.len();
-            if received > expected {
-                return Err(too_much());
-            }
-            data = match data {
-                Received::One(b) => {
-                    let mut v = Vec::with_capacity(expected);
-                    v.extend_from_slice(&b);
-                    v.extend_from_slice(&m.data);
-                    Received::Many(v)
-                }
-                Received::Many(mut v) => {
-                    v.extend_from_slice(&m.data);
-                    Received::Many(v)
-                }
-            };
+            put_more(&m)?;
+            data.push(&m.data, &too_much)?;
         }
-        let bytes: &[u8] = match &data {
-            Received::One(b) => b,
-            Received::Many(v) => v,
-        };
-        let (h, t) = s
-            .put(ty, &spec.dims, bytes, first.device)
-            .map_err(access_status)?;
+        let bytes = data.bytes();
+        let (h, t) = s.put(ty, &dims, bytes, device).map_err(access_status)?;
         Ok(Response::new(tensor_info(h, &t)))
     }
 
@@ -640,10 +849,7 @@ impl SessionRpc for Service {
     ) -> Result<Response<Self::GetTensorStream>, Status> {
         let (s, active) = self.session(req.metadata())?;
         let r = req.into_inner();
-        let chunk = match r.chunk_bytes {
-            0 => DEFAULT_CHUNK_BYTES,
-            n => (n.min(MAX_CHUNK_BYTES as u64) as usize).max(MIN_CHUNK_BYTES),
-        };
+        let chunk = chunk_bytes(r.chunk_bytes);
         let t = s.tensor(r.handle).map_err(access_status)?;
         // One host copy, shared with every other stream reading this handle and charged to
         // the tenant; chunks are sliced from it as the client takes them, so a slow reader
@@ -691,25 +897,8 @@ impl SessionRpc for Service {
     ) -> Result<Response<CompileResponse>, Status> {
         let (s, _active) = self.session(req.metadata())?;
         let r = req.into_inner();
-        let format = match compile_request::Format::try_from(r.format) {
-            Ok(compile_request::Format::MlirText) => ProgramFormat::MlirText,
-            Ok(compile_request::Format::MlirBytecode) => ProgramFormat::MlirBytecode,
-            Ok(compile_request::Format::Auto) => {
-                if r.program.starts_with(MLIR_BYTECODE_MAGIC) {
-                    ProgramFormat::MlirBytecode
-                } else {
-                    ProgramFormat::MlirText
-                }
-            }
-            Err(_) => return Err(invalid(format!("unknown program format {}", r.format))),
-        };
-        let optimization_level = match r.optimization_level.as_str() {
-            "" => None,
-            name => Some(
-                name.parse::<tpubox_core::OptimizationLevel>()
-                    .map_err(|e| invalid(e.message))?,
-            ),
-        };
+        let format = program_format(r.format, &r.program)?;
+        let optimization_level = optimization_level(&r.optimization_level)?;
         let host_devices = s.session().device().device_count() as usize;
         if r.devices.len() > host_devices {
             return Err(invalid(format!(
@@ -791,30 +980,7 @@ impl SessionRpc for Service {
     async fn call(&self, req: Request<CallRequest>) -> Result<Response<CallResponse>, Status> {
         let (s, _active) = self.session(req.metadata())?;
         let r = req.into_inner();
-        let mut arguments = Vec::with_capacity(r.arguments.len());
-        let mut inline = Vec::new();
-        for (i, a) in r.arguments.into_iter().enumerate() {
-            arguments.push(match a.argument {
-                Some(call_argument::Argument::Handle(h)) => CallArg::Handle(h),
-                Some(call_argument::Argument::Tensor(t)) => {
-                    let spec = t.spec.ok_or_else(|| {
-                        invalid(format!("argument {i}: an inline tensor needs its spec"))
-                    })?;
-                    inline.push(t.data);
-                    CallArg::Inline {
-                        ty: primitive(spec.dtype)
-                            .map_err(|e| invalid(format!("argument {i}: {}", e.message())))?,
-                        dims: spec.dims,
-                        device: t.device,
-                    }
-                }
-                None => {
-                    return Err(invalid(format!(
-                        "argument {i} is empty: a handle or an inline tensor"
-                    )));
-                }
-            });
-        }
+        let (arguments, inline) = call_arguments(r.arguments)?;
         let plan = s
             .plan_call(CallSpec {
                 executable: r.executable,
@@ -856,18 +1022,8 @@ impl SessionRpc for Service {
         let first = crate::codec::next(&mut stream).await?.ok_or_else(|| {
             invalid("PutShardedTensor got no message; the first carries the header")
         })?;
-        let spec = first.spec.clone().ok_or_else(|| {
-            invalid("the first PutShardedTensor message must carry the global spec")
-        })?;
-        let ty = primitive(spec.dtype)?;
         let host_devices = s.session().device().device_count() as usize;
-        if first.devices.is_empty() || first.devices.len() > host_devices {
-            return Err(invalid(format!(
-                "a sharded array is on 1 to {host_devices} devices of this host, not {}",
-                first.devices.len()
-            )));
-        }
-        let sharding = parse_sharding(&first.sharding)?;
+        let (spec, ty, sharding) = put_sharded_header(&first, host_devices)?;
         // As PutTensor: refuse what can never fit and charge the declared global size before
         // any data is read; the charge is held until this call ends.
         let (expected, _upload) = s
@@ -882,35 +1038,12 @@ impl SessionRpc for Service {
                 spec.dims
             ))
         };
-        if first.data.len() > expected {
-            return Err(too_much());
-        }
-        let mut data = first.data;
-        let mut buf: Option<Vec<u8>> = None;
+        let mut data = Upload::new(first.data, expected, &too_much)?;
         while let Some(m) = crate::codec::next(&mut stream).await? {
-            if m.spec.is_some() || !m.sharding.is_empty() || !m.devices.is_empty() {
-                return Err(invalid(
-                    "only the first PutShardedTensor message may carry the header",
-                ));
-            }
-            if m.data.is_empty() {
-                continue;
-            }
-            let have = buf.as_ref().map_or(data.len(), Vec::len);
-            if have + m.data.len() > expected {
-                return Err(too_much());
-            }
-            let v = buf.get_or_insert_with(|| {
-                let mut v = Vec::with_capacity(expected);
-                v.extend_from_slice(&data);
-                v
-            });
-            v.extend_from_slice(&m.data);
+            put_sharded_more(&m)?;
+            data.push(&m.data, &too_much)?;
         }
-        if buf.is_some() {
-            data = Bytes::new();
-        }
-        let bytes: &[u8] = buf.as_deref().unwrap_or(&data);
+        let bytes = data.bytes();
         let shards = s
             .put_global(ty, &spec.dims, bytes, &sharding, &first.devices)
             .map_err(access_status)?;
@@ -930,10 +1063,7 @@ impl SessionRpc for Service {
     ) -> Result<Response<Self::GetShardedTensorStream>, Status> {
         let (s, active) = self.session(req.metadata())?;
         let r = req.into_inner();
-        let chunk = match r.chunk_bytes {
-            0 => DEFAULT_CHUNK_BYTES,
-            n => (n.min(MAX_CHUNK_BYTES as u64) as usize).max(MIN_CHUNK_BYTES),
-        };
+        let chunk = chunk_bytes(r.chunk_bytes);
         let spec = r
             .spec
             .ok_or_else(|| invalid("GetShardedTensor needs the global spec"))?;
@@ -981,31 +1111,7 @@ impl SessionRpc for Service {
     ) -> Result<Response<CallShardedResponse>, Status> {
         let (s, _active) = self.session(req.metadata())?;
         let r = req.into_inner();
-        let mut arguments = Vec::with_capacity(r.arguments.len());
-        let mut inline = Vec::new();
-        for (i, a) in r.arguments.into_iter().enumerate() {
-            arguments.push(match a.argument {
-                Some(sharded_argument::Argument::Shards(h)) => ShardedCallArg::Shards(h.handles),
-                Some(sharded_argument::Argument::Array(t)) => {
-                    let spec = t.spec.ok_or_else(|| {
-                        invalid(format!(
-                            "argument {i}: an inline global array needs its spec"
-                        ))
-                    })?;
-                    inline.push(t.data);
-                    ShardedCallArg::Inline {
-                        ty: primitive(spec.dtype)
-                            .map_err(|e| invalid(format!("argument {i}: {}", e.message())))?,
-                        dims: spec.dims,
-                    }
-                }
-                None => {
-                    return Err(invalid(format!(
-                        "argument {i} is empty: shard handles or an inline global array"
-                    )));
-                }
-            });
-        }
+        let (arguments, inline) = sharded_arguments(r.arguments)?;
         let plan = s
             .plan_call_sharded(ShardedCallSpec {
                 executable: r.executable,
@@ -1184,13 +1290,7 @@ impl SessionRpc for Service {
                 ));
             }
         };
-        let limit = s.tenant().limits().max_call_time;
-        let deadline = if r.timeout_seconds > 0.0 && r.timeout_seconds.is_finite() {
-            let want = Duration::from_secs_f64(r.timeout_seconds.min(1e9));
-            Some(limit.map_or(want, |l| l.min(want)))
-        } else {
-            limit
-        };
+        let deadline = run_deadline(r.timeout_seconds, s.tenant().limits().max_call_time);
         let (out_tx, mut out_rx) = tokio::sync::mpsc::unbounded_channel();
         let (err_tx, mut err_rx) = tokio::sync::mpsc::unbounded_channel();
         let opts = RunOptions {

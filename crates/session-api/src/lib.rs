@@ -18,6 +18,8 @@
 #![warn(missing_docs)]
 
 pub mod codec;
+#[doc(hidden)]
+pub mod fuzzing;
 pub mod grpc;
 pub mod local;
 pub mod policy;
@@ -186,18 +188,25 @@ pub async fn serve(
         let _ = rx.wait_for(|s| *s).await;
     };
     let local_path = listeners.local.as_ref().map(|(_, p)| p.clone());
-    let app = tonic::service::Routes::new(grpc::service(
-        grpc::Service::new(
-            Arc::clone(&registry),
-            Arc::clone(&access),
-            Arc::clone(&sandbox),
-            config.components.clone(),
-        )
-        .with_local_socket(local_path.clone()),
-        config.max_message_bytes,
-    ))
-    .prepare()
-    .into_axum_router();
+    let app =
+        tonic::service::Routes::new(grpc::service(
+            grpc::Service::new(
+                Arc::clone(&registry),
+                Arc::clone(&access),
+                Arc::clone(&sandbox),
+                config.components.clone(),
+            )
+            .with_local_socket(local_path.clone()),
+            config.max_message_bytes,
+        ))
+        .prepare()
+        .into_axum_router()
+        // A broken gRPC framing is the client's error (tonic would answer INTERNAL).
+        .layer(axum::middleware::map_request(
+            |req: axum::extract::Request| async move {
+                codec::framed_request(req, codec::CLIENT_STREAMS)
+            },
+        ));
     let door = |name: &'static str| {
         let mut d = doors.door(name, admit(Arc::clone(&registry), Arc::clone(&access)));
         d.http2_only = true;

@@ -152,7 +152,7 @@ pub fn local_path(socket: &Path) -> PathBuf {
 
 #[derive(Debug, Deserialize)]
 #[serde(tag = "op", rename_all = "lowercase", deny_unknown_fields)]
-enum LocalRequest {
+pub(crate) enum LocalRequest {
     Put {
         token: String,
         dtype: String,
@@ -255,14 +255,14 @@ enum LocalRequest {
 impl LocalRequest {
     /// The bytes that follow the request's header (`tail`): the tensor of a put, the inline
     /// arguments of a call.
-    fn tail(&self) -> usize {
+    pub(crate) fn tail(&self) -> usize {
         match self {
             LocalRequest::Put { tail, .. } | LocalRequest::Call { tail, .. } => *tail,
             _ => 0,
         }
     }
 
-    fn op(&self) -> &'static str {
+    pub(crate) fn op(&self) -> &'static str {
         match self {
             LocalRequest::Put { .. } => "put",
             LocalRequest::Get { .. } => "get",
@@ -301,7 +301,7 @@ impl LocalRequest {
 /// One argument of a local call: `{"handle": N}` or `{"dtype", "dims", "device"?}`.
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
-struct LocalArg {
+pub(crate) struct LocalArg {
     #[serde(default)]
     handle: Option<u64>,
     #[serde(default)]
@@ -329,7 +329,7 @@ pub const PACK_ALIGN: usize = 64;
 /// next multiple of [`PACK_ALIGN`] (the first at 0), and the bytes they span in all.
 ///
 /// Errors: `invalid-argument` when the total does not fit this host's address space.
-fn packed(sizes: &[usize]) -> Result<(Vec<usize>, usize), Failure> {
+pub(crate) fn packed(sizes: &[usize]) -> Result<(Vec<usize>, usize), Failure> {
     let mut offsets = Vec::with_capacity(sizes.len());
     let mut end = 0usize;
     for &n in sizes {
@@ -368,7 +368,7 @@ fn sealed_copy(parts: &[&[u8]], offsets: &[usize], len: usize) -> std::io::Resul
 }
 
 /// A failed request: its kind (the names of the gRPC API) and message.
-struct Failure(&'static str, String);
+pub(crate) struct Failure(pub(crate) &'static str, pub(crate) String);
 
 impl From<DeviceError> for Failure {
     fn from(e: DeviceError) -> Self {
@@ -390,7 +390,7 @@ impl From<AccessError> for Failure {
 /// `reduce_scatter`, `all_to_all`, `barrier`, `send`, `recv`), its `reduce` (`sum`, `avg`,
 /// `product`, `min`, `max`; default `sum`), a broadcast's `root`, a send's or receive's
 /// `peer` and `tag` (default 0).
-fn collective_of(
+pub(crate) fn collective_of(
     kind: &str,
     reduce: Option<&str>,
     root: Option<u32>,
@@ -620,6 +620,84 @@ fn header_timeout(what: &str, timeout: Duration) -> std::io::Result<()> {
     Ok(())
 }
 
+/// The header length a request's first 4 bytes (little-endian) declare.
+///
+/// Errors: `invalid-argument` for more than [`MAX_HEADER_BYTES`] (the connection is then
+/// ended).
+pub(crate) fn header_length(len: [u8; 4]) -> Result<usize, Failure> {
+    let n = u32::from_le_bytes(len) as usize;
+    if n > MAX_HEADER_BYTES {
+        return Err(invalid(format!(
+            "a local request header is at most {MAX_HEADER_BYTES} bytes, this one says {n}"
+        )));
+    }
+    Ok(n)
+}
+
+/// A request's JSON header, parsed.
+///
+/// Errors: `invalid-argument` for JSON that is not one of the requests.
+pub(crate) fn parse_header(header: &[u8]) -> Result<LocalRequest, Failure> {
+    serde_json::from_slice(header)
+        .map_err(|e| invalid(format!("a malformed local-socket request: {e}")))
+}
+
+/// Checks the bytes a request declares after its header (`tail`).
+///
+/// Errors: `invalid-argument` for more than [`MAX_INLINE_BYTES`] (the connection is then
+/// ended).
+pub(crate) fn check_tail(declared: usize) -> Result<(), Failure> {
+    if declared > MAX_INLINE_BYTES {
+        return Err(invalid(format!(
+            "a local request carries at most {MAX_INLINE_BYTES} bytes after its header (`tail`), this one says {declared}; send more in a memfd"
+        )));
+    }
+    Ok(())
+}
+
+/// A dtype named in a local request (`"F32"`, any case).
+///
+/// Errors: `invalid-argument` for a name tpubox does not support.
+pub(crate) fn local_dtype(dtype: &str) -> Result<PrimitiveType, Failure> {
+    PrimitiveType::from_name(&dtype.to_ascii_uppercase())
+        .ok_or_else(|| invalid(format!("`{dtype}` is not a dtype tpubox supports")))
+}
+
+/// The arguments of a local call as the session layer takes them.
+///
+/// Errors: `invalid-argument` for an argument that is neither a handle nor an inline tensor
+/// (`dtype` and `dims`), or names an unsupported dtype.
+pub(crate) fn call_arguments(arguments: Vec<LocalArg>) -> Result<Vec<CallArg>, Failure> {
+    let mut args = Vec::with_capacity(arguments.len());
+    for (i, a) in arguments.into_iter().enumerate() {
+        args.push(match a {
+            LocalArg {
+                handle: Some(h),
+                dtype: None,
+                dims: None,
+                device: None,
+            } => CallArg::Handle(h),
+            LocalArg {
+                handle: None,
+                dtype: Some(dtype),
+                dims: Some(dims),
+                device,
+            } => CallArg::Inline {
+                ty: local_dtype(&dtype)
+                    .map_err(|e| invalid(format!("argument {i}: {}", e.1)))?,
+                dims,
+                device,
+            },
+            _ => {
+                return Err(invalid(format!(
+                    "argument {i}: either {{\"handle\"}} or {{\"dtype\", \"dims\"}} (and \"device\")"
+                )));
+            }
+        });
+    }
+    Ok(args)
+}
+
 async fn connection(
     stream: UnixStream,
     registry: Arc<Registry>,
@@ -648,13 +726,10 @@ async fn connection(
             }
         };
         if let Ok(true) = got {
-            let n = u32::from_le_bytes(len) as usize;
-            if n > MAX_HEADER_BYTES {
-                let e = invalid(format!(
-                    "a local request header is at most {MAX_HEADER_BYTES} bytes, this one says {n}"
-                ));
-                return refuse(&stream, e).await;
-            }
+            let n = match header_length(len) {
+                Ok(n) => n,
+                Err(e) => return refuse(&stream, e).await,
+            };
             header = vec![0u8; n];
             let rest = receive_exact(&stream, &mut header, &mut fds);
             got = match tokio::time::timeout(header_timeout_after, rest).await {
@@ -682,15 +757,12 @@ async fn connection(
             }
         }
         let started = std::time::Instant::now();
-        let req: Result<LocalRequest, _> = serde_json::from_slice(&header);
+        let req = parse_header(&header);
         let (op, declared) = match &req {
             Ok(r) => (r.op(), r.tail()),
             Err(_) => ("malformed", 0),
         };
-        if declared > MAX_INLINE_BYTES {
-            let e = invalid(format!(
-                "a local request carries at most {MAX_INLINE_BYTES} bytes after its header (`tail`), this one says {declared}; send more in a memfd"
-            ));
+        if let Err(e) = check_tail(declared) {
             return refuse(&stream, e).await;
         }
         let mut tail = Tail {
@@ -710,7 +782,7 @@ async fn connection(
         }
         let r = match req {
             Ok(req) => handle(req, fds, &registry, &mut tail).await,
-            Err(e) => Err(invalid(format!("a malformed local-socket request: {e}"))),
+            Err(e) => Err(e),
         };
         let handled = started.elapsed();
         let (reply, fd, bytes) = match r {
@@ -832,8 +904,7 @@ async fn handle(
             let (s, _active) = registry.get(&token)?;
             if declared > 0 {
                 no_fds(&fds)?;
-                let ty = PrimitiveType::from_name(&dtype.to_ascii_uppercase())
-                    .ok_or_else(|| invalid(format!("`{dtype}` is not a dtype tpubox supports")))?;
+                let ty = local_dtype(&dtype)?;
                 // Charged before the buffer is allocated, as a memfd's map is.
                 let (expected, upload) = s.session().admit_upload(
                     ty,
@@ -858,8 +929,7 @@ async fn handle(
                 )));
             }
             let fd = fds.remove(0);
-            let ty = PrimitiveType::from_name(&dtype.to_ascii_uppercase())
-                .ok_or_else(|| invalid(format!("`{dtype}` is not a dtype tpubox supports")))?;
+            let ty = local_dtype(&dtype)?;
             // Refuse what can never fit before the descriptor is looked at, and charge the
             // mapped bytes to the tenant until the map is dropped.
             let (expected, upload) =
@@ -918,38 +988,7 @@ async fn handle(
             if !release.is_empty() {
                 s.release(&release)?;
             }
-            let mut args = Vec::with_capacity(arguments.len());
-            for (i, a) in arguments.into_iter().enumerate() {
-                args.push(match a {
-                    LocalArg {
-                        handle: Some(h),
-                        dtype: None,
-                        dims: None,
-                        device: None,
-                    } => CallArg::Handle(h),
-                    LocalArg {
-                        handle: None,
-                        dtype: Some(dtype),
-                        dims: Some(dims),
-                        device,
-                    } => CallArg::Inline {
-                        ty: PrimitiveType::from_name(&dtype.to_ascii_uppercase()).ok_or_else(
-                            || {
-                                invalid(format!(
-                                    "argument {i}: `{dtype}` is not a dtype tpubox supports"
-                                ))
-                            },
-                        )?,
-                        dims,
-                        device,
-                    },
-                    _ => {
-                        return Err(invalid(format!(
-                            "argument {i}: either {{\"handle\"}} or {{\"dtype\", \"dims\"}} (and \"device\")"
-                        )));
-                    }
-                });
-            }
+            let args = call_arguments(arguments)?;
             let named = !out.is_empty();
             // Admitted and charged before the descriptor is looked at.
             let plan = s.plan_call(CallSpec {

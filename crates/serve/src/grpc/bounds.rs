@@ -15,6 +15,10 @@
 //! - a repository load or unload request with more than [`MAX_ENTRIES`] parameters;
 //! - a message whose wire format is broken (prost would refuse it too).
 //!
+//! A message that passes the walk and still does not decode (a known field of the wrong wire
+//! type, a string that is not UTF-8) is refused with `INVALID_ARGUMENT` too, where prost's
+//! codec in tonic answers `INTERNAL`.
+//!
 //! So a `ModelInfer` request decodes to at most [`CONTENTS_MULTIPLE`] times its size plus a
 //! constant (about 1 MiB at the caps, with [`CONTENTS_ALLOWANCE`]), and the other requests of the service to about their
 //! size. Each refusal counts as the protection `grpc-decode-bounds`.
@@ -95,6 +99,18 @@ impl DecodeBounds for RepositoryModelUnloadRequest {
     }
 }
 
+/// `INVALID_ARGUMENT` for a message prost cannot decode as a `U`.
+fn undecodable<U>(why: &str) -> Status {
+    Status::invalid_argument(format!(
+        "the message is not a valid {}: {}",
+        std::any::type_name::<U>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("message"),
+        tpubox_core::logsafe::clip(why)
+    ))
+}
+
 fn refuse(why: String) -> Status {
     tpubox_core::protection::triggered("grpc-decode-bounds", "grpc", format_args!("{why}"));
     Status::invalid_argument(why)
@@ -153,9 +169,14 @@ impl<U: Message + Default + DecodeBounds> Decoder for BoundedDecoder<U> {
             U::check_wire(&whole)?;
             return U::decode(whole)
                 .map(Some)
-                .map_err(|e| Status::internal(e.to_string()));
+                .map_err(|e| undecodable::<U>(&e.to_string()));
         }
-        self.inner.decode(buf)
+        // A message the walk let through can still break prost's rules (a known field of
+        // the wrong wire type, a string that is not UTF-8): the client's error too, not the
+        // INTERNAL of tonic's codec.
+        self.inner
+            .decode(buf)
+            .map_err(|e| undecodable::<U>(e.message()))
     }
 
     fn buffer_settings(&self) -> tonic::codec::BufferSettings {
@@ -443,6 +464,31 @@ mod tests {
             shape: vec![1, 2],
             ..Default::default()
         }
+    }
+
+    /// A message the walk lets through and prost refuses (here a known string field sent as
+    /// a varint) is `INVALID_ARGUMENT`, not tonic's `INTERNAL` (found by the fuzz target
+    /// `doors` on a repository load).
+    #[test]
+    fn an_undecodable_message_is_invalid_argument() {
+        let frame = |m: &[u8]| {
+            let mut b = vec![0u8];
+            b.extend_from_slice(&(m.len() as u32).to_be_bytes());
+            b.extend_from_slice(m);
+            vec![bytes::Bytes::from(b)]
+        };
+        let decoder =
+            BoundedCodec::<RepositoryModelLoadRequest, RepositoryModelLoadRequest>::default()
+                .decoder();
+        let e =
+            tpubox_session_api::fuzzing::decode_body(decoder, frame(&[0x08, 0x01]), 1 << 20, true)
+                .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
+        let decoder = BoundedCodec::<ModelInferRequest, ModelInferRequest>::default().decoder();
+        let e =
+            tpubox_session_api::fuzzing::decode_body(decoder, frame(&[0x08, 0x01]), 1 << 20, true)
+                .unwrap_err();
+        assert_eq!(e.code(), tonic::Code::InvalidArgument, "{e:?}");
     }
 
     #[test]
