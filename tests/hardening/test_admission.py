@@ -303,13 +303,15 @@ def test_twenty_thousand_connections_from_one_client_refuse_none_of_its_requests
     """20,000 connections from 127.0.0.1 (two flooding processes of 10,000, as one client
     behind a NAT would), opened while the probes run and then held: the daemon keeps at most
     its per-peer cap of them and the gRPC and session probes are all served. The REST door is
-    not probed here: under this flood about 1 in 100 of the REST probe's requests failed, on a
-    new connection per request (closed to make room before its first head was read) and on a
-    kept-alive one alike (cause not found yet; issue 51 stays open for it)."""
+    probed here only with TPUBOX_ADMISSION_REST=1: under this flood about 1 in 100 of a REST
+    probe's requests on a new connection each failed (closed to make room before its first
+    head was read), and in 1 run of 6 a kept-alive REST connection was closed twice (cause not
+    found yet; issue 51 stays open for it)."""
     _raise_own_nofile()
     d = daemon(extra_args=CAPS)
     calls, base, sess = _probes(d, rest_keepalive=True)
-    del calls["rest"], base["rest"]
+    if not os.environ.get("TPUBOX_ADMISSION_REST"):
+        del calls["rest"], base["rest"]
     procs: list[subprocess.Popen] = []
     opened: list[int] = []
 
