@@ -172,10 +172,10 @@ impl LiveSession {
         }
     }
 
-    /// Lends `fd` (a sealed memfd, see [`LentMemfd`]'s rules) to the session's client until it
-    /// is released ([`release`](Self::release)) or the session ends; `charge` is the charge
-    /// of its bytes to the tenant's transfer pool, taken before the memfd was made. Returns
-    /// the lease number.
+    /// Lends `fd` (a memfd sealed against writing and growing, not shrinking) to the
+    /// session's client until it is released ([`release`](Self::release)) or the session
+    /// ends, when it is truncated; `charge` is the charge of its bytes to the tenant's
+    /// transfer pool, taken before the memfd was made. Returns the lease number.
     ///
     /// Errors: [`AccessError::Ended`] (the memfd is truncated then); `internal` when the
     /// descriptor cannot be duplicated.

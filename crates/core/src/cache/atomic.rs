@@ -2,7 +2,7 @@
 //!
 //! What tpubox keeps in directories that outlive a process (tier-2 entries and `stats.json`,
 //! the plugin-hash memos, the ONNX converter's outputs) is written under a temporary name in
-//! the destination's directory and renamed into place once complete ([`write`],
+//! the destination's directory and renamed into place once complete ([`write()`],
 //! [`LockedTempDir::persist`]): a reader sees the old file, the whole new one, or none, never a
 //! torn one, even when the writer is killed with SIGKILL in the middle.
 //!
@@ -20,10 +20,10 @@ use std::io::{self, Write};
 use std::os::unix::fs::MetadataExt;
 use std::path::{Path, PathBuf};
 
-/// Prefix of the temporary files [`write`] makes (`.tmp-` and random characters).
+/// Prefix of the temporary files [`write()`] makes (`.tmp-` and random characters).
 pub const TEMP_PREFIX: &str = ".tmp-";
 
-/// Attempts at a temporary before [`write`] or [`LockedTempDir::new`] gives up: each fails
+/// Attempts at a temporary before [`write()`] or [`LockedTempDir::new`] gives up: each fails
 /// only when a cleaner removed the fresh temporary before it was locked.
 const ATTEMPTS: usize = 8;
 
