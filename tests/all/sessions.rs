@@ -1088,8 +1088,12 @@ async fn local_socket_moves_tensors_through_sealed_memfds_only() {
         );
         assert_eq!(r["ok"]["dims"], serde_json::json!([2, 3]));
         assert_eq!(fds.len(), 1);
+        // Lent: sealed against writing and growing, seals sealed, not against shrinking (the
+        // daemon truncates it when the lease ends).
         let seals = rustix::fs::fcntl_get_seals(&fds[0]).unwrap();
-        assert!(seals.contains(SealFlags::WRITE | SealFlags::SHRINK));
+        assert!(seals.contains(SealFlags::WRITE | SealFlags::GROW | SealFlags::SEAL));
+        assert!(!seals.contains(SealFlags::SHRINK));
+        assert!(r["ok"]["lease"].as_u64().is_some(), "{r}");
         let mut back = vec![0u8; 24];
         use std::os::unix::fs::FileExt;
         std::fs::File::from(fds.into_iter().next().unwrap())

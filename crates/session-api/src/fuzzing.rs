@@ -419,3 +419,46 @@ pub fn local_request(
     }
     Ok(out)
 }
+
+#[cfg(test)]
+mod codec_tests {
+    use bytes::Bytes;
+    use tonic::codec::Codec as _;
+
+    use crate::grpc::v1::GetTensorRequest;
+
+    /// Decodes `body` as the daemon does (framing check, tonic, this codec): the messages.
+    fn decode(body: &[u8], unary: bool) -> Result<usize, tonic::Status> {
+        let decoder =
+            crate::codec::Codec::<GetTensorRequest, GetTensorRequest>::default().decoder();
+        super::decode_body(decoder, vec![Bytes::copy_from_slice(body)], 1 << 20, unary)
+            .map(|m| m.len())
+    }
+
+    /// A broken gRPC framing is `INVALID_ARGUMENT` with its kind, in a unary call too, where
+    /// tonic answered `INTERNAL` before the service saw the request (found by the fuzz target
+    /// `doors`: a unary call with an empty body, "Missing request message.").
+    #[test]
+    fn a_broken_framing_is_invalid_argument() {
+        // One whole message (`handle: 1`), and a message of no bytes.
+        assert_eq!(decode(&[0, 0, 0, 0, 2, 8, 1], true).unwrap(), 1);
+        assert_eq!(decode(&[0, 0, 0, 0, 0], true).unwrap(), 1);
+        // A client stream may be empty.
+        assert_eq!(decode(&[], false).unwrap(), 0);
+        for (body, unary) in [
+            (&[][..], true),
+            (&[0, 0, 0, 0, 9, 8][..], true),
+            (&[0, 0, 0, 0, 9, 8][..], false),
+            (&[0, 0, 0][..], false),
+            (&[2, 0, 0, 0, 0][..], true),
+            (&[1, 0, 0, 0, 0][..], false),
+        ] {
+            let e = decode(body, unary).unwrap_err();
+            assert_eq!(e.code(), tonic::Code::InvalidArgument, "{body:?}: {e:?}");
+            assert_eq!(
+                e.metadata().get(crate::grpc::ERROR_KIND_KEY).unwrap(),
+                "invalid-argument"
+            );
+        }
+    }
+}

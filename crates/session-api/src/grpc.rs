@@ -50,8 +50,7 @@ const MAX_RUN_OUTPUT: usize = 64 << 20;
 /// The MLIR bytecode magic number (`ML\xefR`), from MLIR's bytecode format documentation.
 const MLIR_BYTECODE_MAGIC: &[u8] = b"ML\xefR";
 
-/// The trailer that carries the exact tpubox error kind.
-pub const ERROR_KIND_KEY: &str = "tpubox-error-kind";
+pub use crate::codec::ERROR_KIND_KEY;
 
 fn status_with_kind(code: tonic::Code, kind: &str, message: String) -> Status {
     let mut md = MetadataMap::new();
