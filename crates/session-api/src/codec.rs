@@ -193,9 +193,9 @@ pub fn framed_request(
     req.map(|b| axum::body::Body::new(FramedBody::new(b, unary, compressed)))
 }
 
-/// The trailer that carries the exact tpubox error kind (re-exported as
-/// `grpc::ERROR_KIND_KEY`).
-pub const ERROR_KIND_KEY: &str = "tpubox-error-kind";
+/// The trailer that carries the exact tpubox error kind: `grpc::ERROR_KIND_KEY`'s value,
+/// which this module, below `grpc`, cannot name (checked by `grpc`'s tests).
+pub(crate) const ERROR_KIND_KEY: &str = "tpubox-error-kind";
 
 fn framing_status(message: String) -> Status {
     let mut md = tonic::metadata::MetadataMap::new();

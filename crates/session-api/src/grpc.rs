@@ -50,7 +50,8 @@ const MAX_RUN_OUTPUT: usize = 64 << 20;
 /// The MLIR bytecode magic number (`ML\xefR`), from MLIR's bytecode format documentation.
 const MLIR_BYTECODE_MAGIC: &[u8] = b"ML\xefR";
 
-pub use crate::codec::ERROR_KIND_KEY;
+/// The trailer that carries the exact tpubox error kind.
+pub const ERROR_KIND_KEY: &str = "tpubox-error-kind";
 
 fn status_with_kind(code: tonic::Code, kind: &str, message: String) -> Status {
     let mut md = MetadataMap::new();
@@ -1399,4 +1400,12 @@ pub fn service(svc: Service, max_message_bytes: usize) -> SessionServer<Service>
     SessionServer::new(svc)
         .max_decoding_message_size(max_message_bytes)
         .max_encoding_message_size(1 << 30)
+}
+
+#[cfg(test)]
+mod tests {
+    #[test]
+    fn the_codec_names_the_same_error_kind_trailer() {
+        assert_eq!(crate::codec::ERROR_KIND_KEY, super::ERROR_KIND_KEY);
+    }
 }
