@@ -446,12 +446,6 @@ class LocalChannel:
             self._release.append(int(info["lease"]))
         return out
 
-    def release(self) -> None:
-        """Releases the leases not yet released (``op: release``), if any."""
-        if self._release:
-            rel, self._release = self._release, []
-            self.request("release", {"leases": rel}, None, None)
-
     def get(self, handle: int) -> tuple[dict[str, Any], np.ndarray]:
         """Reads tensor ``handle``: its info and its bytes as a new writable uint8 array (copied
         from the memfd the daemon lent, whose lease is released with the next request; a

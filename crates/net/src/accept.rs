@@ -58,6 +58,34 @@ pub enum Stream {
     Tls(Box<tokio_rustls::server::TlsStream<TcpStream>>),
 }
 
+impl Stream {
+    /// Waits until the peer has sent something (or closed): the connection's first bytes.
+    ///
+    /// Errors: the socket's.
+    pub async fn readable(&self) -> std::io::Result<()> {
+        match self {
+            Stream::Tcp(t) => t.readable().await,
+            Stream::Unix(u) => u.readable().await,
+            Stream::Tls(t) => t.get_ref().0.readable().await,
+        }
+    }
+
+    /// Whether the peer's first bytes are already waiting in the socket (a peek that does not
+    /// wait and consumes nothing): a client's connection usually arrives with its request head
+    /// behind it, a flood's idle one without.
+    pub fn has_bytes(&self) -> bool {
+        use rustix::net::{RecvFlags, recv};
+        let mut one = [0u8; 1];
+        let flags = RecvFlags::PEEK | RecvFlags::DONTWAIT;
+        let got = match self {
+            Stream::Tcp(t) => recv(t, &mut one, flags),
+            Stream::Unix(u) => recv(u, &mut one, flags),
+            Stream::Tls(t) => recv(t.get_ref().0, &mut one, flags),
+        };
+        matches!(got, Ok((n, _)) if n > 0)
+    }
+}
+
 impl Listener {
     /// The next connection and its peer; on errors, backs off and tries again (it never
     /// returns an error: a listener that stays broken keeps logging at a bounded rate).

@@ -3,6 +3,7 @@
 
 use std::collections::{BTreeSet, HashMap};
 use std::net::IpAddr;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -133,14 +134,59 @@ struct Record {
     wake: Arc<Notify>,
 }
 
+/// Connections that have not authenticated, oldest (smallest id) first, in two tiers: *idle*
+/// ones have sent nothing yet, *talking* ones have sent bytes (a request head on its way).
+/// Room is made from the idle ones first, so that a flood of connections that never send
+/// anything cannot close a client's new connection between its accept and its first head.
+#[derive(Default)]
+struct Anonymous {
+    idle: BTreeSet<u64>,
+    talking: BTreeSet<u64>,
+}
+
+impl Anonymous {
+    fn len(&self) -> usize {
+        self.idle.len() + self.talking.len()
+    }
+
+    fn is_empty(&self) -> bool {
+        self.idle.is_empty() && self.talking.is_empty()
+    }
+
+    /// The one to close first: the oldest idle one, else the oldest talking one.
+    fn first(&self) -> Option<u64> {
+        self.idle.first().or(self.talking.first()).copied()
+    }
+
+    fn insert(&mut self, id: u64, talked: bool) {
+        if talked {
+            self.talking.insert(id);
+        } else {
+            self.idle.insert(id);
+        }
+    }
+
+    fn remove(&mut self, id: u64) {
+        if !self.idle.remove(&id) {
+            self.talking.remove(&id);
+        }
+    }
+
+    fn talked(&mut self, id: u64) {
+        if self.idle.remove(&id) {
+            self.talking.insert(id);
+        }
+    }
+}
+
 /// The connections of one transport (TCP, or the Unix sockets).
 struct Pool {
     cap: usize,
     records: HashMap<u64, Record>,
-    /// The connections that have not authenticated, oldest (smallest id) first.
-    anonymous: BTreeSet<u64>,
+    /// The connections that have not authenticated.
+    anonymous: Anonymous,
     /// The same, by peer.
-    anonymous_by_peer: HashMap<Peer, BTreeSet<u64>>,
+    anonymous_by_peer: HashMap<Peer, Anonymous>,
     /// Authenticated connections per tenant.
     per_tenant: HashMap<Arc<str>, usize>,
 }
@@ -150,16 +196,16 @@ impl Pool {
         Pool {
             cap,
             records: HashMap::new(),
-            anonymous: BTreeSet::new(),
+            anonymous: Anonymous::default(),
             anonymous_by_peer: HashMap::new(),
             per_tenant: HashMap::new(),
         }
     }
 
     fn forget_anonymous(&mut self, id: u64, peer: Peer) {
-        self.anonymous.remove(&id);
+        self.anonymous.remove(id);
         if let Some(ids) = self.anonymous_by_peer.get_mut(&peer) {
-            ids.remove(&id);
+            ids.remove(id);
             if ids.is_empty() {
                 self.anonymous_by_peer.remove(&peer);
             }
@@ -211,9 +257,9 @@ impl Pools {
 /// starts *anonymous* and becomes *authenticated* with its first request whose credential
 /// the door accepts ([`ConnectionGuard::authenticate`]), counted for that tenant up to
 /// [`DoorLimits::max_connections_per_tenant`]. Room is made by closing anonymous
-/// connections, oldest first: a peer's [`DoorLimits::max_connections_per_peer`]-th anonymous
-/// connection closes that peer's oldest anonymous one, and a full pool closes its oldest
-/// anonymous one; a new connection is refused only when its pool is full of authenticated
+/// connections, those that have sent nothing ([`ConnectionGuard::talked`]) before those that
+/// have, oldest first: a peer's [`DoorLimits::max_connections_per_peer`]-th anonymous
+/// connection closes one of that peer's, and a full pool one of its own; a new connection is refused only when its pool is full of authenticated
 /// ones. So a flood of connections that never authenticate, from any address (the tenant's
 /// own included), closes only connections of its kind, and never one a tenant has
 /// authenticated within its share. One per daemon, shared by every door.
@@ -271,20 +317,22 @@ impl Connections {
 
     /// Counts a new (anonymous) connection from `peer` until the returned guard drops, with
     /// the anonymous connections closed to make room for it (at most two: one of its peer's,
-    /// one of its pool's).
+    /// one of its pool's). `talked`: its first bytes are already waiting
+    /// ([`Stream::has_bytes`](crate::accept::Stream::has_bytes)), as
+    /// [`ConnectionGuard::talked`] would mark it.
     ///
     /// Errors: [`Refused::Total`] when its pool is full of authenticated connections (nothing
     /// is counted or closed then).
     pub fn admit(
         self: &Arc<Self>,
         peer: Peer,
+        talked: bool,
     ) -> Result<(Arc<ConnectionGuard>, Vec<Evicted>), Refused> {
         let max_per_peer = self.max_per_peer;
         let mut pools = self.lock();
         let id = pools.next_id;
         let pool = pools.of(peer);
-        let anonymous = pool.anonymous.len();
-        if pool.records.len() >= pool.cap && anonymous == 0 {
+        if pool.records.len() >= pool.cap && pool.anonymous.is_empty() {
             return Err(Refused::Total);
         }
         let mut evicted = Vec::new();
@@ -292,7 +340,7 @@ impl Connections {
             .anonymous_by_peer
             .get(&peer)
             .filter(|ids| ids.len() >= max_per_peer)
-            .and_then(|ids| ids.first().copied());
+            .and_then(Anonymous::first);
         if let Some(old) = peers_oldest
             && let Some(p) = pool.evict(old)
         {
@@ -302,7 +350,7 @@ impl Connections {
             });
         }
         if pool.records.len() >= pool.cap
-            && let Some(old) = pool.anonymous.first().copied()
+            && let Some(old) = pool.anonymous.first()
             && let Some(p) = pool.evict(old)
         {
             evicted.push(Evicted {
@@ -319,8 +367,11 @@ impl Connections {
                 wake: Arc::clone(&wake),
             },
         );
-        pool.anonymous.insert(id);
-        pool.anonymous_by_peer.entry(peer).or_default().insert(id);
+        pool.anonymous.insert(id, talked);
+        pool.anonymous_by_peer
+            .entry(peer)
+            .or_default()
+            .insert(id, talked);
         pools.next_id += 1;
         Ok((
             Arc::new(ConnectionGuard {
@@ -328,6 +379,7 @@ impl Connections {
                 id,
                 peer,
                 wake,
+                counted: AtomicBool::new(false),
             }),
             evicted,
         ))
@@ -366,12 +418,17 @@ pub struct ConnectionGuard {
     id: u64,
     peer: Peer,
     wake: Arc<Notify>,
+    /// Set once the connection is counted for a tenant: later requests skip the pools' lock.
+    counted: AtomicBool,
 }
 
 impl ConnectionGuard {
     /// Counts this connection as `tenant`'s from now on (a door calls it when a request's
     /// credential was accepted), unless the tenant's share of the pool is full.
     pub fn authenticate(&self, tenant: &str) -> Authenticated {
+        if self.counted.load(Ordering::Relaxed) {
+            return Authenticated::Already;
+        }
         let max_per_tenant = self.owner.max_per_tenant;
         let mut pools = self.owner.lock();
         let pool = pools.of(self.peer);
@@ -379,6 +436,7 @@ impl ConnectionGuard {
             return Authenticated::Evicted;
         };
         if r.tenant.is_some() {
+            self.counted.store(true, Ordering::Relaxed);
             return Authenticated::Already;
         }
         let held = pool.per_tenant.get(tenant).copied().unwrap_or(0);
@@ -394,7 +452,23 @@ impl ConnectionGuard {
         if let Some(r) = pool.records.get_mut(&self.id) {
             r.tenant = Some(key);
         }
+        self.counted.store(true, Ordering::Relaxed);
         Authenticated::Now
+    }
+
+    /// Marks the connection as one that has sent bytes: while it has not authenticated, it is
+    /// closed to make room only after every anonymous connection that has sent nothing. A
+    /// door calls it when the first bytes of a connection arrive.
+    pub fn talked(&self) {
+        if self.counted.load(Ordering::Relaxed) {
+            return;
+        }
+        let mut pools = self.owner.lock();
+        let pool = pools.of(self.peer);
+        pool.anonymous.talked(self.id);
+        if let Some(ids) = pool.anonymous_by_peer.get_mut(&self.peer) {
+            ids.talked(self.id);
+        }
     }
 
     /// Resolves when the connection was closed to make room (never, once it authenticated):
@@ -448,11 +522,11 @@ mod tests {
         let c = Connections::new(&limits(3, 2, 8));
         let a = Peer::Ip([10, 0, 0, 1].into());
         let b = Peer::Ip([10, 0, 0, 2].into());
-        let (a1, e) = c.admit(a).unwrap();
+        let (a1, e) = c.admit(a, false).unwrap();
         assert!(e.is_empty());
-        let (a2, _) = c.admit(a).unwrap();
+        let (a2, _) = c.admit(a, false).unwrap();
         // A's third anonymous connection closes A's oldest.
-        let (a3, e) = c.admit(a).unwrap();
+        let (a3, e) = c.admit(a, false).unwrap();
         assert_eq!(
             e,
             vec![Evicted {
@@ -464,10 +538,10 @@ mod tests {
         assert_eq!(c.open(), 2);
         drop(a1);
         assert_eq!(c.open(), 2);
-        let (_b1, e) = c.admit(b).unwrap();
+        let (_b1, e) = c.admit(b, false).unwrap();
         assert!(e.is_empty());
         // The pool is full: B's second closes the oldest anonymous one of all (a2).
-        let (_b2, e) = c.admit(b).unwrap();
+        let (_b2, e) = c.admit(b, false).unwrap();
         assert_eq!(e[0].peer, a);
         assert_eq!(e[0].protection, "connections-total");
         assert_eq!(a2.authenticate("t"), Authenticated::Evicted);
@@ -480,46 +554,67 @@ mod tests {
     fn authenticated_connections_are_never_closed_and_shares_are_capped() {
         let c = Connections::new(&limits(3, 8, 2));
         let a = Peer::Ip([10, 0, 0, 1].into());
-        let (t1, _) = c.admit(a).unwrap();
-        let (t2, _) = c.admit(a).unwrap();
-        let (t3, _) = c.admit(a).unwrap();
+        let (t1, _) = c.admit(a, false).unwrap();
+        let (t2, _) = c.admit(a, false).unwrap();
+        let (t3, _) = c.admit(a, false).unwrap();
         assert_eq!(t1.authenticate("t"), Authenticated::Now);
         assert_eq!(t1.authenticate("u"), Authenticated::Already);
         assert_eq!(t2.authenticate("t"), Authenticated::Now);
         // The tenant's share is 2: the third stays anonymous, and is what makes room.
         assert_eq!(t3.authenticate("t"), Authenticated::OverShare);
-        let (flood, e) = c.admit(a).unwrap();
+        let (flood, e) = c.admit(a, false).unwrap();
         assert_eq!(e.len(), 1);
         assert_eq!(t3.authenticate("u"), Authenticated::Evicted);
         assert_eq!(flood.authenticate("u"), Authenticated::Now);
         // Full of authenticated connections: a new one is refused.
-        assert_eq!(c.admit(a).err(), Some(Refused::Total));
+        assert_eq!(c.admit(a, false).err(), Some(Refused::Total));
         drop(t1);
-        assert!(c.admit(a).is_ok());
+        assert!(c.admit(a, false).is_ok());
     }
 
     #[test]
     fn unix_sockets_have_a_pool_of_their_own() {
         let c = Connections::new(&limits(1, 8, 8));
-        let (tcp, _) = c.admit(Peer::Ip([10, 0, 0, 1].into())).unwrap();
+        let (tcp, _) = c.admit(Peer::Ip([10, 0, 0, 1].into()), false).unwrap();
         assert_eq!(tcp.authenticate("t"), Authenticated::Now);
         assert_eq!(
-            c.admit(Peer::Ip([10, 0, 0, 2].into())).err(),
+            c.admit(Peer::Ip([10, 0, 0, 2].into()), false).err(),
             Some(Refused::Total)
         );
-        let (u1, _) = c.admit(Peer::Unix).unwrap();
-        let (_u2, e) = c.admit(Peer::Unix).unwrap();
+        let (u1, _) = c.admit(Peer::Unix, false).unwrap();
+        let (_u2, e) = c.admit(Peer::Unix, false).unwrap();
         assert!(e.is_empty());
-        let (_u3, e) = c.admit(Peer::Unix).unwrap();
+        let (_u3, e) = c.admit(Peer::Unix, false).unwrap();
         assert_eq!(e.len(), 1);
         assert_eq!(u1.authenticate("t"), Authenticated::Evicted);
+    }
+
+    #[test]
+    fn connections_that_sent_nothing_make_room_first() {
+        let c = Connections::new(&limits(8, 2, 8));
+        let a = Peer::Ip([10, 0, 0, 1].into());
+        let (talking, _) = c.admit(a, false).unwrap();
+        talking.talked();
+        let (idle, _) = c.admit(a, false).unwrap();
+        // A's third anonymous connection closes the idle one, though the talking one is older.
+        let (_third, e) = c.admit(a, false).unwrap();
+        assert_eq!(e.len(), 1);
+        assert_eq!(idle.authenticate("t"), Authenticated::Evicted);
+        assert_eq!(talking.authenticate("t"), Authenticated::Now);
+        // Admitted with its bytes already waiting, it counts as talking at once.
+        let c = Connections::new(&limits(8, 2, 8));
+        let (early, _) = c.admit(a, true).unwrap();
+        let (idle, _) = c.admit(a, false).unwrap();
+        let (_third, _) = c.admit(a, false).unwrap();
+        assert_eq!(idle.authenticate("t"), Authenticated::Evicted);
+        assert_eq!(early.authenticate("t"), Authenticated::Now);
     }
 
     #[tokio::test]
     async fn an_evicted_connection_is_woken() {
         let c = Connections::new(&limits(1, 8, 8));
-        let (old, _) = c.admit(Peer::Ip([10, 0, 0, 1].into())).unwrap();
-        let (_new, e) = c.admit(Peer::Ip([10, 0, 0, 2].into())).unwrap();
+        let (old, _) = c.admit(Peer::Ip([10, 0, 0, 1].into()), false).unwrap();
+        let (_new, e) = c.admit(Peer::Ip([10, 0, 0, 2].into()), false).unwrap();
         assert_eq!(e.len(), 1);
         tokio::time::timeout(std::time::Duration::from_secs(5), old.evicted())
             .await

@@ -105,10 +105,10 @@ pub async fn serve(
             _ = &mut stop => break,
             s = listener.accept(door.name) => s,
         };
-        let guard = match door.connections.admit(peer) {
+        let (guard, crowded) = match door.connections.admit(peer, stream.has_bytes()) {
             Ok((g, evicted)) => {
                 log_evicted(door.name, peer, &evicted, &door.connections);
-                g
+                (g, !evicted.is_empty())
             }
             Err(refused) => {
                 triggered_by(
@@ -134,6 +134,13 @@ pub async fn serve(
         tokio::spawn(async move {
             let accepted = Instant::now();
             let work = async {
+                // Its first bytes: from then on it makes room only after the connections
+                // that sent nothing (a request head is on its way). Without any by the header
+                // timeout, the driver below closes it.
+                let deadline = accepted + door.limits.header_timeout;
+                if let Ok(Ok(())) = tokio::time::timeout_at(deadline, stream.readable()).await {
+                    guard.talked();
+                }
                 if let Some(stream) = handshake(stream, &door, accepted).await {
                     connection(stream, &door, app, stop_rx, accepted, &guard).await;
                 }
@@ -147,6 +154,11 @@ pub async fn serve(
             drop(guard);
             live_tx.send_modify(|n| *n -= 1);
         });
+        if crowded {
+            // Under a flood, let the new connection see its first bytes before the next
+            // accept can make room by closing it.
+            tokio::task::yield_now().await;
+        }
     }
     let _ = stop_tx.send(true);
     let _ = live_rx.wait_for(|n| *n == 0).await;

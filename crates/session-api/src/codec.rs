@@ -49,21 +49,28 @@ pub struct InvalidArgumentDecoder<U> {
     inner: tonic_prost::ProstDecoder<U>,
 }
 
+/// `INVALID_ARGUMENT` for bytes prost cannot decode as a `U` (a protobuf message type), naming
+/// the type and `why` (prost's reason, cut to
+/// [`FIELD_BYTES`](tpubox_core::logsafe::FIELD_BYTES)). Both gRPC doors answer so.
+pub fn undecodable<U>(why: &str) -> Status {
+    Status::invalid_argument(format!(
+        "the message is not a valid {}: {}",
+        std::any::type_name::<U>()
+            .rsplit("::")
+            .next()
+            .unwrap_or("message"),
+        tpubox_core::logsafe::clip(why)
+    ))
+}
+
 impl<U: Message + Default> Decoder for InvalidArgumentDecoder<U> {
     type Item = U;
     type Error = Status;
 
     fn decode(&mut self, buf: &mut DecodeBuf<'_>) -> Result<Option<U>, Status> {
-        self.inner.decode(buf).map_err(|e| {
-            Status::invalid_argument(format!(
-                "the message is not a valid {}: {}",
-                std::any::type_name::<U>()
-                    .rsplit("::")
-                    .next()
-                    .unwrap_or("message"),
-                e.message()
-            ))
-        })
+        self.inner
+            .decode(buf)
+            .map_err(|e| undecodable::<U>(e.message()))
     }
 
     fn buffer_settings(&self) -> tonic::codec::BufferSettings {

@@ -158,6 +158,30 @@ pub fn session_request(
             .map(|m| m.iter().filter(|&&b| b).count())
             .map_err(device_status)
     };
+    // A call's positions lists, as the session checks them.
+    let marks = |donate: &[u32], fetch: &[u32], keep: &[u32]| -> Result<usize, Status> {
+        Ok(mark(donate, "donate index")?
+            + mark(fetch, "fetch position")?
+            + mark(keep, "keep position")?)
+    };
+    // A call's inline tensors (dtype and dims, in argument order) with their data.
+    let declare = |d: &mut Decoded,
+                   declared: &mut dyn Iterator<Item = (PrimitiveType, Vec<u64>)>,
+                   inline: Vec<Bytes>|
+     -> Result<(), Status> {
+        let mut inline = inline.into_iter();
+        for (ty, dims) in declared {
+            let bytes = admit(ty, &dims)?;
+            let data = inline.next().map_or(0, |b| b.len());
+            d.tensors.push(Declared {
+                ty,
+                dims,
+                bytes,
+                data,
+            });
+        }
+        Ok(())
+    };
     match METHODS.get(method).copied().unwrap_or("Open") {
         "Open" => {
             let r = one::<OpenRequest>(frames, max, &mut d)?;
@@ -219,22 +243,12 @@ pub fn session_request(
         "Call" => {
             let r = one::<CallRequest>(frames, max, &mut d)?;
             let (args, inline) = g::call_arguments(r.arguments)?;
-            let mut inline = inline.into_iter();
-            for a in args {
-                if let CallArg::Inline { ty, dims, .. } = a {
-                    let bytes = admit(ty, &dims)?;
-                    let data = inline.next().map_or(0, |b| b.len());
-                    d.tensors.push(Declared {
-                        ty,
-                        dims,
-                        bytes,
-                        data,
-                    });
-                }
-            }
-            d.marked = mark(&r.donate, "donate index")?
-                + mark(&r.fetch, "fetch position")?
-                + mark(&r.keep, "keep position")?;
+            let mut declared = args.into_iter().filter_map(|a| match a {
+                CallArg::Inline { ty, dims, .. } => Some((ty, dims)),
+                _ => None,
+            });
+            declare(&mut d, &mut declared, inline)?;
+            d.marked = marks(&r.donate, &r.fetch, &r.keep)?;
         }
         "PutShardedTensor" => {
             let ms = decode::<PutShardedChunk>(frames, max, false)?;
@@ -273,22 +287,12 @@ pub fn session_request(
         "CallSharded" => {
             let r = one::<CallShardedRequest>(frames, max, &mut d)?;
             let (args, inline) = g::sharded_arguments(r.arguments)?;
-            let mut inline = inline.into_iter();
-            for a in args {
-                if let ShardedCallArg::Inline { ty, dims } = a {
-                    let bytes = admit(ty, &dims)?;
-                    let data = inline.next().map_or(0, |b| b.len());
-                    d.tensors.push(Declared {
-                        ty,
-                        dims,
-                        bytes,
-                        data,
-                    });
-                }
-            }
-            d.marked = mark(&r.donate, "donate index")?
-                + mark(&r.fetch, "fetch position")?
-                + mark(&r.keep, "keep position")?;
+            let mut declared = args.into_iter().filter_map(|a| match a {
+                ShardedCallArg::Inline { ty, dims } => Some((ty, dims)),
+                _ => None,
+            });
+            declare(&mut d, &mut declared, inline)?;
+            d.marked = marks(&r.donate, &r.fetch, &r.keep)?;
         }
         "Wait" => {
             one::<WaitRequest>(frames, max, &mut d)?;

@@ -367,6 +367,37 @@ fn sealed_copy(parts: &[&[u8]], offsets: &[usize], len: usize) -> std::io::Resul
     Ok(fd)
 }
 
+/// Lends the client a new memfd of `len` bytes that `write` makes ([`sealed_copy`]): its
+/// bytes are charged to the tenant's transfer pool before it is made and until its lease ends
+/// ([`LiveSession::lend`](super::registry::LiveSession::lend)). A memfd is memory: writing a
+/// few pages never waits on a device, so up to [`INLINE_WRITE_BYTES`] are written on the
+/// request's own task, more on a blocking thread. Returns the memfd and its lease number.
+///
+/// Errors: `resource-exhausted` (`max-device-bytes`) when the pool is full; `internal` when
+/// the memfd cannot be made; `session-ended`.
+async fn lend(
+    s: &super::registry::LiveSession,
+    len: usize,
+    write: impl FnOnce() -> std::io::Result<OwnedFd> + Send + 'static,
+) -> Result<(OwnedFd, u64), Failure> {
+    let charge = s.tenant().charge_transfer(len as u64, LENT_MEMFD)?;
+    let fd = if len <= INLINE_WRITE_BYTES {
+        write()
+    } else {
+        tokio::task::spawn_blocking(write)
+            .await
+            .map_err(|e| Failure(ErrorKind::Internal.as_str(), e.to_string()))?
+    }
+    .map_err(|e| {
+        Failure(
+            ErrorKind::Internal.as_str(),
+            format!("a memfd for the tensor bytes: {e}"),
+        )
+    })?;
+    let lease = s.lend(&fd, charge)?;
+    Ok((fd, lease))
+}
+
 /// A failed request: its kind (the names of the gRPC API) and message.
 pub(crate) struct Failure(pub(crate) &'static str, pub(crate) String);
 
@@ -446,13 +477,14 @@ pub async fn serve(listener: UnixListener, registry: Arc<Registry>, doors: tpubo
     let header_timeout = doors.limits.header_timeout;
     loop {
         let (stream, peer) = listener.accept(DOOR).await;
+        let talked = stream.has_bytes();
         let tpubox_net::Stream::Unix(stream) = stream else {
             continue;
         };
-        let guard = match doors.connections.admit(peer) {
+        let (guard, crowded) = match doors.connections.admit(peer, talked) {
             Ok((g, evicted)) => {
                 tpubox_net::serve::log_evicted(DOOR, peer, &evicted, &doors.connections);
-                g
+                (g, !evicted.is_empty())
             }
             Err(refused) => {
                 tpubox_core::protection::triggered(
@@ -480,6 +512,11 @@ pub async fn serve(listener: UnixListener, registry: Arc<Registry>, doors: tpubo
                 );
             }
         });
+        if crowded {
+            // Under a flood, let the new connection see its first bytes before the next
+            // accept can make room by closing it.
+            tokio::task::yield_now().await;
+        }
     }
 }
 
@@ -720,10 +757,14 @@ async fn connection(
         let mut got = if served {
             first.await?
         } else {
-            match tokio::time::timeout(header_timeout_after, first).await {
+            let r = match tokio::time::timeout(header_timeout_after, first).await {
                 Ok(r) => r?,
                 Err(_) => return header_timeout("a first request", header_timeout_after),
-            }
+            };
+            // Its first bytes: from then on it makes room only after the connections that
+            // sent nothing.
+            guard.talked();
+            r
         };
         if let Ok(true) = got {
             let n = match header_length(len) {
@@ -1101,34 +1142,18 @@ async fn handle(
                 drop(out);
                 return Ok((reply, None, bytes));
             }
-            // Charged before the memfd is made, until the client releases it.
-            let charge = s.tenant().charge_transfer(total as u64, LENT_MEMFD)?;
-            let write = move || {
+            let lease = lend(&s, total, move || {
                 let parts: Vec<&[u8]> = out
                     .results
                     .iter()
                     .filter_map(|o| o.data.as_ref().map(|d| d.as_ref()))
                     .collect();
                 sealed_copy(&parts, &offsets, total)
-            };
-            // A memfd is memory: writing a few pages never waits on a device, so small results
-            // skip the hop to a blocking thread (a tiny forward pass's reply).
-            let fd = if total <= INLINE_WRITE_BYTES {
-                write()
-            } else {
-                tokio::task::spawn_blocking(write)
-                    .await
-                    .map_err(|e| Failure(ErrorKind::Internal.as_str(), e.to_string()))?
-            }
-            .map_err(|e| {
-                Failure(
-                    ErrorKind::Internal.as_str(),
-                    format!("a memfd for the fetched results: {e}"),
-                )
-            })?;
+            })
+            .await?;
             let mut reply = reply;
-            reply["lease"] = json!(s.lend(&fd, charge)?);
-            Ok((reply, Some(fd), Vec::new()))
+            reply["lease"] = json!(lease.1);
+            Ok((reply, Some(lease.0), Vec::new()))
         }
         LocalRequest::Wait {
             token,
@@ -1219,20 +1244,11 @@ async fn handle(
                 v["inline"] = json!(true);
                 return Ok((v, None, bytes.bytes().to_vec()));
             }
-            // Charged before the memfd is made, until the client releases it.
             let len = bytes.bytes().len();
-            let charge = s.tenant().charge_transfer(len as u64, LENT_MEMFD)?;
-            let fd = tokio::task::spawn_blocking(move || sealed_copy(&[bytes.bytes()], &[0], len))
-                .await
-                .map_err(|e| Failure(ErrorKind::Internal.as_str(), e.to_string()))?
-                .map_err(|e| {
-                    Failure(
-                        ErrorKind::Internal.as_str(),
-                        format!("a memfd for the tensor: {e}"),
-                    )
-                })?;
+            let (fd, lease) =
+                lend(&s, len, move || sealed_copy(&[bytes.bytes()], &[0], len)).await?;
             let mut v = info(handle, &t);
-            v["lease"] = json!(s.lend(&fd, charge)?);
+            v["lease"] = json!(lease);
             Ok((v, Some(fd), Vec::new()))
         }
     }

@@ -76,7 +76,7 @@ struct Tables {
 #[derive(Debug)]
 struct LentMemfd {
     fd: std::os::fd::OwnedFd,
-    charge: Charge,
+    _charge: Charge,
 }
 
 impl Drop for LentMemfd {
@@ -186,7 +186,10 @@ impl LiveSession {
                 format!("duplicating a lent memfd: {e}"),
             )
         })?;
-        let lent = LentMemfd { fd: own, charge };
+        let lent = LentMemfd {
+            fd: own,
+            _charge: charge,
+        };
         self.with_tables(move |t| {
             t.next_lease += 1;
             let n = t.next_lease;
@@ -216,22 +219,6 @@ impl LiveSession {
         let n = gone.len() as u64;
         drop(gone);
         Ok((n, unknown))
-    }
-
-    /// How many memfds are lent now, and their bytes in all (as charged).
-    pub fn lent(&self) -> (u64, u64) {
-        self.with_tables(|t| {
-            let bytes = t
-                .lent
-                .values()
-                .map(|m| match m.charge.kind() {
-                    tpubox_core::tenant::ChargeKind::Transfer(b) => b,
-                    _ => 0,
-                })
-                .sum();
-            (t.lent.len() as u64, bytes)
-        })
-        .unwrap_or((0, 0))
     }
 
     /// Adds a tensor; returns its handle number and the handle. After the session ended the

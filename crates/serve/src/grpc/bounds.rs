@@ -99,18 +99,6 @@ impl DecodeBounds for RepositoryModelUnloadRequest {
     }
 }
 
-/// `INVALID_ARGUMENT` for a message prost cannot decode as a `U`.
-fn undecodable<U>(why: &str) -> Status {
-    Status::invalid_argument(format!(
-        "the message is not a valid {}: {}",
-        std::any::type_name::<U>()
-            .rsplit("::")
-            .next()
-            .unwrap_or("message"),
-        tpubox_core::logsafe::clip(why)
-    ))
-}
-
 fn refuse(why: String) -> Status {
     tpubox_core::protection::triggered("grpc-decode-bounds", "grpc", format_args!("{why}"));
     Status::invalid_argument(why)
@@ -169,14 +157,14 @@ impl<U: Message + Default + DecodeBounds> Decoder for BoundedDecoder<U> {
             U::check_wire(&whole)?;
             return U::decode(whole)
                 .map(Some)
-                .map_err(|e| undecodable::<U>(&e.to_string()));
+                .map_err(|e| tpubox_session_api::codec::undecodable::<U>(&e.to_string()));
         }
         // A message the walk let through can still break prost's rules (a known field of
         // the wrong wire type, a string that is not UTF-8): the client's error too, not the
         // INTERNAL of tonic's codec.
         self.inner
             .decode(buf)
-            .map_err(|e| undecodable::<U>(e.message()))
+            .map_err(|e| tpubox_session_api::codec::undecodable::<U>(e.message()))
     }
 
     fn buffer_settings(&self) -> tonic::codec::BufferSettings {
