@@ -730,6 +730,11 @@ struct RunArgs {
     /// open by name.
     #[arg(long = "weights", value_name = "NAME=PATH")]
     weights: Vec<String>,
+    /// A graph the guest's wasi-nn `load-by-name` finds as NAME: an .onnx file, or a model
+    /// directory as a repository has it (ONNX or StableHLO). ONNX graphs are converted by
+    /// `python -m tpubox.onnx_convert` in TPUBOX_ONNX_PYTHON (docs/WASI_NN.md).
+    #[arg(long = "nn-graph", value_name = "NAME=PATH")]
+    nn_graphs: Vec<String>,
     /// Set an environment variable in the guest.
     #[arg(long = "env", value_name = "KEY=VALUE")]
     env: Vec<String>,
@@ -872,6 +877,23 @@ async fn run(args: RunArgs) -> Result<bool> {
             .filter(|(k, _)| !k.is_empty())
             .with_context(|| format!("--env {e}: expected KEY=VALUE with a non-empty KEY"))?;
         opts.env.push((k.to_string(), v.to_string()));
+    }
+    #[cfg(feature = "serve")]
+    {
+        let mut named = std::collections::BTreeMap::new();
+        for g in &args.nn_graphs {
+            let (name, path) = tpubox_serve::nn::parse_named(g)?;
+            named.insert(name, path);
+        }
+        opts.nn = Some(tpubox_wasm::nn::NnLoaderRef(
+            tpubox_serve::nn::NnGraphs::new(tpubox_serve::onnx::OnnxConverter::from_env(), named),
+        ));
+    }
+    #[cfg(not(feature = "serve"))]
+    if !args.nn_graphs.is_empty() {
+        anyhow::bail!(
+            "--nn-graph: this tpubox was built without the serve feature, which loads graphs"
+        );
     }
     let host = Host::new(config)?;
     let count = host.device().device_count();

@@ -38,6 +38,7 @@ pub mod grpc;
 pub mod instance;
 pub mod metrics;
 pub mod model;
+pub mod nn;
 pub mod onnx;
 pub mod protocol;
 pub mod repository;

@@ -379,6 +379,11 @@ impl Model {
             let opts = RunOptions {
                 dirs: vec![(config.files_dir(dir)?, "/model".to_string())],
                 tenant: Some(Arc::clone(&tenant)),
+                // wasi-nn: ONNX graphs the guest loads from bytes (docs/WASI_NN.md).
+                nn: Some(tpubox_wasm::nn::NnLoaderRef(super::nn::NnGraphs::new(
+                    ctx.onnx.clone(),
+                    Default::default(),
+                ))),
                 ..RunOptions::default()
             };
             let kind = Kind::Guest { component, opts };

@@ -4,12 +4,14 @@
 //!
 //! Modules, in dependency order:
 //! - [`wit`]: the thin glue from the WIT interfaces to [`tpubox_core::session`];
+//! - [`nn`]: `wasi:nn` (`wit/wasi-nn/`) on the same session: graphs, tensors, contexts;
 //! - [`sandbox`]: wasmtime engine, component cache, per-guest stores, limits and deadlines;
 //! - [`host`]: the embedding API ([`Host`]).
 #![forbid(unsafe_code)]
 #![warn(missing_docs)]
 
 pub mod host;
+pub mod nn;
 pub mod sandbox;
 pub mod wit;
 

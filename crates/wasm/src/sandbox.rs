@@ -96,6 +96,9 @@ pub struct RunOptions {
     /// default). A call naming another device is `permission-denied`; `list-devices` still
     /// lists every device of the host ([`tpubox_core::placement`]).
     pub devices: Option<Vec<u32>>,
+    /// Where `wasi:nn` finds ONNX converted and graphs by name; without one, a guest loads
+    /// StableHLO graphs only ([`crate::nn`]).
+    pub nn: Option<crate::nn::NnLoaderRef>,
 }
 
 /// Where a guest's output goes as it is written: each write is one message on the channel.
@@ -175,6 +178,7 @@ pub struct GuestState {
     wasi: WasiCtx,
     limits: StoreLimits,
     device: DeviceState,
+    nn: crate::nn::NnState,
     /// When the guest's current call must stop (checked every [`EPOCH_TICK`]).
     deadline: Option<Instant>,
 }
@@ -290,6 +294,14 @@ impl Sandbox {
         let mut linker = Linker::new(&engine);
         wasmtime_wasi::p2::add_to_linker_async(&mut linker)?;
         crate::wit::add_to_linker(&mut linker, |s: &mut GuestState| &mut s.device)?;
+        crate::nn::add_to_linker(&mut linker, |s: &mut GuestState| {
+            let (table, session) = s.device.parts();
+            crate::nn::NnView {
+                table,
+                session,
+                nn: &mut s.nn,
+            }
+        })?;
 
         let stop = Arc::new(std::sync::atomic::AtomicBool::new(false));
         let weak = engine.weak();
@@ -448,6 +460,7 @@ impl Sandbox {
             wasi: wasi.build(),
             limits,
             device: DeviceState::with_table(table, session),
+            nn: crate::nn::NnState::new(opts.nn.as_ref().map(|l| Arc::clone(&l.0))),
             deadline: None,
         };
         let mut store = Store::new(&self.engine, state);

@@ -115,6 +115,11 @@ impl DeviceState {
         &self.session
     }
 
+    /// The resource table and the session at once (for `wasi:nn`'s view of the store).
+    pub fn parts(&mut self) -> (&mut ResourceTable, &Session) {
+        (&mut self.table, &self.session)
+    }
+
     fn push<T: Send + 'static>(&mut self, v: T) -> HostResult<Resource<T>> {
         Ok(self.table.push(v)?)
     }
