@@ -32,8 +32,8 @@ FFI_HEADER_DIR="$CACHE/headers/$FFI_HEADER_PKG-$FFI_HEADER_VER"
 # Model guests of `tpubox serve` (tests/serve). They are cdylibs: cargo names their component
 # with underscores, $TARGET/wasm32-wasip2/release/serve_dtypes.wasm (see guest_wasm); command
 # guests keep the package name.
-SERVE_GUESTS=(serve-dtypes serve-accumulator serve-decoder minilm-serve tpubox-triton-standins tpubox-triton-repeat)
-GUESTS=(hello-matmul tpubox-probe tpubox-graph-ops tpubox-eager tpubox-wit-0-1-0 tpubox-wasi-nn tpubox-wasi-nn-model minilm-embed "${SERVE_GUESTS[@]}")
+SERVE_GUESTS=(serve-dtypes serve-accumulator serve-decoder minilm-serve tpubox-triton-standins tpubox-triton-repeat tpubox-wasi-nn-model)
+GUESTS=(hello-matmul tpubox-probe tpubox-graph-ops tpubox-eager tpubox-wit-0-1-0 tpubox-wasi-nn minilm-embed "${SERVE_GUESTS[@]}")
 
 # Tools for guests in C, Python and JavaScript (docs/guests/), installed once under $TOOLS.
 TOOLS="$CACHE/tools"

@@ -1,8 +1,8 @@
-"""A model served by `tpubox serve` whose inference is a wasi-nn graph (issue 52): the
-component tests/guests/wasi-nn-model loads `graph.onnx` from its model directory with wasi-nn
-(converted by the ONNX converter, on the daemon's device) at its first request and keeps the
-execution context for the next ones. Its REST answers must equal ONNX Runtime's on the same
-graph.
+"""Models served by `tpubox serve` whose inference is a wasi-nn graph (issue 52): the
+component tests/guests/wasi-nn-model loads, at its first request, `graph.onnx` from its model
+directory (`load`, converted by the ONNX converter, on the daemon's device) or the repository's
+ONNX model `lin` (`load-by-name`), and keeps the execution context for the next ones. Their REST
+answers must equal ONNX Runtime's on the same graph.
 """
 
 from __future__ import annotations
@@ -75,11 +75,19 @@ def test_a_served_model_runs_its_wasi_nn_graph(tmp_path):
     wasm = target_dir() / "wasm32-wasip2" / "release" / "tpubox_wasi_nn_model.wasm"
     if not wasm.is_file():
         pytest.fail(f"{wasm} is missing: bash scripts/dev.sh setup builds it")
-    model = tmp_path / "repo" / "nn"
-    model.mkdir(parents=True)
-    shutil.copy(wasm, model / "model.wasm")
-    (model / "config.toml").write_text("max_batch_size = 0\n")
+    repo = tmp_path / "repo"
+    # nn: the graph's bytes in its own directory; by-name: the repository's ONNX model `lin`
+    # (served by the daemon as an ONNX model too) through load-by-name.
+    for name in ("nn", "by-name"):
+        (repo / name).mkdir(parents=True)
+        shutil.copy(wasm, repo / name / "model.wasm")
+        (repo / name / "config.toml").write_text("max_batch_size = 0\n")
+    model = repo / "nn"
     _graph(model / "graph.onnx")
+    (repo / "by-name" / "graph.name").write_text("lin\n")
+    (repo / "lin").mkdir()
+    _graph(repo / "lin" / "model.onnx")
+    (repo / "lin" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 0\n')
 
     http, grpc, metrics = _free_ports(3)
     env = dict(
@@ -109,10 +117,10 @@ def test_a_served_model_runs_its_wasi_nn_graph(tmp_path):
             assert time.monotonic() < deadline, f"not ready:\n{log.read_text()}"
             time.sleep(0.2)
         sess = ort.InferenceSession(str(model / "graph.onnx"), providers=["CPUExecutionProvider"])
-        for seed in range(3):
+        for seed, served in [(0, "nn"), (1, "nn"), (2, "nn"), (3, "by-name"), (4, "by-name")]:
             x = np.random.default_rng(seed).standard_normal(4).astype(np.float32)
             status, body = _post(
-                f"{base}/v2/models/nn/infer",
+                f"{base}/v2/models/{served}/infer",
                 {"inputs": [{"name": "INPUT", "datatype": "FP32", "shape": [4], "data": x.tolist()}]},
             )
             assert status == 200, (status, body, log.read_text()[-4000:])

@@ -379,11 +379,14 @@ impl Model {
             let opts = RunOptions {
                 dirs: vec![(config.files_dir(dir)?, "/model".to_string())],
                 tenant: Some(Arc::clone(&tenant)),
-                // wasi-nn: ONNX graphs the guest loads from bytes (docs/WASI_NN.md).
-                nn: Some(tpubox_wasm::nn::NnLoaderRef(super::nn::NnGraphs::new(
-                    ctx.onnx.clone(),
-                    Default::default(),
-                ))),
+                // wasi-nn: ONNX graphs the guest loads from bytes, and the repository's models by name
+                // (docs/WASI_NN.md).
+                nn: Some(tpubox_wasm::nn::NnLoaderRef(match dir.parent() {
+                    Some(root) => {
+                        super::nn::NnGraphs::of_repository(ctx.onnx.clone(), root.to_path_buf())
+                    }
+                    None => super::nn::NnGraphs::new(ctx.onnx.clone(), Default::default()),
+                })),
                 ..RunOptions::default()
             };
             let kind = Kind::Guest { component, opts };

@@ -400,12 +400,15 @@ async fn compile(session: &Session, def: NnGraphDef) -> Result<Compiled, NnError
                 ),
             ));
         };
-        let len = std::fs::metadata(path).map(|m| m.len()).unwrap_or(0);
+        let len = tokio::fs::metadata(path)
+            .await
+            .map(|m| m.len())
+            .unwrap_or(0);
         // The file's bytes are held while the weights upload: charged first.
         let _charge = session
             .tenant()
             .charge_transfer(len, "wasi-nn graph weights")?;
-        let file = std::fs::read(path).map_err(|e| {
+        let file = tokio::fs::read(path).await.map_err(|e| {
             NnError::new(
                 NnErrorCode::Unknown,
                 format!("reading the weights of {}: {e}", def.name),

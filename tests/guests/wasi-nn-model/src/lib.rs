@@ -1,7 +1,8 @@
 //! A model served by `tpubox serve` whose inference is a wasi-nn graph: at its first `infer`
 //! the instance loads `/model/graph.onnx` (its model directory, preopened by the daemon) with
-//! wasi-nn's `load` (encoding `onnx`), makes one execution context and keeps both; every
-//! request then computes through that context.
+//! wasi-nn's `load` (encoding `onnx`), or, when `/model/graph.name` exists, the repository's
+//! model of that name with `load-by-name`; it makes one execution context and keeps both, and
+//! every request then computes through that context.
 //!
 //! Metadata: input `INPUT` `FP32` `[4]`, output `OUTPUT` `FP32` `[3]`, `max-batch-size` 0 (a
 //! request's tensor is `[4]`, given to the graph as its input `x` `[1, 4]`; the graph's output
@@ -21,7 +22,7 @@ mod nn {
     });
 }
 
-use nn::wasi::nn::graph::{ExecutionTarget, Graph, GraphEncoding, load};
+use nn::wasi::nn::graph::{ExecutionTarget, Graph, GraphEncoding, load, load_by_name};
 use nn::wasi::nn::inference::GraphExecutionContext;
 use nn::wasi::nn::tensor::{Tensor, TensorType};
 
@@ -54,14 +55,22 @@ impl Model for NnModel {
         LOADED.with(|cell| {
             let mut loaded = cell.borrow_mut();
             if loaded.is_none() {
-                let bytes = std::fs::read("/model/graph.onnx").map_err(|e| {
-                    WitError::from(Error::new(
-                        ErrorKind::Internal,
-                        format!("/model/graph.onnx: {e}"),
-                    ))
-                })?;
-                let graph = load(&[bytes], GraphEncoding::Onnx, ExecutionTarget::Tpu)
-                    .map_err(|e| nn_error("load", e))?;
+                let graph = match std::fs::read_to_string("/model/graph.name") {
+                    // A model of the repository, by its name.
+                    Ok(name) => {
+                        load_by_name(name.trim()).map_err(|e| nn_error("load-by-name", e))?
+                    }
+                    Err(_) => {
+                        let bytes = std::fs::read("/model/graph.onnx").map_err(|e| {
+                            WitError::from(Error::new(
+                                ErrorKind::Internal,
+                                format!("/model/graph.onnx: {e}"),
+                            ))
+                        })?;
+                        load(&[bytes], GraphEncoding::Onnx, ExecutionTarget::Tpu)
+                            .map_err(|e| nn_error("load", e))?
+                    }
+                };
                 let ctx = graph
                     .init_execution_context()
                     .map_err(|e| nn_error("init-execution-context", e))?;
