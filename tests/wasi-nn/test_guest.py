@@ -12,6 +12,7 @@ plain `wit-bindgen` against the wasi-nn WIT (wit/wasi-nn/), no tpubox SDK.
 
 from __future__ import annotations
 
+import json
 import os
 import subprocess
 import sys
@@ -152,5 +153,12 @@ def test_a_hundred_graphs_get_runtime_error_past_the_cap():
     assert lines_of("graphs") == {"graphs": "ok 16, refused {\"runtime-error\": 84}"}
 
 
-def test_a_result_fed_back_stays_usable():
-    assert lines_of("chain") == {"chain": "[8.0, 16.0, 24.0, 32.0]"}
+def test_a_result_fed_back_stays_on_the_device():
+    """Three computes, each fed the last one's result: the values are right, and only the first
+    input (16 bytes) went to the device and only the last result (16 bytes) came back
+    (`tpubox run --usage`: the tenant's transfer counters)."""
+    r = run("hostile", "chain", extra=("--usage",), timeout=300)
+    assert r.returncode == 0, said(r)
+    assert r.stdout.splitlines() == ["chain: [8.0, 16.0, 24.0, 32.0]"], said(r)
+    usage = json.loads(r.stderr.strip().splitlines()[-1])
+    assert (usage["host_to_device_bytes"], usage["device_to_host_bytes"]) == (16, 16), usage

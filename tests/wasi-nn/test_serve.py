@@ -11,10 +11,8 @@ import json
 import os
 import shutil
 import signal
-import socket
 import subprocess
 import sys
-import time
 import urllib.request
 from pathlib import Path
 
@@ -25,7 +23,7 @@ HERE = Path(__file__).resolve().parent
 REPO = HERE.parents[1]
 sys.path.insert(0, str(REPO / "python" / "tests"))
 
-from tpubox_daemon import binary, target_dir  # noqa: E402  (python/tests)
+from tpubox_daemon import binary, free_ports, target_dir, wait_until  # noqa: E402  (python/tests)
 
 CACHE = Path(os.environ.get("TPUBOX_CACHE_DIR") or Path.home() / ".cache" / "tpubox")
 
@@ -48,16 +46,6 @@ def _graph(path: Path) -> None:
     m = helper.make_model(g, opset_imports=[helper.make_opsetid("", 17)])
     onnx.checker.check_model(m)
     onnx.save(m, str(path))
-
-
-def _free_ports(n: int) -> list[int]:
-    socks = [socket.socket() for _ in range(n)]
-    for s in socks:
-        s.bind(("127.0.0.1", 0))
-    ports = [s.getsockname()[1] for s in socks]
-    for s in socks:
-        s.close()
-    return ports
 
 
 def _post(url: str, body: dict) -> tuple[int, dict]:
@@ -89,7 +77,7 @@ def test_a_served_model_runs_its_wasi_nn_graph(tmp_path):
     _graph(repo / "lin" / "model.onnx")
     (repo / "lin" / "config.pbtxt").write_text('platform: "onnxruntime_onnx"\nmax_batch_size: 0\n')
 
-    http, grpc, metrics = _free_ports(3)
+    http, grpc, metrics = free_ports(3)
     env = dict(
         os.environ,
         TPUBOX_LOG="info",
@@ -105,17 +93,15 @@ def test_a_served_model_runs_its_wasi_nn_graph(tmp_path):
         proc = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=out, stderr=subprocess.STDOUT, env=env)
     base = f"http://127.0.0.1:{http}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
+        def ready() -> bool:
             assert proc.poll() is None, f"tpubox serve exited {proc.returncode}:\n{log.read_text()}"
             try:
                 with urllib.request.urlopen(f"{base}/v2/health/ready", timeout=5) as r:
-                    if r.status == 200:
-                        break
+                    return r.status == 200
             except OSError:
-                pass
-            assert time.monotonic() < deadline, f"not ready:\n{log.read_text()}"
-            time.sleep(0.2)
+                return False
+
+        wait_until(ready, timeout=180, what=f"tpubox serve ready (its log: {log})", every=0.2)
         sess = ort.InferenceSession(str(model / "graph.onnx"), providers=["CPUExecutionProvider"])
         for seed, served in [(0, "nn"), (1, "nn"), (2, "nn"), (3, "by-name"), (4, "by-name")]:
             x = np.random.default_rng(seed).standard_normal(4).astype(np.float32)

@@ -105,7 +105,8 @@ pub async fn serve(
             _ = &mut stop => break,
             s = listener.accept(door.name) => s,
         };
-        let (guard, crowded) = match door.connections.admit(peer, stream.has_bytes()) {
+        let talked = stream.has_bytes();
+        let (guard, crowded) = match door.connections.admit(peer, talked) {
             Ok((g, evicted)) => {
                 log_evicted(door.name, peer, &evicted, &door.connections);
                 (g, !evicted.is_empty())
@@ -134,12 +135,14 @@ pub async fn serve(
         tokio::spawn(async move {
             let accepted = Instant::now();
             let work = async {
-                // Its first bytes: from then on it makes room only after the connections
-                // that sent nothing (a request head is on its way). Without any by the header
-                // timeout, the driver below closes it.
-                let deadline = accepted + door.limits.header_timeout;
-                if let Ok(Ok(())) = tokio::time::timeout_at(deadline, stream.readable()).await {
-                    guard.talked();
+                // Its first bytes, unless they were there at its accept: from then on it makes
+                // room only after the connections that sent nothing (a request head is on its
+                // way). Without any by the header timeout, the driver below closes it.
+                if !talked {
+                    let deadline = accepted + door.limits.header_timeout;
+                    if let Ok(Ok(())) = tokio::time::timeout_at(deadline, stream.readable()).await {
+                        guard.talked();
+                    }
                 }
                 if let Some(stream) = handshake(stream, &door, accepted).await {
                     connection(stream, &door, app, stop_rx, accepted, &guard).await;

@@ -79,9 +79,10 @@ impl NnGraphs {
         let mut config = ModelConfig::default();
         prepare(&self.converter, name, onnx, None, &mut config)
             .await
-            .map_err(|e| conversion_error(&e))?;
+            .map_err(|e| conversion_error(&self.converter, &e))?;
         let dir = onnx.parent().unwrap_or(Path::new("."));
-        let plan = Plan::read(dir, name, &config).map_err(|e| conversion_error(&e))?;
+        let plan =
+            Plan::read(dir, name, &config).map_err(|e| conversion_error(&self.converter, &e))?;
         Ok(def_of(name, &plan))
     }
 
@@ -100,27 +101,27 @@ impl NnGraphs {
             let _one = self.one_conversion().await?;
             prepare(&self.converter, name, &onnx, pbtxt.as_deref(), &mut config)
                 .await
-                .map_err(|e| conversion_error(&e))?;
+                .map_err(|e| conversion_error(&self.converter, &e))?;
         }
         let plan = Plan::read(dir, name, &config).map_err(bad)?;
         Ok(def_of(name, &plan))
     }
 }
 
-/// The wasi-nn error of a failed conversion: `unsupported-operation` when ops do not convert,
-/// or no converter, else `invalid-encoding` (bytes that are no ONNX model,
-/// a model the ONNX checker refuses).
-fn conversion_error(e: &anyhow::Error) -> NnError {
+/// The wasi-nn error of a failed conversion of `converter`'s: `unsupported-operation` when ops
+/// do not convert or there is no converter to run (its Python missing, or failing to start),
+/// else `invalid-encoding` (bytes that are no ONNX model, a model the ONNX checker refuses).
+fn conversion_error(converter: &OnnxConverter, e: &anyhow::Error) -> NnError {
     let text = format!("{e:#}");
-    let code = if [
+    // The phrases of the converter's errors (python/tpubox/onnx_convert.py) and of
+    // `onnx::prepare`'s when the converter cannot run.
+    let starting = format!("starting {}", converter.python.display());
+    let unsupported = [
         "do not convert",
         "left outside StableHLO",
-        "no converter",
-        "venv",
-    ]
-    .iter()
-    .any(|k| text.contains(k))
-    {
+        "needs the converter's Python",
+    ];
+    let code = if text.contains(&starting) || unsupported.iter().any(|k| text.contains(k)) {
         NnErrorCode::UnsupportedOperation
     } else {
         NnErrorCode::InvalidEncoding

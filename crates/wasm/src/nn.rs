@@ -294,6 +294,107 @@ struct Compiled {
     weights: std::collections::HashMap<String, Arc<TensorHandle>>,
 }
 
+impl Compiled {
+    /// Which program runs `inputs` (the one whose input parameters have their shapes and
+    /// types) and its parameters' tensors, weights and inputs, in order.
+    ///
+    /// Errors (`invalid-argument`, naming the graph's inputs or what each program takes): an
+    /// unknown, repeated or missing input name; shapes or types no program takes; an input the
+    /// host refused (its own code).
+    fn select(
+        &self,
+        inputs: &[(String, NnTensor)],
+    ) -> Result<(usize, Vec<Arc<TensorHandle>>), NnError> {
+        let def = &self.def;
+        let invalid =
+            |m: String| NnError::new(NnErrorCode::InvalidArgument, format!("{}: {m}", def.name));
+        let mut given: Vec<Option<(&NnTensor, &Arc<TensorHandle>)>> = vec![None; def.inputs.len()];
+        for (n, t) in inputs {
+            let Some(i) = def.inputs.iter().position(|x| x == n) else {
+                return Err(invalid(format!(
+                    "no input named `{}` (its inputs: {})",
+                    tpubox_core::logsafe::clip(n),
+                    def.inputs.join(", ")
+                )));
+            };
+            let h = match &t.data {
+                NnData::Device(h) => h,
+                NnData::Refused { why, .. } => {
+                    return Err(NnError::new(
+                        why.code,
+                        format!("{}: input `{n}`: {}", def.name, why.message),
+                    ));
+                }
+            };
+            if given[i].replace((t, h)).is_some() {
+                return Err(invalid(format!("input `{n}` given twice")));
+            }
+        }
+        if let Some(i) = given.iter().position(Option::is_none) {
+            return Err(invalid(format!("input `{}` is missing", def.inputs[i])));
+        }
+        let inputs_of = |k: usize| {
+            let specs = self.exes[k].executable().inputs();
+            def.programs[k]
+                .params
+                .iter()
+                .zip(specs)
+                .filter_map(|(p, spec)| match p {
+                    NnParam::Input(i) => Some((*i, spec)),
+                    NnParam::Weight(_) => None,
+                })
+        };
+        let fits = |k: usize| {
+            inputs_of(k).all(|(i, spec)| {
+                given[i].is_some_and(|(t, _)| {
+                    element(t.ty) == spec.ty
+                        && t.dims
+                            .iter()
+                            .map(|&d| i64::from(d))
+                            .eq(spec.dims.iter().copied())
+                })
+            })
+        };
+        let Some(k) = (0..def.programs.len()).find(|&k| fits(k)) else {
+            let wanted: Vec<String> = (0..def.programs.len())
+                .map(|k| {
+                    inputs_of(k)
+                        .map(|(i, s)| format!("{} {:?} {:?}", def.inputs[i], s.ty, s.dims))
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                })
+                .collect();
+            let got: Vec<String> = inputs
+                .iter()
+                .map(|(n, t)| {
+                    format!(
+                        "{} {:?} {:?}",
+                        tpubox_core::logsafe::clip(n),
+                        element(t.ty),
+                        t.dims
+                    )
+                })
+                .collect();
+            return Err(invalid(format!(
+                "no program takes {} (it takes: {})",
+                got.join(", "),
+                wanted.join(" | ")
+            )));
+        };
+        let params = def.programs[k]
+            .params
+            .iter()
+            .map(|p| match p {
+                NnParam::Weight(w) => Arc::clone(&self.weights[w]),
+                NnParam::Input(i) => {
+                    Arc::clone(given[*i].expect("every input given, checked above").1)
+                }
+            })
+            .collect();
+        Ok((k, params))
+    }
+}
+
 fn element(ty: TensorType) -> PrimitiveType {
     match ty {
         TensorType::Fp16 => PrimitiveType::F16,
@@ -346,19 +447,17 @@ fn sniff(bytes: &[u8]) -> Option<&'static str> {
     None
 }
 
-/// The graph of a StableHLO program alone: its parameters are its inputs, named by position
-/// (`"0"`, `"1"`, …), and so are its results.
+/// The graph of a StableHLO program alone, compiled: its parameters are its inputs, named by
+/// position (`"0"`, `"1"`, …), and so are its results.
 async fn stablehlo_graph(
     session: &Session,
     code: &[u8],
     format: ProgramFormat,
-) -> Result<NnGraphDef, NnError> {
-    // Compiled once here to learn its parameter and result counts; the compile cache makes
-    // the second compile, in `compile`, a hit.
+) -> Result<Compiled, NnError> {
     let exe = session.compile(code.to_vec(), format, None).await?;
     let e = exe.executable();
     let (n_in, n_out) = (e.inputs().len(), e.outputs().len());
-    Ok(NnGraphDef {
+    let def = NnGraphDef {
         name: "a StableHLO program".into(),
         inputs: (0..n_in).map(|i| i.to_string()).collect(),
         outputs: (0..n_out).map(|i| i.to_string()).collect(),
@@ -369,6 +468,11 @@ async fn stablehlo_graph(
             results: (0..n_out).collect(),
         }],
         weights: None,
+    };
+    Ok(Compiled {
+        def,
+        exes: vec![Arc::new(exe)],
+        weights: Default::default(),
     })
 }
 
@@ -461,21 +565,18 @@ fn weight_type(d: safetensors::Dtype) -> Option<PrimitiveType> {
     })
 }
 
-fn dims_text(dims: &[i64]) -> String {
-    format!("{dims:?}")
-}
-
 impl NnView<'_> {
     fn fail<T>(&mut self, e: NnError) -> wasmtime::Result<Result<T, Resource<NnError>>> {
         tracing::debug!(code = ?e.code, "wasi-nn: {}", tpubox_core::logsafe::clip(&e.message));
         Ok(Err(self.table.push(e)?))
     }
 
+    /// The graph of `builders`, compiled, its weights uploaded.
     async fn load_graph(
         &mut self,
         builders: Vec<Vec<u8>>,
         encoding: GraphEncoding,
-    ) -> Result<NnGraphDef, NnError> {
+    ) -> Result<Compiled, NnError> {
         let total: usize = builders.iter().map(Vec::len).sum();
         if total > MAX_GRAPH_BYTES {
             return Err(NnError::new(
@@ -532,7 +633,8 @@ impl NnView<'_> {
                     ));
                 };
                 self.session.tenant().admit_compile_rate()?;
-                loader.load_onnx(self.session.tenant(), bytes).await
+                let def = loader.load_onnx(self.session.tenant(), bytes).await?;
+                compile(self.session, def).await
             }
             "stablehlo-bytecode" => {
                 stablehlo_graph(self.session, bytes, ProgramFormat::MlirBytecode).await
@@ -541,10 +643,15 @@ impl NnView<'_> {
         }
     }
 
+    /// The guest's new graph, or its error.
     fn push_graph(
         &mut self,
-        compiled: Compiled,
+        graph: Result<Compiled, NnError>,
     ) -> wasmtime::Result<Result<Resource<NnGraph>, Resource<NnError>>> {
+        let compiled = match graph {
+            Ok(c) => c,
+            Err(e) => return self.fail(e),
+        };
         self.nn.graphs += 1;
         Ok(Ok(self
             .table
@@ -579,118 +686,21 @@ impl NnView<'_> {
                     format!("the execution context's graph ({name}) was dropped"),
                 ));
             };
-            let def = &c.def;
-            let mut given: Vec<Option<&NnTensor>> = vec![None; def.inputs.len()];
-            for (n, t) in &inputs {
-                let Some(i) = def.inputs.iter().position(|x| x == n) else {
-                    return Err(NnError::new(
-                        NnErrorCode::InvalidArgument,
-                        format!(
-                            "{}: no input named `{}` (its inputs: {})",
-                            def.name,
-                            tpubox_core::logsafe::clip(n),
-                            def.inputs.join(", ")
-                        ),
-                    ));
-                };
-                if given[i].replace(t).is_some() {
-                    return Err(NnError::new(
-                        NnErrorCode::InvalidArgument,
-                        format!("{}: input `{n}` given twice", def.name),
-                    ));
-                }
-                if let NnData::Refused { why, .. } = &t.data {
-                    return Err(NnError::new(
-                        why.code,
-                        format!("{}: input `{n}`: {}", def.name, why.message),
-                    ));
-                }
-            }
-            if let Some(i) = given.iter().position(Option::is_none) {
-                return Err(NnError::new(
-                    NnErrorCode::InvalidArgument,
-                    format!("{}: input `{}` is missing", def.name, def.inputs[i]),
-                ));
-            }
-            // The program whose input parameters have the shapes and types given.
-            let fits = |p: &NnProgram, exe: &Arc<ExecutableHandle>| {
-                let specs = exe.executable().inputs();
-                p.params.iter().zip(specs).all(|(param, spec)| match param {
-                    NnParam::Input(i) => given[*i].is_some_and(|t| {
-                        element(t.ty) == spec.ty
-                            && t.dims.len() == spec.dims.len()
-                            && t.dims.iter().zip(&spec.dims).all(|(&a, &b)| a as i64 == b)
-                    }),
-                    NnParam::Weight(_) => true,
-                })
-            };
-            let Some(k) = (0..def.programs.len()).find(|&k| fits(&def.programs[k], &c.exes[k]))
-            else {
-                let wanted: Vec<String> = c
-                    .exes
-                    .iter()
-                    .zip(&def.programs)
-                    .map(|(exe, p)| {
-                        let specs = exe.executable().inputs();
-                        p.params
-                            .iter()
-                            .zip(specs)
-                            .filter_map(|(param, s)| match param {
-                                NnParam::Input(i) => Some(format!(
-                                    "{} {:?} {}",
-                                    def.inputs[*i],
-                                    s.ty,
-                                    dims_text(&s.dims)
-                                )),
-                                NnParam::Weight(_) => None,
-                            })
-                            .collect::<Vec<_>>()
-                            .join(", ")
-                    })
-                    .collect();
-                let got: Vec<String> = inputs
-                    .iter()
-                    .map(|(n, t)| {
-                        format!(
-                            "{} {:?} {:?}",
-                            tpubox_core::logsafe::clip(n),
-                            element(t.ty),
-                            t.dims
-                        )
-                    })
-                    .collect();
-                return Err(NnError::new(
-                    NnErrorCode::InvalidArgument,
-                    format!(
-                        "{}: no program takes {} (it takes: {})",
-                        def.name,
-                        got.join(", "),
-                        wanted.join(" | ")
-                    ),
-                ));
-            };
+            let (k, params) = c.select(&inputs)?;
             let exe = Arc::clone(&c.exes[k]);
             let device = exe.executable().device();
-            let mut args = Vec::with_capacity(def.programs[k].params.len());
-            for p in &def.programs[k].params {
-                let h = match p {
-                    NnParam::Weight(w) => Arc::clone(&c.weights[w]),
-                    NnParam::Input(i) => match &given[*i].expect("checked above").data {
-                        NnData::Device(h) => Arc::clone(h),
-                        NnData::Refused { .. } => unreachable!("refused inputs returned above"),
-                    },
-                };
-                let h = if h.device() == device {
+            let mut args = Vec::with_capacity(params.len());
+            for h in params {
+                args.push(if h.device() == device {
                     h
                 } else {
                     Arc::new(self.session.copy_to_device(&h, device)?)
-                };
-                args.push(h);
+                });
             }
-            let outputs: Vec<String> = def.programs[k]
+            let outputs: Vec<String> = c.def.programs[k]
                 .results
                 .iter()
-                .map(|&o| def.outputs[o].clone())
+                .map(|&o| c.def.outputs[o].clone())
                 .collect();
             (exe, args, outputs)
         };
@@ -813,43 +823,33 @@ impl graph::Host for NnView<'_> {
         encoding: GraphEncoding,
         _target: ExecutionTarget,
     ) -> wasmtime::Result<Result<Resource<NnGraph>, Resource<NnError>>> {
-        if let Err(e) = self.admit_graph() {
-            return self.fail(e);
-        }
-        let def = match self.load_graph(builder, encoding).await {
-            Ok(d) => d,
-            Err(e) => return self.fail(e),
+        let graph = match self.admit_graph() {
+            Ok(()) => self.load_graph(builder, encoding).await,
+            Err(e) => Err(e),
         };
-        match compile(self.session, def).await {
-            Ok(c) => self.push_graph(c),
-            Err(e) => self.fail(e),
-        }
+        self.push_graph(graph)
     }
 
     async fn load_by_name(
         &mut self,
         name: String,
     ) -> wasmtime::Result<Result<Resource<NnGraph>, Resource<NnError>>> {
-        if let Err(e) = self.admit_graph() {
-            return self.fail(e);
-        }
-        let Some(loader) = self.nn.loader.clone() else {
-            return self.fail(NnError::new(
+        let graph = match (self.admit_graph(), self.nn.loader.clone()) {
+            (Err(e), _) => Err(e),
+            (Ok(()), None) => Err(NnError::new(
                 NnErrorCode::NotFound,
                 format!(
                     "no graph named `{}`: this host names none",
                     tpubox_core::logsafe::clip(&name)
                 ),
-            ));
+            )),
+            (Ok(()), Some(loader)) => match loader.load_by_name(self.session.tenant(), &name).await
+            {
+                Ok(def) => compile(self.session, def).await,
+                Err(e) => Err(e),
+            },
         };
-        let def = match loader.load_by_name(self.session.tenant(), &name).await {
-            Ok(d) => d,
-            Err(e) => return self.fail(e),
-        };
-        match compile(self.session, def).await {
-            Ok(c) => self.push_graph(c),
-            Err(e) => self.fail(e),
-        }
+        self.push_graph(graph)
     }
 }
 
